@@ -1,0 +1,40 @@
+# Every target bootstraps .venv idempotently: a fresh machine needs only
+# `make demo` or `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test lint demo compare bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU build of torch from the local wheel cache where it exists; a plain
+	# `torch` requirement would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m ruff check lemix tests benchmarks
+	$(PY) -m mypy lemix
+	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(PY) -m ruff check lemix tests benchmarks
+	$(PY) -m mypy lemix
+
+# The main job. Until the service stack lands this runs a small simulated
+# comparison of LeMix against the baselines on identical workloads.
+demo: $(STAMP)
+	$(PY) -m lemix.cli demo --out runs/demo
+
+bench: $(STAMP)
+	$(PY) benchmarks/planner_latency.py --json runs/bench/planner_latency.json
+	$(PY) benchmarks/sim_speed.py --json runs/bench/sim_speed.json
+
+clean:
+	rm -rf runs .pytest_cache .mypy_cache .ruff_cache
