@@ -1,0 +1,93 @@
+"""The placement-policy interface and the planner's configuration.
+
+A policy ranks candidate nodes for one task; the `Planner` (mechanism) owns
+queues, deferral, aging, accounting and weight syncs. Policies are small and
+chosen by name from `lemix.planner.registry`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from lemix.planner.trace import NodeView, Prediction
+from lemix.types import Task
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Everything the planner needs, explicit. Validated on construction."""
+
+    num_nodes: int
+    num_stages: int
+    slo_ttft_s: float  # τ_R: response-time SLO of inference (one value for every policy)
+    slo_tbt_s: float  # time-between-tokens SLO of inference
+    lambda_response: float = 0.15  # λ1
+    lambda_length: float = 0.05  # λ2
+    tau_idle_s: float = 0.2  # τ
+    max_batch_size: int = 64  # C, the executors' running-batch cap
+    is_deprioritization_enabled: bool = True
+    max_defer_s: float = 30.0  # aging: a deferred training task waits at most this long
+    train_rate: float = 0.0  # r: the SEPARATE split uses it
+    sync_every_tasks: int = 100  # K: SEPARATE weight sync period in training tasks
+    dynamic_full_rate_rps: float = 32.0  # SEPARATE-dynamic: rate at which serving gets N-1 nodes
+
+    def __post_init__(self) -> None:
+        if self.num_nodes < 1 or self.num_stages < 1:
+            raise ValueError("num_nodes and num_stages must be >= 1")
+        if self.slo_ttft_s <= 0 or self.slo_tbt_s <= 0:
+            raise ValueError("SLOs must be > 0 seconds")
+        if self.max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        if self.max_defer_s < 0:
+            raise ValueError("max_defer_s must be >= 0")
+        if not 0.0 <= self.train_rate < 1.0:
+            raise ValueError("train_rate must be in [0, 1)")
+        if self.sync_every_tasks < 1:
+            raise ValueError("sync_every_tasks must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class Ranked:
+    """One candidate node with its score (higher is better)."""
+
+    node_id: int
+    score: float
+    prediction: Prediction | None = None
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """Read-only facts a policy may use besides the node views."""
+
+    now_s: float
+    config: PlannerConfig
+    request_rate_rps: float  # the planner's running estimate of the inference arrival rate
+    memory_used_fraction: Mapping[int, float]  # per node, from the planner's accounting
+
+
+class PlacementPolicy(Protocol):
+    """Ranks nodes for a task. Pure: no clocks, no I/O, no randomness."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def needs_prediction(self) -> bool:
+        """True: the planner runs Algorithm 1 for every candidate node."""
+        ...
+
+    def rank(
+        self,
+        task: Task,
+        views: Sequence[NodeView],
+        predictions: Mapping[int, Prediction],
+        context: PolicyContext,
+    ) -> list[Ranked]:
+        """Eligible nodes for `task`, best first. Empty means no eligible node."""
+        ...
+
+    def serving_nodes(self, num_nodes: int, context: PolicyContext) -> tuple[int, ...]:
+        """Nodes that serve inference (all of them for co-located policies)."""
+        ...

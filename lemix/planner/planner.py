@@ -1,0 +1,267 @@
+"""The planner: one pure, synchronous state machine shared by sim and scheduler.
+
+Inputs (each with `now_s`): `submit(task)`, `on_task_finished(...)`, and
+`plan()` which returns decisions. Nothing here reads a clock, touches I/O or
+draws random numbers, so recording the inputs of a live run and replaying them
+yields the same decisions (the parity test relies on that).
+
+Mechanism, not policy: the policy ranks nodes; the planner runs Algorithm 1
+where the policy needs it, applies queue-level deprioritization of training
+(with aging, so training never starves and is never dropped), keeps the
+accounting, rejects what can never fit, and emits SEPARATE's weight syncs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from lemix.planner.base import PlacementPolicy, PlannerConfig, PolicyContext, Ranked
+from lemix.planner.costs import CostEstimator
+from lemix.planner.trace import NodeView, Prediction, compute_idleness
+from lemix.profile import MemoryProfile
+from lemix.types import Decision, Deferral, Placement, Rejection, Task, TaskKind, WeightSync
+
+_RATE_WINDOW_S = 10.0  # request-rate estimate: arrivals over the last 10 s
+
+
+@dataclass(slots=True)
+class _Deferred:
+    task: Task
+    since_s: float
+
+
+class Planner:
+    """Places tasks on nodes. See the module docstring for the contract."""
+
+    def __init__(
+        self,
+        config: PlannerConfig,
+        policy: PlacementPolicy,
+        estimator: CostEstimator,
+        memory: MemoryProfile,
+        kappa: float = 0.9,
+    ) -> None:
+        self.config = config
+        self.policy = policy
+        self.estimator = estimator
+        self.views = [NodeView(i, config.num_stages) for i in range(config.num_nodes)]
+        self._intake: deque[Task] = deque()
+        self._deferred: deque[_Deferred] = deque()
+        self._task_node: dict[str, int] = {}
+        self._recent_arrivals: deque[float] = deque()
+        self._memory = memory
+        self._threshold_bytes = int(kappa * memory.capacity_bytes)
+        self._kv_bytes_per_token = sum(memory.kv_bytes_per_token)
+        self._act_bytes_per_token = sum(memory.activation_bytes_per_token)
+        self._dynamic_bytes = min(
+            self._threshold_bytes - memory.static_bytes(s) for s in range(config.num_stages)
+        ) * config.num_stages
+        if self._dynamic_bytes <= 0:
+            raise ValueError("the model's static memory does not fit under the threshold")
+        self._inference_len_mean = 0.0
+        self._inference_out_mean = 0.0
+        self._num_inference_seen = 0
+        self._train_done_since_sync = 0
+        self._is_deferred_dirty = False
+        self.num_deferrals = 0
+
+    # ------------------------------------------------------------ inputs
+
+    def submit(self, task: Task, now_s: float) -> None:
+        """Queue a task for the next `plan`."""
+        self._intake.append(task)
+        if task.kind is TaskKind.INFERENCE:
+            self._recent_arrivals.append(now_s)
+            self._num_inference_seen += 1
+            n = self._num_inference_seen
+            self._inference_len_mean += (task.num_prompt_tokens - self._inference_len_mean) / n
+            self._inference_out_mean += (task.max_output_tokens - self._inference_out_mean) / n
+
+    def on_task_finished(self, task_id: str, now_s: float,
+                         is_success: bool = True) -> list[Decision]:
+        """A node reports a task done (completed or failed). May emit weight syncs."""
+        node_id = self._task_node.pop(task_id, None)
+        if node_id is None:
+            return []
+        self._is_deferred_dirty = True
+        view = self.views[node_id]
+        is_training = task_id in view.training_tasks
+        view.finish(task_id)
+        if not (is_training and is_success):
+            return []
+        view.num_training_updates += 1
+        return self._maybe_sync(now_s)
+
+    # ------------------------------------------------------------ queries
+
+    def next_wakeup_s(self) -> float | None:
+        """When aging next forces a deferred task out (callers set a timer)."""
+        if not self._deferred:
+            return None
+        return self._deferred[0].since_s + self.config.max_defer_s
+
+    @property
+    def num_deferred(self) -> int:
+        return len(self._deferred)
+
+    def node_of(self, task_id: str) -> int | None:
+        return self._task_node.get(task_id)
+
+    def request_rate_rps(self, now_s: float) -> float:
+        while self._recent_arrivals and self._recent_arrivals[0] < now_s - _RATE_WINDOW_S:
+            self._recent_arrivals.popleft()
+        return len(self._recent_arrivals) / _RATE_WINDOW_S
+
+    def context(self, now_s: float) -> PolicyContext:
+        return PolicyContext(
+            now_s=now_s,
+            config=self.config,
+            request_rate_rps=self.request_rate_rps(now_s),
+            memory_used_fraction={v.node_id: self._memory_fraction(v) for v in self.views},
+        )
+
+    # ------------------------------------------------------------ planning
+
+    def plan(self, now_s: float) -> list[Decision]:
+        """Place what can be placed now: inference first, then training in order."""
+        for view in self.views:
+            view.prune(now_s)
+        decisions: list[Decision] = []
+        context = self.context(now_s)
+        # Re-evaluating deferred training is the planner's costliest step; only
+        # a finished task (capacity freed) or an aging deadline can change its
+        # answer, so new arrivals alone do not trigger it.
+        is_blocked = bool(self._deferred) and not self._is_deferred_dirty and not (
+            self._is_aged(self._deferred[0], now_s)
+        )
+        self._is_deferred_dirty = False
+        training: list[_Deferred] = list(self._deferred)
+        self._deferred.clear()
+        while self._intake:
+            task = self._intake.popleft()
+            if task.is_training:
+                training.append(_Deferred(task, now_s))
+            else:
+                decisions.append(self._place(task, now_s, context))
+        # Once one task is deferred, later ones queue behind it (FIFO).
+        for item in training:
+            if is_blocked and not self._is_aged(item, now_s):
+                self._deferred.append(item)
+                continue
+            decision = self._place_training(item, now_s, context)
+            if isinstance(decision, Deferral):
+                is_blocked = True
+                self._deferred.append(item)
+                if item.since_s == now_s:
+                    decisions.append(decision)
+            else:
+                decisions.append(decision)
+        return decisions
+
+    def _is_aged(self, item: _Deferred, now_s: float) -> bool:
+        return now_s - item.since_s >= self.config.max_defer_s
+
+    def _candidates(self, task: Task, now_s: float) -> dict[int, Prediction]:
+        if not self.policy.needs_prediction:
+            return {}
+        predictions = {}
+        for view in self.views:
+            costs = self.estimator.costs(view, task, now_s)
+            decode = self.estimator.decode_load(view, now_s)
+            predictions[view.node_id] = compute_idleness(view, task, now_s, costs, decode)
+        return predictions
+
+    def _rank(self, task: Task, now_s: float, context: PolicyContext) -> list[Ranked]:
+        return self.policy.rank(task, self.views, self._candidates(task, now_s), context)
+
+    def _never_fits(self, task: Task) -> str | None:
+        if task.is_training:
+            need = self._act_bytes_per_token * task.batch_size * task.num_prompt_tokens
+            what = f"{task.batch_size}x{task.num_prompt_tokens} training tokens of activations"
+        else:
+            need = self._kv_bytes_per_token * task.num_total_tokens
+            what = f"{task.num_total_tokens} tokens of KV cache"
+        if need > self._dynamic_bytes:
+            return (f"{what} need {need} B but a node has {self._dynamic_bytes} B for them; "
+                    "shorten the prompt or max_tokens")
+        return None
+
+    def _place(self, task: Task, now_s: float, context: PolicyContext) -> Decision:
+        reason = self._never_fits(task)
+        if reason is not None:
+            return Rejection(task.task_id, reason)
+        ranked = self._rank(task, now_s, context)
+        if not ranked:
+            return Rejection(task.task_id, "no eligible node for this task")
+        return self._commit(task, ranked[0], now_s)
+
+    def _commit(self, task: Task, choice: Ranked, now_s: float) -> Placement:
+        view = self.views[choice.node_id]
+        prediction = choice.prediction
+        if prediction is None:  # policies without Algorithm 1 still keep the trace
+            costs = self.estimator.costs(view, task, now_s)
+            prediction = compute_idleness(view, task, now_s, costs,
+                                          self.estimator.decode_load(view, now_s))
+        view.commit(task, prediction)
+        self._task_node[task.task_id] = choice.node_id
+        return Placement(task.task_id, choice.node_id, prediction.response_s, choice.score)
+
+    def _place_training(self, item: _Deferred, now_s: float, context: PolicyContext) -> Decision:
+        task = item.task
+        reason = self._never_fits(task)
+        if reason is not None:
+            return Rejection(task.task_id, reason)
+        ranked = self._rank(task, now_s, context)
+        if not ranked:
+            return Rejection(task.task_id, "no eligible node for this task")
+        if not (self.config.is_deprioritization_enabled and self.policy.needs_prediction):
+            return self._commit(task, ranked[0], now_s)
+        if self._is_aged(item, now_s):
+            return self._commit(task, ranked[0], now_s)
+        for choice in ranked:
+            if choice.prediction is not None and not self._hurts_inference(task, choice, now_s):
+                return self._commit(task, choice, now_s)
+        self.num_deferrals += 1
+        return Deferral(task.task_id, "placing it now would make the next inference miss its SLO")
+
+    def _hurts_inference(self, task: Task, choice: Ranked, now_s: float) -> bool:
+        """Would the next inference on this node miss its SLO with `task` placed?"""
+        if choice.prediction is None:
+            return False
+        view = self.views[choice.node_id].copy()
+        view.commit(task, choice.prediction)
+        if self._num_inference_seen == 0:
+            return False
+        probe = Task(
+            task_id="__probe__",
+            kind=TaskKind.INFERENCE,
+            arrival_s=now_s,
+            num_prompt_tokens=max(1, round(self._inference_len_mean)),
+            max_output_tokens=max(1, round(self._inference_out_mean)),
+        )
+        costs = self.estimator.costs(view, probe, now_s)
+        prediction = compute_idleness(view, probe, now_s, costs,
+                                      self.estimator.decode_load(view, now_s))
+        return prediction.response_s > self.config.slo_ttft_s
+
+    # ------------------------------------------------------------ accounting
+
+    def _memory_fraction(self, view: NodeView) -> float:
+        kv = view.sum_request_prompt_tokens + view.sum_request_output_tokens
+        act = sum(view.training_tasks.values())
+        used = kv * self._kv_bytes_per_token + act * self._act_bytes_per_token
+        return used / self._dynamic_bytes
+
+    def _maybe_sync(self, now_s: float) -> list[Decision]:
+        """SEPARATE: every K completed training tasks, copy the freshest replica out."""
+        serving = self.policy.serving_nodes(self.config.num_nodes, self.context(now_s))
+        if len(serving) == self.config.num_nodes:
+            return []  # co-located: training updates the serving weights directly
+        self._train_done_since_sync += 1
+        if self._train_done_since_sync < self.config.sync_every_tasks:
+            return []
+        self._train_done_since_sync = 0
+        trainers = [v for v in self.views if v.node_id not in serving]
+        source = max(trainers, key=lambda v: (v.num_training_updates, -v.node_id))
+        return [WeightSync(source.node_id, tuple(serving), source.num_training_updates)]

@@ -1,0 +1,1 @@
+"""Placement policies: LeMix (ours and the paper's form), SEPARATE, MIX-RR, MIX-LUF."""

@@ -1,0 +1,66 @@
+"""LeMix placement: Algorithm 1 on every node, then the node score, argmax."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from lemix.planner.base import PolicyContext, Ranked
+from lemix.planner.score import (
+    idleness_profit,
+    length_consistency,
+    length_consistency_normalized,
+    normalized_score,
+    paper_score,
+)
+from lemix.planner.trace import NodeView, Prediction
+from lemix.types import Task
+
+
+@dataclass(frozen=True)
+class LemixPolicy:
+    """`form="paper"`: f = (IP + λ2·LC)/(λ1·R); `form="normalized"`: ours."""
+
+    name: str = "lemix"
+    form: str = "normalized"
+    lambda_response: float = 1.0
+    lambda_length: float = 0.05
+    is_length_consistency_enabled: bool = True
+    needs_prediction: bool = True
+
+    def __post_init__(self) -> None:
+        if self.form not in ("paper", "normalized"):
+            raise ValueError(f"unknown score form {self.form!r}")
+
+    def _score(self, task: Task, view: NodeView, pred: Prediction, context: PolicyContext) -> float:
+        config = context.config
+        ip = idleness_profit(pred.idleness_increase_s, view.num_stages, pred.arrival_gap_s,
+                             config.tau_idle_s)
+        lam_length = self.lambda_length if self.is_length_consistency_enabled else 0.0
+        length = float(task.num_prompt_tokens)
+        if self.form == "paper":
+            lc = length_consistency(length, view.length_mean, view.length_std)
+            return paper_score(ip, lc, pred.response_s, self.lambda_response, lam_length)
+        lc_norm = length_consistency_normalized(length, view.length_mean, view.length_std)
+        return normalized_score(ip, lc_norm, pred.response_s, config.tau_idle_s,
+                                config.slo_ttft_s, self.lambda_response, lam_length)
+
+    def rank(
+        self,
+        task: Task,
+        views: Sequence[NodeView],
+        predictions: Mapping[int, Prediction],
+        context: PolicyContext,
+    ) -> list[Ranked]:
+        ranked = [
+            Ranked(view.node_id, self._score(task, view, predictions[view.node_id], context),
+                   predictions[view.node_id])
+            for view in views
+            if view.node_id in predictions
+        ]
+        # Stable: ties go to the lower node id, deterministically.
+        ranked.sort(key=lambda r: (-r.score, r.node_id))
+        return ranked
+
+    def serving_nodes(self, num_nodes: int, context: PolicyContext) -> tuple[int, ...]:
+        return tuple(range(num_nodes))

@@ -1,0 +1,146 @@
+"""Domain types shared by the planner, the simulator and the services.
+
+Plain frozen dataclasses: protobuf appears only at service edges, converted in
+one module per service. Times are seconds on whatever clock the caller uses
+(virtual time in the simulator, a monotonic clock in the services).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class TaskKind(StrEnum):
+    INFERENCE = "inference"
+    TRAINING = "training"
+
+
+class TaskStatus(StrEnum):
+    COMPLETED = "completed"
+    REJECTED = "rejected"  # refused with a reason before it ran (bad input, no room ever)
+    FAILED = "failed"  # started but could not finish, with a reason
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """One unit the planner places: an inference request or a training batch.
+
+    `num_prompt_tokens` is the prompt length for inference and the per-sample
+    sequence length (query + reference) for training. `max_output_tokens` caps
+    decoding (inference only); load generators that replay traces set it to the
+    trace's generated length, as serving benchmarks do with ignore-EOS.
+    """
+
+    task_id: str
+    kind: TaskKind
+    arrival_s: float
+    num_prompt_tokens: int
+    max_output_tokens: int = 0
+    batch_size: int = 1
+    seq: int = 0  # arrival order; ties on time are broken by it
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens <= 0:
+            raise ValueError(f"task {self.task_id}: num_prompt_tokens must be > 0")
+        if self.batch_size <= 0:
+            raise ValueError(f"task {self.task_id}: batch_size must be > 0")
+        if self.kind is TaskKind.INFERENCE and self.max_output_tokens <= 0:
+            raise ValueError(f"task {self.task_id}: inference needs max_output_tokens > 0")
+
+    @property
+    def is_training(self) -> bool:
+        return self.kind is TaskKind.TRAINING
+
+    @property
+    def num_total_tokens(self) -> int:
+        """Tokens whose KV a request holds at its end (prompt + generated)."""
+        return self.num_prompt_tokens + self.max_output_tokens
+
+
+# ---------------------------------------------------------------- decisions
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Run `task_id` on `node_id`. Prediction fields are for logs and metrics."""
+
+    task_id: str
+    node_id: int
+    predicted_response_s: float
+    score: float
+
+
+@dataclass(frozen=True, slots=True)
+class Deferral:
+    """A training task held back in the planner's deferred queue (never dropped)."""
+
+    task_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """A task refused with a reason a user can act on."""
+
+    task_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class WeightSync:
+    """Copy weights from a training node to serving nodes (SEPARATE baselines)."""
+
+    source_node_id: int
+    target_node_ids: tuple[int, ...]
+    num_training_updates: int  # updates on the source when the sync was decided
+
+
+Decision = Placement | Deferral | Rejection | WeightSync
+
+
+# ------------------------------------------------------------ node feedback
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSnapshot:
+    """What an executor reports about one node (a heartbeat, or the simulator).
+
+    The planner folds these into its per-node view; they correct its
+    predictions with what actually happened.
+    """
+
+    node_id: int
+    now_s: float
+    num_running: int = 0  # requests in the running decode batch
+    num_waiting: int = 0  # inference requests queued on the node, not yet admitted
+    sum_context_tokens: int = 0  # KV tokens held by the running batch
+    max_remaining_decode_tokens: int = 0  # longest remaining decode in the batch
+    kv_used_bytes: int = 0  # max over stages
+    memory_capacity_bytes: int = 0  # usable (threshold) bytes per stage GPU
+    busy_fraction: float = 0.0  # recent busy share of stage time, mean over stages
+    num_training_updates: int = 0  # optimizer steps applied to this node's weights
+    is_healthy: bool = True
+
+
+@dataclass(slots=True)
+class TaskRecord:
+    """The outcome of one task, for metrics. Every task ends with exactly one."""
+
+    task_id: str
+    kind: TaskKind
+    arrival_s: float
+    num_prompt_tokens: int
+    max_output_tokens: int = 0
+    batch_size: int = 1
+    status: TaskStatus | None = None
+    reason: str = ""
+    node_id: int | None = None
+    placed_s: float | None = None
+    first_token_s: float | None = None  # inference: end of prefill at the last stage
+    finish_s: float | None = None
+    num_output_tokens: int = 0
+    token_times_s: list[float] = field(default_factory=list)
+    serving_staleness_updates: int | None = None
+    inference_loss: float | None = None
+    predicted_response_s: float | None = None
