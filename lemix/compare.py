@@ -72,8 +72,12 @@ class SweepConfig:
     is_grid: bool = False
 
     def __post_init__(self) -> None:
-        for name, values in (("policies", self.policies), ("request_rates", self.request_rates),
-                             ("train_rates", self.train_rates), ("seeds", self.seeds)):
+        for name, values in (
+            ("policies", self.policies),
+            ("request_rates", self.request_rates),
+            ("train_rates", self.train_rates),
+            ("seeds", self.seeds),
+        ):
             if not values:
                 raise ValueError(f"{name} must not be empty")
             if len(set(values)) != len(values):
@@ -141,18 +145,34 @@ def run_compare(
     rate, train rate, seed; policy). Runs come back ordered by (request_rate,
     train_rate, seed, position of the policy in `policies`).
     """
-    sweep = SweepConfig(tuple(policies), tuple(request_rates), tuple(train_rates), tuple(seeds),
-                        fixed_request_rate, fixed_train_rate, is_grid)
+    sweep = SweepConfig(
+        tuple(policies),
+        tuple(request_rates),
+        tuple(train_rates),
+        tuple(seeds),
+        fixed_request_rate,
+        fixed_train_rate,
+        is_grid,
+    )
     return run_sweep(sweep, workload, template, profile, num_workers=num_workers)
 
 
-def run_sweep(sweep: SweepConfig, workload: WorkloadConfig, template: SimRunConfig,
-              profile: Profile, *, num_workers: int | None = None) -> list[dict[str, Any]]:
+def run_sweep(
+    sweep: SweepConfig,
+    workload: WorkloadConfig,
+    template: SimRunConfig,
+    profile: Profile,
+    *,
+    num_workers: int | None = None,
+) -> list[dict[str, Any]]:
     """`run_compare` for a validated SweepConfig."""
     jobs = [
-        _PointJob(sweep.policies,
-                  replace(workload, request_rate=rate, train_rate=train, seed=seed),
-                  template, profile)
+        _PointJob(
+            sweep.policies,
+            replace(workload, request_rate=rate, train_rate=train, seed=seed),
+            template,
+            profile,
+        )
         for rate, train in sweep.points()
         for seed in sweep.seeds
     ]
@@ -177,11 +197,17 @@ def _run_point(job: _PointJob) -> list[dict[str, Any]]:
     fingerprint = workload_fingerprint(wl.tasks)
     runs = []
     for policy in job.policies:
-        config = replace(job.template, policy=policy, seed=job.workload.seed,
-                         train_rate=job.workload.train_rate)
-        metrics, _ = run_simulation(config, job.profile, wl.tasks,
-                                    request_rate=job.workload.request_rate,
-                                    duration_s=wl.duration_s, slo=slo)
+        config = replace(
+            job.template, policy=policy, seed=job.workload.seed, train_rate=job.workload.train_rate
+        )
+        metrics, _ = run_simulation(
+            config,
+            job.profile,
+            wl.tasks,
+            request_rate=job.workload.request_rate,
+            duration_s=wl.duration_s,
+            slo=slo,
+        )
         metrics["workload_sha256"] = fingerprint
         runs.append(metrics)
     return runs
@@ -202,8 +228,10 @@ def workload_fingerprint(tasks: Sequence[Task]) -> str:
     """SHA-256 of the task list (ids, kinds, arrivals, lengths): equal ⇔ same workload."""
     digest = hashlib.sha256()
     for t in tasks:
-        digest.update(f"{t.task_id},{t.kind.value},{t.arrival_s!r},{t.num_prompt_tokens},"
-                      f"{t.max_output_tokens},{t.batch_size};".encode())
+        digest.update(
+            f"{t.task_id},{t.kind.value},{t.arrival_s!r},{t.num_prompt_tokens},"
+            f"{t.max_output_tokens},{t.batch_size};".encode()
+        )
     return digest.hexdigest()
 
 
@@ -224,9 +252,13 @@ def aggregate(runs: Sequence[dict[str, Any]], policies: Sequence[str]) -> list[d
     for (policy, rate, train), members in sorted(
         groups.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[0][1], kv[0][2])
     ):
-        row: dict[str, Any] = {"policy": policy, "request_rate": rate, "train_rate": train,
-                               "num_seeds": len(members),
-                               "seeds": sorted(r["seed"] for r in members)}
+        row: dict[str, Any] = {
+            "policy": policy,
+            "request_rate": rate,
+            "train_rate": train,
+            "num_seeds": len(members),
+            "seeds": sorted(r["seed"] for r in members),
+        }
         for name, path in AGG_METRICS:
             row[name] = _mean_ci([_lookup(r, path) for r in members])
         rows.append(row)
@@ -271,8 +303,12 @@ class CompareReport:
     plot_paths: list[Path]
 
 
-def write_report(out_dir: str | Path, runs: Sequence[dict[str, Any]], sweep: SweepConfig,
-                 extra: dict[str, Any] | None = None) -> CompareReport:
+def write_report(
+    out_dir: str | Path,
+    runs: Sequence[dict[str, Any]],
+    sweep: SweepConfig,
+    extra: dict[str, Any] | None = None,
+) -> CompareReport:
     """Write runs.json, summary.json and the PNG plots into `out_dir`."""
     from lemix.plots import plot_sweeps
 
@@ -291,8 +327,7 @@ def write_report(out_dir: str | Path, runs: Sequence[dict[str, Any]], sweep: Swe
         "aggregates": rows,
     }
     summary_path = write_json(out / "summary.json", summary)
-    plots = plot_sweeps(rows, sweep.policies, sweep.request_rate_slice, sweep.train_rate_slice,
-                        out)
+    plots = plot_sweeps(rows, sweep.policies, sweep.request_rate_slice, sweep.train_rate_slice, out)
     return CompareReport(format_summary(rows), runs_path, summary_path, plots)
 
 

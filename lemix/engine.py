@@ -254,7 +254,7 @@ class NodeEngine:
             task, since_s = self._train_waiting[0]
             need = activation_bytes(self.profile.memory, task.batch_size, task.num_prompt_tokens)
             if not self.memory.can_admit(need):
-                if now_s - since_s < max_wait_s:
+                if now_s < since_s + max_wait_s:  # same arithmetic as next_timer_s
                     break
                 if self.config.memory.is_offload_enabled:
                     if self._in_flight:
@@ -279,7 +279,15 @@ class NodeEngine:
     def _offload_for(self, need: tuple[int, ...]) -> bool:
         """Move KV of running requests (newest first) to host until `need` fits.
 
-        Called only between iterations, when none of their KV is in use."""
+        Called only between iterations, when none of their KV is in use. Does
+        nothing when even offloading every running request would not make room."""
+        running_bytes = [0] * self.num_stages
+        for req in self.running:
+            for stage, nbytes in enumerate(self.memory.held_bytes(req.task.task_id)):
+                running_bytes[stage] += nbytes
+        if any(self.memory.used_bytes(s) - running_bytes[s] + need[s]
+               > self.memory.threshold_bytes for s in range(self.num_stages)):
+            return False
         for req in sorted(self.running, key=lambda r: -r.task.seq):
             if self.memory.can_admit(need):
                 break
@@ -339,7 +347,7 @@ class NodeEngine:
     def _drop_stale_waiting(self, now_s: float, outcomes: list[Outcome]) -> None:
         """Wait-then-drop (memory-aware offload disabled): fail after T_max."""
         max_wait_s = self.config.memory.max_wait_s
-        while self.waiting and now_s - self.waiting[0].since_s >= max_wait_s:
+        while self.waiting and now_s >= self.waiting[0].since_s + max_wait_s:
             req = self.waiting[0]
             if self.memory.can_admit(kv_bytes(self.profile.memory, req.task.num_total_tokens)):
                 break  # it fits now; only a lack of memory drops a request

@@ -10,8 +10,12 @@ written by `sim`, `replay` and `compare`. Definitions:
   <= slo_tbt_s (a one-token request has no TBT and meets that half).
   slo_attainment divides by ALL inference requests: rejected, failed and
   lost ones count as misses.
-- Rates divide by the wall-clock makespan_s; `throughput_tasks_s_paper` is
-  the prototype's tasks over summed node active spans, reported beside ours.
+- Throughputs divide by the wall-clock makespan_s (first arrival to last
+  completion); `throughput_tasks_s_paper` is the prototype's tasks over summed
+  node active spans, reported beside ours, never instead.
+- goodput_rps divides the SLO-meeting requests by the arrival window
+  (duration_s): the rate of good answers for the offered load. Dividing by the
+  makespan would let a few long decodes in the drain tail swing it.
 Every value is JSON-safe: no NaN or inf, None where undefined.
 """
 
@@ -110,7 +114,7 @@ def summarize(
         "num_lost": _count(records, None),
         "throughput_tasks_s": _ratio(num_completed, makespan_s),
         "throughput_tokens_s": _ratio(num_tokens, makespan_s),
-        "goodput_rps": _ratio(num_met, makespan_s),
+        "goodput_rps": _ratio(num_met, duration_s),
         "slo_attainment": _ratio(num_met, len(inference)),
         "ttft_s": distribution(ttft),
         "tbt_s": distribution(tbt),

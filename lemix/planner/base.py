@@ -29,6 +29,7 @@ class PlannerConfig:
     max_batch_size: int = 64  # C, the executors' running-batch cap
     is_deprioritization_enabled: bool = True
     max_defer_s: float = 30.0  # aging: a deferred training task waits at most this long
+    defer_recheck_s: float = 1.0  # re-evaluate deferred training at least this often
     train_rate: float = 0.0  # r: the SEPARATE split uses it
     sync_every_tasks: int = 100  # K: SEPARATE weight sync period in training tasks
     dynamic_full_rate_rps: float = 32.0  # SEPARATE-dynamic: rate at which serving gets N-1 nodes
@@ -42,6 +43,8 @@ class PlannerConfig:
             raise ValueError("max_batch_size must be >= 1")
         if self.max_defer_s < 0:
             raise ValueError("max_defer_s must be >= 0")
+        if self.defer_recheck_s <= 0:
+            raise ValueError("defer_recheck_s must be > 0")
         if not 0.0 <= self.train_rate < 1.0:
             raise ValueError("train_rate must be in [0, 1)")
         if self.sync_every_tasks < 1:

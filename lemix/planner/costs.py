@@ -105,7 +105,8 @@ class DecodeAwareCostEstimator:
             )
             # Joining happens at an iteration boundary: half a period on average.
             delay_s = 0.5 * period_s + self._slot_wait_s(view, task, period_s, mean_output)
-            return TaskCosts(forward_s=forward, start_delay_s=delay_s)
+            return TaskCosts(forward_s=forward, start_delay_s=delay_s,
+                             time_between_tokens_s=self._tbt_after_join_s(view, task))
         # Inference goes first at each stage, so a training item waits out the
         # decode item in progress: half a step on average.
         forward = tuple(
@@ -119,6 +120,24 @@ class DecodeAwareCostEstimator:
             for s in stages
         )
         return TaskCosts(forward_s=forward, backward_s=backward)
+
+    def _tbt_after_join_s(self, view: NodeView, task: Task) -> float:
+        """Predicted time between tokens for `task` once it joins the batch.
+
+        The batch's decode period with the request added, plus the pending
+        training backward work on the busiest stage spread over the request's
+        tokens (each training item holds a stage and stalls the batch once).
+        """
+        num_running, sum_context, _, _ = self._batch_state(view)
+        num_after = min(num_running + 1, self.max_batch_size)
+        context_after = sum_context + task.num_prompt_tokens + task.max_output_tokens // 2
+        period_s = sum(self.latency.decode_step_s(s, num_after, context_after)
+                       for s in range(view.num_stages))
+        stall_s = 0.0
+        if view.windows:
+            stall_s = max(sum(w.backward_s[s] for w in view.windows)
+                          for s in range(view.num_stages))
+        return period_s + stall_s / max(task.max_output_tokens, 1)
 
     def decode_load(self, view: NodeView, now_s: float) -> DecodeLoad | None:
         num_running, _, max_remaining, _ = self._batch_state(view)

@@ -64,6 +64,7 @@ class Planner:
         self._num_inference_seen = 0
         self._train_done_since_sync = 0
         self._is_deferred_dirty = False
+        self._deferred_eval_s = 0.0
         self.num_deferrals = 0
 
     # ------------------------------------------------------------ inputs
@@ -96,10 +97,12 @@ class Planner:
     # ------------------------------------------------------------ queries
 
     def next_wakeup_s(self) -> float | None:
-        """When aging next forces a deferred task out (callers set a timer)."""
+        """When deferred training must be looked at again (callers set a timer):
+        the periodic recheck or the head's aging deadline, whichever is first."""
         if not self._deferred:
             return None
-        return self._deferred[0].since_s + self.config.max_defer_s
+        return min(self._deferred[0].since_s + self.config.max_defer_s,
+                   self._deferred_eval_s + self.config.defer_recheck_s)
 
     @property
     def num_deferred(self) -> int:
@@ -129,12 +132,17 @@ class Planner:
             view.prune(now_s)
         decisions: list[Decision] = []
         context = self.context(now_s)
-        # Re-evaluating deferred training is the planner's costliest step; only
-        # a finished task (capacity freed) or an aging deadline can change its
-        # answer, so new arrivals alone do not trigger it.
-        is_blocked = bool(self._deferred) and not self._is_deferred_dirty and not (
-            self._is_aged(self._deferred[0], now_s)
+        # Re-evaluating deferred training is the planner's costliest step. New
+        # arrivals only add load, so they do not trigger it; a finished task
+        # (capacity freed), an aging deadline or the periodic recheck (predicted
+        # work slides into the past) do.
+        is_blocked = bool(self._deferred) and not (
+            self._is_deferred_dirty
+            or self._is_aged(self._deferred[0], now_s)
+            or now_s >= self._deferred_eval_s + self.config.defer_recheck_s
         )
+        if not is_blocked:
+            self._deferred_eval_s = now_s
         self._is_deferred_dirty = False
         training: list[_Deferred] = list(self._deferred)
         self._deferred.clear()
@@ -160,7 +168,8 @@ class Planner:
         return decisions
 
     def _is_aged(self, item: _Deferred, now_s: float) -> bool:
-        return now_s - item.since_s >= self.config.max_defer_s
+        # Same arithmetic as next_wakeup_s, so a wake-up at the deadline ages it.
+        return now_s >= item.since_s + self.config.max_defer_s
 
     def _candidates(self, task: Task, now_s: float) -> dict[int, Prediction]:
         if not self.policy.needs_prediction:
@@ -176,15 +185,24 @@ class Planner:
         return self.policy.rank(task, self.views, self._candidates(task, now_s), context)
 
     def _never_fits(self, task: Task) -> str | None:
+        """A reason when `task` cannot fit on some stage GPU even on an empty node."""
+        memory = self._memory
         if task.is_training:
-            need = self._act_bytes_per_token * task.batch_size * task.num_prompt_tokens
+            per_token = memory.activation_bytes_per_token
+            num_tokens = task.batch_size * task.num_prompt_tokens
             what = f"{task.batch_size}x{task.num_prompt_tokens} training tokens of activations"
+            fix = "use shorter samples or a smaller batch"
         else:
-            need = self._kv_bytes_per_token * task.num_total_tokens
+            per_token = memory.kv_bytes_per_token
+            num_tokens = task.num_total_tokens
             what = f"{task.num_total_tokens} tokens of KV cache"
-        if need > self._dynamic_bytes:
-            return (f"{what} need {need} B but a node has {self._dynamic_bytes} B for them; "
-                    "shorten the prompt or max_tokens")
+            fix = "shorten the prompt or max_tokens"
+        for stage, bytes_per_token in enumerate(per_token):
+            need = bytes_per_token * num_tokens
+            room = self._threshold_bytes - memory.static_bytes(stage)
+            if need > room:
+                return (f"{what} need {need} B on stage {stage} but it has {room} B for them; "
+                        f"{fix}")
         return None
 
     def _place(self, task: Task, now_s: float, context: PolicyContext) -> Decision:
@@ -243,7 +261,8 @@ class Planner:
         costs = self.estimator.costs(view, probe, now_s)
         prediction = compute_idleness(view, probe, now_s, costs,
                                       self.estimator.decode_load(view, now_s))
-        return prediction.response_s > self.config.slo_ttft_s
+        return (prediction.response_s > self.config.slo_ttft_s
+                or prediction.time_between_tokens_s > self.config.slo_tbt_s)
 
     # ------------------------------------------------------------ accounting
 

@@ -43,10 +43,15 @@ def paper_score(ip: float, lc: float, response_s: float, lambda_response: float,
 
 
 def normalized_score(ip: float, lc_normalized: float, response_s: float, tau_s: float,
-                     slo_s: float, lambda_response: float, lambda_length: float) -> float:
-    """Ours: f = IP/τ − λ1·R/τ_R + λ2·LC_norm (higher is better).
+                     slo_s: float, lambda_response: float, lambda_length: float,
+                     tbt_s: float = 0.0, slo_tbt_s: float = 1.0,
+                     lambda_tbt: float = 0.0) -> float:
+    """Ours: f = IP/τ − λ1·R/τ_R − λ3·TBT/τ_TBT + λ2·LC_norm (higher is better).
 
     IP/τ ≤ −1 and is −1 unless the task opens idle time beyond the arrival gap;
-    R/τ_R is 1 at the SLO; LC_norm is in [0, 1].
+    R/τ_R and TBT/τ_TBT are 1 at their SLOs; LC_norm is in [0, 1]. The TBT term
+    (decode-aware estimators only) steers requests away from nodes whose
+    batches, or pending training, would slow their tokens.
     """
-    return ip / tau_s - lambda_response * response_s / slo_s + lambda_length * lc_normalized
+    return (ip / tau_s - lambda_response * response_s / slo_s
+            - lambda_tbt * tbt_s / slo_tbt_s + lambda_length * lc_normalized)

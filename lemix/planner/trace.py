@@ -41,6 +41,7 @@ class TaskCosts:
     forward_s: tuple[float, ...]
     backward_s: tuple[float, ...] = ()
     start_delay_s: float = 0.0
+    time_between_tokens_s: float = 0.0  # inference: predicted TBT on this node (0 = unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,7 @@ class Prediction:
     forward_end_s: tuple[float, ...]
     window: TrainWindow | None  # the task's own backward chain (training only)
     num_passed_windows: int  # windows whose backward ends before this task's stage-0 forward
+    time_between_tokens_s: float = 0.0  # from the costs (decode-aware estimators only)
 
 
 @dataclass(slots=True)
@@ -190,6 +192,18 @@ def _busy_overlap_s(decode: DecodeLoad | None, stage: int, begin_s: float, end_s
     return max(hi - lo, 0.0) * decode.busy_fraction[stage]
 
 
+def _backward_overlap_s(windows: list[TrainWindow], stage: int, begin_s: float,
+                        end_s: float) -> float:
+    """Backward time of pending training tasks on `stage` inside [begin_s, end_s]."""
+    busy_s = 0.0
+    for window in windows:
+        lo = max(window.backward_begin_s[stage], begin_s)
+        hi = min(window.backward_end_s[stage], end_s)
+        if hi > lo:
+            busy_s += hi - lo
+    return busy_s
+
+
 def compute_idleness(
     view: NodeView,
     task: Task,
@@ -220,18 +234,22 @@ def compute_idleness(
         prev_end_s = arrival_s if is_empty else view.forward_end_s[stage]
         begin_s = max(prev_end_s, begin_s)
         end_s = begin_s + duration_s
-        offset_s = 0.0
+        # Far dependencies. Backward runs from the last stage to the first, so a
+        # window passed at stage s−1 ended even earlier at stage s: the walk
+        # resumes where the previous stage left it (as the prototype does).
         while walk < len(windows):
             window = windows[walk]
             if end_s <= window.backward_begin_s[stage]:
                 break  # fits before this backward reaches the stage
             begin_s = max(begin_s, window.backward_end_s[stage])
             end_s = begin_s + duration_s
-            if prev_end_s <= window.backward_begin_s[stage]:
-                offset_s += window.backward_s[stage]
             if stage == 0:
                 num_passed = walk + 1
             walk += 1
+        # Busy time in the gap [pfe_s, fb_s] is not idleness: every pending
+        # backward's overlap with the gap (also windows passed at earlier
+        # stages, which the prototype's offset missed) and decode iterations.
+        offset_s = _backward_overlap_s(windows, stage, prev_end_s, begin_s)
         offset_s += _busy_overlap_s(decode, stage, prev_end_s, begin_s, now_s)
         idleness_s += max(begin_s - prev_end_s - offset_s, 0.0)
         begins.append(begin_s)
@@ -249,6 +267,7 @@ def compute_idleness(
         forward_end_s=tuple(ends),
         window=window_out,
         num_passed_windows=num_passed,
+        time_between_tokens_s=costs.time_between_tokens_s,
     )
 
 

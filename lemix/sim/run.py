@@ -65,6 +65,7 @@ class SimRunConfig:
     train_rate: float = 0.0
     sync_every_tasks: int = 100
     max_defer_s: float = 30.0
+    defer_recheck_s: float = 1.0
     drain_limit_s: float = 600.0
     measure_decision_latency: bool = True
     keep_decisions: bool = False
@@ -87,6 +88,7 @@ def build_simulator(config: SimRunConfig, profile: Profile, tasks: Sequence[Task
         slo_tbt_s=slo.tbt_s,
         max_batch_size=config.batching.max_batch_size,
         max_defer_s=config.max_defer_s,
+        defer_recheck_s=config.defer_recheck_s,
         train_rate=config.train_rate,
         sync_every_tasks=config.sync_every_tasks,
     )

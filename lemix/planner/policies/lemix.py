@@ -25,6 +25,7 @@ class LemixPolicy:
     form: str = "normalized"
     lambda_response: float = 1.0
     lambda_length: float = 0.05
+    lambda_tbt: float = 1.0  # normalized form only
     is_length_consistency_enabled: bool = True
     needs_prediction: bool = True
 
@@ -43,7 +44,8 @@ class LemixPolicy:
             return paper_score(ip, lc, pred.response_s, self.lambda_response, lam_length)
         lc_norm = length_consistency_normalized(length, view.length_mean, view.length_std)
         return normalized_score(ip, lc_norm, pred.response_s, config.tau_idle_s,
-                                config.slo_ttft_s, self.lambda_response, lam_length)
+                                config.slo_ttft_s, self.lambda_response, lam_length,
+                                pred.time_between_tokens_s, config.slo_tbt_s, self.lambda_tbt)
 
     def rank(
         self,
