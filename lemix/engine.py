@@ -34,10 +34,16 @@ class EngineConfig:
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     stage_order: str = "inference-first"  # or "fifo"
+    # Training tasks admitted at once per node (None: one per stage, enough to
+    # keep every stage's pipeline busy, as 1F1B does). A backlog waits unadmitted
+    # and holds no memory, so it can never crowd serving out of its KV cache.
+    max_training_in_flight: int | None = None
 
     def __post_init__(self) -> None:
         if self.stage_order not in ("inference-first", "fifo"):
             raise ValueError("stage_order must be 'inference-first' or 'fifo'")
+        if self.max_training_in_flight is not None and self.max_training_in_flight < 1:
+            raise ValueError("max_training_in_flight must be >= 1 or None")
 
 
 # ----------------------------------------------------------------- outputs
@@ -95,6 +101,12 @@ class _Request:
 
 
 @dataclass(slots=True)
+class _TrainWait:
+    task: Task
+    memory_wait_since_s: float | None = None  # set when memory (not the cap) blocks it
+
+
+@dataclass(slots=True)
 class _Item:
     prio: int
     seq: int
@@ -129,7 +141,8 @@ class NodeEngine:
         self._in_flight = False
         self._batch_start_s = 0.0
         self._reload_s = 0.0  # KV reload time owed by the next iteration
-        self._train_waiting: deque[tuple[Task, float]] = deque()
+        self._train_waiting: deque[_TrainWait] = deque()
+        self._max_training = config.max_training_in_flight or self.num_stages
         self._training: dict[str, Task] = {}
         self._blocking_left: dict[str, int] = {}
         self._blocking_apply: dict[str, int] = {}
@@ -145,7 +158,7 @@ class NodeEngine:
     def add_task(self, task: Task, now_s: float) -> tuple[list[StageStart], list[Outcome]]:
         outcomes: list[Outcome] = []
         if task.is_training:
-            self._train_waiting.append((task, now_s))
+            self._train_waiting.append(_TrainWait(task))
         else:
             self.waiting.append(_Request(task, now_s))
         return self._kick(now_s, outcomes), outcomes
@@ -193,8 +206,9 @@ class NodeEngine:
     def next_timer_s(self) -> float | None:
         """When a memory wait reaches T_max (the driver calls `on_timer` then)."""
         deadlines = []
-        if self._train_waiting:
-            deadlines.append(self._train_waiting[0][1] + self.config.memory.max_wait_s)
+        if self._train_waiting and self._train_waiting[0].memory_wait_since_s is not None:
+            deadlines.append(self._train_waiting[0].memory_wait_since_s
+                             + self.config.memory.max_wait_s)
         if self.waiting and not self.config.memory.is_offload_enabled:
             deadlines.append(self.waiting[0].since_s + self.config.memory.max_wait_s)
         return min(deadlines) if deadlines else None
@@ -250,11 +264,15 @@ class NodeEngine:
     def _admit_training(self, now_s: float, outcomes: list[Outcome]) -> list[StageStart]:
         starts: list[StageStart] = []
         max_wait_s = self.config.memory.max_wait_s
-        while self._train_waiting:
-            task, since_s = self._train_waiting[0]
+        while self._train_waiting and len(self._training) < self._max_training:
+            head = self._train_waiting[0]
+            task = head.task
             need = activation_bytes(self.profile.memory, task.batch_size, task.num_prompt_tokens)
             if not self.memory.can_admit(need):
-                if now_s < since_s + max_wait_s:  # same arithmetic as next_timer_s
+                if head.memory_wait_since_s is None:
+                    head.memory_wait_since_s = now_s
+                # Same arithmetic as next_timer_s, so the timer's call acts.
+                if now_s < head.memory_wait_since_s + max_wait_s:
                     break
                 if self.config.memory.is_offload_enabled:
                     if self._in_flight:

@@ -132,6 +132,8 @@ def make_planner_config(num_nodes: int = 4, num_stages: int = 2,
         "slo_tbt_s": 0.5,
         # No periodic recheck unless a test asks: aging tests see one deadline.
         "defer_recheck_s": 1000.0,
+        # Requests seen long ago still count as load (the probe stays active).
+        "request_rate_window_s": 1000.0,
     }
     kwargs.update(overrides)
     return PlannerConfig(**kwargs)  # type: ignore[arg-type]

@@ -30,6 +30,13 @@ class PlannerConfig:
     is_deprioritization_enabled: bool = True
     max_defer_s: float = 30.0  # aging: a deferred training task waits at most this long
     defer_recheck_s: float = 1.0  # re-evaluate deferred training at least this often
+    # Aged training is forced out at most this fast (per node): under sustained
+    # overload training keeps a guaranteed trickle instead of flooding serving.
+    aged_release_rps_per_node: float = 1.0
+    request_rate_window_s: float = 10.0  # the arrival-rate estimate looks this far back
+    # Deprioritization defers training once predictions pass this share of an
+    # SLO: predictions are means, and half the requests sit above the mean.
+    slo_headroom: float = 0.8
     train_rate: float = 0.0  # r: the SEPARATE split uses it
     sync_every_tasks: int = 100  # K: SEPARATE weight sync period in training tasks
     dynamic_full_rate_rps: float = 32.0  # SEPARATE-dynamic: rate at which serving gets N-1 nodes
@@ -43,6 +50,12 @@ class PlannerConfig:
             raise ValueError("max_batch_size must be >= 1")
         if self.max_defer_s < 0:
             raise ValueError("max_defer_s must be >= 0")
+        if not 0.0 < self.slo_headroom <= 1.0:
+            raise ValueError("slo_headroom must be in (0, 1]")
+        if self.request_rate_window_s <= 0:
+            raise ValueError("request_rate_window_s must be > 0")
+        if self.aged_release_rps_per_node <= 0:
+            raise ValueError("aged_release_rps_per_node must be > 0")
         if self.defer_recheck_s <= 0:
             raise ValueError("defer_recheck_s must be > 0")
         if not 0.0 <= self.train_rate < 1.0:

@@ -19,6 +19,9 @@ from lemix.latency import LatencyModel
 from lemix.planner.trace import DecodeLoad, NodeView, TaskCosts
 from lemix.types import Task
 
+# Training placed on a node within this window sets its predicted training load.
+TRAINING_LOAD_WINDOW_S = 10.0
+
 
 class CostEstimator(Protocol):
     def costs(self, view: NodeView, task: Task, now_s: float) -> TaskCosts: ...
@@ -106,7 +109,7 @@ class DecodeAwareCostEstimator:
             # Joining happens at an iteration boundary: half a period on average.
             delay_s = 0.5 * period_s + self._slot_wait_s(view, task, period_s, mean_output)
             return TaskCosts(forward_s=forward, start_delay_s=delay_s,
-                             time_between_tokens_s=self._tbt_after_join_s(view, task))
+                             time_between_tokens_s=self._tbt_after_join_s(view, task, now_s))
         # Inference goes first at each stage, so a training item waits out the
         # decode item in progress: half a step on average.
         forward = tuple(
@@ -121,23 +124,24 @@ class DecodeAwareCostEstimator:
         )
         return TaskCosts(forward_s=forward, backward_s=backward)
 
-    def _tbt_after_join_s(self, view: NodeView, task: Task) -> float:
+    def _tbt_after_join_s(self, view: NodeView, task: Task, now_s: float) -> float:
         """Predicted time between tokens for `task` once it joins the batch.
 
-        The batch's decode period with the request added, plus the pending
-        training backward work on the busiest stage spread over the request's
-        tokens (each training item holds a stage and stalls the batch once).
+        The batch's decode period with the request added, plus training
+        stalls. Inference goes first on every stage but items are not
+        preempted, and while the pipeline's one iteration is on another stage a
+        ready training item takes this one; so an iteration waits about one
+        item per stage whenever training keeps the stage busy. With training
+        busy fraction u (from the node's recent training placements) and mean
+        item length w, that is S·min(u, 1)·w per token.
         """
         num_running, sum_context, _, _ = self._batch_state(view)
         num_after = min(num_running + 1, self.max_batch_size)
         context_after = sum_context + task.num_prompt_tokens + task.max_output_tokens // 2
         period_s = sum(self.latency.decode_step_s(s, num_after, context_after)
                        for s in range(view.num_stages))
-        stall_s = 0.0
-        if view.windows:
-            stall_s = max(sum(w.backward_s[s] for w in view.windows)
-                          for s in range(view.num_stages))
-        return period_s + stall_s / max(task.max_output_tokens, 1)
+        busy_fraction, mean_item_s = view.training_load(now_s, TRAINING_LOAD_WINDOW_S)
+        return period_s + view.num_stages * min(busy_fraction, 1.0) * mean_item_s
 
     def decode_load(self, view: NodeView, now_s: float) -> DecodeLoad | None:
         num_running, _, max_remaining, _ = self._batch_state(view)

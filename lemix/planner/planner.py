@@ -22,7 +22,7 @@ from lemix.planner.trace import NodeView, Prediction, compute_idleness
 from lemix.profile import MemoryProfile
 from lemix.types import Decision, Deferral, Placement, Rejection, Task, TaskKind, WeightSync
 
-_RATE_WINDOW_S = 10.0  # request-rate estimate: arrivals over the last 10 s
+_TOKEN_EPSILON = 1e-9
 
 
 @dataclass(slots=True)
@@ -65,7 +65,10 @@ class Planner:
         self._train_done_since_sync = 0
         self._is_deferred_dirty = False
         self._deferred_eval_s = 0.0
+        self._aged_tokens = float(config.num_nodes)  # token bucket for forced releases
+        self._aged_tokens_at_s = 0.0
         self.num_deferrals = 0
+        self.num_aged_releases = 0
 
     # ------------------------------------------------------------ inputs
 
@@ -101,8 +104,11 @@ class Planner:
         the periodic recheck or the head's aging deadline, whichever is first."""
         if not self._deferred:
             return None
-        return min(self._deferred[0].since_s + self.config.max_defer_s,
-                   self._deferred_eval_s + self.config.defer_recheck_s)
+        # An aged head also needs a release token; wake when one has accrued.
+        rate = self.config.aged_release_rps_per_node * self.config.num_nodes
+        token_ready_s = self._aged_tokens_at_s + max(1.0 - self._aged_tokens, 0.0) / rate
+        aged_s = max(self._deferred[0].since_s + self.config.max_defer_s, token_ready_s)
+        return min(aged_s, self._deferred_eval_s + self.config.defer_recheck_s)
 
     @property
     def num_deferred(self) -> int:
@@ -112,9 +118,10 @@ class Planner:
         return self._task_node.get(task_id)
 
     def request_rate_rps(self, now_s: float) -> float:
-        while self._recent_arrivals and self._recent_arrivals[0] < now_s - _RATE_WINDOW_S:
+        window_s = self.config.request_rate_window_s
+        while self._recent_arrivals and self._recent_arrivals[0] < now_s - window_s:
             self._recent_arrivals.popleft()
-        return len(self._recent_arrivals) / _RATE_WINDOW_S
+        return len(self._recent_arrivals) / window_s
 
     def context(self, now_s: float) -> PolicyContext:
         return PolicyContext(
@@ -144,27 +151,26 @@ class Planner:
         if not is_blocked:
             self._deferred_eval_s = now_s
         self._is_deferred_dirty = False
-        training: list[_Deferred] = list(self._deferred)
-        self._deferred.clear()
         while self._intake:
             task = self._intake.popleft()
             if task.is_training:
-                training.append(_Deferred(task, now_s))
+                # Every training task goes through the deferred queue, in FIFO order.
+                self._deferred.append(_Deferred(task, now_s))
             else:
                 decisions.append(self._place(task, now_s, context))
-        # Once one task is deferred, later ones queue behind it (FIFO).
-        for item in training:
-            if is_blocked and not self._is_aged(item, now_s):
-                self._deferred.append(item)
-                continue
+        if is_blocked:
+            return decisions
+        # Place from the head; the first task that must wait blocks the rest
+        # (the head is the oldest, so it also ages first).
+        while self._deferred:
+            item = self._deferred[0]
             decision = self._place_training(item, now_s, context)
             if isinstance(decision, Deferral):
-                is_blocked = True
-                self._deferred.append(item)
                 if item.since_s == now_s:
                     decisions.append(decision)
-            else:
-                decisions.append(decision)
+                break
+            self._deferred.popleft()
+            decisions.append(decision)
         return decisions
 
     def _is_aged(self, item: _Deferred, now_s: float) -> bool:
@@ -221,7 +227,7 @@ class Planner:
             costs = self.estimator.costs(view, task, now_s)
             prediction = compute_idleness(view, task, now_s, costs,
                                           self.estimator.decode_load(view, now_s))
-        view.commit(task, prediction)
+        view.commit(task, prediction, now_s)
         self._task_node[task.task_id] = choice.node_id
         return Placement(task.task_id, choice.node_id, prediction.response_s, choice.score)
 
@@ -235,22 +241,35 @@ class Planner:
             return Rejection(task.task_id, "no eligible node for this task")
         if not (self.config.is_deprioritization_enabled and self.policy.needs_prediction):
             return self._commit(task, ranked[0], now_s)
-        if self._is_aged(item, now_s):
-            return self._commit(task, ranked[0], now_s)
         for choice in ranked:
             if choice.prediction is not None and not self._hurts_inference(task, choice, now_s):
                 return self._commit(task, choice, now_s)
+        if self._is_aged(item, now_s) and self._take_aged_token(now_s):
+            self.num_aged_releases += 1
+            return self._commit(task, ranked[0], now_s)
         self.num_deferrals += 1
         return Deferral(task.task_id, "placing it now would make the next inference miss its SLO")
+
+    def _take_aged_token(self, now_s: float) -> bool:
+        """Rate-limit forced releases (token bucket, refilled by time passed in)."""
+        rate = self.config.aged_release_rps_per_node * self.config.num_nodes
+        elapsed_s = max(now_s - self._aged_tokens_at_s, 0.0)
+        self._aged_tokens = min(float(self.config.num_nodes),
+                                self._aged_tokens + elapsed_s * rate)
+        self._aged_tokens_at_s = now_s
+        if self._aged_tokens < 1.0 - _TOKEN_EPSILON:  # float residue from the refill
+            return False
+        self._aged_tokens = max(self._aged_tokens - 1.0, 0.0)
+        return True
 
     def _hurts_inference(self, task: Task, choice: Ranked, now_s: float) -> bool:
         """Would the next inference on this node miss its SLO with `task` placed?"""
         if choice.prediction is None:
             return False
+        if self._num_inference_seen == 0 or self.request_rate_rps(now_s) == 0.0:
+            return False  # no recent inference: no next request to protect
         view = self.views[choice.node_id].copy()
-        view.commit(task, choice.prediction)
-        if self._num_inference_seen == 0:
-            return False
+        view.commit(task, choice.prediction, now_s)
         probe = Task(
             task_id="__probe__",
             kind=TaskKind.INFERENCE,
@@ -261,8 +280,9 @@ class Planner:
         costs = self.estimator.costs(view, probe, now_s)
         prediction = compute_idleness(view, probe, now_s, costs,
                                       self.estimator.decode_load(view, now_s))
-        return (prediction.response_s > self.config.slo_ttft_s
-                or prediction.time_between_tokens_s > self.config.slo_tbt_s)
+        headroom = self.config.slo_headroom
+        return (prediction.response_s > headroom * self.config.slo_ttft_s
+                or prediction.time_between_tokens_s > headroom * self.config.slo_tbt_s)
 
     # ------------------------------------------------------------ accounting
 

@@ -13,6 +13,7 @@ Pure and synchronous: time is an argument, never read from a clock.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from lemix.types import Task
@@ -94,6 +95,12 @@ class NodeView:
     length_m2: float = 0.0
     requests: dict[str, OutstandingRequest] = field(default_factory=dict)
     training_tasks: dict[str, int] = field(default_factory=dict)  # id -> activation tokens
+    # id -> predicted busiest-stage work (forward + backward) of each held training task
+    training_work_s: dict[str, float] = field(default_factory=dict)
+    sum_training_work_s: float = 0.0
+    # (placed_s, busiest-stage work) of training placed in the last window:
+    # the node's training *rate*, which is what slows its decoding.
+    recent_training: deque[tuple[float, float]] = field(default_factory=deque)
     num_placed: int = 0
     num_training_updates: int = 0
     # Aggregates over `requests`, kept incrementally: Algorithm 1 runs on every
@@ -105,6 +112,17 @@ class NodeView:
     def __post_init__(self) -> None:
         if not self.forward_end_s:
             self.forward_end_s = [-math.inf] * self.num_stages
+
+    def training_load(self, now_s: float, window_s: float) -> tuple[float, float]:
+        """(busy fraction of the busiest stage, mean item length) from training
+        placed in the last `window_s` seconds."""
+        recent = self.recent_training
+        while recent and recent[0][0] < now_s - window_s:
+            recent.popleft()
+        if not recent:
+            return 0.0, 0.0
+        work_s = sum(w for _, w in recent)
+        return work_s / window_s, work_s / (2 * len(recent))  # a forward + a backward each
 
     @property
     def is_empty(self) -> bool:
@@ -120,7 +138,7 @@ class NodeView:
     def num_outstanding(self) -> int:
         return len(self.requests) + len(self.training_tasks)
 
-    def commit(self, task: Task, prediction: Prediction) -> None:
+    def commit(self, task: Task, prediction: Prediction, now_s: float | None = None) -> None:
         """Record a placed task: its forward ends, backward window and length."""
         self.forward_end_s = list(prediction.forward_end_s)
         if prediction.num_passed_windows:
@@ -135,6 +153,10 @@ class NodeView:
         self.num_placed += 1
         if task.is_training:
             self.training_tasks[task.task_id] = task.batch_size * task.num_prompt_tokens
+            work_s = _busiest_stage_work_s(prediction)
+            self.training_work_s[task.task_id] = work_s
+            self.sum_training_work_s += work_s
+            self.recent_training.append((task.arrival_s if now_s is None else now_s, work_s))
         else:
             self.requests[task.task_id] = OutstandingRequest(
                 task.num_prompt_tokens, task.max_output_tokens
@@ -154,6 +176,9 @@ class NodeView:
                 self.max_request_output_tokens = max(
                     (r.max_output_tokens for r in self.requests.values()), default=0)
         if self.training_tasks.pop(task_id, None) is not None:
+            self.sum_training_work_s -= self.training_work_s.pop(task_id, 0.0)
+            if not self.training_tasks:
+                self.sum_training_work_s = 0.0  # no float residue once empty
             self.windows = [w for w in self.windows if w.task_id != task_id]
 
     def prune(self, now_s: float) -> None:
@@ -174,12 +199,25 @@ class NodeView:
             length_m2=self.length_m2,
             requests=dict(self.requests),
             training_tasks=dict(self.training_tasks),
+            training_work_s=dict(self.training_work_s),
+            sum_training_work_s=self.sum_training_work_s,
+            recent_training=deque(self.recent_training),
             num_placed=self.num_placed,
             num_training_updates=self.num_training_updates,
             sum_request_prompt_tokens=self.sum_request_prompt_tokens,
             sum_request_output_tokens=self.sum_request_output_tokens,
             max_request_output_tokens=self.max_request_output_tokens,
         )
+
+
+def _busiest_stage_work_s(prediction: Prediction) -> float:
+    """Forward + backward time of a training task on its busiest stage."""
+    backward = prediction.window.backward_s if prediction.window else ()
+    return max(
+        (end - begin) + (backward[s] if backward else 0.0)
+        for s, (begin, end) in enumerate(
+            zip(prediction.forward_begin_s, prediction.forward_end_s, strict=True))
+    )
 
 
 def _busy_overlap_s(decode: DecodeLoad | None, stage: int, begin_s: float, end_s: float,

@@ -61,6 +61,7 @@ class SimRunConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     slo: SloConfig = field(default_factory=SloConfig)
     stage_order: str = "inference-first"
+    max_training_in_flight: int | None = None  # per node; None = one per stage
     latency_noise_cv: float = 0.05
     train_rate: float = 0.0
     sync_every_tasks: int = 100
@@ -97,7 +98,8 @@ def build_simulator(config: SimRunConfig, profile: Profile, tasks: Sequence[Task
         memory = MemoryConfig(kappa=memory.kappa, max_wait_s=memory.max_wait_s,
                               is_offload_enabled=False)
     planner = build_planner(config.policy, planner_config, profile, memory)
-    engine_config = EngineConfig(config.batching, memory, config.stage_order)
+    engine_config = EngineConfig(config.batching, memory, config.stage_order,
+                                 config.max_training_in_flight)
     # Noise streams derive from the run seed, so every policy sees the same draws
     # per node for the same sequence of work.
     engines = [

@@ -148,7 +148,7 @@ def test_colocated_policies_never_sync() -> None:
 
 
 def test_separate_dynamic_grows_serving_share_with_request_rate() -> None:
-    planner = make_planner("separate-dynamic", num_nodes=4)
+    planner = make_planner("separate-dynamic", num_nodes=4, request_rate_window_s=10.0)
     # 96 requests in the last 10 s → 9.6 rps; serving = ceil(4·9.6/32) = 2 nodes.
     for i in range(96):
         planner.submit(make_request(f"r{i}", 0.0), 0.0)
