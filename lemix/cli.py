@@ -31,8 +31,8 @@ STUB_COMMANDS = ("up", "replay", "profile")
 
 DEMO_POLICIES = ("separate", "mix-rr", "mix-luf", "lemix-paper", "lemix")
 DEMO_SEEDS = 3
-DEMO_RATES = (8.0, 24.0)
-DEMO_TRAIN_RATE = 0.3
+DEMO_RATES = (6.0, 12.0)  # light load, and near the 4x2 A100 profile's saturation
+DEMO_TRAIN_RATE = 0.5
 DEMO_DURATION_S = 60.0
 
 # (dotted key, label) of the one-run table `lemix sim` prints.

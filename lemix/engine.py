@@ -38,6 +38,7 @@ class EngineConfig:
     # keep every stage's pipeline busy, as 1F1B does). A backlog waits unadmitted
     # and holds no memory, so it can never crowd serving out of its KV cache.
     max_training_in_flight: int | None = None
+    emit_tokens: bool = False  # streaming executors need every token; the simulator does not
 
     def __post_init__(self) -> None:
         if self.stage_order not in ("inference-first", "fifo"):
@@ -51,8 +52,16 @@ class EngineConfig:
 
 @dataclass(frozen=True, slots=True)
 class StageStart:
+    """Run `stage` for `duration_s` (predicted by the engine's latency model).
+
+    `kind` ("iter" | "fwd" | "bwd" | "block") and `work` say what runs, for
+    backends that execute it for real instead of waiting out the duration.
+    """
+
     stage: int
     duration_s: float
+    kind: str = ""
+    work: object = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +95,15 @@ class BlockingDone:
     tag: str
 
 
-Outcome = FirstToken | Finished | Failed | Requeued | BlockingDone
+@dataclass(frozen=True, slots=True)
+class TokensEmitted:
+    """One iteration's decode tokens (only with `EngineConfig.emit_tokens`)."""
+
+    task_ids: tuple[str, ...]
+    num_generated: tuple[int, ...]  # per task, tokens so far including this one
+
+
+Outcome = FirstToken | Finished | Failed | Requeued | BlockingDone | TokensEmitted
 
 
 # ------------------------------------------------------------ internal state
@@ -98,6 +115,7 @@ class _Request:
     since_s: float
     num_generated: int = 0
     context_tokens: int = 0
+    is_cancelled: bool = False
 
 
 @dataclass(slots=True)
@@ -203,6 +221,39 @@ class NodeEngine:
         starts += self._kick(now_s, outcomes)
         return starts, outcomes
 
+    def cancel(self, task_id: str, now_s: float) -> tuple[bool, list[StageStart], list[Outcome]]:
+        """Cancel an inference request (client gone); frees its memory.
+
+        A request inside the in-flight iteration is dropped when that iteration
+        ends (its stage work cannot be taken back). Training already running
+        cannot be cancelled (False); training still waiting can.
+        """
+        outcomes: list[Outcome] = []
+        reason = "CANCELLED: cancelled by the client"
+        for queue in (self.waiting, self.swapped):
+            for req in queue:
+                if req.task.task_id == task_id:
+                    queue.remove(req)
+                    if self.memory.is_offloaded(task_id):
+                        self.memory.drop_offloaded(task_id)
+                    outcomes.append(Failed(task_id, reason))
+                    return True, self._kick(now_s, outcomes), outcomes
+        for req in self.running:
+            if req.task.task_id == task_id:
+                if self._in_flight:
+                    req.is_cancelled = True
+                    return True, [], outcomes
+                self.running.remove(req)
+                self.memory.release(task_id)
+                outcomes.append(Failed(task_id, reason))
+                return True, self._kick(now_s, outcomes), outcomes
+        for entry in self._train_waiting:
+            if entry.task.task_id == task_id:
+                self._train_waiting.remove(entry)
+                outcomes.append(Failed(task_id, reason))
+                return True, [], outcomes
+        return False, [], outcomes
+
     def next_timer_s(self) -> float | None:
         """When a memory wait reaches T_max (the driver calls `on_timer` then)."""
         deadlines = []
@@ -252,7 +303,7 @@ class NodeEngine:
         self._current[stage] = item
         duration_s = item.durations_s[stage]
         self.busy_s[stage] += duration_s
-        return [StageStart(stage, duration_s)]
+        return [StageStart(stage, duration_s, item.kind, item.payload)]
 
     def _kick(self, now_s: float, outcomes: list[Outcome]) -> list[StageStart]:
         """Admit waiting training and form the next iteration where possible."""
@@ -425,9 +476,15 @@ class NodeEngine:
         for req in iteration.decode:
             req.num_generated += 1
             req.context_tokens += 1
+        if self.config.emit_tokens and iteration.decode:
+            outcomes.append(TokensEmitted(tuple(r.task.task_id for r in iteration.decode),
+                                          tuple(r.num_generated for r in iteration.decode)))
         still = []
         for req in self.running:
-            if req.num_generated >= req.task.max_output_tokens:
+            if req.is_cancelled:
+                self.memory.release(req.task.task_id)
+                outcomes.append(Failed(req.task.task_id, "CANCELLED: cancelled by the client"))
+            elif req.num_generated >= req.task.max_output_tokens:
                 self.memory.release(req.task.task_id)
                 outcomes.append(Finished(req.task.task_id, req.num_generated))
             else:

@@ -1,0 +1,1 @@
+"""The executor service: one process per GPU node, S stage workers."""

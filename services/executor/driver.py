@@ -1,0 +1,179 @@
+"""Drives a `NodeEngine` in real time: the executor's plan → execute → update loop.
+
+The engine (pure) says which stage runs what for how long; a `StageBackend`
+executes it (the emulated backend sleeps for the profiled duration, scaled;
+the torch backend will run the real stage); when it returns, the engine is told
+and answers with the next work and the outcomes. Outcomes go, in order, to an
+`OutcomeSink` (Redis in the service, a list in tests) through one writer task,
+which batches whatever has accumulated into one call.
+
+Engine time is "profile seconds": wall time since start divided by
+`time_scale`, so a scaled run keeps every engine rule (T_max waits, batching
+windows) in the profile's units.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+
+from lemix.engine import NodeEngine, Outcome, StageStart
+from lemix.types import Task
+
+log = structlog.get_logger(__name__)
+
+
+class StageBackend(Protocol):
+    """Executes one stage's work item."""
+
+    async def execute(self, start: StageStart) -> None: ...
+
+
+@dataclass(frozen=True)
+class EmulatedBackend:
+    """Stage timing from the profile: sleep the predicted duration × time_scale."""
+
+    time_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.time_scale <= 0:
+            raise ValueError("time_scale must be > 0")
+
+    async def execute(self, start: StageStart) -> None:
+        if start.duration_s > 0:
+            await asyncio.sleep(start.duration_s * self.time_scale)
+
+
+class OutcomeSink(Protocol):
+    """Receives outcomes in engine order; one call may carry many."""
+
+    async def write(self, batch: list[tuple[float, Outcome]]) -> None: ...
+
+
+class NodeDriver:
+    """Runs one node's engine against a backend and a sink."""
+
+    def __init__(self, engine: NodeEngine, backend: StageBackend, sink: OutcomeSink, *,
+                 time_scale: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine = engine
+        self.backend = backend
+        self.sink = sink
+        self.time_scale = time_scale
+        self._clock = clock
+        self._t0 = clock()
+        self._pending: list[tuple[float, Outcome]] = []
+        self._wake = asyncio.Event()
+        self._writer: asyncio.Task[None] | None = None
+        self._stage_tasks: set[asyncio.Task[None]] = set()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._is_stopping = False
+        self.num_errors = 0
+
+    def now_s(self) -> float:
+        return (self._clock() - self._t0) / self.time_scale
+
+    async def start(self) -> None:
+        self._writer = asyncio.create_task(self._write_loop(), name=f"node{self.engine.node_id}-out")
+
+    async def stop(self, drain_timeout_s: float = 5.0) -> None:
+        """Stop taking work; wait for running stage work and pending outputs."""
+        self._is_stopping = True
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._stage_tasks:
+            await asyncio.wait(self._stage_tasks, timeout=drain_timeout_s)
+        for task in self._stage_tasks:
+            task.cancel()
+        self._wake.set()
+        if self._writer is not None:
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
+        await self._flush()
+
+    # ------------------------------------------------------------ inputs
+
+    def add_task(self, task: Task) -> None:
+        if self._is_stopping:
+            raise RuntimeError("executor is stopping")
+        starts, outcomes = self.engine.add_task(task, self.now_s())
+        self._after(starts, outcomes)
+
+    def cancel(self, task_id: str) -> bool:
+        is_found, starts, outcomes = self.engine.cancel(task_id, self.now_s())
+        self._after(starts, outcomes)
+        return is_found
+
+    def add_blocking(self, tag: str, durations_s: tuple[float, ...],
+                     apply_updates: int | None) -> None:
+        starts = self.engine.add_blocking(tag, durations_s, apply_updates, self.now_s())
+        self._after(starts, [])
+
+    # ------------------------------------------------------------ loop
+
+    def _after(self, starts: list[StageStart], outcomes: list[Outcome]) -> None:
+        for start in starts:
+            task = asyncio.create_task(self._run_stage(start))
+            self._stage_tasks.add(task)
+            task.add_done_callback(self._stage_tasks.discard)
+        if outcomes:
+            now_s = self.now_s()
+            self._pending.extend((now_s, o) for o in outcomes)
+            self._wake.set()
+        self._arm_timer()
+
+    async def _run_stage(self, start: StageStart) -> None:
+        try:
+            await self.backend.execute(start)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a backend failure must not wedge the node: log, count, go on
+            self.num_errors += 1
+            log.exception("stage_failed", node=self.engine.node_id, stage=start.stage,
+                          kind=start.kind)
+        starts, outcomes = self.engine.on_stage_done(start.stage, self.now_s())
+        self._after(starts, outcomes)
+
+    def _arm_timer(self) -> None:
+        deadline = self.engine.next_timer_s()
+        if deadline is None or deadline == self._timer_at or self._is_stopping:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = deadline
+        delay_s = max(deadline - self.now_s(), 0.0) * self.time_scale
+        self._timer = asyncio.get_running_loop().call_later(delay_s, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        starts, outcomes = self.engine.on_timer(self.now_s())
+        self._after(starts, outcomes)
+
+    async def _write_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self._flush()
+
+    async def _flush(self) -> None:
+        if not self._pending:
+            return
+        batch, self._pending = self._pending, []
+        try:
+            await self.sink.write(batch)
+        except Exception:
+            # Outputs must not vanish: put them back and retry on the next wake.
+            self._pending = batch + self._pending
+            self.num_errors += 1
+            log.exception("sink_write_failed", node=self.engine.node_id, size=len(batch))
+            await asyncio.sleep(0.05)
+            self._wake.set()
