@@ -19,12 +19,12 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m ruff check lemix tests benchmarks
+	$(PY) -m ruff check lemix services tests benchmarks
 	$(PY) -m mypy lemix
 	$(PY) -m pytest -q tests
 
 lint: $(STAMP)
-	$(PY) -m ruff check lemix tests benchmarks
+	$(PY) -m ruff check lemix services tests benchmarks
 	$(PY) -m mypy lemix
 
 # The main job. Until the service stack lands this runs a small simulated

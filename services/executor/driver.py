@@ -81,7 +81,8 @@ class NodeDriver:
         return (self._clock() - self._t0) / self.time_scale
 
     async def start(self) -> None:
-        self._writer = asyncio.create_task(self._write_loop(), name=f"node{self.engine.node_id}-out")
+        name = f"node{self.engine.node_id}-outcomes"
+        self._writer = asyncio.create_task(self._write_loop(), name=name)
 
     async def stop(self, drain_timeout_s: float = 5.0) -> None:
         """Stop taking work; wait for running stage work and pending outputs."""
