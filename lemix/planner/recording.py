@@ -111,7 +111,7 @@ def replay(events: Iterable[Event], planner: Planner) -> list[Decision]:
 
 def recorded_decision_keys(events: Iterable[Event]) -> list[tuple[Any, ...]]:
     """The decisions a recording says the live planner made, as parity keys."""
-    keys = []
+    keys: list[tuple[Any, ...]] = []
     for event in events:
         out = event.get("output")
         if out is None:
