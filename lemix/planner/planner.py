@@ -23,6 +23,7 @@ from lemix.profile import MemoryProfile
 from lemix.types import Decision, Deferral, Placement, Rejection, Task, TaskKind, WeightSync
 
 _TOKEN_EPSILON = 1e-9
+NO_NODE_REASON = "UNAVAILABLE: no live executor can take this task"
 
 
 @dataclass(slots=True)
@@ -64,6 +65,7 @@ class Planner:
         self._num_inference_seen = 0
         self._train_done_since_sync = 0
         self._is_deferred_dirty = False
+        self._down_nodes: set[int] = set()
         self._deferred_eval_s = 0.0
         self._aged_tokens = float(config.num_nodes)  # token bucket for forced releases
         self._aged_tokens_at_s = 0.0
@@ -96,6 +98,16 @@ class Planner:
             return []
         view.num_training_updates += 1
         return self._maybe_sync(now_s)
+
+    def on_node_health(self, node_id: int, is_healthy: bool, now_s: float) -> None:
+        """Executors' liveness: a node that is down gets no new tasks."""
+        if not 0 <= node_id < self.config.num_nodes:
+            raise ValueError(f"node {node_id} is not in this cluster of {self.config.num_nodes}")
+        if is_healthy:
+            self._down_nodes.discard(node_id)
+        else:
+            self._down_nodes.add(node_id)
+        self._is_deferred_dirty = True
 
     # ------------------------------------------------------------ queries
 
@@ -188,7 +200,10 @@ class Planner:
         return predictions
 
     def _rank(self, task: Task, now_s: float, context: PolicyContext) -> list[Ranked]:
-        return self.policy.rank(task, self.views, self._candidates(task, now_s), context)
+        ranked = self.policy.rank(task, self.views, self._candidates(task, now_s), context)
+        if self._down_nodes:
+            ranked = [r for r in ranked if r.node_id not in self._down_nodes]
+        return ranked
 
     def _never_fits(self, task: Task) -> str | None:
         """A reason when `task` cannot fit on some stage GPU even on an empty node."""
@@ -217,7 +232,7 @@ class Planner:
             return Rejection(task.task_id, reason)
         ranked = self._rank(task, now_s, context)
         if not ranked:
-            return Rejection(task.task_id, "no eligible node for this task")
+            return Rejection(task.task_id, NO_NODE_REASON)
         return self._commit(task, ranked[0], now_s)
 
     def _commit(self, task: Task, choice: Ranked, now_s: float) -> Placement:
@@ -238,7 +253,7 @@ class Planner:
             return Rejection(task.task_id, reason)
         ranked = self._rank(task, now_s, context)
         if not ranked:
-            return Rejection(task.task_id, "no eligible node for this task")
+            return Rejection(task.task_id, NO_NODE_REASON)
         if not (self.config.is_deprioritization_enabled and self.policy.needs_prediction):
             return self._commit(task, ranked[0], now_s)
         for choice in ranked:

@@ -83,6 +83,11 @@ class RecordingPlanner:
         self._record(decisions)
         return decisions
 
+    def on_node_health(self, node_id: int, is_healthy: bool, now_s: float) -> None:
+        self._sink({"input": "health", "now_s": now_s, "node_id": node_id,
+                    "is_healthy": is_healthy})
+        self.planner.on_node_health(node_id, is_healthy, now_s)
+
     def plan(self, now_s: float) -> list[Decision]:
         self._sink({"input": "plan", "now_s": now_s})
         decisions = self.planner.plan(now_s)
@@ -104,6 +109,9 @@ def replay(events: Iterable[Event], planner: Planner) -> list[Decision]:
         elif kind == "finished":
             decisions += planner.on_task_finished(str(event["task_id"]), float(event["now_s"]),
                                                   bool(event["is_success"]))
+        elif kind == "health":
+            planner.on_node_health(int(event["node_id"]), bool(event["is_healthy"]),
+                                   float(event["now_s"]))
         elif kind == "plan":
             decisions += planner.plan(float(event["now_s"]))
     return decisions

@@ -367,3 +367,16 @@ def test_deferred_training_is_rechecked_periodically_as_predicted_work_drains() 
     planner.plan(11.0)  # the recheck evaluates it again (still deferred here)
     assert planner.num_deferrals == 2
     assert planner.next_wakeup_s() == approx(12.0)
+
+
+def test_a_down_node_gets_no_tasks_and_none_live_means_unavailable() -> None:
+    planner = make_planner("mix-rr", num_nodes=2)
+    planner.on_node_health(0, False, 0.0)
+    assert placed_nodes(submit_and_plan(planner, make_request("a", 0.0))) == [1]
+    assert placed_nodes(submit_and_plan(planner, make_request("b", 0.0))) == [1]
+    planner.on_node_health(1, False, 0.0)
+    decisions = submit_and_plan(planner, make_request("c", 0.0))
+    assert isinstance(decisions[0], Rejection)
+    assert decisions[0].reason.startswith("UNAVAILABLE")
+    planner.on_node_health(0, True, 0.0)
+    assert placed_nodes(submit_and_plan(planner, make_request("d", 0.0))) == [0]

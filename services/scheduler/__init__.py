@@ -1,0 +1,1 @@
+"""The global scheduler service: an asyncio loop around the pure planner."""
