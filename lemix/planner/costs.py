@@ -122,7 +122,12 @@ class DecodeAwareCostEstimator:
             + 0.5 * step[s]
             for s in stages
         )
-        return TaskCosts(forward_s=forward, backward_s=backward)
+        # What the node's running batch would see per token with this task
+        # added to its training load: placement steers training to idle time.
+        work_s = max(f + b for f, b in zip(forward, backward, strict=True))
+        return TaskCosts(forward_s=forward, backward_s=backward,
+                         time_between_tokens_s=self._batch_tbt_with_training_s(view, now_s,
+                                                                               work_s))
 
     def _tbt_after_join_s(self, view: NodeView, task: Task, now_s: float) -> float:
         """Predicted time between tokens for `task` once it joins the batch.
@@ -141,6 +146,18 @@ class DecodeAwareCostEstimator:
         period_s = sum(self.latency.decode_step_s(s, num_after, context_after)
                        for s in range(view.num_stages))
         busy_fraction, mean_item_s = view.training_load(now_s, TRAINING_LOAD_WINDOW_S)
+        return period_s + view.num_stages * min(busy_fraction, 1.0) * mean_item_s
+
+    def _batch_tbt_with_training_s(self, view: NodeView, now_s: float, work_s: float) -> float:
+        """The running batch's time between tokens if training of `work_s` joins the
+        node's recent training load (0 when nothing is decoding there)."""
+        if not view.requests:
+            return 0.0
+        period_s = sum(self.iteration_s(view))
+        busy_fraction, mean_item_s = view.training_load(now_s, TRAINING_LOAD_WINDOW_S)
+        num_items = 2 * len(view.recent_training)
+        mean_item_s = (mean_item_s * num_items + work_s) / (num_items + 2)
+        busy_fraction += work_s / TRAINING_LOAD_WINDOW_S
         return period_s + view.num_stages * min(busy_fraction, 1.0) * mean_item_s
 
     def decode_load(self, view: NodeView, now_s: float) -> DecodeLoad | None:
