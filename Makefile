@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint demo compare bench clean
+.PHONY: setup test lint demo compare bench clean proto proto-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,9 +19,20 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 test: $(STAMP)
+	$(PY) scripts/gen_protos.py --check
 	$(PY) -m ruff check lemix services tests benchmarks
 	$(PY) -m mypy lemix
 	$(PY) -m pytest -q tests
+
+# Regenerate the checked-in stubs in lemix/_proto/ from protos/ (users need no
+# protoc). Runs grpc_tools.protoc -I protos --python_out/--grpc_python_out/
+# --pyi_out, then rewrites `from lemix.v1 import` to `lemix._proto.lemix.v1`.
+proto: $(STAMP)
+	$(PY) scripts/gen_protos.py
+
+# Fails when lemix/_proto/ is stale against protos/; `make test` runs it too.
+proto-check: $(STAMP)
+	$(PY) scripts/gen_protos.py --check
 
 lint: $(STAMP)
 	$(PY) -m ruff check lemix services tests benchmarks

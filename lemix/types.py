@@ -58,6 +58,35 @@ class Task:
         return self.num_prompt_tokens + self.max_output_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class TaskPayload:
+    """What a model needs to run a task beyond the sizes the planner sees.
+
+    Kept apart from `Task` so the planner and the simulator never carry token
+    ids; it travels beside the task to executors. Token id tuples are empty for
+    the emulated backend.
+    """
+
+    prompt_token_ids: tuple[int, ...] = ()  # inference: the prompt; training: query+reference
+    reference_token_ids: tuple[int, ...] = ()  # training labels / inference-loss reference
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
+    ignore_eos: bool = False  # decode exactly max_output_tokens (load tests)
+    seed: int = 0  # sampling RNG seed
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        for name in ("prompt_token_ids", "reference_token_ids"):
+            ids = getattr(self, name)
+            if any(i < 0 for i in ids):
+                raise ValueError(f"{name} must be >= 0, got {min(ids)}")
+
+
 # ---------------------------------------------------------------- decisions
 
 

@@ -1,0 +1,104 @@
+from lemix._proto.lemix.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "max_tokens", "sampling", "reference")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_tokens: int
+    sampling: _common_pb2.SamplingParams
+    reference: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., reference: _Optional[str] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "token_ids", "text", "is_finished", "finish_reason", "ttft_s", "e2e_s", "node_id", "num_output_tokens", "inference_loss", "weight_version")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IS_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    E2E_S_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_LOSS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    is_finished: bool
+    finish_reason: str
+    ttft_s: float
+    e2e_s: float
+    node_id: int
+    num_output_tokens: int
+    inference_loss: float
+    weight_version: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., is_finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., node_id: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., inference_loss: _Optional[float] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
+class TrainSample(_message.Message):
+    __slots__ = ("sample_id", "query", "reference", "token_ids", "num_reference_tokens")
+    SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REFERENCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    sample_id: str
+    query: str
+    reference: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_reference_tokens: int
+    def __init__(self, sample_id: _Optional[str] = ..., query: _Optional[str] = ..., reference: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_reference_tokens: _Optional[int] = ...) -> None: ...
+
+class TrainRequest(_message.Message):
+    __slots__ = ("samples", "batch_size")
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    samples: _containers.RepeatedCompositeFieldContainer[TrainSample]
+    batch_size: int
+    def __init__(self, samples: _Optional[_Iterable[_Union[TrainSample, _Mapping]]] = ..., batch_size: _Optional[int] = ...) -> None: ...
+
+class TrainResponse(_message.Message):
+    __slots__ = ("task_ids",)
+    TASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    task_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, task_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Stats(_message.Message):
+    __slots__ = ("num_inference", "num_training", "num_completed_inference", "num_completed_training", "num_rejected", "num_failed", "num_in_flight", "nodes", "num_deferred_training")
+    NUM_INFERENCE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRAINING_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPLETED_INFERENCE_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPLETED_TRAINING_FIELD_NUMBER: _ClassVar[int]
+    NUM_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILED_FIELD_NUMBER: _ClassVar[int]
+    NUM_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    NUM_DEFERRED_TRAINING_FIELD_NUMBER: _ClassVar[int]
+    num_inference: int
+    num_training: int
+    num_completed_inference: int
+    num_completed_training: int
+    num_rejected: int
+    num_failed: int
+    num_in_flight: int
+    nodes: _containers.RepeatedCompositeFieldContainer[_common_pb2.NodeState]
+    num_deferred_training: int
+    def __init__(self, num_inference: _Optional[int] = ..., num_training: _Optional[int] = ..., num_completed_inference: _Optional[int] = ..., num_completed_training: _Optional[int] = ..., num_rejected: _Optional[int] = ..., num_failed: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[_common_pb2.NodeState, _Mapping]]] = ..., num_deferred_training: _Optional[int] = ...) -> None: ...
