@@ -76,12 +76,17 @@ class DecodeAwareCostEstimator:
 
     def iteration_s(self, view: NodeView) -> tuple[float, ...]:
         """Per-stage time of one decode iteration of the node's running batch."""
+        hit = view.cached.get("iteration_s")
+        if hit is not None and hit[0] == view.version:
+            return hit[1]  # type: ignore[return-value]
         num_running, sum_context, _, _ = self._batch_state(view)
         if num_running == 0:
-            return (0.0,) * view.num_stages
-        return tuple(
-            self.latency.decode_step_s(s, num_running, sum_context) for s in range(view.num_stages)
-        )
+            step = (0.0,) * view.num_stages
+        else:
+            step = tuple(self.latency.decode_step_s(s, num_running, sum_context)
+                         for s in range(view.num_stages))
+        view.cached["iteration_s"] = (view.version, step)
+        return step
 
     def _slot_wait_s(self, view: NodeView, task: Task, period_s: float,
                      mean_output: float) -> float:

@@ -23,6 +23,7 @@ from lemix.profile import MemoryProfile
 from lemix.types import Decision, Deferral, Placement, Rejection, Task, TaskKind, WeightSync
 
 _TOKEN_EPSILON = 1e-9
+_MAX_DEFER_CANDIDATES = 3  # nodes a training task is checked against before deferral
 NO_NODE_REASON = "UNAVAILABLE: no live executor can take this task"
 
 
@@ -256,7 +257,9 @@ class Planner:
             return Rejection(task.task_id, NO_NODE_REASON)
         if not (self.config.is_deprioritization_enabled and self.policy.needs_prediction):
             return self._commit(task, ranked[0], now_s)
-        for choice in ranked:
+        # The best few nodes only: the score already ranks nodes by the decode
+        # slowdown this task would cause, so if those would miss, the rest would.
+        for choice in ranked[:_MAX_DEFER_CANDIDATES]:
             if choice.prediction is not None and not self._hurts_inference(task, choice, now_s):
                 return self._commit(task, choice, now_s)
         if self._is_aged(item, now_s) and self._take_aged_token(now_s):
@@ -283,7 +286,7 @@ class Planner:
             return False
         if self._num_inference_seen == 0 or self.request_rate_rps(now_s) == 0.0:
             return False  # no recent inference: no next request to protect
-        view = self.views[choice.node_id].copy()
+        view = self.views[choice.node_id].copy(share_requests=task.is_training)
         view.commit(task, choice.prediction, now_s)
         probe = Task(
             task_id="__probe__",

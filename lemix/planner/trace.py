@@ -101,6 +101,9 @@ class NodeView:
     # (placed_s, busiest-stage work) of training placed in the last window:
     # the node's training *rate*, which is what slows its decoding.
     recent_training: deque[tuple[float, float]] = field(default_factory=deque)
+    recent_training_work_s: float = 0.0  # running sum over `recent_training`
+    version: int = 0  # bumped on every change; estimators cache per version
+    cached: dict[str, tuple[int, object]] = field(default_factory=dict)
     num_placed: int = 0
     num_training_updates: int = 0
     # Aggregates over `requests`, kept incrementally: Algorithm 1 runs on every
@@ -118,10 +121,11 @@ class NodeView:
         placed in the last `window_s` seconds."""
         recent = self.recent_training
         while recent and recent[0][0] < now_s - window_s:
-            recent.popleft()
+            self.recent_training_work_s -= recent.popleft()[1]
         if not recent:
+            self.recent_training_work_s = 0.0  # no float residue once empty
             return 0.0, 0.0
-        work_s = sum(w for _, w in recent)
+        work_s = self.recent_training_work_s
         return work_s / window_s, work_s / (2 * len(recent))  # a forward + a backward each
 
     @property
@@ -140,6 +144,7 @@ class NodeView:
 
     def commit(self, task: Task, prediction: Prediction, now_s: float | None = None) -> None:
         """Record a placed task: its forward ends, backward window and length."""
+        self.version += 1
         self.forward_end_s = list(prediction.forward_end_s)
         if prediction.num_passed_windows:
             del self.windows[: prediction.num_passed_windows]
@@ -157,6 +162,7 @@ class NodeView:
             self.training_work_s[task.task_id] = work_s
             self.sum_training_work_s += work_s
             self.recent_training.append((task.arrival_s if now_s is None else now_s, work_s))
+            self.recent_training_work_s += work_s
         else:
             self.requests[task.task_id] = OutstandingRequest(
                 task.num_prompt_tokens, task.max_output_tokens
@@ -168,6 +174,7 @@ class NodeView:
 
     def finish(self, task_id: str) -> None:
         """Forget a task the node reported finished (completed, failed or dropped)."""
+        self.version += 1
         request = self.requests.pop(task_id, None)
         if request is not None:
             self.sum_request_prompt_tokens -= request.num_prompt_tokens
@@ -186,8 +193,12 @@ class NodeView:
         if self.windows and self.windows[0].backward_end_s[0] < now_s:
             self.windows = [w for w in self.windows if w.backward_end_s[0] >= now_s]
 
-    def copy(self) -> NodeView:
-        """An independent copy (lists copied, never aliased: a prototype bug)."""
+    def copy(self, share_requests: bool = False) -> NodeView:
+        """An independent copy (lists copied, never aliased: a prototype bug).
+
+        `share_requests=True` reuses the request table itself: only for a
+        throw-away copy that will commit training, which never touches it.
+        """
         return NodeView(
             node_id=self.node_id,
             num_stages=self.num_stages,
@@ -197,11 +208,13 @@ class NodeView:
             num_lengths=self.num_lengths,
             length_mean=self.length_mean,
             length_m2=self.length_m2,
-            requests=dict(self.requests),
+            requests=self.requests if share_requests else dict(self.requests),
             training_tasks=dict(self.training_tasks),
             training_work_s=dict(self.training_work_s),
             sum_training_work_s=self.sum_training_work_s,
             recent_training=deque(self.recent_training),
+            recent_training_work_s=self.recent_training_work_s,
+            version=self.version,
             num_placed=self.num_placed,
             num_training_updates=self.num_training_updates,
             sum_request_prompt_tokens=self.sum_request_prompt_tokens,
