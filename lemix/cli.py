@@ -24,10 +24,10 @@ from lemix.sim.run import SimRunConfig, run_simulation
 from lemix.workload import WorkloadConfig, build_workload, read_azure_csv
 
 NOT_IMPLEMENTED = (
-    "not implemented yet: arrives with the service-stack issue "
-    "(gateway/scheduler/executors over gRPC)"
+    "not implemented yet: the profiler service (driving executors over a (batch, length) "
+    "grid) is still to come; profiles are roofline-derived for now (python -m lemix.roofline)"
 )
-STUB_COMMANDS = ("up", "replay", "profile")
+STUB_COMMANDS = ("profile",)
 
 DEMO_POLICIES = ("separate", "mix-rr", "mix-luf", "lemix-paper", "lemix")
 DEMO_SEEDS = 3
@@ -127,12 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="runs/demo", metavar="DIR")
     demo.add_argument("--workers", type=int, help="worker processes (default min(2, CPUs))")
 
-    for name, what in (
-        ("up", "run the service stack"),
-        ("replay", "load-test a gateway"),
-        ("profile", "profile executors and fit the models"),
-    ):
-        sub.add_parser(name, help=f"{what} ({NOT_IMPLEMENTED})", add_help=False)
+    from lemix.cli_services import add_parsers
+
+    add_parsers(sub)
+    sub.add_parser("profile", help=f"profile executors and fit the models ({NOT_IMPLEMENTED})",
+                   add_help=False)
     return parser
 
 
@@ -345,6 +344,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
+        if args.command in ("up", "replay"):
+            from lemix.cli_services import cmd_replay, cmd_up
+
+            return cmd_up(args) if args.command == "up" else cmd_replay(args)
         setup = configs_from_args(args)
         if args.command == "sim":
             return cmd_sim(setup, args.json)

@@ -80,20 +80,23 @@ def test_bad_input_exits_2_without_traceback(
     assert err.startswith("error: ") and "Traceback" not in err
 
 
-@pytest.mark.parametrize("command", ["up", "replay", "profile"])
-def test_service_commands_are_honestly_not_implemented(
-    command: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert main([command, "--nodes", "2"]) == 2
+def test_profile_command_is_honestly_not_implemented(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["profile", "--target", "x"]) == 2
     assert NOT_IMPLEMENTED in capsys.readouterr().err
 
 
 def test_console_entry_point_runs_as_a_module() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "lemix.cli", "up"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "lemix.cli", "up", "--nodes", "0"], capture_output=True,
+        text=True, timeout=60
     )
     assert done.returncode == 2
-    assert "not implemented yet" in done.stderr
+    assert "--nodes must be >= 1" in done.stderr
+
+
+def test_replay_rejects_a_malformed_target(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", "--target", "nohost", "--poisson", "1", "--duration", "1"]) == 2
+    assert "HOST:PORT" in capsys.readouterr().err
 
 
 def _by_seed(runs: list[dict[str, Any]], key: str) -> dict[int, set[Any]]:

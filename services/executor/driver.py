@@ -15,7 +15,6 @@ windows) in the profile's units.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +26,9 @@ from lemix.engine import NodeEngine, Outcome, StageStart
 from lemix.types import Task
 
 log = structlog.get_logger(__name__)
+
+# How long stop() waits for the outcome writer beyond the drain timeout.
+_WRITER_STOP_S = 2.0
 
 
 class StageBackend(Protocol):
@@ -95,10 +97,16 @@ class NodeDriver:
             task.cancel()
         self._wake.set()
         if self._writer is not None:
-            self._writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._writer
-        await self._flush()
+            # The writer leaves by itself once nothing is pending; it is cancelled
+            # only if that takes too long (the sink is down). Never cancel-then-
+            # await a task doing Redis I/O: on Python 3.11, redis-py's internal
+            # `asyncio.wait_for` can swallow the cancellation, and the await hangs.
+            await asyncio.wait({self._writer}, timeout=max(drain_timeout_s, _WRITER_STOP_S))
+            if not self._writer.done():
+                self._writer.cancel()
+                await asyncio.wait({self._writer}, timeout=_WRITER_STOP_S)
+                return  # it may still be mid-write: a second writer would interleave
+        await self._flush()  # outcomes of calls (cancel) that came after the writer left
 
     # ------------------------------------------------------------ inputs
 
@@ -160,7 +168,7 @@ class NodeDriver:
         self._after(starts, outcomes)
 
     async def _write_loop(self) -> None:
-        while True:
+        while not (self._is_stopping and not self._pending):
             await self._wake.wait()
             self._wake.clear()
             await self._flush()

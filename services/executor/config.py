@@ -1,0 +1,232 @@
+"""The executor's configuration: one frozen dataclass, and the ONE place that
+maps ``LEMIX_*`` environment variables and command-line flags onto it.
+
+Precedence: a flag given on the command line, else its environment variable,
+else the dataclass default. Nothing is read at import time; `from_env_and_args`
+reads `os.environ` when called (or the mapping it is given, for tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from lemix.batching import BatchingConfig
+from lemix.engine import EngineConfig
+from lemix.memory import MemoryConfig
+from lemix.redis_keys import DEFAULT_NAMESPACE, RedisKeys
+
+BACKENDS = ("emulated",)  # "torch" joins when the real stage backend lands
+LOG_FORMATS = ("console", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
+_MAX_NODE_ID = (1 << 32) - 1  # NodeState.node_id is a uint32 on the wire
+_TTL_PER_HEARTBEAT = 3.0  # PROTOCOL.md: heartbeat TTL defaults to 3x the period
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """Everything one executor process (one node) needs. Times are wall seconds
+    unless they say otherwise; engine times (`join_window_s`, `max_wait_s`) are
+    profile seconds, which `time_scale` shrinks or stretches."""
+
+    node_id: int = 0
+    host: str = "127.0.0.1"  # gRPC bind address
+    port: int = 0  # 0 = any free port (see ExecutorService.bound_port)
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    namespace: str = DEFAULT_NAMESPACE  # Redis key prefix shared by one stack
+    profile_path: Path | None = None  # None = lemix.profile.default_profile_path()
+    backend: str = "emulated"
+    time_scale: float = 1.0  # wall seconds per profile second (emulated backend)
+    latency_noise_cv: float = 0.0  # emulated truth = profile x lognormal noise of this CV
+    seed: int = 0  # the noise RNG is seeded with seed + node_id
+    heartbeat_s: float = 0.5  # node-state write period
+    node_ttl_s: float | None = None  # node-state TTL; None = 3 x heartbeat_s
+    max_batch_size: int = BatchingConfig().max_batch_size  # C
+    join_window_s: float | None = None  # T_w (profile s); None = join at any iteration
+    kappa: float = MemoryConfig().kappa  # usable fraction of each stage GPU
+    max_wait_s: float = MemoryConfig().max_wait_s  # T_max (profile s)
+    is_offload_enabled: bool = True  # False: wait-then-drop
+    advertise_host: str = ""  # host others dial; "" = host (or this machine's name)
+    shutdown_grace_s: float = 5.0  # how long stop() lets running work finish
+    log_format: str = "console"
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.node_id <= _MAX_NODE_ID:
+            raise ValueError(f"node_id must be in [0, {_MAX_NODE_ID}], got {self.node_id}")
+        if not self.host or any(ch.isspace() for ch in self.host):
+            raise ValueError(f"host must be a non-empty host name or address, got {self.host!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535] (0 = any free port), got {self.port}")
+        if not self.redis_url.startswith(_REDIS_SCHEMES):
+            raise ValueError(
+                f"redis_url must start with one of {', '.join(_REDIS_SCHEMES)}, "
+                f"got {self.redis_url!r}"
+            )
+        RedisKeys(self.namespace)  # raises ValueError on an empty or spaced namespace
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        _positive("time_scale", self.time_scale)
+        _non_negative("latency_noise_cv", self.latency_noise_cv)
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        _positive("heartbeat_s", self.heartbeat_s)
+        if self.node_ttl_s is not None and not self.node_ttl_s > self.heartbeat_s:
+            raise ValueError(
+                f"node_ttl_s ({self.node_ttl_s}) must exceed heartbeat_s ({self.heartbeat_s}), "
+                "or the node would flicker dead between heartbeats"
+            )
+        if any(ch.isspace() for ch in self.advertise_host):
+            raise ValueError(f"advertise_host must not contain spaces: {self.advertise_host!r}")
+        _non_negative("shutdown_grace_s", self.shutdown_grace_s)
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        self.engine_config()  # batching/memory ranges are checked by their own configs
+
+    # ------------------------------------------------------------ derived
+
+    @property
+    def heartbeat_ttl_s(self) -> float:
+        """TTL of each node-state write: `node_ttl_s`, or 3 x `heartbeat_s`."""
+        return self.node_ttl_s if self.node_ttl_s is not None else (
+            _TTL_PER_HEARTBEAT * self.heartbeat_s)
+
+    def engine_config(self) -> EngineConfig:
+        """The node engine's config (streaming executors need every token)."""
+        return EngineConfig(
+            batching=BatchingConfig(self.max_batch_size, self.join_window_s),
+            memory=MemoryConfig(self.kappa, self.max_wait_s, self.is_offload_enabled),
+            emit_tokens=True,
+        )
+
+    def advertised_host(self, fallback_host: str) -> str:
+        """The host part of the address this node advertises: `advertise_host`,
+        else `host` unless it is a wildcard, else `fallback_host`."""
+        if self.advertise_host:
+            return self.advertise_host
+        return fallback_host if self.host in _WILDCARD_HOSTS else self.host
+
+    # ------------------------------------------------------------ env + CLI
+
+    @classmethod
+    def from_env_and_args(
+        cls, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+    ) -> ExecutorConfig:
+        """Build the config from `env` (default `os.environ`) and `argv` (default
+        `sys.argv[1:]`). Bad flags exit via argparse (status 2); a bad
+        environment value or an out-of-range setting raises `ValueError`."""
+        env = os.environ if env is None else env
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        values: dict[str, Any] = {}
+        for opt in _OPTIONS:
+            given = getattr(args, opt.field)
+            if given is not None:
+                values[opt.field] = given
+            elif env.get(opt.env, "") != "":
+                values[opt.field] = _parse_env(opt, env[opt.env])
+        return cls(**values)
+
+
+def _positive(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+
+
+def _non_negative(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+
+
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected 1/0/true/false, got {text!r}")
+
+
+@dataclass(frozen=True)
+class _Option:
+    field: str  # ExecutorConfig field
+    flag: str
+    env: str
+    parse: Callable[[str], Any]
+    help: str
+    metavar: str | None = None
+
+
+_OPTIONS: tuple[_Option, ...] = (
+    _Option("node_id", "--node-id", "LEMIX_NODE_ID", int, "this node's id", "N"),
+    _Option("host", "--host", "LEMIX_EXECUTOR_HOST", str, "gRPC bind address", "HOST"),
+    _Option("port", "--port", "LEMIX_EXECUTOR_PORT", int, "gRPC port (0 = any free port)",
+            "PORT"),
+    _Option("redis_url", "--redis-url", "LEMIX_REDIS_URL", str, "Redis URL", "URL"),
+    _Option("namespace", "--namespace", "LEMIX_NAMESPACE", str, "Redis key prefix", "NS"),
+    _Option("profile_path", "--profile", "LEMIX_PROFILE", Path,
+            "profile JSON (default: the shipped A100 profile)", "FILE"),
+    _Option("backend", "--backend", "LEMIX_EXECUTOR_BACKEND", str,
+            f"stage backend: {', '.join(BACKENDS)}", "NAME"),
+    _Option("time_scale", "--time-scale", "LEMIX_TIME_SCALE", float,
+            "wall seconds per profile second (emulated)", "X"),
+    _Option("latency_noise_cv", "--latency-noise-cv", "LEMIX_LATENCY_NOISE_CV", float,
+            "CV of the emulated latency noise (0 = exact profile)", "CV"),
+    _Option("seed", "--seed", "LEMIX_SEED", int, "noise RNG seed (plus node id)", "N"),
+    _Option("heartbeat_s", "--heartbeat-s", "LEMIX_HEARTBEAT_S", float,
+            "node-state write period, s", "S"),
+    _Option("node_ttl_s", "--node-ttl-s", "LEMIX_NODE_TTL_S", float,
+            "node-state TTL, s (default 3x heartbeat)", "S"),
+    _Option("max_batch_size", "--max-batch-size", "LEMIX_MAX_BATCH_SIZE", int,
+            "C, the running-batch cap", "C"),
+    _Option("join_window_s", "--join-window-s", "LEMIX_JOIN_WINDOW_S", float,
+            "T_w, profile s (default: join at any iteration)", "S"),
+    _Option("kappa", "--kappa", "LEMIX_KAPPA", float, "usable fraction of GPU memory", "K"),
+    _Option("max_wait_s", "--max-wait-s", "LEMIX_MAX_WAIT_S", float,
+            "T_max, profile s a task may wait for memory", "S"),
+    _Option("is_offload_enabled", "--offload", "LEMIX_OFFLOAD", _bool,
+            "offload KV to host after T_max (--no-offload: wait, then drop)"),
+    _Option("advertise_host", "--advertise-host", "LEMIX_ADVERTISE_HOST", str,
+            "host others dial (default: --host, or this machine's name for a wildcard)",
+            "HOST"),
+    _Option("shutdown_grace_s", "--shutdown-grace-s", "LEMIX_SHUTDOWN_GRACE_S", float,
+            "how long shutdown lets running work finish, s", "S"),
+    _Option("log_format", "--log-format", "LEMIX_LOG_FORMAT", str,
+            f"log format: {', '.join(LOG_FORMATS)}", "FMT"),
+    _Option("log_level", "--log-level", "LEMIX_LOG_LEVEL", str,
+            f"log level: {', '.join(LOG_LEVELS)}", "LEVEL"),
+)
+
+
+def _parse_env(opt: _Option, text: str) -> Any:
+    try:
+        return opt.parse(text)
+    except ValueError as exc:
+        raise ValueError(f"{opt.env}={text!r} is not valid for {opt.flag}: {exc}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `python -m services.executor` flags; each names its environment variable."""
+    parser = argparse.ArgumentParser(
+        prog="python -m services.executor",
+        description="LeMix executor: one process per node (emulated stage backend).",
+    )
+    defaults = {f.name: f.default for f in fields(ExecutorConfig)}
+    for opt in _OPTIONS:
+        text = f"{opt.help} [env {opt.env}; default {defaults[opt.field]!r}]"
+        if opt.parse is _bool:
+            parser.add_argument(opt.flag, dest=opt.field, default=None,
+                                action=argparse.BooleanOptionalAction, help=text)
+        else:
+            parser.add_argument(opt.flag, dest=opt.field, default=None, type=opt.parse,
+                                metavar=opt.metavar, help=text)
+    return parser

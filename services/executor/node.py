@@ -1,0 +1,283 @@
+"""What the executor's RPCs act on: one node's engine, driver and bookkeeping.
+
+`ExecutorNode` owns the `NodeDriver` (which owns the `NodeEngine`) and adds the
+little the service needs around it, none of it scheduling:
+
+* idempotent dispatch: a redelivered `Dispatch` of a task the node holds (or
+  just finished) is accepted and not run twice;
+* a refusal up front of work that could never fit the node's memory, which
+  would otherwise wait forever;
+* waiting for a weight save/load (`BlockingDone`) before answering;
+* the `NodeSnapshot` heartbeats and `GetNodeState` report;
+* on shutdown, an `UNAVAILABLE` end for inference still held, and a requeue
+  of training still held, so no client waits on a dead node.
+
+Measure and the weight transfer time are the emulated backend's (they come from
+the profile and the engine's ground-truth latency); a torch backend brings its
+own stage execution through `StageBackend` and would override these two.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+
+import structlog
+
+from lemix.engine import BlockingDone, Failed, Finished, NodeEngine, Outcome, Requeued
+from lemix.memory import activation_bytes, kv_bytes
+from lemix.profile import Profile
+from lemix.rpc.errors import InvalidArgument, ResourceExhausted, Unavailable
+from lemix.types import NodeSnapshot, Task, TaskPayload
+from services.executor.convert import (
+    MeasurePhase,
+    MeasureResult,
+    MeasureSpec,
+    SyncDirection,
+    WeightSyncResult,
+    WeightSyncSpec,
+)
+from services.executor.driver import NodeDriver, OutcomeSink, StageBackend
+
+log = structlog.get_logger(__name__)
+
+# Ids of finished tasks remembered so a late duplicate Dispatch is not re-run.
+_RECENT_DONE_MAX = 10_000
+# busy_fraction is measured over about this many profile seconds.
+BUSY_WINDOW_S = 5.0
+_IDLE_POLL_S = 0.01
+
+
+class BusyMeter:
+    """Recent busy share of the stages, from the engine's cumulative busy time.
+
+    The engine credits a stage's busy time when work starts, so a sample can
+    run ahead of the clock; the fraction is clamped to [0, 1].
+    """
+
+    def __init__(self, window_s: float = BUSY_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque()  # (now_s, mean busy_s)
+
+    def update(self, now_s: float, busy_s: float) -> float:
+        self._samples.append((now_s, busy_s))
+        while len(self._samples) > 2 and self._samples[1][0] <= now_s - self.window_s:
+            self._samples.popleft()
+        t0_s, busy0_s = self._samples[0]
+        if now_s <= t0_s:
+            return 0.0
+        return min(1.0, max(0.0, (busy_s - busy0_s) / (now_s - t0_s)))
+
+
+class _ObservedSink:
+    """Passes batches to the real sink and tells the node what ended."""
+
+    def __init__(self, node: ExecutorNode, inner: OutcomeSink) -> None:
+        self._node = node
+        self._inner = inner
+
+    async def write(self, batch: list[tuple[float, Outcome]]) -> None:
+        # A weight sync waits on the stages, not on Redis: resolve it first.
+        self._node.on_blocking_done(o.tag for _, o in batch if isinstance(o, BlockingDone))
+        await self._inner.write(batch)
+        self._node.on_ended(o.task_id for _, o in batch if isinstance(o, Finished | Failed))
+        # Requeued training comes back under the same id: do not treat it as a duplicate.
+        self._node.on_ended((o.task_id for _, o in batch if isinstance(o, Requeued)),
+                            is_final=False)
+
+
+class ExecutorNode:
+    """One node: dispatch, cancel, report, sync weights, measure."""
+
+    def __init__(self, engine: NodeEngine, backend: StageBackend, sink: OutcomeSink, *,
+                 time_scale: float = 1.0) -> None:
+        self.engine = engine
+        self.profile: Profile = engine.profile
+        self.node_id = engine.node_id
+        self.sink = sink
+        self.driver = NodeDriver(engine, backend, _ObservedSink(self, sink),
+                                 time_scale=time_scale)
+        self.address = ""  # host:port, set once the gRPC server is bound
+        self.is_stopping = False
+        self._held: dict[str, Task] = {}  # dispatched and not ended, by id
+        # Token ids and sampling, kept for backends that run a real model.
+        self.payloads: dict[str, TaskPayload] = {}
+        self._recent_done: OrderedDict[str, None] = OrderedDict()
+        self._blocking: dict[str, asyncio.Future[None]] = {}
+        self._sync_seq = itertools.count(1)
+        self._busy = BusyMeter()
+
+    async def start(self) -> None:
+        await self.driver.start()
+
+    # ------------------------------------------------------------ RPC actions
+
+    def dispatch(self, task: Task, payload: TaskPayload) -> bool:
+        """Run `task`; False when it is a duplicate (held or just finished).
+
+        Raises `Unavailable` while stopping and `ResourceExhausted` when the
+        task could never fit this node's memory.
+        """
+        if self.is_stopping:
+            raise Unavailable(f"executor node {self.node_id} is shutting down")
+        if task.task_id in self._held or task.task_id in self._recent_done:
+            log.info("executor.duplicate_dispatch", node=self.node_id, task_id=task.task_id)
+            return False
+        self._check_could_fit(task)
+        self._held[task.task_id] = task
+        self.payloads[task.task_id] = payload
+        self.driver.add_task(task)
+        return True
+
+    def cancel(self, task_id: str) -> bool:
+        """Cancel a held task; its `end` (CANCELLED) follows through the sink."""
+        return self.driver.cancel(task_id)
+
+    async def sync_weights(self, spec: WeightSyncSpec) -> WeightSyncResult:
+        """Occupy every stage for the weight transfer; return when all are done.
+
+        LOAD makes `spec.weight_version` the version later first tokens carry.
+        Emulated: each stage moves its weights over the host link. A caller
+        that gives up (deadline) does not undo it; the stages still run it.
+        """
+        if self.is_stopping:
+            raise Unavailable(f"executor node {self.node_id} is shutting down")
+        weight_bytes = self.profile.memory.weight_bytes
+        rate = self.profile.transfer.host_link_bytes_s
+        durations_s = tuple(nbytes / rate for nbytes in weight_bytes)
+        tag = f"{spec.direction}-{spec.weight_version}-{next(self._sync_seq)}"
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._blocking[tag] = done
+        start_s = self.driver.now_s()
+        apply = spec.weight_version if spec.direction is SyncDirection.LOAD else None
+        try:
+            self.driver.add_blocking(tag, durations_s, apply)
+            await done
+        finally:
+            self._blocking.pop(tag, None)
+        log.info("executor.weights_synced", node=self.node_id, direction=str(spec.direction),
+                 version=spec.weight_version, location=spec.location)
+        return WeightSyncResult(self.driver.now_s() - start_s, sum(weight_bytes))
+
+    def measure(self, spec: MeasureSpec) -> MeasureResult:
+        """Emulated profiling: samples of the engine's ground-truth latency, so
+        a profiler fitting them recovers the profile this node was given."""
+        if spec.stage >= self.engine.num_stages:
+            raise InvalidArgument(
+                f"stage {spec.stage} out of range; this node has {self.engine.num_stages} stages"
+            )
+        truth, stage, memory = self.engine.truth, spec.stage, self.profile.memory
+        if spec.phase is MeasurePhase.FORWARD:
+            samples = [truth.forward_s(stage, spec.batch_size, spec.num_tokens)
+                       for _ in range(spec.num_repeats)]
+        elif spec.phase is MeasurePhase.BACKWARD:
+            samples = [truth.backward_s(stage, spec.batch_size, spec.num_tokens)
+                       for _ in range(spec.num_repeats)]
+        else:
+            samples = [truth.decode_step_s(stage, spec.batch_size, spec.sum_context_tokens)
+                       for _ in range(spec.num_repeats)]
+        if spec.phase is MeasurePhase.DECODE:
+            dynamic = memory.kv_bytes_per_token[stage] * spec.sum_context_tokens
+        else:
+            dynamic = memory.activation_bytes_per_token[stage] * spec.batch_size * spec.num_tokens
+        return MeasureResult(tuple(samples), memory.static_bytes(stage) + dynamic)
+
+    def snapshot(self) -> NodeSnapshot:
+        """The node's state now, in engine (profile) seconds."""
+        engine = self.engine
+        now_s = self.driver.now_s()
+        running = engine.running
+        kv_per_stage = [0] * engine.num_stages
+        for req in running:
+            for stage, nbytes in enumerate(engine.memory.held_bytes(req.task.task_id)):
+                kv_per_stage[stage] += nbytes
+        mean_busy_s = sum(engine.busy_s) / engine.num_stages
+        return NodeSnapshot(
+            node_id=self.node_id,
+            now_s=now_s,
+            num_running=len(running),
+            # Swapped-out requests wait too (for their KV to come back).
+            num_waiting=len(engine.waiting) + len(engine.swapped),
+            sum_context_tokens=sum(max(r.context_tokens, r.task.num_prompt_tokens)
+                                   for r in running),
+            max_remaining_decode_tokens=max(
+                (r.task.max_output_tokens - r.num_generated for r in running), default=0),
+            kv_used_bytes=max(kv_per_stage, default=0),
+            memory_capacity_bytes=engine.memory.threshold_bytes,
+            busy_fraction=self._busy.update(now_s, mean_busy_s),
+            num_training_updates=engine.num_training_updates,
+            is_healthy=not self.is_stopping,
+        )
+
+    # ------------------------------------------------------------ sink hooks
+
+    def on_blocking_done(self, tags: Iterable[str]) -> None:
+        for tag in tags:
+            done = self._blocking.get(tag)
+            if done is not None and not done.done():
+                done.set_result(None)
+
+    def on_ended(self, task_ids: Iterable[str], *, is_final: bool = True) -> None:
+        """The node no longer holds these tasks; final ones are remembered so a
+        late duplicate Dispatch is not run again."""
+        for task_id in task_ids:
+            if self._held.pop(task_id, None) is not None:
+                self.payloads.pop(task_id, None)
+                if not is_final:
+                    continue
+                self._recent_done[task_id] = None
+                if len(self._recent_done) > _RECENT_DONE_MAX:
+                    self._recent_done.popitem(last=False)
+
+    # ------------------------------------------------------------ shutdown
+
+    def begin_stop(self) -> None:
+        """Refuse new work from now on (Dispatch answers UNAVAILABLE)."""
+        self.is_stopping = True
+
+    async def stop(self, grace_s: float) -> None:
+        """Let held work finish for up to `grace_s`, stop the driver, then end
+        what is still held: inference fails UNAVAILABLE, training is requeued."""
+        self.begin_stop()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while not self.engine.is_idle and loop.time() < deadline:
+            await asyncio.sleep(_IDLE_POLL_S)
+        await self.driver.stop(drain_timeout_s=max(0.0, deadline - loop.time()))
+        for tag, done in list(self._blocking.items()):
+            if not done.done():
+                done.set_exception(Unavailable(f"executor node {self.node_id} shut down "
+                                               f"before weight sync {tag} finished"))
+        now_s = self.driver.now_s()
+        reason = f"UNAVAILABLE: executor node {self.node_id} shut down"
+        leftovers: list[tuple[float, Outcome]] = [
+            (now_s, Requeued(task_id, reason) if task.is_training else Failed(task_id, reason))
+            for task_id, task in self._held.items()
+        ]
+        if leftovers:
+            log.warning("executor.ended_held_tasks", node=self.node_id, count=len(leftovers))
+            try:
+                await self.sink.write(leftovers)
+            except Exception:  # Redis gone too: nothing else can record them
+                log.exception("executor.leftover_write_failed", node=self.node_id)
+            self.on_ended(list(self._held), is_final=False)
+
+    # ------------------------------------------------------------ internals
+
+    def _check_could_fit(self, task: Task) -> None:
+        memory = self.engine.memory
+        if task.is_training:
+            need = activation_bytes(self.profile.memory, task.batch_size, task.num_prompt_tokens)
+            what = "activations"
+        else:
+            need = kv_bytes(self.profile.memory, task.num_total_tokens)
+            what = "KV cache"
+        if not memory.could_ever_fit(need):
+            stage = max(range(len(need)), key=lambda s: need[s] - memory.dynamic_capacity_bytes(s))
+            raise ResourceExhausted(
+                f"task {task.task_id!r}: its {what} needs {need[stage]} B on stage {stage} but "
+                f"node {self.node_id} can hold at most {memory.dynamic_capacity_bytes(stage)} B "
+                "there; shorten it"
+            )

@@ -1,0 +1,202 @@
+"""The executor service: wires config, engine, driver, Redis and gRPC together.
+
+    service = ExecutorService(config)
+    await service.start()        # serving; heartbeats running
+    ...
+    await service.stop(grace_s)  # NOT_SERVING, node state gone, work drained
+
+Start order: profile -> engine -> Redis (pinged, so a bad URL fails fast) ->
+driver -> gRPC server -> first heartbeat -> heartbeat loop. Stop reverses it,
+flipping health to NOT_SERVING and withdrawing the node state first so the
+scheduler stops placing work here while what is running drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import random
+import socket
+import time
+
+import grpc.aio
+import redis.asyncio as aioredis
+import structlog
+from grpc_health.v1 import health
+
+from lemix._proto.lemix.v1 import executor_pb2_grpc
+from lemix.engine import NodeEngine
+from lemix.profile import Profile, default_profile_path, load_profile
+from lemix.redis_keys import RedisKeys
+from lemix.rpc import EXECUTOR_SERVICE
+from lemix.rpc.server import start_server, stop_server
+from lemix.sim.simulator import NoisyLatency
+from lemix.store import FieldValue, Store
+from services.executor.config import ExecutorConfig
+from services.executor.driver import EmulatedBackend, StageBackend
+from services.executor.node import ExecutorNode
+from services.executor.servicer import ExecutorServicer
+from services.executor.sink import RedisOutcomeSink
+
+log = structlog.get_logger(__name__)
+
+# The last node-state write lives this long: effectively a delete through
+# `Store.put_node_state`, so the scheduler sees the node gone at once.
+_GONE_TTL_S = 0.001
+# How long stop() waits for a heartbeat write in progress.
+_HEARTBEAT_STOP_S = 2.0
+# How long stop() gives in-flight RPCs after the work has drained.
+_RPC_GRACE_S = 1.0
+
+
+def node_state_fields(node: ExecutorNode) -> dict[str, FieldValue]:
+    """One heartbeat: the `NodeState` fields (proto names) plus `t` (epoch s)."""
+    fields: dict[str, FieldValue] = dict(dataclasses.asdict(node.snapshot()))
+    fields.update(address=node.address, num_stages=node.engine.num_stages, t=time.time())
+    return fields
+
+
+class ExecutorService:
+    """One executor process: a node engine behind gRPC, reporting to Redis."""
+
+    def __init__(self, config: ExecutorConfig, *, profile: Profile | None = None) -> None:
+        self.config = config
+        self._profile = profile  # None: load config.profile_path at start()
+        self.node: ExecutorNode | None = None
+        self._redis: aioredis.Redis | None = None
+        self._store: Store | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self._bound_port: int | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._heartbeat_stop = asyncio.Event()
+        self._is_started = False
+        self._is_stopped = False
+
+    @property
+    def bound_port(self) -> int:
+        """The gRPC port actually bound (config.port, or the free one picked)."""
+        if self._bound_port is None:
+            raise RuntimeError("the executor service is not started")
+        return self._bound_port
+
+    @property
+    def address(self) -> str:
+        """host:port this node advertises (and the scheduler dials)."""
+        if self.node is None or not self.node.address:
+            raise RuntimeError("the executor service is not started")
+        return self.node.address
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            raise RuntimeError("the executor service is not started")
+        return self._store
+
+    async def start(self) -> None:
+        """Bring the node up; on failure, undo what was started and re-raise."""
+        if self._is_started:
+            raise RuntimeError("the executor service is already started")
+        self._is_started = True
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop(grace_s=0.0)
+            raise
+
+    async def _start(self) -> None:
+        config = self.config
+        profile = self._profile or load_profile(config.profile_path or default_profile_path())
+        truth = NoisyLatency(profile.ours, config.latency_noise_cv,
+                             random.Random(config.seed + config.node_id))
+        engine = NodeEngine(config.node_id, profile, truth, config.engine_config())
+        self._redis = aioredis.Redis.from_url(config.redis_url, decode_responses=True)
+        await self._redis.ping()
+        self._store = Store(self._redis, RedisKeys(config.namespace))
+        self.node = ExecutorNode(engine, self._backend(),
+                                 RedisOutcomeSink(self._store, config.node_id),
+                                 time_scale=config.time_scale)
+        await self.node.start()
+        servicer = ExecutorServicer(self.node)
+        self._server, self._bound_port, self._health = await start_server(
+            [(executor_pb2_grpc.add_ExecutorServicer_to_server, servicer)],
+            config.host, config.port, service_names=[EXECUTOR_SERVICE],
+        )
+        host = config.advertised_host(socket.gethostname())
+        self.node.address = f"[{host}]:{self._bound_port}" if ":" in host else (
+            f"{host}:{self._bound_port}")
+        await self._put_state()  # live in Redis before anyone is told we serve
+        self._heartbeat = asyncio.create_task(self._heartbeat_loop(),
+                                              name=f"node{config.node_id}-heartbeat")
+        log.info("executor.started", node=config.node_id, address=self.node.address,
+                 profile=profile.name, stages=profile.num_stages, backend=config.backend,
+                 time_scale=config.time_scale)
+
+    def _backend(self) -> StageBackend:
+        if self.config.backend == "emulated":
+            return EmulatedBackend(self.config.time_scale)
+        raise ValueError(f"unknown backend {self.config.backend!r}")  # config validates it
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """NOT_SERVING, withdraw the node state, drain for up to `grace_s`
+        (default `config.shutdown_grace_s`), stop the server, close Redis.
+        Safe on a partly started service and when called twice."""
+        if self._is_stopped:
+            return
+        self._is_stopped = True
+        grace_s = self.config.shutdown_grace_s if grace_s is None else grace_s
+        node_id = self.config.node_id
+        if self.node is not None:
+            self.node.begin_stop()
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self._heartbeat is not None:
+            # Asked to stop, not cancelled: a cancellation can be lost inside a
+            # redis-py call on Python 3.11 (see NodeDriver.stop).
+            self._heartbeat_stop.set()
+            await asyncio.wait({self._heartbeat}, timeout=_HEARTBEAT_STOP_S)
+            if not self._heartbeat.done():
+                self._heartbeat.cancel()
+            self._heartbeat = None
+            await self._withdraw_state()
+        if self.node is not None:
+            await self.node.stop(grace_s)
+        if self._server is not None and self._health is not None:
+            await stop_server(self._server, self._health, grace_s=_RPC_GRACE_S)
+            self._server = None
+        if self._redis is not None:
+            await self._redis.aclose()
+            self._redis = None
+        log.info("executor.stopped", node=node_id)
+
+    # ------------------------------------------------------------ heartbeats
+
+    async def _put_state(self) -> None:
+        assert self.node is not None and self._store is not None  # set by _start
+        await self._store.put_node_state(self.config.node_id, node_state_fields(self.node),
+                                         ttl_s=self.config.heartbeat_ttl_s)
+
+    async def _heartbeat_loop(self) -> None:
+        stop = self._heartbeat_stop
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=self.config.heartbeat_s)
+            if stop.is_set():
+                return
+            try:
+                await self._put_state()
+            except Exception as exc:  # Redis hiccup: keep beating; the TTL tells the truth
+                log.warning("executor.heartbeat_failed", node=self.config.node_id,
+                            error=f"{type(exc).__name__}: {exc}")
+
+    async def _withdraw_state(self) -> None:
+        """A last, unhealthy node state that expires at once: the node is gone."""
+        if self.node is None or self._store is None:
+            return
+        try:
+            await self._store.put_node_state(self.config.node_id,
+                                             node_state_fields(self.node), ttl_s=_GONE_TTL_S)
+        except Exception as exc:  # it expires within the TTL anyway
+            log.warning("executor.withdraw_failed", node=self.config.node_id,
+                        error=f"{type(exc).__name__}: {exc}")
