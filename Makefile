@@ -20,8 +20,8 @@ setup: $(STAMP)
 
 test: $(STAMP)
 	$(PY) scripts/gen_protos.py --check
-	$(PY) -m ruff check lemix services tests benchmarks
-	$(PY) -m mypy lemix
+	$(PY) -m ruff check lemix services gateway tests benchmarks scripts
+	$(PY) -m mypy lemix services gateway
 	$(PY) -m pytest -q tests
 
 # Regenerate the checked-in stubs in lemix/_proto/ from protos/ (users need no
@@ -35,8 +35,8 @@ proto-check: $(STAMP)
 	$(PY) scripts/gen_protos.py --check
 
 lint: $(STAMP)
-	$(PY) -m ruff check lemix services tests benchmarks
-	$(PY) -m mypy lemix
+	$(PY) -m ruff check lemix services gateway tests benchmarks scripts
+	$(PY) -m mypy lemix services gateway
 
 # The main job. Until the service stack lands this runs a small simulated
 # comparison of LeMix against the baselines on identical workloads.

@@ -223,8 +223,8 @@ class Planner:
             need = bytes_per_token * num_tokens
             room = self._threshold_bytes - memory.static_bytes(stage)
             if need > room:
-                return (f"{what} need {need} B on stage {stage} but it has {room} B for them; "
-                        f"{fix}")
+                return (f"RESOURCE_EXHAUSTED: {what} need {need} B on stage {stage} but it has "
+                        f"{room} B for them; {fix}")
         return None
 
     def _place(self, task: Task, now_s: float, context: PolicyContext) -> Decision:

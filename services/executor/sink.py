@@ -94,11 +94,11 @@ class RedisOutcomeSink:
         if isinstance(outcome, Finished):
             status, reason, n = COMPLETED, "", outcome.num_output_tokens
             # Training finishes with 0 output tokens; inference always has >= 1.
-            stat = "completed_inference" if n > 0 else "completed_training"
+            stat = "num_completed_inference" if n > 0 else "num_completed_training"
         else:
             status, reason, n = FAILED, outcome.reason, self._num_tokens.get(task_id, 0)
-            stat = "failed"
-        await self.store.finish_task(
+            stat = "num_failed"
+        is_first_end = await self.store.finish_task(
             task_id, status, reason,
             output_fields={"type": END_MESSAGE, "n": n, "node": str(self.node_id), "t": t},
             state_fields={"node_id": self.node_id, "finish_t": t, "num_output_tokens": n},
@@ -107,7 +107,7 @@ class RedisOutcomeSink:
         # the scheduler needs to learn that this node freed the task's memory.
         await self._append_completion(task_id, status, reason, t)
         self._num_tokens.pop(task_id, None)
-        return stat
+        return stat if is_first_end else "num_duplicate_ends"  # count each task once
 
     async def _append_completion(self, task_id: str, status: str, reason: str,
                                  t: float) -> None:

@@ -12,7 +12,7 @@ exactly what the planner saw.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Protocol
 
 import structlog
@@ -21,6 +21,23 @@ from lemix.planner.recording import RecordingPlanner
 from lemix.types import Decision, Deferral, Placement, Rejection, Task, WeightSync
 
 log = structlog.get_logger(__name__)
+
+
+# Status names a failure reason may start with (services/PROTOCOL.md).
+STATUS_PREFIXES = ("INVALID_ARGUMENT:", "RESOURCE_EXHAUSTED:", "UNAVAILABLE:", "CANCELLED:",
+                   "DEADLINE_EXCEEDED:")
+
+
+def rejection_reason(reason: str) -> str:
+    """A planner rejection's reason as the client sees it, status name first.
+
+    The planner rejects for two causes: no live node (already "UNAVAILABLE:
+    ...") and "can never fit", which the protocol names RESOURCE_EXHAUSTED; a
+    reason without a prefix would otherwise reach the client as INTERNAL.
+    """
+    if reason.startswith(STATUS_PREFIXES):
+        return reason
+    return f"RESOURCE_EXHAUSTED: {reason}"
 
 
 class DispatchError(Exception):
@@ -44,8 +61,19 @@ class ResultWriter(Protocol):
 
 
 class SchedulerCore:
+    """Sequences planner inputs and applies decisions through the ports.
+
+    `on_forget(task_id)` is called whenever a task leaves the core (finished,
+    rejected, failed to dispatch, cancelled), so the service can drop what it
+    keeps beside the task (its payload). `is_cancelled(task_id)` is asked
+    before a deferred training task is dispatched: one cancelled while it
+    waited is dropped instead (its end message was written by the canceller).
+    """
+
     def __init__(self, planner: RecordingPlanner, dispatcher: Dispatcher, writer: ResultWriter,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], *,
+                 on_forget: Callable[[str], None] | None = None,
+                 is_cancelled: Callable[[str], Awaitable[bool]] | None = None) -> None:
         self.planner = planner
         self.dispatcher = dispatcher
         self.writer = writer
@@ -55,10 +83,34 @@ class SchedulerCore:
         self.num_placed = 0
         self.num_rejected = 0
         self.num_dispatch_failures = 0
+        # Nodes the planner has down, and when (planner time) a failed dispatch
+        # took one down: the service re-admits it only after a pause.
+        self.down_nodes: set[int] = set()
+        self.dispatch_failed_s: dict[int, float] = {}
         self.wakeup = asyncio.Event()  # set when the next timer may have changed
+        self._on_forget = on_forget
+        self._is_cancelled = is_cancelled
 
     def knows(self, task_id: str) -> bool:
         return task_id in self._tasks
+
+    def node_of(self, task_id: str) -> int | None:
+        """The node a task is placed on, or None (queued, deferred or unknown)."""
+        return self.planner.planner.node_of(task_id)
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self._tasks)
+
+    def restore(self, tasks: Iterable[Task], num_placed: int = 0, num_rejected: int = 0) -> None:
+        """After a restart: the tasks the replayed planner still holds, and counters."""
+        self._tasks = {task.task_id: task for task in tasks}
+        self.num_placed = num_placed
+        self.num_rejected = num_rejected
+
+    def _forget(self, task_id: str) -> None:
+        if self._tasks.pop(task_id, None) is not None and self._on_forget is not None:
+            self._on_forget(task_id)
 
     async def on_task(self, task: Task) -> None:
         """A new task from the intake (idempotent: a redelivered id is ignored)."""
@@ -70,24 +122,51 @@ class SchedulerCore:
             self.planner.submit(task, now_s)
             await self._apply(self.planner.plan(now_s))
 
-    async def on_finished(self, task_id: str, is_success: bool, is_requeue: bool = False) -> None:
-        """An executor finished (or gave back) a task."""
+    async def on_finished(self, task_id: str, is_success: bool, is_requeue: bool = False,
+                          node_id: int | None = None) -> bool:
+        """An executor finished (or gave back) a task; False if ignored as stale.
+
+        With `node_id` (the reporting node) a report for a task not placed on
+        that node is stale (a redelivered completion, or one for a placement
+        the scheduler already gave up on) and changes nothing.
+        """
         async with self._lock:
+            if node_id is not None and self.node_of(task_id) != node_id:
+                log.debug("stale_completion", task_id=task_id, node_id=node_id)
+                return False
             now_s = self.clock()
             task = self._tasks.get(task_id)
             decisions = self.planner.on_task_finished(task_id, now_s, is_success)
             if is_requeue and task is not None:
                 self.planner.submit(task, now_s)  # training goes back, never lost
             else:
-                self._tasks.pop(task_id, None)
+                self._forget(task_id)
             decisions += self.planner.plan(now_s)
             await self._apply(decisions)
+            return True
 
     async def on_node_health(self, node_id: int, is_healthy: bool) -> None:
         async with self._lock:
             now_s = self.clock()
-            self.planner.on_node_health(node_id, is_healthy, now_s)
+            self._set_health(node_id, is_healthy, now_s)
             await self._apply(self.planner.plan(now_s))
+
+    def _set_health(self, node_id: int, is_healthy: bool, now_s: float) -> None:
+        self.planner.on_node_health(node_id, is_healthy, now_s)
+        if is_healthy:
+            self.down_nodes.discard(node_id)
+            self.dispatch_failed_s.pop(node_id, None)
+        else:
+            self.down_nodes.add(node_id)
+
+    async def mark_down(self, node_ids: Iterable[int]) -> None:
+        """Record nodes as down without planning (at start: every node is down
+        until its first heartbeat, and planning then would reject deferred
+        training that only waits for that heartbeat)."""
+        async with self._lock:
+            now_s = self.clock()
+            for node_id in node_ids:
+                self._set_health(node_id, False, now_s)
 
     async def on_timer(self) -> None:
         async with self._lock:
@@ -102,8 +181,9 @@ class SchedulerCore:
                 await self._dispatch(decision)
             elif isinstance(decision, Rejection):
                 self.num_rejected += 1
-                self._tasks.pop(decision.task_id, None)
-                await self.writer.end_task(decision.task_id, "rejected", decision.reason)
+                self._forget(decision.task_id)
+                await self.writer.end_task(decision.task_id, "rejected",
+                                           rejection_reason(decision.reason))
             elif isinstance(decision, WeightSync):
                 try:
                     await self.dispatcher.sync_weights(decision)
@@ -115,6 +195,13 @@ class SchedulerCore:
 
     async def _dispatch(self, placement: Placement) -> None:
         task = self._tasks[placement.task_id]
+        # Only training waits in the planner long enough to be cancelled
+        # before placement; inference is checked at intake, just before.
+        if (task.is_training and self._is_cancelled is not None
+                and await self._is_cancelled(task.task_id)):
+            self.planner.on_task_finished(task.task_id, self.clock(), is_success=False)
+            self._forget(task.task_id)
+            return
         try:
             await self.dispatcher.dispatch(placement, task)
         except DispatchError as exc:
@@ -123,11 +210,12 @@ class SchedulerCore:
             self.num_dispatch_failures += 1
             now_s = self.clock()
             self.planner.on_task_finished(placement.task_id, now_s, is_success=False)
-            self.planner.on_node_health(placement.node_id, False, now_s)
+            self._set_health(placement.node_id, False, now_s)
+            self.dispatch_failed_s[placement.node_id] = now_s
             if task.is_training:
                 self.planner.submit(task, now_s)  # to another node at the next plan
                 return
-            self._tasks.pop(placement.task_id, None)
+            self._forget(placement.task_id)
             await self.writer.end_task(placement.task_id, "failed",
                                        f"UNAVAILABLE: executor of node {placement.node_id} "
                                        f"did not take the task ({exc})")

@@ -162,8 +162,8 @@ async def test_inference_streams_every_token_then_ends(
     state = await store.get_task_state("inf-a")
     assert state["status"] == "completed" and state["num_output_tokens"] == "8"
     # Counters are bumped right after the completion is written.
-    stats = await wait_stats(store, "completed_inference")
-    assert stats["tokens_generated"] == 8 and stats["completed_inference"] == 1
+    stats = await wait_stats(store, "num_completed_inference")
+    assert stats["tokens_generated"] == 8 and stats["num_completed_inference"] == 1
 
 
 async def test_duplicate_dispatch_runs_once(
@@ -190,7 +190,7 @@ async def test_training_completes_and_counts_an_update(
     assert end["status"] == "completed" and end["n"] == "0"
     state = await node_state(stub)
     assert state.num_training_updates == 1
-    assert (await wait_stats(store, "completed_training"))["completed_training"] == 1
+    assert (await wait_stats(store, "num_completed_training"))["num_completed_training"] == 1
 
 
 async def test_cancel_ends_a_long_request(

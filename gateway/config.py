@@ -1,0 +1,198 @@
+"""The gateway's typed config, and the ONE place env vars and flags map onto it.
+
+Precedence: command-line flag, then ``LEMIX_*`` environment variable, then the
+default. Nothing is read at import time: `from_env_and_args` reads `argv` and
+the environment when called (tests pass both in).
+
+=============================  =========================  ==========================
+field                          flag                       environment variable
+=============================  =========================  ==========================
+host                           ``--host``                 ``LEMIX_GATEWAY_HOST``
+port                           ``--port``                 ``LEMIX_GATEWAY_PORT``
+scheduler_address              ``--scheduler``            ``LEMIX_SCHEDULER_ADDRESS``
+redis_url                      ``--redis-url``            ``LEMIX_REDIS_URL``
+namespace                      ``--namespace``            ``LEMIX_NAMESPACE``
+max_context_tokens             ``--max-context-tokens``   ``LEMIX_MAX_CONTEXT_TOKENS``
+max_in_flight                  ``--max-in-flight``        ``LEMIX_MAX_IN_FLIGHT``
+submit_deadline_s              ``--submit-deadline-s``    ``LEMIX_SUBMIT_DEADLINE_S``
+cancel_deadline_s              ``--cancel-deadline-s``    ``LEMIX_CANCEL_DEADLINE_S``
+stream_idle_timeout_s          ``--stream-idle-timeout-s`` ``LEMIX_STREAM_IDLE_TIMEOUT_S``
+tokenizer                      ``--tokenizer``            ``LEMIX_TOKENIZER``
+node_check_s                   ``--node-check-s``         ``LEMIX_NODE_CHECK_S``
+shutdown_grace_s               ``--shutdown-grace-s``     ``LEMIX_SHUTDOWN_GRACE_S``
+log_level                      ``--log-level``            ``LEMIX_LOG_LEVEL``
+log_format                     ``--log-format``           ``LEMIX_LOG_FORMAT``
+=============================  =========================  ==========================
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lemix.redis_keys import DEFAULT_NAMESPACE, RedisKeys
+
+# The public port in DESIGN.md; `GatewayConfig()` itself defaults to 0 (a free
+# port), which is what tests and `lemix up` with many stacks want.
+CLI_DEFAULT_PORT = 50051
+# Where the scheduler listens unless told otherwise (gateway is 50051).
+DEFAULT_SCHEDULER_ADDRESS = "127.0.0.1:50052"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("console", "json")
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Everything the gateway process needs; validated on construction (ValueError)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = any free port (the bound one is reported at start)
+    scheduler_address: str = DEFAULT_SCHEDULER_ADDRESS  # host:port
+    redis_url: str = DEFAULT_REDIS_URL
+    namespace: str = DEFAULT_NAMESPACE  # Redis key prefix shared with the other services
+    max_context_tokens: int = 4096  # prompt + max_tokens must fit
+    max_in_flight: int = 1024  # concurrent Generate streams; more get RESOURCE_EXHAUSTED
+    submit_deadline_s: float = 5.0  # Scheduler.Submit (a Redis write behind it)
+    cancel_deadline_s: float = 2.0  # Scheduler.Cancel after a client went away
+    # A stream with no new output message for this long is ended UNAVAILABLE
+    # (its executor probably died) and its task cancelled.
+    stream_idle_timeout_s: float = 60.0
+    tokenizer: str = "approx"  # "approx" (emulated backend); an HF path with torch
+    node_check_s: float = 0.5  # how long "is any executor live?" is cached; 0 = never
+    shutdown_grace_s: float = 5.0  # in-flight streams get this long to finish on stop
+    log_level: str = "info"  # for `python -m gateway`'s logging
+    log_format: str = "console"  # "console" or "json" (one object per line)
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host must be non-empty (e.g. 127.0.0.1 or 0.0.0.0)")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535] (0 = any free port), got {self.port}")
+        _check_address("scheduler_address", self.scheduler_address)
+        if not self.redis_url.startswith(_REDIS_SCHEMES):
+            raise ValueError(
+                f"redis_url must start with one of {', '.join(_REDIS_SCHEMES)}, "
+                f"got {self.redis_url!r}"
+            )
+        RedisKeys(self.namespace)  # raises ValueError naming the problem
+        for name in ("max_context_tokens", "max_in_flight"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("submit_deadline_s", "cancel_deadline_s", "stream_idle_timeout_s"):
+            _check_seconds(name, getattr(self, name), allow_zero=False)
+        for name in ("node_check_s", "shutdown_grace_s"):
+            _check_seconds(name, getattr(self, name), allow_zero=True)
+        if not self.tokenizer:
+            raise ValueError("tokenizer must be non-empty ('approx' for the emulated backend)")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, "
+                             f"got {self.log_level!r}")  # fmt: skip
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, "
+                             f"got {self.log_format!r}")  # fmt: skip
+
+
+def _check_address(name: str, address: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"{name} must be host:port, got {address!r}")
+
+
+def _check_seconds(name: str, value: float, *, allow_zero: bool) -> None:
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be a finite number of seconds {bound}, got {value}")
+
+
+# ------------------------------------------------------------------ mapping
+
+
+@dataclass(frozen=True)
+class _Option:
+    field: str
+    flag: str
+    env: str
+    parse: Callable[[str], Any]
+    help: str
+
+
+_OPTIONS: tuple[_Option, ...] = (
+    _Option("host", "--host", "LEMIX_GATEWAY_HOST", str, "address to bind"),
+    _Option("port", "--port", "LEMIX_GATEWAY_PORT", int, "port to bind (0 = any free port)"),
+    _Option("scheduler_address", "--scheduler", "LEMIX_SCHEDULER_ADDRESS", str,
+            "the scheduler's host:port"),
+    _Option("redis_url", "--redis-url", "LEMIX_REDIS_URL", str, "Redis holding queues/state"),
+    _Option("namespace", "--namespace", "LEMIX_NAMESPACE", str,
+            "Redis key prefix shared by the stack's services"),
+    _Option("max_context_tokens", "--max-context-tokens", "LEMIX_MAX_CONTEXT_TOKENS", int,
+            "prompt + max_tokens must fit in this many tokens"),
+    _Option("max_in_flight", "--max-in-flight", "LEMIX_MAX_IN_FLIGHT", int,
+            "concurrent Generate streams before RESOURCE_EXHAUSTED"),
+    _Option("submit_deadline_s", "--submit-deadline-s", "LEMIX_SUBMIT_DEADLINE_S", float,
+            "deadline of Scheduler.Submit, seconds"),
+    _Option("cancel_deadline_s", "--cancel-deadline-s", "LEMIX_CANCEL_DEADLINE_S", float,
+            "deadline of Scheduler.Cancel, seconds"),
+    _Option("stream_idle_timeout_s", "--stream-idle-timeout-s", "LEMIX_STREAM_IDLE_TIMEOUT_S",
+            float, "end a stream UNAVAILABLE after this long without output, seconds"),
+    _Option("tokenizer", "--tokenizer", "LEMIX_TOKENIZER", str,
+            "'approx' (emulated backend); HF tokenizers arrive with the torch backend"),
+    _Option("node_check_s", "--node-check-s", "LEMIX_NODE_CHECK_S", float,
+            "cache the live-executor check this long, seconds (0 = every request)"),
+    _Option("shutdown_grace_s", "--shutdown-grace-s", "LEMIX_SHUTDOWN_GRACE_S", float,
+            "on stop, in-flight streams get this long to finish, seconds"),
+    _Option("log_level", "--log-level", "LEMIX_LOG_LEVEL", str, "/".join(LOG_LEVELS)),
+    _Option("log_format", "--log-format", "LEMIX_LOG_FORMAT", str, "/".join(LOG_FORMATS)),
+)  # fmt: skip
+
+_CLI_DEFAULTS: dict[str, Any] = {"port": CLI_DEFAULT_PORT}
+
+
+def build_parser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
+    """The gateway's flags; every default is None so env and defaults can apply."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="LeMix gateway: the public gRPC API (Generate, Train, GetStats). "
+        "Flags override LEMIX_* environment variables, which override the defaults.",
+    )
+    defaults = {f.name: f.default for f in dataclasses.fields(GatewayConfig)}
+    for opt in _OPTIONS:
+        default = _CLI_DEFAULTS.get(opt.field, defaults[opt.field])
+        parser.add_argument(
+            opt.flag,
+            dest=opt.field,
+            type=opt.parse,
+            default=None,
+            help=f"{opt.help} [env {opt.env}; default {default}]",
+        )
+    return parser
+
+
+def from_env_and_args(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> GatewayConfig:
+    """Build the config from `argv` (default `sys.argv[1:]`) and `env` (default
+    `os.environ`). Raises ValueError on a bad env value or config; `--help` and
+    bad flags exit through argparse (SystemExit)."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    environ = os.environ if env is None else env
+    values: dict[str, Any] = dict(_CLI_DEFAULTS)
+    for opt in _OPTIONS:
+        flag_value = getattr(args, opt.field)
+        if flag_value is not None:
+            values[opt.field] = flag_value
+        elif environ.get(opt.env, "") != "":
+            text = environ[opt.env]
+            try:
+                values[opt.field] = opt.parse(text)
+            except ValueError:
+                kind = opt.parse.__name__ if hasattr(opt.parse, "__name__") else "value"
+                raise ValueError(f"{opt.env}={text!r} is not a valid {kind}") from None
+    return GatewayConfig(**values)

@@ -1,0 +1,204 @@
+"""What leaves the gateway: output-stream messages and Redis state -> protobuf.
+
+Requests coming in are converted by `gateway.validate`; this module builds the
+responses. `OutputStream` follows one task's output stream (PROTOCOL.md, step 3)
+and turns each message into a `GenerateResponse`, or raises `TaskEnded` for an
+end with status failed/rejected; `status_for_reason` is the one mapping from a
+failure reason's prefix to the status the client gets.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import grpc
+
+from gateway.tokenizer import emulated_token_id
+from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
+from lemix.rpc import convert
+from lemix.store import (
+    IS_FINAL_FIELD,
+    REASON_FIELD,
+    STATUS_FIELD,
+    get_bool,
+    get_float,
+    get_int,
+    get_optional_float,
+)
+from lemix.types import NodeSnapshot, TaskStatus
+
+# Output-stream message fields (PROTOCOL.md, "Flow of one inference request").
+TYPE_FIELD = "type"
+TOKEN_TYPE = "token"
+END_TYPE = "end"
+NUM_TOKENS_FIELD = "n"  # tokens produced so far
+NODE_FIELD = "node"
+VERSION_FIELD = "version"  # training updates in the serving weights (first token)
+LOSS_FIELD = "inference_loss"  # optional, on the end message when a reference was given
+
+FINISH_LENGTH = "length"  # produced max_tokens
+FINISH_STOP = "stop"  # ended earlier (EOS) with status completed
+
+# Failure-reason prefixes a client may see as their status (PROTOCOL.md,
+# "Task ids and reasons"); any other reason is INTERNAL.
+_REASON_CODES: dict[str, grpc.StatusCode] = {
+    code.name: code
+    for code in (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    )
+}
+
+
+class TaskEnded(Exception):
+    """A task ended failed or rejected; abort the client's call with `code`."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+def status_for_reason(reason: str) -> tuple[grpc.StatusCode, str]:
+    """(status, details) for a failure reason ``"<STATUS_NAME>: text"``.
+
+    A known prefix gives its status and the text after it; no (or an unknown)
+    prefix gives INTERNAL and the whole reason.
+    """
+    prefix, sep, rest = reason.partition(":")
+    code = _REASON_CODES.get(prefix.strip()) if sep else None
+    if code is None:
+        return grpc.StatusCode.INTERNAL, reason or "the task failed without a reason"
+    return code, rest.strip() or code.name
+
+
+class OutputStream:
+    """Turns one task's output messages into `GenerateResponse`s.
+
+    `received_s` is when the gateway received the request, on `clock`
+    (monotonic): TTFT and E2E are measured from it. Token messages carry the
+    count so far, so a message may stand for several tokens (or none, if
+    redelivered); each new token gets `emulated_token_id(position)` because the
+    emulated backend produces counts, not ids.
+    """
+
+    def __init__(
+        self,
+        task_id: str,
+        max_tokens: int,
+        received_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.task_id = task_id
+        self.max_tokens = max_tokens
+        self.received_s = received_s
+        self._clock = clock
+        self.num_tokens = 0
+        self.node_id = 0
+        self.weight_version = 0
+        self.is_ended = False
+
+    def on_message(self, fields: Mapping[str, str]) -> gateway_pb2.GenerateResponse | None:
+        """The response for one message; None when it adds nothing to send.
+
+        Raises `TaskEnded` for an end message with a status other than completed.
+        """
+        if fields.get(TYPE_FIELD) == END_TYPE or get_bool(fields, IS_FINAL_FIELD):
+            return self._on_end(fields)
+        if fields.get(TYPE_FIELD) != TOKEN_TYPE:
+            return None  # a message type this gateway does not know: skip it
+        response = self._new_tokens(fields)
+        return response if response.token_ids else None
+
+    def _new_tokens(self, fields: Mapping[str, str]) -> gateway_pb2.GenerateResponse:
+        num_tokens = get_int(fields, NUM_TOKENS_FIELD)
+        response = gateway_pb2.GenerateResponse(request_id=self.task_id)
+        if num_tokens <= self.num_tokens:
+            return response
+        if NODE_FIELD in fields:
+            self.node_id = get_int(fields, NODE_FIELD)
+        if VERSION_FIELD in fields:
+            self.weight_version = get_int(fields, VERSION_FIELD)
+        if self.num_tokens == 0:
+            response.ttft_s = self._clock() - self.received_s
+        response.token_ids.extend(emulated_token_id(i) for i in range(self.num_tokens, num_tokens))
+        response.text = ""  # emulated tokens have no text
+        response.num_output_tokens = num_tokens
+        response.node_id = self.node_id
+        self.num_tokens = num_tokens
+        return response
+
+    def _on_end(self, fields: Mapping[str, str]) -> gateway_pb2.GenerateResponse:
+        self.is_ended = True
+        status = fields.get(STATUS_FIELD, "")
+        if status != TaskStatus.COMPLETED:
+            reason = fields.get(REASON_FIELD, "") or f"task ended with status {status!r}"
+            raise TaskEnded(*status_for_reason(reason))
+        response = self._new_tokens(fields)  # tokens the end carries beyond the last message
+        response.is_finished = True
+        is_full = self.num_tokens >= self.max_tokens
+        response.finish_reason = FINISH_LENGTH if is_full else FINISH_STOP
+        response.e2e_s = self._clock() - self.received_s
+        response.num_output_tokens = self.num_tokens
+        response.node_id = self.node_id
+        response.weight_version = self.weight_version
+        loss = get_optional_float(fields, LOSS_FIELD)
+        if loss is not None:
+            response.inference_loss = loss
+        return response
+
+
+# -------------------------------------------------------------------- stats
+
+# Stats fields read from the Redis counter of the same name (`Store.get_stats`).
+# The gateway increments num_inference/num_training when Submit acks; the
+# others are counted by whoever ends tasks (the scheduler, from completions).
+COUNTER_FIELDS = (
+    "num_inference",
+    "num_training",
+    "num_completed_inference",
+    "num_completed_training",
+    "num_rejected",
+    "num_failed",
+    "num_deferred_training",
+)
+
+
+def node_state_from_fields(node_id: int, fields: Mapping[str, str]) -> common_pb2.NodeState:
+    """A node's Redis state hash (`Store.get_node_states`) -> `NodeState`.
+
+    Field names are `NodeSnapshot`'s plus ``address`` and ``num_stages``;
+    missing ones read as defaults. Raises ValueError on a malformed value.
+    """
+    snapshot = NodeSnapshot(
+        node_id=node_id,
+        now_s=get_float(fields, "now_s"),
+        num_running=get_int(fields, "num_running"),
+        num_waiting=get_int(fields, "num_waiting"),
+        sum_context_tokens=get_int(fields, "sum_context_tokens"),
+        max_remaining_decode_tokens=get_int(fields, "max_remaining_decode_tokens"),
+        kv_used_bytes=get_int(fields, "kv_used_bytes"),
+        memory_capacity_bytes=get_int(fields, "memory_capacity_bytes"),
+        busy_fraction=get_float(fields, "busy_fraction"),
+        num_training_updates=get_int(fields, "num_training_updates"),
+        is_healthy=get_bool(fields, "is_healthy", default=True),
+    )
+    return convert.node_state_to_proto(
+        snapshot, address=fields.get("address", ""), num_stages=get_int(fields, "num_stages")
+    )
+
+
+def stats_to_proto(
+    counters: Mapping[str, int],
+    nodes: Sequence[common_pb2.NodeState],
+    num_in_flight: int,
+) -> gateway_pb2.Stats:
+    """`Stats` from the Redis counters, the live nodes and this gateway's streams."""
+    stats = gateway_pb2.Stats(num_in_flight=num_in_flight, nodes=list(nodes))
+    for name in COUNTER_FIELDS:
+        setattr(stats, name, max(0, counters.get(name, 0)))
+    return stats

@@ -1,0 +1,147 @@
+"""`GatewayService`: the gateway's server and the clients it holds, started and
+stopped as one.
+
+    service = GatewayService(GatewayConfig(port=50051, redis_url=..., ...))
+    await service.start()          # SERVING (health) once this returns
+    ...
+    await service.stop()           # NOT_SERVING, drain, stop, close clients
+
+`start` pings Redis first, so a wrong `redis_url` fails at start with a clear
+error instead of as UNAVAILABLE on every request. The scheduler need not be up
+yet: Generate answers UNAVAILABLE until it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import TracebackType
+
+import grpc.aio
+import redis.asyncio as aioredis
+import structlog
+from grpc_health.v1 import health
+from redis.exceptions import RedisError
+
+from gateway.config import GatewayConfig
+from gateway.servicer import GatewayServicer
+from gateway.tokenizer import Tokenizer, load_tokenizer
+from lemix._proto.lemix.v1 import gateway_pb2_grpc, scheduler_pb2_grpc
+from lemix.redis_keys import RedisKeys
+from lemix.rpc import GATEWAY_SERVICE
+from lemix.rpc.client import channel
+from lemix.rpc.server import start_server, stop_server
+from lemix.store import Store
+
+log = structlog.get_logger(__name__)
+
+# Redis must answer the start-up PING within this long.
+REDIS_CONNECT_TIMEOUT_S = 5.0
+
+
+class GatewayService:
+    """The gateway process's parts: gRPC server (Gateway + health + reflection),
+    Redis client, scheduler channel. `tokenizer` overrides `config.tokenizer`."""
+
+    def __init__(self, config: GatewayConfig, *, tokenizer: Tokenizer | None = None) -> None:
+        self.config = config
+        self._tokenizer = tokenizer
+        self._redis: aioredis.Redis | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self._servicer: GatewayServicer | None = None
+        self._port = 0
+        self._stop_lock = asyncio.Lock()
+
+    @property
+    def port(self) -> int:
+        """The bound port (the config's, or the free one picked for port 0)."""
+        if self._port == 0:
+            raise RuntimeError("GatewayService is not started")
+        return self._port
+
+    @property
+    def address(self) -> str:
+        """host:port clients dial (an IPv6 host in brackets)."""
+        host = self.config.host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"{host}:{self.port}"
+
+    @property
+    def servicer(self) -> GatewayServicer:
+        if self._servicer is None:
+            raise RuntimeError("GatewayService is not started")
+        return self._servicer
+
+    async def start(self) -> None:
+        """Connect, then serve. Raises ValueError (bad tokenizer), OSError (Redis
+        unreachable, port busy)."""
+        if self._server is not None:
+            raise RuntimeError("GatewayService is already started")
+        config = self.config
+        tokenizer = self._tokenizer or load_tokenizer(config.tokenizer)
+        try:
+            # No socket timeout: output reads block (XREAD BLOCK) up to the
+            # stream idle timeout; cancellation, not a timeout, ends them early.
+            self._redis = aioredis.Redis.from_url(
+                config.redis_url,
+                decode_responses=True,
+                socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
+            )
+            try:
+                await self._redis.ping()
+            except RedisError as exc:
+                raise OSError(f"cannot reach Redis at {config.redis_url}: {exc}") from exc
+            store = Store(self._redis, RedisKeys(config.namespace))
+            self._channel = channel(config.scheduler_address)
+            self._servicer = GatewayServicer(
+                config, store, scheduler_pb2_grpc.SchedulerStub(self._channel), tokenizer
+            )
+            self._server, self._port, self._health = await start_server(
+                [(gateway_pb2_grpc.add_GatewayServicer_to_server, self._servicer)],
+                config.host,
+                config.port,
+                service_names=[GATEWAY_SERVICE],
+            )
+        except BaseException:
+            await self._close_clients()
+            raise
+        log.info("gateway.started", address=self.address, scheduler=config.scheduler_address,
+                 namespace=config.namespace, max_in_flight=config.max_in_flight)  # fmt: skip
+
+    async def stop(self) -> None:
+        """NOT_SERVING, then in-flight streams get `shutdown_grace_s` to finish
+        (new calls are refused), then the rest are cancelled; their tasks are
+        cancelled at the scheduler before the clients close. Idempotent."""
+        async with self._stop_lock:  # a second stop waits for the first
+            if self._server is None or self._health is None:
+                return
+            server, self._server = self._server, None
+            await stop_server(server, self._health, grace_s=self.config.shutdown_grace_s)
+            if self._servicer is not None and not await self._servicer.wait_idle(
+                self.config.cancel_deadline_s + 1.0
+            ):
+                log.warning("gateway.stop_streams_left", num=self._servicer.num_in_flight)
+            await self._close_clients()
+            log.info("gateway.stopped")
+
+    async def _close_clients(self) -> None:
+        if self._channel is not None:
+            ch, self._channel = self._channel, None
+            await ch.close()
+        if self._redis is not None:
+            client, self._redis = self._redis, None
+            await client.aclose()
+
+    async def __aenter__(self) -> GatewayService:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()

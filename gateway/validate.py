@@ -1,0 +1,217 @@
+"""Pure validation of the public requests: protobuf in, domain tasks out.
+
+Every check raises `lemix.rpc.errors.InvalidArgument` with a message that says
+what to change; the servicer's `@handle_errors` turns it into
+INVALID_ARGUMENT. No I/O here: the tokenizer and the limits are arguments.
+
+Ids: a task is named by the client's `request_id` (its idempotency key) or
+``inf-<12 hex>`` / ``trn-<12 hex>`` (PROTOCOL.md). Training tasks whose samples
+all carry a `sample_id` get an id derived from them, so resubmitting the same
+batch is idempotent too.
+
+proto3 cannot tell unset from zero: `max_tokens` 0 is an error, `batch_size`
+0 means 1 and `sampling.top_p` 0 means off (1.0), as in `lemix.rpc.convert`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import uuid
+from collections.abc import Sequence
+
+from gateway.tokenizer import Tokenizer
+from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
+from lemix.rpc.errors import InvalidArgument
+from lemix.types import Task, TaskKind, TaskPayload
+
+INFERENCE_ID_PREFIX = "inf-"
+TRAINING_ID_PREFIX = "trn-"
+MAX_REQUEST_ID_CHARS = 128
+_ID_HEX_CHARS = 12
+
+
+def new_task_id(kind: TaskKind) -> str:
+    """A fresh ``inf-<12 hex>`` / ``trn-<12 hex>`` id."""
+    prefix = INFERENCE_ID_PREFIX if kind is TaskKind.INFERENCE else TRAINING_ID_PREFIX
+    return prefix + uuid.uuid4().hex[:_ID_HEX_CHARS]
+
+
+def _check_id(what: str, value: str) -> str:
+    if len(value) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(
+            f"{what} is {len(value)} characters; the limit is {MAX_REQUEST_ID_CHARS}"
+        )
+    if any(ch.isspace() or not ch.isprintable() for ch in value):
+        raise InvalidArgument(f"{what} must not contain whitespace or control characters: "
+                              f"{value!r}")  # fmt: skip
+    return value
+
+
+def _sampling(msg: common_pb2.SamplingParams) -> tuple[float, float]:
+    """(temperature, top_p) of a request, checked."""
+    temperature = msg.temperature
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidArgument(
+            f"sampling.temperature must be a finite number >= 0 (0 = greedy), got {temperature}"
+        )
+    top_p = msg.top_p
+    if not math.isfinite(top_p) or not 0 <= top_p <= 1:
+        raise InvalidArgument(f"sampling.top_p must be in (0, 1] (0 or 1 = off), got {top_p}")
+    return temperature, top_p or 1.0
+
+
+def _text_ids(tokenizer: Tokenizer, text: str) -> tuple[int, ...]:
+    """Ids to send with a task: none for the emulated backend (they mean nothing)."""
+    return () if tokenizer.is_emulated or not text else tuple(tokenizer.encode(text))
+
+
+# ---------------------------------------------------------------- inference
+
+
+def validate_generate(
+    request: gateway_pb2.GenerateRequest, *, tokenizer: Tokenizer, max_context_tokens: int
+) -> tuple[Task, TaskPayload]:
+    """A `GenerateRequest` as the inference `Task` (arrival_s 0: the scheduler
+    stamps it on intake) and its `TaskPayload`; raises `InvalidArgument`."""
+    has_text, has_ids = bool(request.prompt), bool(request.prompt_token_ids)
+    if not has_text and not has_ids:
+        raise InvalidArgument("prompt is empty: send prompt text or prompt_token_ids")
+    if has_text and has_ids:
+        raise InvalidArgument("send prompt text or prompt_token_ids, not both")
+    if request.max_tokens == 0:
+        raise InvalidArgument("max_tokens must be > 0")
+    temperature, top_p = _sampling(request.sampling)
+    task_id = (
+        _check_id("request_id", request.request_id)
+        if request.request_id
+        else new_task_id(TaskKind.INFERENCE)
+    )
+
+    if has_ids:
+        prompt_ids: tuple[int, ...] = tuple(request.prompt_token_ids)
+        num_prompt_tokens = len(prompt_ids)
+    else:
+        encoded = tokenizer.encode(request.prompt)
+        num_prompt_tokens = len(encoded)
+        prompt_ids = () if tokenizer.is_emulated else tuple(encoded)
+    num_total = num_prompt_tokens + request.max_tokens
+    if num_total > max_context_tokens:
+        raise InvalidArgument(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) = "
+            f"{num_total} tokens exceeds the context limit of {max_context_tokens} tokens; "
+            "shorten the prompt or lower max_tokens"
+        )
+
+    task = Task(
+        task_id=task_id,
+        kind=TaskKind.INFERENCE,
+        arrival_s=0.0,
+        num_prompt_tokens=num_prompt_tokens,
+        max_output_tokens=request.max_tokens,
+    )
+    payload = TaskPayload(
+        prompt_token_ids=prompt_ids,
+        reference_token_ids=_text_ids(tokenizer, request.reference),
+        temperature=temperature,
+        top_p=top_p,
+        ignore_eos=request.sampling.ignore_eos,
+        seed=request.sampling.seed,
+    )
+    return task, payload
+
+
+# ----------------------------------------------------------------- training
+
+
+def _sample_tokens(
+    index: int, sample: gateway_pb2.TrainSample, tokenizer: Tokenizer, max_context_tokens: int
+) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """(tokens in the sample, ids to send, reference ids to send) of one sample."""
+    where = f"samples[{index}]"
+    has_text = bool(sample.query or sample.reference)
+    if sample.token_ids:
+        if has_text:
+            raise InvalidArgument(f"{where}: send query/reference text or token_ids, not both")
+        num_tokens = len(sample.token_ids)
+        if sample.num_reference_tokens > num_tokens:
+            raise InvalidArgument(
+                f"{where}: num_reference_tokens ({sample.num_reference_tokens}) exceeds "
+                f"the sample's {num_tokens} token_ids"
+            )
+        ids = tuple(sample.token_ids)
+        reference = ids[num_tokens - sample.num_reference_tokens :]
+    elif has_text:
+        query_ids = tokenizer.encode(sample.query)
+        reference_ids = tokenizer.encode(sample.reference)
+        num_tokens = len(query_ids) + len(reference_ids)
+        ids = () if tokenizer.is_emulated else (*query_ids, *reference_ids)
+        reference = () if tokenizer.is_emulated else tuple(reference_ids)
+    else:
+        raise InvalidArgument(
+            f"{where} is empty: send query and/or reference text, or token_ids"
+        )
+    if num_tokens > max_context_tokens:
+        raise InvalidArgument(
+            f"{where} has {num_tokens} tokens; the context limit is {max_context_tokens} "
+            "tokens: shorten or split it"
+        )
+    return num_tokens, ids, reference
+
+
+def _training_task_id(sample_ids: Sequence[str]) -> str:
+    if all(sample_ids):
+        digest = hashlib.sha256("\n".join(sample_ids).encode("utf-8")).hexdigest()
+        return TRAINING_ID_PREFIX + digest[:_ID_HEX_CHARS]
+    return new_task_id(TaskKind.TRAINING)
+
+
+def _check_sample_ids(samples: Sequence[gateway_pb2.TrainSample]) -> None:
+    seen: dict[str, int] = {}
+    for i, sample in enumerate(samples):
+        if not sample.sample_id:
+            continue
+        _check_id(f"samples[{i}].sample_id", sample.sample_id)
+        if sample.sample_id in seen:
+            raise InvalidArgument(
+                f"samples[{i}].sample_id {sample.sample_id!r} repeats "
+                f"samples[{seen[sample.sample_id]}]; sample ids must be unique"
+            )
+        seen[sample.sample_id] = i
+
+
+def validate_train(
+    request: gateway_pb2.TrainRequest, *, tokenizer: Tokenizer, max_context_tokens: int
+) -> list[tuple[Task, TaskPayload]]:
+    """A `TrainRequest` as training tasks of `batch_size` samples each (the last
+    may be smaller); raises `InvalidArgument`.
+
+    A task's `num_prompt_tokens` is its longest sample (samples are padded to
+    it). Token ids travel only with single-sample tasks: `lemix.v1.Task` holds
+    one sequence, so a multi-sample batch carries sizes only (enough for the
+    emulated backend).
+    """
+    samples = list(request.samples)
+    if not samples:
+        raise InvalidArgument("no samples: send at least one TrainSample")
+    _check_sample_ids(samples)
+    batch_size = request.batch_size or 1
+    sizes = [_sample_tokens(i, s, tokenizer, max_context_tokens) for i, s in enumerate(samples)]
+
+    tasks: list[tuple[Task, TaskPayload]] = []
+    for start in range(0, len(samples), batch_size):
+        batch = sizes[start : start + batch_size]
+        task = Task(
+            task_id=_training_task_id([s.sample_id for s in samples[start : start + batch_size]]),
+            kind=TaskKind.TRAINING,
+            arrival_s=0.0,
+            num_prompt_tokens=max(num_tokens for num_tokens, _, _ in batch),
+            batch_size=len(batch),
+        )
+        if len(batch) == 1:
+            _, ids, reference = batch[0]
+            payload = TaskPayload(prompt_token_ids=ids, reference_token_ids=reference)
+        else:
+            payload = TaskPayload()
+        tasks.append((task, payload))
+    return tasks

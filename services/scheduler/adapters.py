@@ -1,0 +1,288 @@
+"""The scheduler core's ports, implemented over gRPC (executors) and Redis.
+
+* `GrpcDispatcher` — the `Dispatcher` port: executor Dispatch/Cancel/SyncWeights
+  over one cached channel per node address, every call with a deadline.
+* `RedisResultWriter` — the `ResultWriter` port: final states and the client's
+  end message (`Store.finish_task`), placement marks.
+* `RedisEventSink` — the `RecordingPlanner` sink: buffers events in memory (the
+  planner's call must not wait for Redis) and appends them, in order, from one
+  background task; `flush()` waits until everything recorded so far is stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import PurePosixPath
+
+import grpc
+import grpc.aio
+import structlog
+from redis.exceptions import RedisError
+
+from lemix._proto.lemix.v1 import common_pb2, executor_pb2, executor_pb2_grpc
+from lemix.planner.recording import Event
+from lemix.rpc.client import channel
+from lemix.rpc.convert import task_to_proto
+from lemix.rpc.errors import InvalidArgument, Unavailable, error_from_rpc
+from lemix.store import Store
+from lemix.types import Placement, Task, TaskPayload, WeightSync
+from services.scheduler.codec import event_to_fields
+from services.scheduler.core import DispatchError
+
+log = structlog.get_logger(__name__)
+
+_SAVE = executor_pb2.SyncWeightsRequest.DIRECTION_SAVE
+_LOAD = executor_pb2.SyncWeightsRequest.DIRECTION_LOAD
+
+
+class GrpcDispatcher:
+    """Executor calls by node id; the service tells it where each node listens.
+
+    `payload_of(task_id)` supplies what the executor needs beyond the planner's
+    `Task` (token ids, sampling); None sends the task without a payload.
+    """
+
+    def __init__(self, *, deadline_s: float, weight_sync_deadline_s: float,
+                 weight_sync_dir: str,
+                 payload_of: Callable[[str], TaskPayload | None] = lambda _: None) -> None:
+        self.deadline_s = deadline_s
+        self.weight_sync_deadline_s = weight_sync_deadline_s
+        self.weight_sync_dir = weight_sync_dir
+        self._payload_of = payload_of
+        self._addresses: dict[int, str] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, executor_pb2_grpc.ExecutorStub] = {}
+        # SEPARATE's weight syncs take seconds to minutes: they run here, one
+        # after another, so the core (which holds its lock while applying
+        # decisions) never waits for one.
+        self._syncs: deque[WeightSync] = deque()
+        self._sync_wake = asyncio.Event()
+        self._sync_task: asyncio.Task[None] | None = None
+        self.num_syncs_done = 0
+
+    # ------------------------------------------------------------ addresses
+
+    async def set_address(self, node_id: int, address: str) -> None:
+        """Where node `node_id`'s executor listens (from its heartbeat).
+
+        A node that moved leaves its old channel behind: closed once unused.
+        """
+        old = self._addresses.get(node_id)
+        self._addresses[node_id] = address
+        if old and old != address and old not in self._addresses.values():
+            self._stubs.pop(old, None)
+            ch = self._channels.pop(old, None)
+            if ch is not None:
+                await ch.close()
+
+    def address_of(self, node_id: int) -> str | None:
+        return self._addresses.get(node_id)
+
+    def _stub(self, node_id: int) -> executor_pb2_grpc.ExecutorStub:
+        address = self._addresses.get(node_id)
+        if not address:
+            raise DispatchError(f"node {node_id} has not advertised an address")
+        stub = self._stubs.get(address)
+        if stub is None:
+            self._channels[address] = channel(address)
+            stub = self._stubs[address] = executor_pb2_grpc.ExecutorStub(self._channels[address])
+        return stub
+
+    async def close(self) -> None:
+        if self._sync_task is not None:
+            self._sync_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sync_task
+        channels, self._channels, self._stubs = self._channels, {}, {}
+        for ch in channels.values():
+            await ch.close()
+
+    # ------------------------------------------------------------ Dispatcher
+
+    async def dispatch(self, placement: Placement, task: Task) -> None:
+        """Executor Dispatch; raises `DispatchError` if it is unreachable or refuses."""
+        try:
+            message = task_to_proto(task, self._payload_of(task.task_id))
+        except InvalidArgument as exc:  # Submit validated it: a bug, not a node fault
+            raise RuntimeError(f"cannot encode task {task.task_id}: {exc}") from exc
+        request = executor_pb2.DispatchRequest(
+            task=message, predicted_response_s=placement.predicted_response_s)
+        stub = self._stub(placement.node_id)
+        try:
+            reply = await stub.Dispatch(request, timeout=self.deadline_s)
+        except grpc.aio.AioRpcError as err:
+            raise DispatchError(f"{err.code().name}: {err.details()}") from err
+        if not reply.is_accepted:
+            raise DispatchError(f"node {placement.node_id} refused the task")
+
+    async def cancel(self, node_id: int, task_id: str, reason: str) -> bool:
+        """Executor Cancel; returns its is_found. Raises `Unavailable` (or the
+        peer's mapped error) when the call fails."""
+        try:
+            stub = self._stub(node_id)
+        except DispatchError as exc:
+            raise Unavailable(str(exc)) from None
+        request = common_pb2.CancelRequest(task_id=task_id, reason=reason)
+        try:
+            reply = await stub.Cancel(request, timeout=self.deadline_s)
+        except grpc.aio.AioRpcError as err:
+            raise error_from_rpc(err) from err
+        return bool(reply.is_found)
+
+    async def sync_weights(self, sync: WeightSync) -> None:
+        """Queue a weight sync: SAVE on the source, then LOAD on each target."""
+        self._syncs.append(sync)
+        self._sync_wake.set()
+        if self._sync_task is None:
+            self._sync_task = asyncio.create_task(self._sync_loop(), name="weight-syncs")
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await self._sync_wake.wait()
+            self._sync_wake.clear()
+            while self._syncs:
+                sync = self._syncs.popleft()
+                try:
+                    await self._run_sync(sync)
+                    self.num_syncs_done += 1
+                except DispatchError as exc:
+                    log.warning("weight_sync_failed", source=sync.source_node_id,
+                                targets=list(sync.target_node_ids), error=str(exc))
+
+    async def _run_sync(self, sync: WeightSync) -> None:
+        location = str(PurePosixPath(self.weight_sync_dir)
+                       / f"node{sync.source_node_id}-v{sync.num_training_updates}")
+        started = time.monotonic()
+        await self._sync_call(sync.source_node_id, _SAVE, location, sync.num_training_updates)
+        for target in sync.target_node_ids:
+            await self._sync_call(target, _LOAD, location, sync.num_training_updates)
+        log.info("weight_sync_done", source=sync.source_node_id,
+                 targets=list(sync.target_node_ids), version=sync.num_training_updates,
+                 duration_s=round(time.monotonic() - started, 3))
+
+    async def _sync_call(self, node_id: int, direction: int, location: str,
+                         version: int) -> None:
+        request = executor_pb2.SyncWeightsRequest(
+            direction=direction,  # type: ignore[arg-type]
+            location=location, weight_version=version)
+        try:
+            await self._stub(node_id).SyncWeights(request, timeout=self.weight_sync_deadline_s)
+        except grpc.aio.AioRpcError as err:
+            raise DispatchError(f"SyncWeights on node {node_id}: "
+                                f"{err.code().name}: {err.details()}") from err
+
+
+class RedisResultWriter:
+    """Final states and placement marks in the task's Redis hash/stream."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    async def end_task(self, task_id: str, status: str, reason: str) -> None:
+        t = time.time()
+        is_first_end = await self.store.finish_task(
+            task_id, status, reason,
+            output_fields={"type": "end", "status": status, "reason": reason, "n": "0", "t": t},
+            state_fields={"finish_t": t},
+        )
+        if is_first_end:  # count each task once (a redelivery ends nothing new)
+            await self.store.incr_stat("num_rejected" if status == "rejected" else "num_failed")
+
+    async def mark_placed(self, task_id: str, node_id: int) -> None:
+        await self.store.set_task_state(
+            task_id, {"status": "placed", "node_id": node_id, "placed_t": time.time()})
+
+
+class RedisEventSink:
+    """Planner events to the Redis events stream, in order, off the hot path.
+
+    Call the sink itself (`sink(event)`) from the planner; it only buffers.
+    A background task appends; a failed append is retried (events are never
+    dropped or reordered) after `retry_s`.
+    """
+
+    def __init__(self, store: Store, retry_s: float = 0.2) -> None:
+        self.store = store
+        self.retry_s = retry_s
+        self._buffer: deque[Event] = deque()
+        self._num_recorded = 0
+        self._num_stored = 0
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def __call__(self, event: Event) -> None:
+        self._buffer.append(event)
+        self._num_recorded += 1
+        self._wake.set()
+
+    @property
+    def num_pending(self) -> int:
+        return self._num_recorded - self._num_stored
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="event-sink")
+
+    async def flush(self, timeout_s: float | None = None) -> None:
+        """Return once every event recorded before this call is stored.
+
+        Raises `TimeoutError` after `timeout_s` (Redis unreachable); the events
+        stay buffered.
+        """
+        target = self._num_recorded
+        if self._num_stored >= target:
+            return
+        if self._task is None:  # not running: write inline
+            await asyncio.wait_for(self._drain(), timeout_s)
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append((target, waiter))
+        await asyncio.wait_for(waiter, timeout_s)
+
+    async def stop(self, timeout_s: float | None = None) -> None:
+        """Store what is buffered (up to `timeout_s`), then stop the background task."""
+        try:
+            await self.flush(timeout_s)
+        finally:
+            if self._task is not None:
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
+                self._task = None
+            if self._buffer:
+                log.error("events_not_stored", num_events=len(self._buffer))
+
+    async def _drain(self) -> None:
+        while self._buffer:
+            await self.store.append_event(event_to_fields(self._buffer[0]))
+            self._buffer.popleft()
+            self._num_stored += 1
+            if self._waiters:
+                self._release_waiters()
+
+    def _release_waiters(self) -> None:
+        waiting = []
+        for target, waiter in self._waiters:
+            if waiter.done():
+                continue
+            if target <= self._num_stored:
+                waiter.set_result(None)
+            else:
+                waiting.append((target, waiter))
+        self._waiters = waiting
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self._drain()
+            except (RedisError, OSError) as exc:
+                log.warning("event_append_failed", pending=len(self._buffer), error=str(exc))
+                await asyncio.sleep(self.retry_s)
+                self._wake.set()

@@ -1,0 +1,152 @@
+"""How the scheduler's domain objects look as Redis fields (strings), both ways.
+
+* A task in the intake stream and in its state hash: `task_to_fields` (Submit
+  writes it) and `task_from_fields` (the intake loop and restart recovery read
+  it). One pair, so the two sides cannot drift.
+* A planner event in the events stream: one field, ``json``, holding the
+  RecordingPlanner's event dict (it nests dicts, so a flat hash will not do).
+* A node's heartbeat hash (written by executors with the `NodeState` field
+  names) as a `NodeState` message, for GetState.
+
+Task fields (all strings, numbers via `lemix.store.encode_value`):
+
+=====================  ===========================================================
+field                  value
+=====================  ===========================================================
+``task_id``            the id (gateway-chosen; the dedupe key)
+``kind``               ``inference`` | ``training``
+``arrival_s``          as submitted (the intake replaces it with scheduler time)
+``num_prompt_tokens``  int
+``max_output_tokens``  int
+``batch_size``         int
+``seq``                int, arrival order
+``prompt_token_ids``   comma-separated ints ("" for the emulated backend)
+``reference_token_ids`` comma-separated ints
+``temperature``        float (repr, exact)
+``top_p``              float
+``ignore_eos``         ``1`` | ``0``
+``seed``               int
+``submit_t``           wall-clock epoch seconds when Submit stored it
+=====================  ===========================================================
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from lemix._proto.lemix.v1 import common_pb2
+from lemix.planner.recording import Event
+from lemix.store import Fields, FieldValue, get_bool, get_float, get_int
+from lemix.types import Task, TaskKind, TaskPayload
+
+SUBMIT_T_FIELD = "submit_t"
+EVENT_FIELD = "json"
+
+
+def _ids_to_text(ids: tuple[int, ...]) -> str:
+    return ",".join(str(i) for i in ids)
+
+
+def _ids_from_text(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",")) if text else ()
+
+
+def task_to_fields(task: Task, payload: TaskPayload, *,
+                   submit_t: float | None = None) -> dict[str, FieldValue]:
+    """A task and its payload as intake/state-hash fields (see the module table)."""
+    return {
+        "task_id": task.task_id,
+        "kind": task.kind.value,
+        "arrival_s": task.arrival_s,
+        "num_prompt_tokens": task.num_prompt_tokens,
+        "max_output_tokens": task.max_output_tokens,
+        "batch_size": task.batch_size,
+        "seq": task.seq,
+        "prompt_token_ids": _ids_to_text(payload.prompt_token_ids),
+        "reference_token_ids": _ids_to_text(payload.reference_token_ids),
+        "temperature": payload.temperature,
+        "top_p": payload.top_p,
+        "ignore_eos": payload.ignore_eos,
+        "seed": payload.seed,
+        SUBMIT_T_FIELD: time.time() if submit_t is None else submit_t,
+    }
+
+
+def task_from_fields(fields: Mapping[str, str], *,
+                     arrival_s: float | None = None) -> tuple[Task, TaskPayload]:
+    """Fields -> (task, payload); `arrival_s` replaces the stored arrival.
+
+    Raises `ValueError` (or `KeyError` for a missing ``task_id``/``kind``) on
+    fields no Submit could have written.
+    """
+    task = Task(
+        task_id=fields["task_id"],
+        kind=TaskKind(fields["kind"]),
+        arrival_s=get_float(fields, "arrival_s") if arrival_s is None else arrival_s,
+        num_prompt_tokens=get_int(fields, "num_prompt_tokens"),
+        max_output_tokens=get_int(fields, "max_output_tokens"),
+        batch_size=get_int(fields, "batch_size", 1),
+        seq=get_int(fields, "seq"),
+    )
+    payload = TaskPayload(
+        prompt_token_ids=_ids_from_text(fields.get("prompt_token_ids", "")),
+        reference_token_ids=_ids_from_text(fields.get("reference_token_ids", "")),
+        temperature=get_float(fields, "temperature"),
+        top_p=get_float(fields, "top_p", 1.0),
+        ignore_eos=get_bool(fields, "ignore_eos"),
+        seed=get_int(fields, "seed"),
+    )
+    return task, payload
+
+
+# ------------------------------------------------------------------ events
+
+
+def event_to_fields(event: Event) -> dict[str, FieldValue]:
+    """A RecordingPlanner event as one stream entry. JSON floats round-trip
+    exactly (repr), so a replay sees the very `now_s` the live planner saw."""
+    return {EVENT_FIELD: json.dumps(event, separators=(",", ":"))}
+
+
+def event_from_fields(fields: Mapping[str, str]) -> Event:
+    event: Any = json.loads(fields[EVENT_FIELD])
+    if not isinstance(event, dict):
+        raise ValueError(f"event is not a JSON object: {fields[EVENT_FIELD][:80]!r}")
+    return event
+
+
+# ------------------------------------------------------------------ nodes
+
+_NODE_U32 = ("num_running", "num_waiting", "num_stages", "max_remaining_decode_tokens")
+_NODE_U64 = ("sum_context_tokens", "kv_used_bytes", "memory_capacity_bytes",
+             "num_training_updates")
+
+
+def node_state_from_fields(node_id: int, fields: Fields) -> common_pb2.NodeState:
+    """An executor's heartbeat hash (NodeState field names) -> `NodeState`.
+
+    Missing or malformed numbers read as 0, so one odd executor cannot break
+    GetState for the whole cluster.
+    """
+
+    def number(name: str, parse: type[int] | type[float]) -> Any:
+        try:
+            return parse(fields.get(name, "") or 0)
+        except ValueError:
+            return parse(0)
+
+    def uint(name: str, bits: int) -> int:
+        return min(max(int(number(name, int)), 0), (1 << bits) - 1)
+
+    return common_pb2.NodeState(
+        node_id=node_id,
+        now_s=number("now_s", float),
+        busy_fraction=number("busy_fraction", float),
+        is_healthy=get_bool(fields, "is_healthy", True),
+        address=fields.get("address", ""),
+        **{name: uint(name, 32) for name in _NODE_U32},
+        **{name: uint(name, 64) for name in _NODE_U64},
+    )

@@ -1,0 +1,259 @@
+"""The scheduler's configuration, and the ONE place that maps env vars and flags to it.
+
+Precedence: a command-line flag, else its ``LEMIX_*`` environment variable,
+else the dataclass default. Nothing is read at import time: `from_env_and_args`
+reads `os.environ` (or the mapping it is given) when called.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from lemix.batching import BatchingConfig
+from lemix.memory import MemoryConfig
+from lemix.planner.base import PlannerConfig
+from lemix.planner.registry import POLICIES, get_spec
+from lemix.profile import Profile, default_profile_path
+from lemix.redis_keys import DEFAULT_NAMESPACE, RedisKeys
+from lemix.sim.run import Slo, SloConfig, compute_slo
+from lemix.types import Task, TaskKind
+
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+_DEFAULT_PLANNER = PlannerConfig(num_nodes=1, num_stages=1, slo_ttft_s=1.0, slo_tbt_s=1.0)
+
+
+def _default_consumer() -> str:
+    return f"scheduler-{socket.gethostname()}"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Everything the scheduler service needs, explicit and validated."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = a free port (the bound one is printed)
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    namespace: str = DEFAULT_NAMESPACE  # Redis key prefix shared with gateway and executors
+    policy: str = "lemix"
+    num_nodes: int = 1
+    profile_path: str = ""  # "" = lemix.profile.default_profile_path()
+    # SLOs. 0 = derive both with lemix.sim.run.compute_slo from the profile:
+    # multiplier × the unloaded latency of a reference request (its prompt and
+    # output lengths below; 0/0 = compute_slo's default when no workload is known).
+    slo_ttft_s: float = 0.0
+    slo_tbt_s: float = 0.0
+    slo_multiplier: float = SloConfig().multiplier
+    slo_prompt_tokens: int = 0
+    slo_output_tokens: int = 0
+    kappa: float = MemoryConfig().kappa  # usable GPU memory fraction (the executors' κ)
+    max_batch_size: int = BatchingConfig().max_batch_size  # the executors' running-batch cap
+    train_rate: float = _DEFAULT_PLANNER.train_rate  # SEPARATE's training share of nodes
+    sync_every_tasks: int = _DEFAULT_PLANNER.sync_every_tasks  # SEPARATE's K
+    max_defer_s: float = _DEFAULT_PLANNER.max_defer_s
+    defer_recheck_s: float = _DEFAULT_PLANNER.defer_recheck_s
+    dispatch_deadline_s: float = 5.0  # executor Dispatch/Cancel; they answer from memory
+    # A node that failed a Dispatch gets no work for this long, then again if
+    # it still heartbeats (its heartbeat key may outlive a crashed executor).
+    dispatch_retry_s: float = 2.0
+    weight_sync_deadline_s: float = 600.0  # one SyncWeights call (saving a replica is slow)
+    weight_sync_dir: str = "/tmp/lemix-weights"  # where SEPARATE's synced replicas go
+    consumer: str = ""  # intake consumer name; "" = scheduler-<hostname>
+    node_poll_s: float = 0.5  # how often node heartbeats are read
+    read_block_s: float = 1.0  # longest blocking XREAD(GROUP); also bounds stop latency
+    intake_batch: int = 100  # intake entries read per call
+    # A restarted scheduler takes over intake entries a dead consumer left
+    # pending this long. One scheduler runs per namespace, so at start every
+    # pending entry is a dead predecessor's: 0 takes them all at once.
+    claim_min_idle_s: float = 0.0
+    stop_grace_s: float = 5.0  # in-flight RPCs get this long on stop
+    log_level: str = "info"  # debug | info | warning | error
+    log_format: str = "console"  # console | json
+
+    def __post_init__(self) -> None:
+        get_spec(self.policy)  # unknown names fail here, with the list of choices
+        RedisKeys(self.namespace)  # namespace must be a non-empty word
+        if not 0 <= self.port < 1 << 16:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.num_nodes < 1:
+            raise ValueError(f"num_nodes must be >= 1, got {self.num_nodes}")
+        if self.slo_ttft_s < 0 or self.slo_tbt_s < 0:
+            raise ValueError("slo_ttft_s and slo_tbt_s must be >= 0 (0 = derive from profile)")
+        if (self.slo_ttft_s == 0) != (self.slo_tbt_s == 0):
+            raise ValueError("set both slo_ttft_s and slo_tbt_s, or neither (derived)")
+        if self.slo_prompt_tokens < 0 or self.slo_output_tokens < 0:
+            raise ValueError("slo_prompt_tokens and slo_output_tokens must be >= 0")
+        if (self.slo_prompt_tokens == 0) != (self.slo_output_tokens == 0):
+            raise ValueError("set both slo_prompt_tokens and slo_output_tokens, or neither")
+        positive = {
+            "dispatch_deadline_s": self.dispatch_deadline_s,
+            "dispatch_retry_s": self.dispatch_retry_s,
+            "weight_sync_deadline_s": self.weight_sync_deadline_s,
+            "node_poll_s": self.node_poll_s,
+            "read_block_s": self.read_block_s,
+            "intake_batch": self.intake_batch,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.claim_min_idle_s < 0 or self.stop_grace_s < 0:
+            raise ValueError("claim_min_idle_s and stop_grace_s must be >= 0")
+        if self.log_level not in _LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {'|'.join(_LOG_LEVELS)}, "
+                             f"got {self.log_level!r}")
+        if self.log_format not in ("console", "json"):
+            raise ValueError(f"log_format must be console or json, got {self.log_format!r}")
+        SloConfig(self.slo_multiplier)
+        MemoryConfig(kappa=self.kappa)
+        BatchingConfig(max_batch_size=self.max_batch_size)
+
+    @property
+    def consumer_name(self) -> str:
+        return self.consumer or _default_consumer()
+
+    @property
+    def resolved_profile_path(self) -> Path:
+        return Path(self.profile_path) if self.profile_path else default_profile_path()
+
+    @property
+    def memory(self) -> MemoryConfig:
+        """The planner's view of memory (only κ matters to it)."""
+        return MemoryConfig(kappa=self.kappa)
+
+    def slo(self, profile: Profile) -> Slo:
+        """The SLO pair: given, or derived exactly as the simulator derives it."""
+        if self.slo_ttft_s > 0:
+            return Slo(ttft_s=self.slo_ttft_s, tbt_s=self.slo_tbt_s)
+        reference: list[Task] = []
+        if self.slo_prompt_tokens:
+            reference = [Task("slo-reference", TaskKind.INFERENCE, 0.0, self.slo_prompt_tokens,
+                              self.slo_output_tokens)]
+        return compute_slo(profile, reference, SloConfig(self.slo_multiplier))
+
+    def planner_config(self, profile: Profile) -> PlannerConfig:
+        """The planner's config.
+
+        Mirrors `lemix.sim.run.build_simulator`'s mapping field for field, so the
+        live scheduler and the simulator plan alike. TODO(shared builder): once
+        lemix offers one PlannerConfig builder for both, call it here instead.
+        """
+        slo = self.slo(profile)
+        return PlannerConfig(
+            num_nodes=self.num_nodes,
+            num_stages=profile.num_stages,
+            slo_ttft_s=slo.ttft_s,
+            slo_tbt_s=slo.tbt_s,
+            max_batch_size=self.max_batch_size,
+            max_defer_s=self.max_defer_s,
+            defer_recheck_s=self.defer_recheck_s,
+            train_rate=self.train_rate,
+            sync_every_tasks=self.sync_every_tasks,
+        )
+
+
+# ------------------------------------------------------------------ env + CLI
+
+
+@dataclass(frozen=True)
+class _Option:
+    field: str  # SchedulerConfig field
+    env: str  # LEMIX_* variable
+    help: str
+
+
+_OPTIONS: tuple[_Option, ...] = (
+    _Option("host", "LEMIX_SCHEDULER_HOST", "address to bind the gRPC server to"),
+    _Option("port", "LEMIX_SCHEDULER_PORT", "gRPC port (0 = a free port)"),
+    _Option("redis_url", "LEMIX_REDIS_URL", "Redis URL, e.g. redis://host:6379/0"),
+    _Option("namespace", "LEMIX_NAMESPACE", "Redis key namespace shared by the stack"),
+    _Option("policy", "LEMIX_POLICY", f"placement policy: {', '.join(POLICIES)}"),
+    _Option("num_nodes", "LEMIX_NUM_NODES", "executor nodes (ids 0..N-1)"),
+    _Option("profile_path", "LEMIX_PROFILE", "profile JSON (default: the shipped A100 one)"),
+    _Option("slo_ttft_s", "LEMIX_SLO_TTFT_S", "TTFT SLO in s (0 = derive from the profile)"),
+    _Option("slo_tbt_s", "LEMIX_SLO_TBT_S", "TBT SLO in s (0 = derive from the profile)"),
+    _Option("slo_multiplier", "LEMIX_SLO_MULTIPLIER", "derived SLO = k x unloaded latency"),
+    _Option("slo_prompt_tokens", "LEMIX_SLO_PROMPT_TOKENS",
+            "reference prompt length for derived SLOs (0 = compute_slo default)"),
+    _Option("slo_output_tokens", "LEMIX_SLO_OUTPUT_TOKENS",
+            "reference output length for derived SLOs (0 = compute_slo default)"),
+    _Option("kappa", "LEMIX_KAPPA", "usable fraction of each GPU's memory"),
+    _Option("max_batch_size", "LEMIX_MAX_BATCH_SIZE", "executors' running-batch cap"),
+    _Option("train_rate", "LEMIX_TRAIN_RATE", "SEPARATE: training share of nodes"),
+    _Option("sync_every_tasks", "LEMIX_SYNC_EVERY_TASKS", "SEPARATE: weight sync period K"),
+    _Option("max_defer_s", "LEMIX_MAX_DEFER_S", "longest a training task is deferred"),
+    _Option("defer_recheck_s", "LEMIX_DEFER_RECHECK_S", "re-evaluate deferred training every"),
+    _Option("dispatch_deadline_s", "LEMIX_DISPATCH_DEADLINE_S", "deadline of executor calls"),
+    _Option("dispatch_retry_s", "LEMIX_DISPATCH_RETRY_S",
+            "pause before a node that failed a dispatch gets work again"),
+    _Option("weight_sync_deadline_s", "LEMIX_WEIGHT_SYNC_DEADLINE_S",
+            "deadline of one SyncWeights call"),
+    _Option("weight_sync_dir", "LEMIX_WEIGHT_SYNC_DIR", "where synced weights are saved"),
+    _Option("consumer", "LEMIX_SCHEDULER_CONSUMER", "intake consumer name"),
+    _Option("node_poll_s", "LEMIX_NODE_POLL_S", "node heartbeat poll period"),
+    _Option("read_block_s", "LEMIX_READ_BLOCK_S", "longest blocking Redis read"),
+    _Option("intake_batch", "LEMIX_INTAKE_BATCH", "intake entries per read"),
+    _Option("claim_min_idle_s", "LEMIX_CLAIM_MIN_IDLE_S",
+            "take over intake entries pending this long at start"),
+    _Option("stop_grace_s", "LEMIX_STOP_GRACE_S", "grace for in-flight RPCs on stop"),
+    _Option("log_level", "LEMIX_LOG_LEVEL", "debug|info|warning|error"),
+    _Option("log_format", "LEMIX_LOG_FORMAT", "console|json"),
+)
+
+_FIELD_TYPES: dict[str, Callable[[str], Any]] = {
+    f.name: {"int": int, "float": float, "str": str}[str(f.type)]
+    for f in fields(SchedulerConfig)
+}
+
+
+def env_table() -> list[tuple[str, str, str]]:
+    """(flag, env var, help) for every option: for docs and `--help`."""
+    return [(f"--{o.field.replace('_', '-')}", o.env, o.help) for o in _OPTIONS]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m services.scheduler",
+        description="LeMix global scheduler: intake -> planner -> executor dispatch. "
+        "Every flag falls back to its LEMIX_* environment variable, then the default.",
+    )
+    defaults = SchedulerConfig()
+    for option in _OPTIONS:
+        default = getattr(defaults, option.field)
+        parser.add_argument(
+            f"--{option.field.replace('_', '-')}",
+            dest=option.field,
+            type=_FIELD_TYPES[option.field],
+            default=None,
+            metavar=option.field.upper(),
+            help=f"{option.help} [env {option.env}; default {default!r}]",
+        )
+    return parser
+
+
+def from_env_and_args(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> SchedulerConfig:
+    """Parse flags (`argv`, default sys.argv[1:]) over env vars (default os.environ).
+
+    `--help` and usage errors exit through argparse (status 0 and 2); a bad
+    value raises `ValueError` naming the flag and its environment variable.
+    """
+    env = os.environ if environ is None else environ
+    args = build_parser().parse_args(argv)
+    values: dict[str, Any] = {}
+    for option in _OPTIONS:
+        given = getattr(args, option.field)
+        if given is None and env.get(option.env, "") != "":
+            try:
+                given = _FIELD_TYPES[option.field](env[option.env])
+            except ValueError:
+                raise ValueError(f"{option.env}={env[option.env]!r} is not a valid "
+                                 f"{_FIELD_TYPES[option.field].__name__}") from None
+        if given is not None:
+            values[option.field] = given
+    return replace(SchedulerConfig(), **values)

@@ -1,0 +1,121 @@
+"""A test double of the OTHER services for the gateway's tests.
+
+`FakeScheduler` is a real `lemix.v1.Scheduler` gRPC servicer. On Submit it
+acknowledges the task and, for inference, plays its executor's part per
+services/PROTOCOL.md: token messages on ``output:{task_id}`` (the first with
+``first``/``version``), then an ``end`` message written with
+`Store.finish_task`. On Cancel it records the call, stops the run and writes
+the executor's ``CANCELLED`` end. A `Script` says how the next tasks go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+import grpc.aio
+
+from lemix._proto.lemix.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from lemix.rpc import convert
+from lemix.store import Store
+from lemix.types import Task, TaskKind, TaskPayload
+
+if TYPE_CHECKING:
+    from gateway.service import GatewayService
+
+# `make_gateway(**config_overrides)` (tests/gateway/conftest.py).
+GatewayFactory = Callable[..., Awaitable["GatewayService"]]
+
+FAKE_NODE_ID = 7
+FAKE_WEIGHT_VERSION = 3
+
+
+@dataclass
+class Script:
+    """How the fake executor runs each inference task."""
+
+    num_tokens: int | None = None  # None = the task's max_output_tokens
+    token_delay_s: float = 0.0
+    end_status: str = "completed"
+    end_reason: str = ""
+    is_held: bool = False  # after the first token, wait until cancelled
+
+
+@dataclass
+class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    store: Store
+    address: str = ""  # host:port, set once its server is up
+    script: Script = field(default_factory=Script)
+    submit_delay_s: float = 0.0
+    submit_error: tuple[grpc.StatusCode, str] | None = None
+    submitted: list[tuple[Task, TaskPayload]] = field(default_factory=list)
+    acked_at_s: dict[str, float] = field(default_factory=dict)  # monotonic, at the reply
+    cancelled: list[tuple[str, str]] = field(default_factory=list)  # (task_id, reason)
+    _runs: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+
+    async def Submit(
+        self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.SubmitResponse:
+        task, payload = convert.task_from_proto(request.task)
+        if self.submit_delay_s:
+            await asyncio.sleep(self.submit_delay_s)
+        if self.submit_error is not None:
+            await context.abort(*self.submit_error)
+        is_duplicate = task.task_id in self.acked_at_s
+        self.submitted.append((task, payload))
+        if task.kind is TaskKind.INFERENCE and not is_duplicate:
+            self._runs[task.task_id] = asyncio.create_task(self._play(task))
+        self.acked_at_s[task.task_id] = time.monotonic()
+        return scheduler_pb2.SubmitResponse(task_id=task.task_id, is_duplicate=is_duplicate)
+
+    async def Cancel(
+        self, request: common_pb2.CancelRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.CancelResponse:
+        self.cancelled.append((request.task_id, request.reason))
+        run = self._runs.pop(request.task_id, None)
+        if run is not None:
+            run.cancel()
+        await self.store.finish_task(
+            request.task_id, "failed", request.reason or "CANCELLED: cancelled",
+            output_fields={"type": "end", "node": FAKE_NODE_ID, "t": time.time()},
+        )  # fmt: skip
+        return common_pb2.CancelResponse(is_found=run is not None)
+
+    async def GetState(
+        self, request: scheduler_pb2.GetStateRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.SchedulerState:
+        return scheduler_pb2.SchedulerState(policy="fake")
+
+    async def _play(self, task: Task) -> None:
+        script = self.script
+        num_tokens = task.max_output_tokens if script.num_tokens is None else script.num_tokens
+        for n in range(1, num_tokens + 1):
+            if script.token_delay_s:
+                await asyncio.sleep(script.token_delay_s)
+            fields: dict[str, str | int | float] = {
+                "type": "token", "n": n, "node": FAKE_NODE_ID, "t": time.time(),
+            }  # fmt: skip
+            if n == 1:
+                fields |= {"first": "1", "version": FAKE_WEIGHT_VERSION}
+            await self.store.append_output(task.task_id, fields)
+            if n == 1 and script.is_held:
+                await asyncio.Event().wait()  # until Cancel cancels this run
+        await self.store.finish_task(
+            task.task_id, script.end_status, script.end_reason,
+            output_fields={"type": "end", "n": num_tokens, "node": FAKE_NODE_ID,
+                           "t": time.time()},
+        )  # fmt: skip
+        self._runs.pop(task.task_id, None)
+
+    def cancelled_ids(self) -> list[str]:
+        return [task_id for task_id, _ in self.cancelled]
+
+    async def close(self) -> None:
+        runs = list(self._runs.values())
+        for run in runs:
+            run.cancel()
+        await asyncio.gather(*runs, return_exceptions=True)

@@ -1,0 +1,90 @@
+"""gateway.convert: output messages -> responses, reasons -> status codes."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from gateway.convert import (
+    OutputStream,
+    TaskEnded,
+    node_state_from_fields,
+    stats_to_proto,
+    status_for_reason,
+)
+from gateway.tokenizer import emulated_token_id
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+@pytest.mark.parametrize(
+    ("reason", "code", "details"),
+    [
+        ("RESOURCE_EXHAUSTED: KV never fits", grpc.StatusCode.RESOURCE_EXHAUSTED, "KV never fits"),
+        ("UNAVAILABLE: no live executor", grpc.StatusCode.UNAVAILABLE, "no live executor"),
+        ("CANCELLED: client went away", grpc.StatusCode.CANCELLED, "client went away"),
+        ("DEADLINE_EXCEEDED: too slow", grpc.StatusCode.DEADLINE_EXCEEDED, "too slow"),
+        ("INVALID_ARGUMENT: bad", grpc.StatusCode.INVALID_ARGUMENT, "bad"),
+        ("NOT_A_CODE: x", grpc.StatusCode.INTERNAL, "NOT_A_CODE: x"),
+        ("segfault in stage 2", grpc.StatusCode.INTERNAL, "segfault in stage 2"),
+        ("", grpc.StatusCode.INTERNAL, "the task failed without a reason"),
+    ],
+)
+def test_status_for_reason(reason: str, code: grpc.StatusCode, details: str) -> None:
+    assert status_for_reason(reason) == (code, details)
+
+
+def test_stream_turns_counts_into_tokens_and_times_from_receipt() -> None:
+    clock = FakeClock()
+    stream = OutputStream("inf-1", max_tokens=5, received_s=99.5, clock=clock)
+    first = stream.on_message({"type": "token", "n": "1", "first": "1", "node": "4",
+                               "version": "9", "t": "1.0"})  # fmt: skip
+    assert first is not None and first.ttft_s == 0.5 and first.node_id == 4
+    assert list(first.token_ids) == [emulated_token_id(0)]
+    clock.now_s = 101.0
+    batch = stream.on_message({"type": "token", "n": "3", "node": "4"})  # two tokens at once
+    assert batch is not None and list(batch.token_ids) == [emulated_token_id(1),
+                                                          emulated_token_id(2)]  # fmt: skip
+    assert batch.ttft_s == 0 and batch.num_output_tokens == 3
+    assert stream.on_message({"type": "token", "n": "3"}) is None  # redelivered: nothing new
+    assert stream.on_message({"type": "progress"}) is None  # unknown type: skipped
+    clock.now_s = 102.0
+    final = stream.on_message({"type": "end", "status": "completed", "reason": "", "n": "5",
+                               "node": "4", "is_final": "1", "inference_loss": "1.25"})  # fmt: skip
+    assert final is not None and stream.is_ended
+    assert list(final.token_ids) == [emulated_token_id(3), emulated_token_id(4)]
+    assert final.is_finished and final.finish_reason == "length" and final.e2e_s == 2.5
+    assert (final.num_output_tokens, final.node_id, final.weight_version) == (5, 4, 9)
+    assert final.inference_loss == 1.25
+
+
+def test_completed_short_of_max_tokens_is_stop() -> None:
+    stream = OutputStream("inf-1", max_tokens=5, received_s=0.0, clock=FakeClock())
+    final = stream.on_message({"type": "end", "status": "completed", "n": "2", "is_final": "1"})
+    assert final is not None and final.finish_reason == "stop" and final.num_output_tokens == 2
+
+
+def test_failed_end_raises_task_ended() -> None:
+    stream = OutputStream("inf-1", max_tokens=5, received_s=0.0, clock=FakeClock())
+    with pytest.raises(TaskEnded) as info:
+        stream.on_message({"type": "end", "status": "rejected", "is_final": "1",
+                           "reason": "RESOURCE_EXHAUSTED: KV never fits"})
+    assert info.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert info.value.details == "KV never fits" and stream.is_ended
+
+
+def test_node_state_and_stats() -> None:
+    node = node_state_from_fields(3, {"address": "h:1", "num_running": "2", "is_healthy": "0",
+                                      "busy_fraction": "0.5", "unknown": "x"})  # fmt: skip
+    assert (node.node_id, node.address, node.num_running, node.is_healthy) == (3, "h:1", 2, False)
+    with pytest.raises(ValueError):
+        node_state_from_fields(3, {"num_running": "many"})
+    stats = stats_to_proto({"num_inference": 4, "num_failed": 1, "other": 9}, [node], 2)
+    assert (stats.num_inference, stats.num_failed, stats.num_in_flight) == (4, 1, 2)
+    assert stats.num_training == 0 and len(stats.nodes) == 1

@@ -1,0 +1,146 @@
+"""gateway.tokenizer and gateway.validate: pure functions, no servers."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from gateway.tokenizer import (
+    APPROX_EOS_ID,
+    APPROX_VOCAB_SIZE,
+    ApproxTokenizer,
+    emulated_token_id,
+    load_tokenizer,
+)
+from gateway.validate import validate_generate, validate_train
+from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
+from lemix.rpc.errors import InvalidArgument
+from lemix.types import Task, TaskKind, TaskPayload
+
+TOKENIZER = ApproxTokenizer()
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def test_approx_tokenizer_is_deterministic_about_four_bytes_per_token() -> None:
+    assert TOKENIZER.encode("") == []
+    assert len(TOKENIZER.encode("abcd")) == 1 and len(TOKENIZER.encode("abcde")) == 2
+    assert len(TOKENIZER.encode("é" * 4)) == 2  # 8 UTF-8 bytes
+    text = "The quick brown fox jumps over the lazy dog"
+    ids = TOKENIZER.encode(text)
+    assert ids == ApproxTokenizer().encode(text) and len(ids) == 11
+    assert all(0 < i < APPROX_VOCAB_SIZE and i != APPROX_EOS_ID for i in ids)
+
+
+def test_approx_decode_returns_placeholders() -> None:
+    assert TOKENIZER.decode([5, 17]) == "<t5><t17>"
+    assert TOKENIZER.eos_id == APPROX_EOS_ID and TOKENIZER.is_emulated
+
+
+def test_emulated_token_ids_are_stable_per_position() -> None:
+    ids = [emulated_token_id(i) for i in range(100)]
+    assert ids == [emulated_token_id(i) for i in range(100)]
+    assert len(set(ids)) > 90 and all(0 < i < APPROX_VOCAB_SIZE for i in ids)
+
+
+def test_unknown_tokenizer_is_a_clear_error() -> None:
+    assert isinstance(load_tokenizer("approx"), ApproxTokenizer)
+    with pytest.raises(ValueError, match="only 'approx'"):
+        load_tokenizer("/models/llama")
+
+
+# ---------------------------------------------------------------- inference
+
+
+def _validate(
+    request: gateway_pb2.GenerateRequest, limit: int = 4096
+) -> tuple[Task, TaskPayload]:
+    return validate_generate(request, tokenizer=TOKENIZER, max_context_tokens=limit)
+
+
+def test_generate_becomes_an_inference_task() -> None:
+    task, payload = _validate(gateway_pb2.GenerateRequest(prompt="x" * 40, max_tokens=8))
+    assert task.kind is TaskKind.INFERENCE and re.fullmatch(r"inf-[0-9a-f]{12}", task.task_id)
+    assert (task.num_prompt_tokens, task.max_output_tokens) == (10, 8)
+    assert payload.prompt_token_ids == () and payload.top_p == 1.0  # unset top_p = off
+
+
+def test_context_limit_counts_prompt_plus_max_tokens() -> None:
+    fits = gateway_pb2.GenerateRequest(prompt_token_ids=[1] * 90, max_tokens=10)
+    assert _validate(fits, limit=100)[0].num_total_tokens == 100
+    over = gateway_pb2.GenerateRequest(prompt_token_ids=[1] * 90, max_tokens=11)
+    with pytest.raises(InvalidArgument, match=re.escape(
+        "prompt (90 tokens) + max_tokens (11) = 101 tokens exceeds the context limit of 100"
+    )):  # fmt: skip
+        _validate(over, limit=100)
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (gateway_pb2.GenerateRequest(max_tokens=1), "prompt is empty"),
+        (gateway_pb2.GenerateRequest(prompt="a", prompt_token_ids=[1], max_tokens=1),
+         "not both"),
+        (gateway_pb2.GenerateRequest(prompt="a"), "max_tokens must be > 0"),
+        (gateway_pb2.GenerateRequest(prompt="a", max_tokens=1,
+                                     sampling=common_pb2.SamplingParams(top_p=-0.1)),
+         "top_p"),
+        (gateway_pb2.GenerateRequest(prompt="a", max_tokens=1,
+                                     sampling=common_pb2.SamplingParams(temperature=float("nan"))),
+         "temperature"),
+        (gateway_pb2.GenerateRequest(prompt="a", max_tokens=1, request_id="x" * 129),
+         "the limit is 128"),
+    ],
+)  # fmt: skip
+def test_generate_invalid(request_: gateway_pb2.GenerateRequest, message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        _validate(request_)
+
+
+# ----------------------------------------------------------------- training
+
+
+def _train(
+    samples: list[gateway_pb2.TrainSample], batch_size: int = 0, limit: int = 4096
+) -> list[tuple[Task, TaskPayload]]:
+    request = gateway_pb2.TrainRequest(samples=samples, batch_size=batch_size)
+    return validate_train(request, tokenizer=TOKENIZER, max_context_tokens=limit)
+
+
+def test_train_batches_samples_and_sizes_by_the_longest() -> None:
+    samples = [gateway_pb2.TrainSample(query="q" * 8, reference="r" * 4),
+               gateway_pb2.TrainSample(token_ids=[1, 2, 3, 4, 5], num_reference_tokens=2),
+               gateway_pb2.TrainSample(reference="r" * 4)]  # fmt: skip
+    one_each = _train(samples)  # batch_size 0 -> 1
+    assert [(t.batch_size, t.num_prompt_tokens) for t, _ in one_each] == [(1, 3), (1, 5), (1, 1)]
+    assert one_each[1][1].prompt_token_ids == (1, 2, 3, 4, 5)
+    assert one_each[1][1].reference_token_ids == (4, 5)
+    assert all(t.kind is TaskKind.TRAINING and t.task_id.startswith("trn-") for t, _ in one_each)
+    batched = _train(samples, batch_size=2)
+    assert [(t.batch_size, t.num_prompt_tokens) for t, _ in batched] == [(2, 5), (1, 1)]
+
+
+def test_train_ids_derive_from_sample_ids() -> None:
+    samples = [gateway_pb2.TrainSample(sample_id=f"s{i}", query="q") for i in range(3)]
+    first = [t.task_id for t, _ in _train(samples, batch_size=2)]
+    assert first == [t.task_id for t, _ in _train(samples, batch_size=2)]
+    assert len(set(first)) == 2
+
+
+@pytest.mark.parametrize(
+    ("samples", "message"),
+    [
+        ([], "no samples"),
+        ([gateway_pb2.TrainSample(query="q"), gateway_pb2.TrainSample()], r"samples\[1\] is empty"),
+        ([gateway_pb2.TrainSample(query="q", token_ids=[1])], "not both"),
+        ([gateway_pb2.TrainSample(token_ids=[1], num_reference_tokens=2)],
+         "num_reference_tokens"),
+        ([gateway_pb2.TrainSample(token_ids=[1] * 11)], "has 11 tokens; the context limit is 10"),
+        ([gateway_pb2.TrainSample(sample_id="a", query="q"),
+          gateway_pb2.TrainSample(sample_id="a", query="q")], "repeats samples"),
+    ],
+)  # fmt: skip
+def test_train_invalid(samples: list[gateway_pb2.TrainSample], message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        _train(samples, limit=10)
