@@ -38,8 +38,9 @@ lint: $(STAMP)
 	$(PY) -m ruff check lemix services gateway tests benchmarks scripts
 	$(PY) -m mypy lemix services gateway
 
-# The main job. Until the service stack lands this runs a small simulated
-# comparison of LeMix against the baselines on identical workloads.
+# The main job: the live stack (embedded Redis, scheduler, 2 emulated executors,
+# gateway; real gRPC) replaying a short mixed workload, then LeMix vs the
+# baselines simulated on identical workloads. About a minute on 2 cores.
 demo: $(STAMP)
 	$(PY) -m lemix.cli demo --out runs/demo
 

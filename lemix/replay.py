@@ -145,7 +145,8 @@ async def _training_done(stub: gateway_pb2_grpc.GatewayStub) -> int:
 
 
 async def run_replay(config: ReplayConfig, tasks: Sequence[Task], *, request_rate: float,
-                     train_rate: float, duration_s: float, seed: int) -> dict[str, Any]:
+                     train_rate: float, duration_s: float, seed: int,
+                     label: str = "live") -> dict[str, Any]:
     """Replay `tasks` against the gateway; return the DESIGN.md metrics object."""
     records = {t.task_id: TaskRecord(t.task_id, t.kind, t.arrival_s, t.num_prompt_tokens,
                                      t.max_output_tokens, t.batch_size) for t in tasks}
@@ -171,7 +172,7 @@ async def run_replay(config: ReplayConfig, tasks: Sequence[Task], *, request_rat
             record.finish_s = time.monotonic() - t0
     finished = [r.finish_s for r in records.values() if r.finish_s is not None]
     return summarize(
-        list(records.values()), policy="live", seed=seed, request_rate=request_rate,
+        list(records.values()), policy=label, seed=seed, request_rate=request_rate,
         train_rate=train_rate, duration_s=duration_s, makespan_s=max(finished, default=0.0),
         slo_ttft_s=config.slo_ttft_s, slo_tbt_s=config.slo_tbt_s, utilization=0.0,
         decision_latency_us=[], node_active_spans_s=[],
