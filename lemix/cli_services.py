@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 from pathlib import Path
 
 from lemix.launcher import StackConfig, run_until_signalled
@@ -84,6 +85,7 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         time_scale=args.time_scale,
         train_rate=args.train_rate,
         log_dir=Path(args.log_dir),
+        redis_url=os.environ.get("LEMIX_REDIS_URL") or None,  # else an embedded one
     )
 
 

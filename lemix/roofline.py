@@ -300,13 +300,28 @@ def fit_stage(roof: StageRoofline, free_bytes: int, holdout_fraction: float, see
     grid = feasible_grid(BATCH_SIZES, NUM_TOKENS, act, free_bytes)
     fwd = [PhasePoint(c, n, roof.forward_s(c, n)) for c, n in grid]
     bwd = [PhasePoint(c, n, roof.backward_s(c, n)) for c, n in grid]
-    eta_f, quad_f, q_f = _fit_phase(fwd, holdout_fraction, seed)
-    eta_b, quad_b, q_b = _fit_phase(bwd, holdout_fraction, seed)
-
     kv = kv_bytes_per_token(roof.model, roof.stage)
     dec_grid = feasible_grid(DECODE_BATCH_SIZES, DECODE_CONTEXT_TOKENS, kv, free_bytes)
     dec = [DecodePoint(c, c * n, roof.decode_step_s(c, c * n)) for c, n in dec_grid]
-    dec_fit, held = split_holdout(dec, holdout_fraction, seed)
+    return fit_stage_points(fwd, bwd, dec, holdout_fraction, seed)
+
+
+def fit_stage_points(
+    forward: Sequence[PhasePoint],
+    backward: Sequence[PhasePoint],
+    decode: Sequence[DecodePoint],
+    holdout_fraction: float,
+    seed: int,
+) -> StageFit:
+    """Fit both models to one stage's points (synthetic or measured) and score
+    each on a held-out `holdout_fraction` of them (split seeded with `seed`).
+
+    The returned coefficients are the ones fitted on the non-held-out points,
+    so the quality figures describe exactly what a profile stores.
+    """
+    eta_f, quad_f, q_f = _fit_phase(forward, holdout_fraction, seed)
+    eta_b, quad_b, q_b = _fit_phase(backward, holdout_fraction, seed)
+    dec_fit, held = split_holdout(decode, holdout_fraction, seed)
     coeffs = fit_decode(dec_fit)
     # The paper has no decode model; its form implies a forward with ℓ = 1: η_F·C.
     paper = [eta_f * p.batch_size for p in held]
@@ -314,6 +329,31 @@ def fit_stage(roof: StageRoofline, free_bytes: int, holdout_fraction: float, see
     q_d = _score(paper, ours, [p.latency_s for p in held], len(dec_fit))
     quality = {"forward": q_f, "backward": q_b, "decode": q_d}
     return StageFit(eta_f, eta_b, quad_f, quad_b, coeffs, quality)
+
+
+def latency_models(
+    fits: Sequence[StageFit],
+) -> tuple[PaperLatencyModel, AffineQuadraticLatencyModel]:
+    """The paper's and our per-stage models from one `StageFit` per stage."""
+    paper = PaperLatencyModel(
+        tuple(f.eta_forward for f in fits), tuple(f.eta_backward for f in fits)
+    )
+    ours = AffineQuadraticLatencyModel(
+        tuple(f.forward for f in fits),
+        tuple(f.backward for f in fits),
+        tuple(f.decode for f in fits),
+    )
+    return paper, ours
+
+
+def fit_quality_summary(
+    fits: Sequence[StageFit], holdout_fraction: float, seed: int
+) -> dict[str, Any]:
+    """`Profile.fit_quality`: phase -> "paper"|"ours" -> [S] of FitQuality dicts."""
+    quality: dict[str, Any] = {"holdout_fraction": holdout_fraction, "seed": seed}
+    for phase in ("forward", "backward", "decode"):
+        quality[phase] = {k: [f.quality[phase][k] for f in fits] for k in ("paper", "ours")}
+    return quality
 
 
 # ------------------------------------------------------------------ the profile
@@ -361,20 +401,12 @@ def derive_profile(
                 f"{hw.memory_bytes} B; use more stages"
             )
         fits.append(fit_stage(roof, free, holdout_fraction, seed))
-    quality: dict[str, Any] = {"holdout_fraction": holdout_fraction, "seed": seed}
-    for phase in ("forward", "backward", "decode"):
-        quality[phase] = {k: [f.quality[phase][k] for f in fits] for k in ("paper", "ours")}
+    paper, ours = latency_models(fits)
     return Profile(
         name=name or f"{hw.name.split('-')[0].lower()}-{model.name}-{num_stages}stage",
         num_stages=num_stages,
-        paper=PaperLatencyModel(
-            tuple(f.eta_forward for f in fits), tuple(f.eta_backward for f in fits)
-        ),
-        ours=AffineQuadraticLatencyModel(
-            tuple(f.forward for f in fits),
-            tuple(f.backward for f in fits),
-            tuple(f.decode for f in fits),
-        ),
+        paper=paper,
+        ours=ours,
         optimizer_step_s=tuple(r.optimizer_step_s() for r in roofs),
         memory=memory,
         transfer=TransferProfile(
@@ -388,7 +420,7 @@ def derive_profile(
             "stage_params": [stage_params(model, st) for st in stages],
         },
         hardware={**asdict(hw), "assumptions": asdict(asm)},
-        fit_quality=quality,
+        fit_quality=fit_quality_summary(fits, holdout_fraction, seed),
         provenance=provenance,
     )
 

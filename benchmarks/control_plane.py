@@ -1,0 +1,239 @@
+"""Control-plane overhead: gateway -> scheduler -> Redis -> executor -> gateway.
+
+A zero-latency copy of the shipped A100 profile (every latency coefficient and
+optimizer step 0, memory kept) makes compute free, so a Generate of one token,
+timed at the client from send to its final message, measures only the plumbing:
+two gRPC hops in, the intake stream, the planner, Dispatch, the executor's
+Redis sink and the gateway's blocking XREAD back out. The stack runs as real
+processes (`lemix.launcher.Stack`) with embedded Redis; the client is a lean
+open-loop Poisson loop on one channel (no metrics objects per request).
+
+Each level also reads the tasks' state hashes back from Redis and splits E2E
+at the services' own epoch stamps (same host, so one clock):
+  gw_in  = submit_t - client send   (client + gateway + Scheduler.Submit RPC)
+  intake = queued_t - submit_t      (Lua XADD, intake loop's XREADGROUP wake)
+  exec   = finish_t - queued_t      (planner, Dispatch RPC, engine, sink writes)
+  gw_out = client end - finish_t    (gateway XREAD wake, stream to the client)
+
+    .venv/bin/python benchmarks/control_plane.py --json runs/bench/control_plane.json
+
+Targets: p50 <= 2 ms and p99 <= 10 ms at 200 req/s; 500 req/s with zero loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import dataclasses
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import redis.asyncio as aioredis
+
+from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from lemix.latency import DecodeCoeffs, QuadCoeffs
+from lemix.launcher import Stack, StackConfig
+from lemix.metrics import format_table
+from lemix.profile import Profile, default_profile_path, load_profile, save_profile
+from lemix.redis_keys import RedisKeys
+from lemix.rpc.client import channel
+
+TARGET_RATE = 200.0
+TARGET_P50_MS = 2.0
+TARGET_P99_MS = 10.0
+NAMESPACE = "cpbench"
+PROMPT = [100] * 4  # a few tokens
+HOPS = ("gw_in", "intake", "exec", "gw_out")
+
+
+def zero_latency_profile(base: Profile) -> Profile:
+    """`base` with every latency 0 and memory untouched."""
+    n = base.num_stages
+    ours = dataclasses.replace(
+        base.ours,
+        forward=tuple(QuadCoeffs(0.0, 0.0, 0.0) for _ in range(n)),
+        backward=tuple(QuadCoeffs(0.0, 0.0, 0.0) for _ in range(n)),
+        decode=tuple(DecodeCoeffs(0.0, 0.0, 0.0) for _ in range(n)),
+    )
+    paper = dataclasses.replace(base.paper, eta_forward=(0.0,) * n, eta_backward=(0.0,) * n)
+    return dataclasses.replace(base, name=f"{base.name}-zero-latency", ours=ours, paper=paper,
+                               optimizer_step_s=(0.0,) * n)
+
+
+async def _one(stub: gateway_pb2_grpc.GatewayStub, task_id: str, rec: dict[str, Any],
+               timeout_s: float) -> None:
+    request = gateway_pb2.GenerateRequest(
+        request_id=task_id, prompt_token_ids=PROMPT, max_tokens=1,
+        sampling=common_pb2.SamplingParams(ignore_eos=True))
+    rec["send_epoch"] = time.time()
+    start = time.perf_counter()
+    try:
+        async for message in stub.Generate(request, timeout=timeout_s):
+            if message.is_finished:
+                rec["status"] = "completed"
+        if "status" not in rec:
+            rec["status"], rec["reason"] = "failed", "stream ended without a final message"
+    except grpc.aio.AioRpcError as err:
+        rejected = err.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INVALID_ARGUMENT)
+        rec["status"] = "rejected" if rejected else "failed"
+        rec["reason"] = f"{err.code().name}: {(err.details() or '')[:80]}"
+    rec["e2e_s"] = time.perf_counter() - start
+    rec["end_epoch"] = time.time()
+
+
+async def _fire(stub: gateway_pb2_grpc.GatewayStub, rate: float, duration_s: float,
+                seed: int, prefix: str, timeout_s: float) -> tuple[list[dict[str, Any]], float]:
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, size=int(rate * duration_s * 2) + 10))
+    arrivals = arrivals[arrivals < duration_s]
+    records: list[dict[str, Any]] = []
+    jobs = []
+    t0 = time.perf_counter()
+    for i, at in enumerate(arrivals):
+        delay = at - (time.perf_counter() - t0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        rec: dict[str, Any] = {"id": f"{prefix}-{i}", "lag_s": time.perf_counter() - t0 - at}
+        records.append(rec)
+        jobs.append(asyncio.create_task(_one(stub, rec["id"], rec, timeout_s)))
+    send_window_s = time.perf_counter() - t0
+    await asyncio.wait(jobs, timeout=timeout_s + 5.0)
+    return records, send_window_s
+
+
+async def _hops(redis_url: str, records: list[dict[str, Any]]) -> dict[str, list[float]]:
+    keys = RedisKeys(NAMESPACE)
+    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        async with client.pipeline(transaction=False) as pipe:
+            for rec in records:
+                pipe.hgetall(keys.task(rec["id"]))
+            states = await pipe.execute()
+    finally:
+        await client.aclose()
+    hops: dict[str, list[float]] = {h: [] for h in HOPS}
+    for rec, state in zip(records, states, strict=True):
+        try:
+            t = [rec["send_epoch"], float(state["submit_t"]), float(state["queued_t"]),
+                 float(state["finish_t"]), rec["end_epoch"]]
+        except (KeyError, ValueError):
+            continue
+        for name, a, b in zip(HOPS, t, t[1:], strict=False):
+            hops[name].append(b - a)
+    return hops
+
+
+def _ms(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) * 1e3 if values else None
+
+
+async def run_level(stub: gateway_pb2_grpc.GatewayStub, redis_url: str, rate: float,
+                    duration_s: float, seed: int, timeout_s: float) -> dict[str, Any]:
+    records, send_window_s = await _fire(stub, rate, duration_s, seed, f"r{rate:g}-s{seed}",
+                                         timeout_s)
+    done = [r for r in records if r.get("status") == "completed"]
+    e2e = [r["e2e_s"] for r in done]
+    reasons = collections.Counter(r["reason"] for r in records if "reason" in r)
+    hops = await _hops(redis_url, done)
+    row: dict[str, Any] = {
+        "rate": rate, "num_sent": len(records), "num_completed": len(done),
+        "num_rejected": sum(r.get("status") == "rejected" for r in records),
+        "num_failed": sum(r.get("status") == "failed" for r in records),
+        "num_lost": sum("status" not in r for r in records),
+        "reasons": dict(reasons),
+        "achieved_rps": len(done) / max(send_window_s, 1e-9),
+        "p50_ms": _ms(e2e, 50), "p90_ms": _ms(e2e, 90), "p99_ms": _ms(e2e, 99),
+        "max_ms": max(e2e) * 1e3 if e2e else None,
+        "client_lag_p99_ms": _ms([r["lag_s"] for r in records], 99),
+        "hops_ms": {h: {"p50": _ms(v, 50), "p99": _ms(v, 99)} for h, v in hops.items()},
+    }
+    for h in HOPS:
+        row[f"{h}_p50"] = row["hops_ms"][h]["p50"]
+        row[f"{h}_p99"] = row["hops_ms"][h]["p99"]
+    return row
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    zero = zero_latency_profile(load_profile(args.profile))
+    with tempfile.TemporaryDirectory(prefix="lemix-cp-") as tmp:
+        profile_path = Path(tmp) / "zero.json"
+        save_profile(zero, profile_path)
+        config = StackConfig(
+            num_nodes=args.nodes, profile_path=profile_path, gateway_port=0,
+            latency_noise_cv=0.0, namespace=NAMESPACE, log_dir=Path(tmp) / "logs",
+            # A zero-latency profile derives zero SLOs: give the planner fixed ones.
+            extra_env={"LEMIX_SLO_TTFT_S": "1.0", "LEMIX_SLO_TBT_S": "1.0",
+                       "LEMIX_LOG_LEVEL": args.log_level})
+        async with Stack(config) as stack, channel(stack.gateway_address) as chan:
+            assert stack.redis is not None
+            stub = gateway_pb2_grpc.GatewayStub(chan)
+            await _fire(stub, 20.0, args.warmup_s, 999, "warmup", args.timeout_s)
+            rows = []
+            for k, rate in enumerate(float(r) for r in args.rates.split(",")):
+                rows.append(await run_level(stub, stack.redis.url, rate, args.duration_s,
+                                            args.seed + k, args.timeout_s))
+                print(f"  {rate:g} req/s: p50 {rows[-1]['p50_ms']} ms, "
+                      f"lost {rows[-1]['num_lost']}", file=sys.stderr)
+            dead = stack.failed_child()
+    return {"rows": rows, "dead_service": dead, "profile": zero.name}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rates", default="50,200,500", help="req/s levels, comma-separated")
+    parser.add_argument("--duration-s", type=float, default=10.0, help="seconds per level")
+    parser.add_argument("--warmup-s", type=float, default=2.0)
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--profile", default=str(default_profile_path()))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout-s", type=float, default=30.0, help="per-request deadline")
+    parser.add_argument("--log-level", default="info", help="the services' log level")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    result = asyncio.run(run(args))
+    rows = result["rows"]
+    print(f"control plane, zero-latency profile, {args.nodes} nodes, "
+          f"{args.duration_s:g} s per level (times in ms)")
+    print(format_table(rows, [
+        ("rate", "req/s"), ("achieved_rps", "done/s"), ("num_sent", "sent"),
+        ("num_completed", "ok"), ("num_rejected", "rej"), ("num_failed", "fail"),
+        ("num_lost", "lost"), ("p50_ms", "p50"), ("p90_ms", "p90"), ("p99_ms", "p99"),
+        ("max_ms", "max"), ("client_lag_p99_ms", "lag p99"),
+    ]))
+    print("\nper hop (service timestamps), p50 / p99 ms")
+    print(format_table(rows, [("rate", "req/s")] + [
+        (f"{h}_{q}", f"{h} {q}") for h in HOPS for q in ("p50", "p99")]))
+    for row in rows:
+        for reason, count in row["reasons"].items():
+            print(f"  {row['rate']:g} req/s: {count} x {reason}")
+    at_target = next((r for r in rows if r["rate"] == TARGET_RATE), None)
+    if at_target is not None and at_target["p50_ms"] is not None:
+        ok = at_target["p50_ms"] <= TARGET_P50_MS and at_target["p99_ms"] <= TARGET_P99_MS
+        print(f"target at {TARGET_RATE:g} req/s (p50 <= {TARGET_P50_MS:g} ms, "
+              f"p99 <= {TARGET_P99_MS:g} ms): {'met' if ok else 'NOT met'}")
+    if result["dead_service"]:
+        print(f"warning: {result['dead_service']} exited during the run")
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({
+            "benchmark": "control_plane", "python": sys.version.split()[0],
+            "machine": platform.machine(), "num_nodes": args.nodes,
+            "profile": result["profile"], "duration_s": args.duration_s,
+            "targets": {"rate": TARGET_RATE, "p50_ms": TARGET_P50_MS, "p99_ms": TARGET_P99_MS},
+            "results": rows}, indent=2) + "\n")
+        print(f"JSON: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
