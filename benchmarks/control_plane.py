@@ -27,7 +27,9 @@ import asyncio
 import collections
 import dataclasses
 import json
+import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -136,14 +138,70 @@ def _ms(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) * 1e3 if values else None
 
 
-async def run_level(stub: gateway_pb2_grpc.GatewayStub, redis_url: str, rate: float,
-                    duration_s: float, seed: int, timeout_s: float) -> dict[str, Any]:
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _pids(stack: Stack) -> dict[str, int]:
+    pids = {child.name: child.process.pid for child in stack.children}
+    if stack.redis is not None and stack.redis.pid is not None:
+        pids["redis"] = stack.redis.pid
+    pids["client"] = os.getpid()
+    return pids
+
+
+def _hotspots(raw: Path, top: int) -> dict[str, Any]:
+    """Top functions of a py-spy raw (collapsed) profile: self and inclusive share."""
+    own: collections.Counter[str] = collections.Counter()
+    incl: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")[1:]  # drop the process/thread label
+        if not frames:
+            continue
+        n = int(count)
+        total += n
+        own[frames[-1]] += n
+        for frame in set(frames):
+            incl[frame] += n
+    ours = [(f, n) for f, n in incl.most_common()
+            if any(d in f for d in ("services/", "gateway/", "lemix/"))]
+    return {"samples": total,
+            "self": [(f, n / total) for f, n in own.most_common(top)] if total else [],
+            "inclusive_ours": [(f, n / total) for f, n in ours[:top]] if total else []}
+
+async def run_level(stub: gateway_pb2_grpc.GatewayStub, stack: Stack, rate: float,
+                    duration_s: float, seed: int, args: argparse.Namespace,
+                    spy_dir: Path | None) -> dict[str, Any]:
+    pids = _pids(stack)
+    spies = {}
+    if spy_dir is not None:  # sample every service while this level runs
+        for name, pid in pids.items():
+            if name not in ("redis", "client"):
+                spies[name] = subprocess.Popen(
+                    [args.py_spy, "record", "--pid", str(pid), "--rate", "100", "--nonblocking",
+                     "--nolineno", "--format", "raw", "--duration", str(round(duration_s)),
+                     "--output", str(spy_dir / f"{name}.txt")],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cpu0 = {name: _cpu_s(pid) for name, pid in pids.items()}
+    wall0 = time.perf_counter()
     records, send_window_s = await _fire(stub, rate, duration_s, seed, f"r{rate:g}-s{seed}",
-                                         timeout_s)
+                                         args.timeout_s)
+    wall_s = time.perf_counter() - wall0
+    cpu = {name: _cpu_s(pid) - cpu0[name] for name, pid in pids.items()}
+    for spy in spies.values():
+        spy.wait(timeout=duration_s + 30)
     done = [r for r in records if r.get("status") == "completed"]
     e2e = [r["e2e_s"] for r in done]
     reasons = collections.Counter(r["reason"] for r in records if "reason" in r)
-    hops = await _hops(redis_url, done)
+    assert stack.redis is not None
+    hops = await _hops(stack.redis.url, done)
     row: dict[str, Any] = {
         "rate": rate, "num_sent": len(records), "num_completed": len(done),
         "num_rejected": sum(r.get("status") == "rejected" for r in records),
@@ -156,6 +214,12 @@ async def run_level(stub: gateway_pb2_grpc.GatewayStub, redis_url: str, rate: fl
         "client_lag_p99_ms": _ms([r["lag_s"] for r in records], 99),
         "hops_ms": {h: {"p50": _ms(v, 50), "p99": _ms(v, 99)} for h, v in hops.items()},
     }
+    row["cpu_ms_per_req"] = {n: 1e3 * c / max(len(records), 1) for n, c in cpu.items()}
+    row["cpu_cores_busy"] = sum(cpu.values()) / wall_s
+    if spies:
+        assert spy_dir is not None
+        row["py_spy"] = {n: _hotspots(spy_dir / f"{n}.txt", args.top)
+                         for n in spies if (spy_dir / f"{n}.txt").exists()}
     for h in HOPS:
         row[f"{h}_p50"] = row["hops_ms"][h]["p50"]
         row[f"{h}_p99"] = row["hops_ms"][h]["p99"]
@@ -174,13 +238,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             extra_env={"LEMIX_SLO_TTFT_S": "1.0", "LEMIX_SLO_TBT_S": "1.0",
                        "LEMIX_LOG_LEVEL": args.log_level})
         async with Stack(config) as stack, channel(stack.gateway_address) as chan:
-            assert stack.redis is not None
             stub = gateway_pb2_grpc.GatewayStub(chan)
             await _fire(stub, 20.0, args.warmup_s, 999, "warmup", args.timeout_s)
             rows = []
             for k, rate in enumerate(float(r) for r in args.rates.split(",")):
-                rows.append(await run_level(stub, stack.redis.url, rate, args.duration_s,
-                                            args.seed + k, args.timeout_s))
+                spy_dir = Path(tmp) if args.py_spy and rate == args.spy_rate else None
+                rows.append(await run_level(stub, stack, rate, args.duration_s, args.seed + k,
+                                            args, spy_dir))
                 print(f"  {rate:g} req/s: p50 {rows[-1]['p50_ms']} ms, "
                       f"lost {rows[-1]['num_lost']}", file=sys.stderr)
             dead = stack.failed_child()
@@ -197,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=30.0, help="per-request deadline")
     parser.add_argument("--log-level", default="info", help="the services' log level")
+    parser.add_argument("--py-spy", metavar="BIN", help="py-spy binary: profile the services")
+    parser.add_argument("--spy-rate", type=float, default=TARGET_RATE,
+                        help="the level (req/s) to profile with --py-spy")
+    parser.add_argument("--top", type=int, default=12, help="hotspots listed per service")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     result = asyncio.run(run(args))
@@ -212,7 +280,17 @@ def main(argv: list[str] | None = None) -> int:
     print("\nper hop (service timestamps), p50 / p99 ms")
     print(format_table(rows, [("rate", "req/s")] + [
         (f"{h}_{q}", f"{h} {q}") for h in HOPS for q in ("p50", "p99")]))
+    print("\nCPU ms per request by process, and cores busy (of %d)" % (os.cpu_count() or 0))
+    names = sorted({n for r in rows for n in r["cpu_ms_per_req"]})
+    print(format_table(rows, [("rate", "req/s")] + [(f"cpu_ms_per_req.{n}", n) for n in names]
+                       + [("cpu_cores_busy", "cores")]))
     for row in rows:
+        for name, spots in row.get("py_spy", {}).items():
+            print(f"\npy-spy {name} at {row['rate']:g} req/s ({spots['samples']} samples):")
+            for kind in ("self", "inclusive_ours"):
+                print(f"  {kind}:")
+                for frame, share in spots[kind]:
+                    print(f"    {100 * share:5.1f}%  {frame}")
         for reason, count in row["reasons"].items():
             print(f"  {row['rate']:g} req/s: {count} x {reason}")
     at_target = next((r for r in rows if r["rate"] == TARGET_RATE), None)

@@ -14,9 +14,18 @@ import grpc
 
 from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc
 from lemix.launcher import Stack, StackConfig
+from lemix.memory import MemoryConfig
+from lemix.planner.base import PlannerConfig
+from lemix.planner.recording import decision_key, recorded_decision_keys, replay
+from lemix.planner.registry import build_planner
+from lemix.profile import default_profile_path, load_profile
+from lemix.redis_keys import RedisKeys
 from lemix.replay import ReplayConfig, run_replay
 from lemix.rpc.client import channel
+from lemix.store import Store
 from lemix.workload import WorkloadConfig, build_workload
+from services.scheduler.codec import event_from_fields
+from services.scheduler.recovery import START_MARKER
 
 TIME_SCALE = 0.05  # 20x faster than the A100 profile, so the test stays short
 
@@ -37,6 +46,8 @@ async def test_mixed_load_every_task_accounted_for(tmp_path: Path) -> None:
             stats = await gateway_pb2_grpc.GatewayStub(chan).GetStats(
                 gateway_pb2.GetStatsRequest(), timeout=10)
         assert stack.failed_child() is None
+        assert stack.redis is not None
+        events = await _read_events(stack.redis.url, "e2e")
     assert metrics["num_lost"] == 0
     assert metrics["num_inference"] + metrics["num_training"] == len(tasks)
     ended = metrics["num_completed"] + metrics["num_rejected"] + metrics["num_failed"]
@@ -46,6 +57,25 @@ async def test_mixed_load_every_task_accounted_for(tmp_path: Path) -> None:
     assert metrics["num_completed_training"] == metrics["num_training"]
     assert stats.num_completed_inference == metrics["num_completed_inference"]
     assert stats.num_completed_training == metrics["num_completed_training"]
+    # Parity: the live scheduler's recorded inputs, replayed offline through a
+    # fresh planner built from the recorded config, give the same decisions.
+    marker = next(e[START_MARKER] for e in events if START_MARKER in e)
+    planner = build_planner(marker["policy"], PlannerConfig(**marker["planner_config"]),
+                            load_profile(default_profile_path()), MemoryConfig())
+    live = recorded_decision_keys(events)
+    assert sum(k[0] == "Placement" for k in live) >= len(tasks)
+    assert [decision_key(d) for d in replay(events, planner)] == live
+
+
+async def _read_events(redis_url: str, namespace: str) -> list[dict]:
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(redis_url, decode_responses=True)
+    try:
+        store = Store(client, RedisKeys(namespace))
+        return [event_from_fields(fields) for _, fields in await store.read_events()]
+    finally:
+        await client.aclose()
 
 
 async def test_bad_request_gets_invalid_argument_and_the_stack_keeps_serving(
