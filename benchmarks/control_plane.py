@@ -134,6 +134,16 @@ async def _hops(redis_url: str, records: list[dict[str, Any]]) -> dict[str, list
     return hops
 
 
+async def _command_calls(redis_url: str) -> dict[str, int]:
+    """Redis INFO commandstats: calls so far, per command."""
+    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        info = await client.info("commandstats")
+    finally:
+        await client.aclose()
+    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in info.items()}
+
+
 def _ms(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) * 1e3 if values else None
 
@@ -187,20 +197,23 @@ async def run_level(stub: gateway_pb2_grpc.GatewayStub, stack: Stack, rate: floa
                 spies[name] = subprocess.Popen(
                     [args.py_spy, "record", "--pid", str(pid), "--rate", "100", "--nonblocking",
                      "--nolineno", "--format", "raw", "--duration", str(round(duration_s)),
+                     *(["--native"] if args.spy_native else []),
                      "--output", str(spy_dir / f"{name}.txt")],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert stack.redis is not None
+    calls0 = await _command_calls(stack.redis.url)
     cpu0 = {name: _cpu_s(pid) for name, pid in pids.items()}
     wall0 = time.perf_counter()
     records, send_window_s = await _fire(stub, rate, duration_s, seed, f"r{rate:g}-s{seed}",
                                          args.timeout_s)
     wall_s = time.perf_counter() - wall0
     cpu = {name: _cpu_s(pid) - cpu0[name] for name, pid in pids.items()}
+    calls = {c: n - calls0.get(c, 0) for c, n in (await _command_calls(stack.redis.url)).items()}
     for spy in spies.values():
         spy.wait(timeout=duration_s + 30)
     done = [r for r in records if r.get("status") == "completed"]
     e2e = [r["e2e_s"] for r in done]
     reasons = collections.Counter(r["reason"] for r in records if "reason" in r)
-    assert stack.redis is not None
     hops = await _hops(stack.redis.url, done)
     row: dict[str, Any] = {
         "rate": rate, "num_sent": len(records), "num_completed": len(done),
@@ -215,6 +228,8 @@ async def run_level(stub: gateway_pb2_grpc.GatewayStub, stack: Stack, rate: floa
         "hops_ms": {h: {"p50": _ms(v, 50), "p99": _ms(v, 99)} for h, v in hops.items()},
     }
     row["cpu_ms_per_req"] = {n: 1e3 * c / max(len(records), 1) for n, c in cpu.items()}
+    row["redis_calls_per_req"] = {c: n / max(len(records), 1)
+                                  for c, n in sorted(calls.items(), key=lambda kv: -kv[1]) if n}
     row["cpu_cores_busy"] = sum(cpu.values()) / wall_s
     if spies:
         assert spy_dir is not None
@@ -264,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--py-spy", metavar="BIN", help="py-spy binary: profile the services")
     parser.add_argument("--spy-rate", type=float, default=TARGET_RATE,
                         help="the level (req/s) to profile with --py-spy")
+    parser.add_argument("--spy-native", action="store_true",
+                        help="py-spy --native: include C/Cython frames (grpc, asyncio)")
     parser.add_argument("--top", type=int, default=12, help="hotspots listed per service")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
@@ -280,10 +297,15 @@ def main(argv: list[str] | None = None) -> int:
     print("\nper hop (service timestamps), p50 / p99 ms")
     print(format_table(rows, [("rate", "req/s")] + [
         (f"{h}_{q}", f"{h} {q}") for h in HOPS for q in ("p50", "p99")]))
-    print("\nCPU ms per request by process, and cores busy (of %d)" % (os.cpu_count() or 0))
+    print(f"\nCPU ms per request by process, and cores busy (of {os.cpu_count()})")
     names = sorted({n for r in rows for n in r["cpu_ms_per_req"]})
     print(format_table(rows, [("rate", "req/s")] + [(f"cpu_ms_per_req.{n}", n) for n in names]
                        + [("cpu_cores_busy", "cores")]))
+    for row in rows:
+        per_req = row["redis_calls_per_req"]
+        print(f"Redis commands per request at {row['rate']:g} req/s "
+              f"({sum(per_req.values()):.1f} in all): "
+              + ", ".join(f"{c} {n:.2f}" for c, n in per_req.items() if n >= 0.05))
     for row in rows:
         for name, spots in row.get("py_spy", {}).items():
             print(f"\npy-spy {name} at {row['rate']:g} req/s ({spots['samples']} samples):")

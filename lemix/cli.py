@@ -1,4 +1,4 @@
-"""The `lemix` command: sim, compare, demo (and the service-stack commands to come).
+"""The `lemix` command: sim, compare, demo, and the service-stack commands (up, replay, profile).
 
 All mapping from flags to the typed configs happens in `configs_from_args`;
 every command then works on those configs only. A ValueError (bad flag value,
@@ -20,14 +20,9 @@ from lemix.compare import SweepConfig, run_sweep, workload_fingerprint, write_js
 from lemix.metrics import format_table
 from lemix.planner.registry import POLICIES
 from lemix.profile import Profile, default_profile_path, load_profile
+from lemix.rpc.errors import ServiceError
 from lemix.sim.run import SimRunConfig, run_simulation
 from lemix.workload import WorkloadConfig, build_workload, read_azure_csv
-
-NOT_IMPLEMENTED = (
-    "not implemented yet: the profiler service (driving executors over a (batch, length) "
-    "grid) is still to come; profiles are roofline-derived for now (python -m lemix.roofline)"
-)
-STUB_COMMANDS = ("profile",)
 
 DEMO_POLICIES = ("separate", "mix-rr", "mix-luf", "lemix-paper", "lemix")
 DEMO_SEEDS = 3
@@ -130,8 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
     from lemix.cli_services import add_parsers
 
     add_parsers(sub)
-    sub.add_parser("profile", help=f"profile executors and fit the models ({NOT_IMPLEMENTED})",
-                   add_help=False)
     return parser
 
 
@@ -345,21 +338,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 2 usage or input error)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command in STUB_COMMANDS:
-        print(f"lemix {args.command}: {NOT_IMPLEMENTED}", file=sys.stderr)
-        return 2
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        if args.command in ("up", "replay"):
-            from lemix.cli_services import cmd_replay, cmd_up
+        if args.command in ("up", "replay", "profile"):
+            from lemix.cli_services import cmd_profile, cmd_replay, cmd_up
 
-            return cmd_up(args) if args.command == "up" else cmd_replay(args)
+            command = {"up": cmd_up, "replay": cmd_replay, "profile": cmd_profile}
+            return command[args.command](args)
         setup = configs_from_args(args)
         if args.command == "sim":
             return cmd_sim(setup, args.json)
         return cmd_compare(setup, args.out, is_demo=args.command == "demo")
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, ServiceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -20,7 +20,7 @@ import math
 import statistics
 from collections.abc import Awaitable, Sequence
 from dataclasses import asdict, dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc.aio
 
@@ -33,7 +33,7 @@ from profiler.fit import FitConfig, MemoryPoint, StageMeasurements, fit_profile
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
 DEFAULT_NUM_TOKENS = (64, 128, 256, 512, 1024)
-DEFAULT_SUM_CONTEXT_TOKENS = (256, 1024, 4096, 16384)
+DEFAULT_SUM_CONTEXT_TOKENS = (256, 1024, 4096, 16384, 65536)
 DEFAULT_NUM_REPEATS = 3
 # One Measure call: num_repeats runs of one point. Generous, because a real
 # backward of 8 x 1,024 tokens repeated many times takes seconds.
@@ -89,7 +89,7 @@ class ProfileRun:
     """One profiling run: the fitted profile and its JSON-ready report."""
 
     profile: Profile
-    report: dict[str, object]
+    report: dict[str, Any]  # profiler.fit.fit_report's keys plus the run's settings
 
 
 async def profile_executor(
@@ -150,7 +150,7 @@ async def run_profile(
     )
     result = fit_profile(measurements, base_profile, name, fit_config, provenance=provenance,
                          hardware={"executor_address": address})
-    report: dict[str, object] = {
+    report: dict[str, Any] = {
         **result.report,
         "executor_address": address,
         "grid": asdict(grid),

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from lemix.cli import NOT_IMPLEMENTED, build_parser, configs_from_args, main
+from lemix.cli import build_parser, configs_from_args, main
 from lemix.compare import run_sweep
 from lemix.planner.registry import POLICIES
 
@@ -80,9 +80,13 @@ def test_bad_input_exits_2_without_traceback(
     assert err.startswith("error: ") and "Traceback" not in err
 
 
-def test_profile_command_is_honestly_not_implemented(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["profile", "--target", "x"]) == 2
-    assert NOT_IMPLEMENTED in capsys.readouterr().err
+def test_profile_command_rejects_a_malformed_target(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Profiling a live executor is tested in tests/profiler/test_profiler_cli.py.
+    assert main(["profile", "--target", "x", "--out", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "host:port" in err and "Traceback" not in err
 
 
 def test_console_entry_point_runs_as_a_module() -> None:

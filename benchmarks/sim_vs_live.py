@@ -1,0 +1,253 @@
+"""Simulator vs live stack on one task list, at paper scale.
+
+4 nodes x 2 stages, the shipped A100 profile, the Azure conversation trace
+time-scaled to --rate for --window-s, training at --train-rate. The same tasks
+go to `run_simulation` and, in real time (time scale 1.0, same latency noise
+CV, same policy, the same SLO from `compute_slo` passed to the scheduler), to a
+live `Stack` through `run_replay`. Without the trace file it says so and uses
+the parametric Poisson workload instead.
+
+Reports both runs' headline metrics side by side with the gaps (percentage
+points for SLO attainment, % for the rest), then where they differ: per-request
+live-minus-sim TTFT / TBT / E2E over the inference tasks both completed, and
+the CPU the stack used (a saturated host stretches live timers and decodes).
+
+    .venv/bin/python benchmarks/sim_vs_live.py --json runs/bench/sim_vs_live.json
+
+Target: SLO attainment within 5 pp, throughput within 5 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import lemix.replay
+from lemix.launcher import Stack, StackConfig
+from lemix.metrics import format_table
+from lemix.profile import Profile, default_profile_path, load_profile
+from lemix.replay import ReplayConfig, run_replay
+from lemix.sim.run import SimRunConfig, Slo, SloConfig, compute_slo, run_simulation
+from lemix.types import Task, TaskKind, TaskRecord, TaskStatus
+from lemix.workload import Workload, WorkloadConfig, build_workload
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "azure_llm_conv_2023.csv"
+TARGET_PP = 5.0
+TARGET_PCT = 5.0
+# (metrics key, header, gap kind): "pp" = percentage points of a fraction, "%" = relative.
+ROWS = (
+    ("slo_attainment", "SLO attainment", "pp"),
+    ("goodput_rps", "goodput req/s", "%"),
+    ("throughput_tasks_s", "throughput tasks/s", "%"),
+    ("throughput_tokens_s", "throughput tokens/s", "%"),
+    ("ttft_s.p50", "TTFT p50 s", "%"),
+    ("ttft_s.p99", "TTFT p99 s", "%"),
+    ("tbt_s.p50", "TBT p50 s", "%"),
+    ("e2e_s.p50", "E2E p50 s", "%"),
+    ("num_completed_inference", "completed inference", "%"),
+    ("num_completed_training", "completed training", "%"),
+    ("num_rejected", "rejected", "%"),
+    ("num_failed", "failed", "%"),
+    ("makespan_s", "makespan s", "%"),
+)
+
+
+def make_workload(args: argparse.Namespace) -> tuple[Workload, str]:
+    trace = Path(args.trace)
+    if trace.exists():
+        config = WorkloadConfig(source="trace", trace_path=str(trace), request_rate=args.rate,
+                                train_rate=args.train_rate, duration_s=args.window_s,
+                                seed=args.seed)
+        return build_workload(config), f"azure trace {trace}, time-scaled"
+    print(f"trace file {trace} is absent: using the parametric Poisson workload instead")
+    config = WorkloadConfig(request_rate=args.rate, train_rate=args.train_rate,
+                            duration_s=args.window_s, seed=args.seed)
+    return build_workload(config), "parametric poisson (trace absent)"
+
+
+def _cpu_s(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_live(args: argparse.Namespace, tasks: list[Task], wl: Workload,
+                   slo: Slo) -> tuple[dict[str, Any], list[TaskRecord], dict[str, float]]:
+    captured: list[TaskRecord] = []
+    summarize = lemix.replay.summarize
+
+    def keep_records(records: list[TaskRecord], **kw: Any) -> dict[str, Any]:
+        captured.extend(records)  # run_replay returns only the summary; keep the records
+        return summarize(records, **kw)
+
+    with tempfile.TemporaryDirectory(prefix="lemix-svl-") as tmp:
+        config = StackConfig(
+            num_nodes=args.nodes, profile_path=Path(args.profile), policy=args.policy,
+            gateway_port=0, namespace="simlive", time_scale=1.0,
+            latency_noise_cv=args.noise_cv, train_rate=args.train_rate,
+            log_dir=Path(tmp) / "logs",
+            extra_env={"LEMIX_SLO_TTFT_S": repr(slo.ttft_s), "LEMIX_SLO_TBT_S": repr(slo.tbt_s),
+                       "LEMIX_SEED": str(args.seed)})
+        lemix.replay.summarize = keep_records  # type: ignore[assignment]
+        try:
+            async with Stack(config) as stack:
+                pids = {c.name: c.process.pid for c in stack.children}
+                if stack.redis is not None and stack.redis.pid is not None:
+                    pids["redis"] = stack.redis.pid
+                pids["client"] = os.getpid()
+                cpu0 = {n: _cpu_s(p) for n, p in pids.items()}
+                wall0 = time.perf_counter()
+                metrics = await run_replay(
+                    ReplayConfig(target=stack.gateway_address, slo_ttft_s=slo.ttft_s,
+                                 slo_tbt_s=slo.tbt_s, drain_timeout_s=args.drain_timeout_s),
+                    tasks, request_rate=args.rate, train_rate=args.train_rate,
+                    duration_s=wl.duration_s, seed=args.seed)
+                wall_s = time.perf_counter() - wall0
+                cores = {n: (_cpu_s(p) - cpu0[n]) / wall_s for n, p in pids.items()}
+                if stack.failed_child():
+                    print(f"warning: {stack.failed_child()} exited during the run")
+        finally:
+            lemix.replay.summarize = summarize  # type: ignore[assignment]
+    return metrics, captured, cores
+
+
+def _get(metrics: dict[str, Any], key: str) -> float | None:
+    value: Any = metrics
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def compare(sim: dict[str, Any], live: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for key, header, kind in ROWS:
+        s, v = _get(sim, key), _get(live, key)
+        gap = None
+        if s is not None and v is not None:
+            gap = 100.0 * (v - s) if kind == "pp" else (100.0 * (v - s) / s if s else None)
+        rows.append({"metric": header, "sim": s, "live": v,
+                     "gap": gap, "unit": "pp" if kind == "pp" else "%"})
+    return rows
+
+
+def per_request(sim_records: list[TaskRecord], live_records: list[TaskRecord],
+                slo: Slo) -> dict[str, Any]:
+    """Live minus sim, per inference task completed in both (same ids)."""
+    sim_by_id = {r.task_id: r for r in sim_records
+                 if r.kind is TaskKind.INFERENCE and r.status is TaskStatus.COMPLETED}
+    pairs = [(sim_by_id[r.task_id], r) for r in live_records
+             if r.kind is TaskKind.INFERENCE and r.status is TaskStatus.COMPLETED
+             and r.task_id in sim_by_id]
+
+    def stats(values: list[float]) -> dict[str, float | None]:
+        if not values:
+            return {"p10": None, "p50": None, "p90": None, "mean": None}
+        p10, p50, p90 = np.percentile(values, [10, 50, 90])
+        return {"p10": float(p10), "p50": float(p50), "p90": float(p90),
+                "mean": float(np.mean(values))}
+
+    def ttft(r: TaskRecord) -> float:
+        return (r.first_token_s or 0.0) - r.arrival_s
+
+    def tbt(r: TaskRecord) -> float | None:
+        if r.num_output_tokens < 2 or r.first_token_s is None or r.finish_s is None:
+            return None
+        return (r.finish_s - r.first_token_s) / (r.num_output_tokens - 1)
+
+    d_tbt = [tl - ts for s, v in pairs if (ts := tbt(s)) is not None and (tl := tbt(v))
+             is not None]
+    return {
+        "num_pairs": len(pairs),
+        "same_node_share": (sum(s.node_id == v.node_id for s, v in pairs) / len(pairs)
+                            if pairs else None),
+        "ttft_diff_s": stats([ttft(v) - ttft(s) for s, v in pairs]),
+        "tbt_diff_s": stats(d_tbt),
+        "tbt_ratio": stats([tl / ts for s, v in pairs if (ts := tbt(s)) and (tl := tbt(v))]),
+        "e2e_diff_s": stats([(v.finish_s or 0.0) - (s.finish_s or 0.0) for s, v in pairs]),
+        "ttft_miss_live_only": sum(ttft(s) <= slo.ttft_s < ttft(v) for s, v in pairs),
+        "ttft_miss_sim_only": sum(ttft(v) <= slo.ttft_s < ttft(s) for s, v in pairs),
+        "tbt_miss_live_only": sum((tbt(s) or 0) <= slo.tbt_s < (tbt(v) or 0) for s, v in pairs),
+        "tbt_miss_sim_only": sum((tbt(v) or 0) <= slo.tbt_s < (tbt(s) or 0) for s, v in pairs),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--trace", default=str(DEFAULT_TRACE))
+    parser.add_argument("--rate", type=float, default=5.5, help="inference req/s")
+    parser.add_argument("--window-s", type=float, default=60.0)
+    parser.add_argument("--train-rate", type=float, default=0.1)
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--policy", default="lemix")
+    parser.add_argument("--noise-cv", type=float, default=0.05)
+    parser.add_argument("--profile", default=str(default_profile_path()))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--drain-timeout-s", type=float, default=120.0)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    profile: Profile = load_profile(args.profile)
+    wl, source = make_workload(args)
+    tasks = list(wl.tasks)
+    slo = compute_slo(profile, tasks, SloConfig())
+    print(f"workload: {source}: {wl.num_inference} inference + {wl.num_training} training "
+          f"over {wl.duration_s:.0f} s; {args.nodes} nodes x {profile.num_stages} stages; "
+          f"SLO TTFT {slo.ttft_s:.3f} s, TBT {slo.tbt_s * 1e3:.1f} ms")
+    sim_config = SimRunConfig(policy=args.policy, num_nodes=args.nodes, seed=args.seed,
+                              latency_noise_cv=args.noise_cv, train_rate=args.train_rate)
+    sim, sim_result = run_simulation(sim_config, profile, tasks, request_rate=args.rate,
+                                     duration_s=wl.duration_s, slo=slo)
+    live, live_records, cores = asyncio.run(run_live(args, tasks, wl, slo))
+    rows = compare(sim, live)
+    print(format_table(rows, [("metric", "metric"), ("sim", "sim"), ("live", "live"),
+                              ("gap", "live-sim"), ("unit", "")]))
+    gaps = {r["metric"]: r["gap"] for r in rows}
+    slo_gap, thr_gap = gaps["SLO attainment"], gaps["throughput tasks/s"]
+    is_met = (slo_gap is not None and abs(slo_gap) <= TARGET_PP and thr_gap is not None
+              and abs(thr_gap) <= TARGET_PCT)
+    print(f"target (|SLO gap| <= {TARGET_PP:g} pp, |throughput gap| <= {TARGET_PCT:g} %): "
+          f"{'met' if is_met else 'NOT met'}")
+    detail = per_request(sim_result.records, live_records, slo)
+    print(f"\nper request, live - sim, over {detail['num_pairs']} inference tasks completed "
+          f"in both (same node in {100 * (detail['same_node_share'] or 0):.0f} %):")
+    print(format_table(
+        [{"what": k, **detail[k]} for k in ("ttft_diff_s", "tbt_diff_s", "tbt_ratio",
+                                            "e2e_diff_s")],
+        [("what", "quantity"), ("p10", "p10"), ("p50", "p50"), ("p90", "p90"),
+         ("mean", "mean")]))
+    print(f"SLO misses only live / only sim: TTFT {detail['ttft_miss_live_only']} / "
+          f"{detail['ttft_miss_sim_only']}, TBT {detail['tbt_miss_live_only']} / "
+          f"{detail['tbt_miss_sim_only']}")
+    print(f"live CPU, cores busy (of {os.cpu_count()}): "
+          + ", ".join(f"{n} {c:.2f}" for n, c in sorted(cores.items()))
+          + f"; total {sum(cores.values()):.2f}")
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({
+            "benchmark": "sim_vs_live", "python": sys.version.split()[0],
+            "machine": platform.machine(), "workload": source, "rate": args.rate,
+            "window_s": args.window_s, "train_rate": args.train_rate, "num_nodes": args.nodes,
+            "policy": args.policy, "noise_cv": args.noise_cv, "profile": profile.name,
+            "slo": {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s},
+            "targets": {"slo_pp": TARGET_PP, "throughput_pct": TARGET_PCT}, "is_met": is_met,
+            "comparison": rows, "per_request": detail, "live_cores_busy": cores,
+            "sim": sim, "live": live}, indent=2) + "\n")
+        print(f"JSON: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

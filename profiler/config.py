@@ -1,0 +1,167 @@
+"""The profiler's typed config, and the ONE place env vars and flags map onto it.
+
+Precedence: command-line flag, then ``LEMIX_*`` environment variable, then the
+default. Nothing is read at import time: `from_env_and_args` reads `argv` and
+the environment when called (tests pass both in).
+
+=====================  =========================  ===================================
+field                  flag                       environment variable
+=====================  =========================  ===================================
+host                   ``--host``                 ``LEMIX_PROFILER_HOST``
+port                   ``--port``                 ``LEMIX_PROFILER_PORT``
+redis_url              ``--redis-url``            ``LEMIX_REDIS_URL``
+namespace              ``--namespace``            ``LEMIX_NAMESPACE``
+base_profile_path      ``--base-profile``         ``LEMIX_PROFILE``
+measure_deadline_s     ``--measure-deadline-s``   ``LEMIX_PROFILER_MEASURE_DEADLINE_S``
+holdout_fraction       ``--holdout-fraction``     ``LEMIX_PROFILER_HOLDOUT_FRACTION``
+seed                   ``--seed``                 ``LEMIX_PROFILER_SEED``
+shutdown_grace_s       ``--shutdown-grace-s``     ``LEMIX_SHUTDOWN_GRACE_S``
+log_level              ``--log-level``            ``LEMIX_LOG_LEVEL``
+log_format             ``--log-format``           ``LEMIX_LOG_FORMAT``
+=====================  =========================  ===================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lemix.profile import default_profile_path
+from lemix.redis_keys import DEFAULT_NAMESPACE, RedisKeys
+from profiler.fit import FitConfig
+from profiler.runner import DEFAULT_MEASURE_DEADLINE_S
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("console", "json")
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+@dataclass(frozen=True)
+class ProfilerConfig:
+    """Everything the profiler process needs; validated on construction (ValueError)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = any free port (the bound one is printed at start)
+    redis_url: str = DEFAULT_REDIS_URL
+    namespace: str = DEFAULT_NAMESPACE  # Redis key prefix shared with the other services
+    # Memory, transfer and optimizer figures of every fitted profile come from
+    # here (RunProfileRequest has no field for them): the profile the executors
+    # run. "" = lemix.profile.default_profile_path(), the executors' default too.
+    base_profile_path: str = ""
+    measure_deadline_s: float = DEFAULT_MEASURE_DEADLINE_S  # one executor Measure call
+    holdout_fraction: float = FitConfig().holdout_fraction
+    seed: int = FitConfig().seed  # seeds the held-out split
+    shutdown_grace_s: float = 5.0  # in-flight RunProfile calls get this long on stop
+    log_level: str = "info"
+    log_format: str = "console"
+
+    def __post_init__(self) -> None:
+        if not self.host or any(ch.isspace() for ch in self.host):
+            raise ValueError(f"host must be a non-empty host name or address, got {self.host!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535] (0 = any free port), got {self.port}")
+        if not self.redis_url.startswith(_REDIS_SCHEMES):
+            raise ValueError(
+                f"redis_url must start with one of {', '.join(_REDIS_SCHEMES)}, "
+                f"got {self.redis_url!r}"
+            )
+        RedisKeys(self.namespace)  # raises ValueError naming the problem
+        if not (math.isfinite(self.measure_deadline_s) and self.measure_deadline_s > 0):
+            raise ValueError(f"measure_deadline_s must be a finite number > 0, "
+                             f"got {self.measure_deadline_s}")  # fmt: skip
+        if not (math.isfinite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0):
+            raise ValueError(f"shutdown_grace_s must be a finite number >= 0, "
+                             f"got {self.shutdown_grace_s}")  # fmt: skip
+        self.fit_config()  # checks holdout_fraction
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, "
+                             f"got {self.log_level!r}")  # fmt: skip
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, "
+                             f"got {self.log_format!r}")  # fmt: skip
+
+    def fit_config(self) -> FitConfig:
+        return FitConfig(holdout_fraction=self.holdout_fraction, seed=self.seed)
+
+    @property
+    def resolved_base_profile_path(self) -> Path:
+        return Path(self.base_profile_path) if self.base_profile_path else default_profile_path()
+
+
+# ------------------------------------------------------------------ mapping
+
+
+@dataclass(frozen=True)
+class _Option:
+    field: str
+    flag: str
+    env: str
+    parse: Callable[[str], Any]
+    help: str
+
+
+_OPTIONS: tuple[_Option, ...] = (
+    _Option("host", "--host", "LEMIX_PROFILER_HOST", str, "address to bind"),
+    _Option("port", "--port", "LEMIX_PROFILER_PORT", int, "port to bind (0 = any free port)"),
+    _Option("redis_url", "--redis-url", "LEMIX_REDIS_URL", str, "Redis where profiles are stored"),
+    _Option("namespace", "--namespace", "LEMIX_NAMESPACE", str,
+            "Redis key prefix shared by the stack's services"),
+    _Option("base_profile_path", "--base-profile", "LEMIX_PROFILE", str,
+            "profile JSON whose memory/transfer/optimizer figures fitted profiles keep "
+            "(default: the shipped A100 one)"),
+    _Option("measure_deadline_s", "--measure-deadline-s", "LEMIX_PROFILER_MEASURE_DEADLINE_S",
+            float, "deadline of one executor Measure call, seconds"),
+    _Option("holdout_fraction", "--holdout-fraction", "LEMIX_PROFILER_HOLDOUT_FRACTION", float,
+            "share of grid points held out to score the fits"),
+    _Option("seed", "--seed", "LEMIX_PROFILER_SEED", int, "seed of the held-out split"),
+    _Option("shutdown_grace_s", "--shutdown-grace-s", "LEMIX_SHUTDOWN_GRACE_S", float,
+            "on stop, in-flight RunProfile calls get this long, seconds"),
+    _Option("log_level", "--log-level", "LEMIX_LOG_LEVEL", str, "/".join(LOG_LEVELS)),
+    _Option("log_format", "--log-format", "LEMIX_LOG_FORMAT", str, "/".join(LOG_FORMATS)),
+)  # fmt: skip
+
+
+def build_parser(prog: str = "python -m profiler") -> argparse.ArgumentParser:
+    """The profiler's flags; every default is None so env and defaults can apply."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="LeMix profiler: measures executors over a (C, l) grid and fits the "
+        "latency models. Flags override LEMIX_* environment variables, which override "
+        "the defaults.",
+    )
+    defaults = {f.name: f.default for f in dataclasses.fields(ProfilerConfig)}
+    for opt in _OPTIONS:
+        parser.add_argument(opt.flag, dest=opt.field, type=opt.parse, default=None,
+                            help=f"{opt.help} [env {opt.env}; default {defaults[opt.field]!r}]")
+    return parser
+
+
+def from_env_and_args(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> ProfilerConfig:
+    """Build the config from `argv` (default `sys.argv[1:]`) and `env` (default
+    `os.environ`). Raises ValueError on a bad env value or config; `--help` and
+    bad flags exit through argparse (SystemExit)."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    environ = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for opt in _OPTIONS:
+        flag_value = getattr(args, opt.field)
+        if flag_value is not None:
+            values[opt.field] = flag_value
+        elif environ.get(opt.env, "") != "":
+            text = environ[opt.env]
+            try:
+                values[opt.field] = opt.parse(text)
+            except ValueError:
+                raise ValueError(f"{opt.env}={text!r} is not a valid {opt.parse.__name__} "
+                                 f"(for {opt.flag})") from None
+    return ProfilerConfig(**values)
