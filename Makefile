@@ -20,8 +20,8 @@ setup: $(STAMP)
 
 test: $(STAMP)
 	$(PY) scripts/gen_protos.py --check
-	$(PY) -m ruff check lemix services gateway tests benchmarks scripts
-	$(PY) -m mypy lemix services gateway
+	$(PY) -m ruff check lemix services gateway profiler tests benchmarks scripts
+	$(PY) -m mypy lemix services gateway profiler
 	$(PY) -m pytest -q tests
 
 # Regenerate the checked-in stubs in lemix/_proto/ from protos/ (users need no
@@ -35,8 +35,8 @@ proto-check: $(STAMP)
 	$(PY) scripts/gen_protos.py --check
 
 lint: $(STAMP)
-	$(PY) -m ruff check lemix services gateway tests benchmarks scripts
-	$(PY) -m mypy lemix services gateway
+	$(PY) -m ruff check lemix services gateway profiler tests benchmarks scripts
+	$(PY) -m mypy lemix services gateway profiler
 
 # The main job: the live stack (embedded Redis, scheduler, 2 emulated executors,
 # gateway; real gRPC) replaying a short mixed workload, then LeMix vs the

@@ -84,13 +84,17 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def run_live(args: argparse.Namespace, tasks: list[Task], wl: Workload,
-                   slo: Slo) -> tuple[dict[str, Any], list[TaskRecord], dict[str, float]]:
-    captured: list[TaskRecord] = []
+ALONE = Task("alone-0", TaskKind.INFERENCE, 0.0, 1000, 200)  # one request on an idle cluster
+
+
+async def run_live(args: argparse.Namespace, tasks: list[Task], wl: Workload, slo: Slo
+                   ) -> tuple[dict[str, Any], list[TaskRecord], TaskRecord, dict[str, float]]:
+    """The live run; also replays ALONE first (a warm-up that isolates per-step overhead)."""
+    captured: list[list[TaskRecord]] = []
     summarize = lemix.replay.summarize
 
     def keep_records(records: list[TaskRecord], **kw: Any) -> dict[str, Any]:
-        captured.extend(records)  # run_replay returns only the summary; keep the records
+        captured.append(list(records))  # run_replay returns only the summary; keep records
         return summarize(records, **kw)
 
     with tempfile.TemporaryDirectory(prefix="lemix-svl-") as tmp:
@@ -104,6 +108,11 @@ async def run_live(args: argparse.Namespace, tasks: list[Task], wl: Workload,
         lemix.replay.summarize = keep_records  # type: ignore[assignment]
         try:
             async with Stack(config) as stack:
+                replay = ReplayConfig(target=stack.gateway_address, slo_ttft_s=slo.ttft_s,
+                                      slo_tbt_s=slo.tbt_s, drain_timeout_s=args.drain_timeout_s,
+                                      show_progress=False)
+                await run_replay(replay, [ALONE], request_rate=1.0, train_rate=0.0,
+                                 duration_s=1.0, seed=args.seed)
                 pids = {c.name: c.process.pid for c in stack.children}
                 if stack.redis is not None and stack.redis.pid is not None:
                     pids["redis"] = stack.redis.pid
@@ -111,9 +120,7 @@ async def run_live(args: argparse.Namespace, tasks: list[Task], wl: Workload,
                 cpu0 = {n: _cpu_s(p) for n, p in pids.items()}
                 wall0 = time.perf_counter()
                 metrics = await run_replay(
-                    ReplayConfig(target=stack.gateway_address, slo_ttft_s=slo.ttft_s,
-                                 slo_tbt_s=slo.tbt_s, drain_timeout_s=args.drain_timeout_s),
-                    tasks, request_rate=args.rate, train_rate=args.train_rate,
+                    replay, tasks, request_rate=args.rate, train_rate=args.train_rate,
                     duration_s=wl.duration_s, seed=args.seed)
                 wall_s = time.perf_counter() - wall0
                 cores = {n: (_cpu_s(p) - cpu0[n]) / wall_s for n, p in pids.items()}
@@ -121,7 +128,20 @@ async def run_live(args: argparse.Namespace, tasks: list[Task], wl: Workload,
                     print(f"warning: {stack.failed_child()} exited during the run")
         finally:
             lemix.replay.summarize = summarize  # type: ignore[assignment]
-    return metrics, captured, cores
+    return metrics, captured[1], captured[0][0], cores
+
+
+async def sleep_overshoot(duration_s: float, num: int = 200) -> dict[str, float]:
+    """How late asyncio.sleep(duration_s) wakes on this host, in ms (the emulated
+    executor sleeps once per stage per iteration)."""
+    late = []
+    for _ in range(num):
+        start = time.perf_counter()
+        await asyncio.sleep(duration_s)
+        late.append(time.perf_counter() - start - duration_s)
+    p50, p99 = np.percentile(late, [50, 99])
+    return {"sleep_ms": 1e3 * duration_s, "mean_ms": 1e3 * float(np.mean(late)),
+            "p50_ms": 1e3 * float(p50), "p99_ms": 1e3 * float(p99)}
 
 
 def _get(metrics: dict[str, Any], key: str) -> float | None:
@@ -129,6 +149,13 @@ def _get(metrics: dict[str, Any], key: str) -> float | None:
     for part in key.split("."):
         value = value.get(part) if isinstance(value, dict) else None
     return value
+
+
+def _timings(r: TaskRecord) -> dict[str, float | None]:
+    if r.first_token_s is None or r.finish_s is None or r.num_output_tokens < 2:
+        return {"ttft_ms": None, "tbt_ms": None}
+    return {"ttft_ms": 1e3 * (r.first_token_s - r.arrival_s),
+            "tbt_ms": 1e3 * (r.finish_s - r.first_token_s) / (r.num_output_tokens - 1)}
 
 
 def compare(sim: dict[str, Any], live: dict[str, Any]) -> list[dict[str, Any]]:
@@ -209,7 +236,13 @@ def main(argv: list[str] | None = None) -> int:
                               latency_noise_cv=args.noise_cv, train_rate=args.train_rate)
     sim, sim_result = run_simulation(sim_config, profile, tasks, request_rate=args.rate,
                                      duration_s=wl.duration_s, slo=slo)
-    live, live_records, cores = asyncio.run(run_live(args, tasks, wl, slo))
+    live, live_records, live_alone, cores = asyncio.run(run_live(args, tasks, wl, slo))
+    _, alone_result = run_simulation(sim_config, profile, [ALONE], request_rate=1.0,
+                                     duration_s=1.0, slo=slo)
+    alone = {"sim": _timings(alone_result.records[0]), "live": _timings(live_alone)}
+    step_s = profile.ours.decode_step_s(0, 1, int(np.median([
+        t.num_prompt_tokens + t.max_output_tokens // 2 for t in tasks if not t.is_training])))
+    overshoot = asyncio.run(sleep_overshoot(step_s))
     rows = compare(sim, live)
     print(format_table(rows, [("metric", "metric"), ("sim", "sim"), ("live", "live"),
                               ("gap", "live-sim"), ("unit", "")]))
@@ -230,6 +263,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"SLO misses only live / only sim: TTFT {detail['ttft_miss_live_only']} / "
           f"{detail['ttft_miss_sim_only']}, TBT {detail['tbt_miss_live_only']} / "
           f"{detail['tbt_miss_sim_only']}")
+    a_sim, a_live = alone["sim"], alone["live"]
+    if a_sim["tbt_ms"] is not None and a_live["tbt_ms"] is not None:
+        print(f"one request alone ({ALONE.num_prompt_tokens} prompt, {ALONE.max_output_tokens} "
+              f"out): TTFT sim {a_sim['ttft_ms']:.2f} ms, live {a_live['ttft_ms']:.2f} ms "
+              f"(+{a_live['ttft_ms'] - a_sim['ttft_ms']:.2f}); TBT sim {a_sim['tbt_ms']:.3f} ms,"
+              f" live {a_live['tbt_ms']:.3f} ms (+{a_live['tbt_ms'] - a_sim['tbt_ms']:.3f})")
+    sim_tbt = sim["tbt_s"]["p50"] or 0.0
+    print(f"asyncio.sleep({overshoot['sleep_ms']:.2f} ms) wakes late by {overshoot['mean_ms']:.2f}"
+          f" ms on average (p99 {overshoot['p99_ms']:.2f}); x {profile.num_stages} stages per "
+          f"decode step = +{profile.num_stages * overshoot['mean_ms']:.2f} ms per token, "
+          f"{100 * profile.num_stages * overshoot['mean_ms'] / 1e3 / sim_tbt if sim_tbt else 0:.0f}"
+          f" % of the sim's TBT p50 (observed per-request median: "
+          f"+{1e3 * (detail['tbt_diff_s']['p50'] or 0):.2f} ms)")
     print(f"live CPU, cores busy (of {os.cpu_count()}): "
           + ", ".join(f"{n} {c:.2f}" for n, c in sorted(cores.items()))
           + f"; total {sum(cores.values()):.2f}")
@@ -243,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
             "policy": args.policy, "noise_cv": args.noise_cv, "profile": profile.name,
             "slo": {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s},
             "targets": {"slo_pp": TARGET_PP, "throughput_pct": TARGET_PCT}, "is_met": is_met,
-            "comparison": rows, "per_request": detail, "live_cores_busy": cores,
+            "comparison": rows, "per_request": detail, "sleep_overshoot": overshoot,
+            "alone": alone,
+            "live_cores_busy": cores,
             "sim": sim, "live": live}, indent=2) + "\n")
         print(f"JSON: {path}")
     return 0

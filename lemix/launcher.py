@@ -1,7 +1,7 @@
 """`lemix up`: run the whole stack as local processes (no Docker needed).
 
-Starts an embedded Redis (unless a URL is given), N executors, the scheduler
-and the gateway as `python -m ...` subprocesses, each configured through its
+Starts an embedded Redis (unless a URL is given), N executors, the profiler,
+the scheduler and the gateway as `python -m ...` subprocesses, each configured through its
 `LEMIX_*` environment variables (the services' own config modules map them).
 A service is up when it prints its `SERVING ... address=HOST:PORT` line and
 answers gRPC health checks. Stopping goes in reverse order of dependency:
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lemix.redis_server import EmbeddedRedis
-from lemix.rpc import EXECUTOR_SERVICE, GATEWAY_SERVICE, SCHEDULER_SERVICE
+from lemix.rpc import EXECUTOR_SERVICE, GATEWAY_SERVICE, PROFILER_SERVICE, SCHEDULER_SERVICE
 from lemix.rpc.client import wait_for_serving
 
 START_TIMEOUT_S = 60.0
@@ -114,6 +114,8 @@ class Stack:
                 for i in range(c.num_nodes)
             ]
             await asyncio.gather(*executors)
+            await self._spawn("profiler", "profiler", PROFILER_SERVICE,
+                              {**env, "LEMIX_PROFILER_PORT": "0", "LEMIX_PROFILER_HOST": c.host})
             scheduler = await self._spawn("scheduler", "services.scheduler", SCHEDULER_SERVICE,
                                           {**env, "LEMIX_SCHEDULER_PORT": "0",
                                            "LEMIX_SCHEDULER_HOST": c.host})
@@ -149,7 +151,7 @@ class Stack:
 
     async def stop(self) -> None:
         """Gateway first (it drains), then scheduler, executors, Redis."""
-        order = {"gateway": 0, "scheduler": 1}
+        order = {"gateway": 0, "scheduler": 1, "profiler": 2}
         for child in sorted(self.children, key=lambda ch: order.get(ch.name, 2)):
             await _terminate(child)
         self.children.clear()
