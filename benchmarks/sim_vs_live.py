@@ -196,8 +196,14 @@ def per_request(sim_records: list[TaskRecord], live_records: list[TaskRecord],
 
     d_tbt = [tl - ts for s, v in pairs if (ts := tbt(s)) is not None and (tl := tbt(v))
              is not None]
+    def per_node(records: list[TaskRecord]) -> list[int]:
+        nodes = [r.node_id for r in records if r.kind is TaskKind.INFERENCE
+                 and r.status is TaskStatus.COMPLETED and r.node_id is not None]
+        return [nodes.count(i) for i in range(max(nodes, default=-1) + 1)]
+
     return {
         "num_pairs": len(pairs),
+        "inference_per_node": {"sim": per_node(sim_records), "live": per_node(live_records)},
         "same_node_share": (sum(s.node_id == v.node_id for s, v in pairs) / len(pairs)
                             if pairs else None),
         "ttft_diff_s": stats([ttft(v) - ttft(s) for s, v in pairs]),
@@ -260,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                                             "e2e_diff_s")],
         [("what", "quantity"), ("p10", "p10"), ("p50", "p50"), ("p90", "p90"),
          ("mean", "mean")]))
+    print(f"completed inference per node: sim {detail['inference_per_node']['sim']}, "
+          f"live {detail['inference_per_node']['live']}")
     print(f"SLO misses only live / only sim: TTFT {detail['ttft_miss_live_only']} / "
           f"{detail['ttft_miss_sim_only']}, TBT {detail['tbt_miss_live_only']} / "
           f"{detail['tbt_miss_sim_only']}")

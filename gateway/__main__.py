@@ -8,40 +8,13 @@ env value, 1 when it cannot start (Redis unreachable, port busy).
 from __future__ import annotations
 
 import asyncio
-import logging
 import signal
 import sys
 from collections.abc import Sequence
 
-import structlog
-
 from gateway.config import GatewayConfig, from_env_and_args
 from gateway.service import GatewayService
-
-
-def configure_logging(log_level: str, log_format: str = "console") -> None:
-    """structlog to stderr at `log_level`: console lines or one JSON object per line."""
-    renderer: structlog.types.Processor
-    tracebacks: list[structlog.types.Processor] = []
-    if log_format == "json":
-        renderer = structlog.processors.JSONRenderer()
-        tracebacks = [structlog.processors.dict_tracebacks]
-    else:
-        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            *tracebacks,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping()[log_level.upper()]
-        ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
-    )
+from lemix.logs import configure_logging
 
 
 async def serve(config: GatewayConfig) -> int:

@@ -8,46 +8,17 @@ env value, 1 when it cannot start (Redis unreachable, port busy, bad profile).
 from __future__ import annotations
 
 import asyncio
-import logging
 import signal
 import sys
 from collections.abc import Sequence
 
 import structlog
 
+from lemix.logs import configure_logging
 from profiler.config import ProfilerConfig, from_env_and_args
 from profiler.service import ProfilerService
 
 log = structlog.get_logger("profiler")
-
-
-def configure_logging(log_format: str, log_level: str = "info") -> None:
-    """structlog to stderr: one JSON object per line, or a console rendering.
-
-    The executor's and the gateway's entry points configure logging the same
-    way; this belongs in one shared lemix module once there is one.
-    """
-    renderer: structlog.types.Processor
-    tracebacks: list[structlog.types.Processor] = []
-    if log_format == "json":
-        renderer = structlog.processors.JSONRenderer()
-        tracebacks = [structlog.processors.dict_tracebacks]
-    else:
-        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            *tracebacks,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping()[log_level.upper()]
-        ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
-    )
 
 
 async def serve(config: ProfilerConfig) -> int:
@@ -79,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"python -m profiler: error: {exc}", file=sys.stderr)
         return 2
-    configure_logging(config.log_format, config.log_level)
+    configure_logging(config.log_level, config.log_format)
     return asyncio.run(serve(config))
 
 

@@ -11,42 +11,17 @@ unreachable, port busy, bad profile), 2 for bad flags or settings.
 from __future__ import annotations
 
 import asyncio
-import logging
 import signal
 import sys
 from collections.abc import Sequence
 
 import structlog
 
+from lemix.logs import configure_logging
 from services.executor.config import ExecutorConfig
 from services.executor.service import ExecutorService
 
 log = structlog.get_logger("services.executor")
-
-
-def configure_logging(log_format: str, log_level: str = "info") -> None:
-    """structlog to stderr: one JSON object per line, or a console rendering."""
-    renderer: structlog.types.Processor
-    if log_format == "json":
-        renderer = structlog.processors.JSONRenderer()
-        tracebacks: list[structlog.types.Processor] = [structlog.processors.dict_tracebacks]
-    else:
-        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
-        tracebacks = []
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            *tracebacks,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping()[log_level.upper()]
-        ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
-    )
 
 
 async def serve(config: ExecutorConfig) -> int:
@@ -75,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"python -m services.executor: error: {exc}", file=sys.stderr)
         return 2
-    configure_logging(config.log_format, config.log_level)
+    configure_logging(config.log_level, config.log_format)
     return asyncio.run(serve(config))
 
 

@@ -8,37 +8,17 @@ calls (scripts and tests wait for that line); logs go to stderr. Exit status:
 from __future__ import annotations
 
 import asyncio
-import logging
 import signal
 import sys
 from collections.abc import Sequence
 
 import structlog
 
+from lemix.logs import configure_logging
 from services.scheduler.config import SchedulerConfig, from_env_and_args
 from services.scheduler.service import SchedulerService
 
 log = structlog.get_logger("services.scheduler")
-
-
-def configure_logging(config: SchedulerConfig) -> None:
-    renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer() if config.log_format == "json"
-        else structlog.dev.ConsoleRenderer(colors=False))
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.StackInfoRenderer(),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping()[config.log_level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
-    )
 
 
 async def serve(config: SchedulerConfig) -> int:
@@ -66,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    configure_logging(config)
+    configure_logging(config.log_level, config.log_format)
     return asyncio.run(serve(config))
 
 
