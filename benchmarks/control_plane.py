@@ -46,6 +46,7 @@ from lemix.launcher import Stack, StackConfig
 from lemix.metrics import format_table
 from lemix.profile import Profile, default_profile_path, load_profile, save_profile
 from lemix.redis_keys import RedisKeys
+from lemix.redis_server import EmbeddedRedis
 from lemix.rpc.client import channel
 
 TARGET_RATE = 200.0
@@ -108,7 +109,9 @@ async def _fire(stub: gateway_pb2_grpc.GatewayStub, rate: float, duration_s: flo
         records.append(rec)
         jobs.append(asyncio.create_task(_one(stub, rec["id"], rec, timeout_s)))
     send_window_s = time.perf_counter() - t0
-    await asyncio.wait(jobs, timeout=timeout_s + 5.0)
+    _, pending = await asyncio.wait(jobs, timeout=timeout_s + 5.0)
+    for job in pending:  # past its own deadline: counted as lost, not left running
+        job.cancel()
     return records, send_window_s
 
 
@@ -157,10 +160,10 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _pids(stack: Stack) -> dict[str, int]:
+def _pids(stack: Stack, redis: EmbeddedRedis) -> dict[str, int]:
     pids = {child.name: child.process.pid for child in stack.children}
-    if stack.redis is not None and stack.redis.pid is not None:
-        pids["redis"] = stack.redis.pid
+    if redis.pid is not None:
+        pids["redis"] = redis.pid
     pids["client"] = os.getpid()
     return pids
 
@@ -168,6 +171,7 @@ def _pids(stack: Stack) -> dict[str, int]:
 def _hotspots(raw: Path, top: int) -> dict[str, Any]:
     """Top functions of a py-spy raw (collapsed) profile: self and inclusive share."""
     own: collections.Counter[str] = collections.Counter()
+    package: collections.Counter[str] = collections.Counter()
     incl: collections.Counter[str] = collections.Counter()
     total = 0
     for line in raw.read_text().splitlines():
@@ -178,18 +182,23 @@ def _hotspots(raw: Path, top: int) -> dict[str, Any]:
         n = int(count)
         total += n
         own[frames[-1]] += n
+        path = frames[-1].rpartition("(")[2].rstrip(")")
+        package[path.split("/")[0] if "/" in path else path] += n
         for frame in set(frames):
             incl[frame] += n
     ours = [(f, n) for f, n in incl.most_common()
             if any(d in f for d in ("services/", "gateway/", "lemix/"))]
     return {"samples": total,
+            "self_by_package": [(p, n / total) for p, n in package.most_common(top)],
             "self": [(f, n / total) for f, n in own.most_common(top)] if total else [],
             "inclusive_ours": [(f, n / total) for f, n in ours[:top]] if total else []}
 
-async def run_level(stub: gateway_pb2_grpc.GatewayStub, stack: Stack, rate: float,
-                    duration_s: float, seed: int, args: argparse.Namespace,
+
+async def run_level(stub: gateway_pb2_grpc.GatewayStub, stack: Stack, redis: EmbeddedRedis,
+                    rate: float, seed: int, args: argparse.Namespace,
                     spy_dir: Path | None) -> dict[str, Any]:
-    pids = _pids(stack)
+    duration_s = args.duration_s
+    pids = _pids(stack, redis)
     spies = {}
     if spy_dir is not None:  # sample every service while this level runs
         for name, pid in pids.items():
@@ -197,31 +206,33 @@ async def run_level(stub: gateway_pb2_grpc.GatewayStub, stack: Stack, rate: floa
                 spies[name] = subprocess.Popen(
                     [args.py_spy, "record", "--pid", str(pid), "--rate", "100", "--nonblocking",
                      "--nolineno", "--format", "raw", "--duration", str(round(duration_s)),
-                     *(["--native"] if args.spy_native else []),
                      "--output", str(spy_dir / f"{name}.txt")],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    assert stack.redis is not None
-    calls0 = await _command_calls(stack.redis.url)
+    calls0 = await _command_calls(redis.url)
     cpu0 = {name: _cpu_s(pid) for name, pid in pids.items()}
     wall0 = time.perf_counter()
     records, send_window_s = await _fire(stub, rate, duration_s, seed, f"r{rate:g}-s{seed}",
                                          args.timeout_s)
     wall_s = time.perf_counter() - wall0
     cpu = {name: _cpu_s(pid) - cpu0[name] for name, pid in pids.items()}
-    calls = {c: n - calls0.get(c, 0) for c, n in (await _command_calls(stack.redis.url)).items()}
+    calls = {c: n - calls0.get(c, 0) for c, n in (await _command_calls(redis.url)).items()}
     for spy in spies.values():
         spy.wait(timeout=duration_s + 30)
     done = [r for r in records if r.get("status") == "completed"]
     e2e = [r["e2e_s"] for r in done]
     reasons = collections.Counter(r["reason"] for r in records if "reason" in r)
-    hops = await _hops(stack.redis.url, done)
+    hops = await _hops(redis.url, done)
     row: dict[str, Any] = {
         "rate": rate, "num_sent": len(records), "num_completed": len(done),
         "num_rejected": sum(r.get("status") == "rejected" for r in records),
         "num_failed": sum(r.get("status") == "failed" for r in records),
         "num_lost": sum("status" not in r for r in records),
         "reasons": dict(reasons),
-        "achieved_rps": len(done) / max(send_window_s, 1e-9),
+        "offered_rps": len(records) / max(send_window_s, 1e-9),
+        # completions over first send .. last completion (a backlog stretches it)
+        "achieved_rps": len(done) / max(max((r["end_epoch"] for r in done), default=0.0)
+                                        - min((r["send_epoch"] for r in records), default=0.0),
+                                        1e-9),
         "p50_ms": _ms(e2e, 50), "p90_ms": _ms(e2e, 90), "p99_ms": _ms(e2e, 99),
         "max_ms": max(e2e) * 1e3 if e2e else None,
         "client_lag_p99_ms": _ms([r["lag_s"] for r in records], 99),
@@ -243,11 +254,23 @@ async def run_level(stub: gateway_pb2_grpc.GatewayStub, stack: Stack, rate: floa
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     zero = zero_latency_profile(load_profile(args.profile))
+    redis = EmbeddedRedis().start()  # ours, so the services' URL can carry pool options
+    url = redis.url
+    if args.redis_url_query:  # e.g. redis-py pool size / socket timeout for every service
+        url += f"?{args.redis_url_query}"
+    try:
+        return await _run_stack(args, zero, redis, url)
+    finally:
+        redis.stop()
+
+
+async def _run_stack(args: argparse.Namespace, zero: Profile, redis: EmbeddedRedis,
+                     url: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="lemix-cp-") as tmp:
         profile_path = Path(tmp) / "zero.json"
         save_profile(zero, profile_path)
         config = StackConfig(
-            num_nodes=args.nodes, profile_path=profile_path, gateway_port=0,
+            num_nodes=args.nodes, profile_path=profile_path, gateway_port=0, redis_url=url,
             latency_noise_cv=0.0, namespace=NAMESPACE, log_dir=Path(tmp) / "logs",
             # A zero-latency profile derives zero SLOs: give the planner fixed ones.
             extra_env={"LEMIX_SLO_TTFT_S": "1.0", "LEMIX_SLO_TBT_S": "1.0",
@@ -258,8 +281,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             rows = []
             for k, rate in enumerate(float(r) for r in args.rates.split(",")):
                 spy_dir = Path(tmp) if args.py_spy and rate == args.spy_rate else None
-                rows.append(await run_level(stub, stack, rate, args.duration_s, args.seed + k,
-                                            args, spy_dir))
+                rows.append(await run_level(stub, stack, redis, rate, args.seed + k, args,
+                                            spy_dir))
                 print(f"  {rate:g} req/s: p50 {rows[-1]['p50_ms']} ms, "
                       f"lost {rows[-1]['num_lost']}", file=sys.stderr)
             dead = stack.failed_child()
@@ -276,11 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=30.0, help="per-request deadline")
     parser.add_argument("--log-level", default="info", help="the services' log level")
+    parser.add_argument("--redis-url-query", default="", metavar="Q",
+                        help="appended to the services' Redis URL, e.g. "
+                        "'max_connections=4096&socket_timeout=120' (redis-py defaults: 100, 5 s)")
     parser.add_argument("--py-spy", metavar="BIN", help="py-spy binary: profile the services")
     parser.add_argument("--spy-rate", type=float, default=TARGET_RATE,
                         help="the level (req/s) to profile with --py-spy")
-    parser.add_argument("--spy-native", action="store_true",
-                        help="py-spy --native: include C/Cython frames (grpc, asyncio)")
     parser.add_argument("--top", type=int, default=12, help="hotspots listed per service")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
@@ -289,10 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"control plane, zero-latency profile, {args.nodes} nodes, "
           f"{args.duration_s:g} s per level (times in ms)")
     print(format_table(rows, [
-        ("rate", "req/s"), ("achieved_rps", "done/s"), ("num_sent", "sent"),
-        ("num_completed", "ok"), ("num_rejected", "rej"), ("num_failed", "fail"),
-        ("num_lost", "lost"), ("p50_ms", "p50"), ("p90_ms", "p90"), ("p99_ms", "p99"),
-        ("max_ms", "max"), ("client_lag_p99_ms", "lag p99"),
+        ("rate", "req/s"), ("offered_rps", "sent/s"), ("achieved_rps", "done/s"),
+        ("num_sent", "sent"), ("num_completed", "ok"), ("num_rejected", "rej"),
+        ("num_failed", "fail"), ("num_lost", "lost"), ("p50_ms", "p50"), ("p90_ms", "p90"),
+        ("p99_ms", "p99"), ("max_ms", "max"), ("client_lag_p99_ms", "lag p99"),
     ]))
     print("\nper hop (service timestamps), p50 / p99 ms")
     print(format_table(rows, [("rate", "req/s")] + [
@@ -309,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         for name, spots in row.get("py_spy", {}).items():
             print(f"\npy-spy {name} at {row['rate']:g} req/s ({spots['samples']} samples):")
-            for kind in ("self", "inclusive_ours"):
+            for kind in ("self_by_package", "self", "inclusive_ours"):
                 print(f"  {kind}:")
                 for frame, share in spots[kind]:
                     print(f"    {100 * share:5.1f}%  {frame}")

@@ -54,6 +54,8 @@ ROWS = (
     ("ttft_s.p50", "TTFT p50 s", "%"),
     ("ttft_s.p99", "TTFT p99 s", "%"),
     ("tbt_s.p50", "TBT p50 s", "%"),
+    ("tbt_s.mean", "TBT mean s", "%"),
+    ("tbt_s.p90", "TBT p90 s", "%"),
     ("e2e_s.p50", "E2E p50 s", "%"),
     ("num_completed_inference", "completed inference", "%"),
     ("num_completed_training", "completed training", "%"),
@@ -151,9 +153,9 @@ def _get(metrics: dict[str, Any], key: str) -> float | None:
     return value
 
 
-def _timings(r: TaskRecord) -> dict[str, float | None]:
+def _timings(r: TaskRecord) -> dict[str, float] | None:
     if r.first_token_s is None or r.finish_s is None or r.num_output_tokens < 2:
-        return {"ttft_ms": None, "tbt_ms": None}
+        return None
     return {"ttft_ms": 1e3 * (r.first_token_s - r.arrival_s),
             "tbt_ms": 1e3 * (r.finish_s - r.first_token_s) / (r.num_output_tokens - 1)}
 
@@ -272,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{detail['ttft_miss_sim_only']}, TBT {detail['tbt_miss_live_only']} / "
           f"{detail['tbt_miss_sim_only']}")
     a_sim, a_live = alone["sim"], alone["live"]
-    if a_sim["tbt_ms"] is not None and a_live["tbt_ms"] is not None:
+    if a_sim is not None and a_live is not None:
         print(f"one request alone ({ALONE.num_prompt_tokens} prompt, {ALONE.max_output_tokens} "
               f"out): TTFT sim {a_sim['ttft_ms']:.2f} ms, live {a_live['ttft_ms']:.2f} ms "
               f"(+{a_live['ttft_ms'] - a_sim['ttft_ms']:.2f}); TBT sim {a_sim['tbt_ms']:.3f} ms,"

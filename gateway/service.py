@@ -36,6 +36,7 @@ log = structlog.get_logger(__name__)
 
 # Redis must answer the start-up PING within this long.
 REDIS_CONNECT_TIMEOUT_S = 5.0
+REDIS_SPARE_CONNECTIONS = 64  # beyond one per in-flight stream: counters, stats, checks
 
 
 class GatewayService:
@@ -82,12 +83,16 @@ class GatewayService:
         config = self.config
         tokenizer = self._tokenizer or load_tokenizer(config.tokenizer)
         try:
-            # No socket timeout: output reads block (XREAD BLOCK) up to the
-            # stream idle timeout; cancellation, not a timeout, ends them early.
+            # Output reads block (XREAD BLOCK) up to the stream idle timeout, so
+            # the socket timeout must outlast it (redis-py's default is 5 s); and
+            # every in-flight stream holds a connection while it waits, so the
+            # pool is sized from the in-flight bound (the default is 100).
             self._redis = aioredis.Redis.from_url(
                 config.redis_url,
                 decode_responses=True,
                 socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
+                socket_timeout=config.stream_idle_timeout_s + 10.0,
+                max_connections=config.max_in_flight + REDIS_SPARE_CONNECTIONS,
             )
             try:
                 await self._redis.ping()

@@ -525,6 +525,15 @@ class Store:
         )
         return str(entry_id)
 
+    async def append_events(self, events: Sequence[Mapping[str, FieldValue]]) -> list[str]:
+        """Append many events in order in one pipelined round trip."""
+        if not events:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for fields in events:
+            pipe.xadd(self.keys.events_stream, encode_fields(fields))  # type: ignore[arg-type]
+        return [str(entry_id) for entry_id in await pipe.execute()]
+
     async def read_events(
         self, start: str = "-", end: str = "+", count: int | None = None
     ) -> list[Entry]:

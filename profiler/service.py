@@ -69,7 +69,9 @@ class ProfilerService:
     async def _start(self) -> None:
         config = self.config
         base = self._base or load_profile(config.resolved_base_profile_path)
-        self._redis = aioredis.Redis.from_url(config.redis_url, decode_responses=True)
+        self._redis = aioredis.Redis.from_url(
+            config.redis_url, decode_responses=True, socket_connect_timeout=5.0,
+            socket_timeout=30.0)  # writes only; redis-py's 5 s default is too tight under load
         await self._redis.ping()
         store = Store(self._redis, RedisKeys(config.namespace))
         core = ProfilerCore(store, base, config.fit_config(), config.measure_deadline_s)

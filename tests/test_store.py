@@ -347,3 +347,11 @@ async def test_completions_cursor_cancel_marks_and_epoch(redis_client) -> None:
     assert await store.is_cancelled("x")
     assert await store.scheduler_epoch(100.0) == 100.0
     assert await store.scheduler_epoch(200.0) == 100.0  # set once, kept across restarts
+
+
+async def test_append_events_keeps_order_in_one_trip(redis_client) -> None:
+    store = Store(redis_client)
+    await store.append_event({"i": 0})
+    ids = await store.append_events([{"i": i} for i in range(1, 6)])
+    assert len(ids) == 5 and await store.append_events([]) == []
+    assert [int(f["i"]) for _, f in await store.read_events()] == [0, 1, 2, 3, 4, 5]

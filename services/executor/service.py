@@ -111,7 +111,9 @@ class ExecutorService:
         truth = NoisyLatency(profile.ours, config.latency_noise_cv,
                              random.Random(config.seed + config.node_id))
         engine = NodeEngine(config.node_id, profile, truth, config.engine_config())
-        self._redis = aioredis.Redis.from_url(config.redis_url, decode_responses=True)
+        self._redis = aioredis.Redis.from_url(
+            config.redis_url, decode_responses=True, socket_connect_timeout=5.0,
+            socket_timeout=30.0)  # writes only; redis-py's 5 s default is too tight under load
         await self._redis.ping()
         self._store = Store(self._redis, RedisKeys(config.namespace))
         self.node = ExecutorNode(engine, self._backend(),

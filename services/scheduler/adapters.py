@@ -197,6 +197,9 @@ class RedisResultWriter:
             task_id, {"status": "placed", "node_id": node_id, "placed_t": time.time()})
 
 
+_EVENTS_PER_TRIP = 500
+
+
 class RedisEventSink:
     """Planner events to the Redis events stream, in order, off the hot path.
 
@@ -258,10 +261,14 @@ class RedisEventSink:
                 log.error("events_not_stored", num_events=len(self._buffer))
 
     async def _drain(self) -> None:
+        # Whatever has accumulated goes in one pipelined round trip, in order;
+        # events leave the buffer only once Redis has them.
         while self._buffer:
-            await self.store.append_event(event_to_fields(self._buffer[0]))
-            self._buffer.popleft()
-            self._num_stored += 1
+            batch = [event_to_fields(e) for e in list(self._buffer)[:_EVENTS_PER_TRIP]]
+            await self.store.append_events(batch)
+            for _ in batch:
+                self._buffer.popleft()
+            self._num_stored += len(batch)
             if self._waiters:
                 self._release_waiters()
 
