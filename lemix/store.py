@@ -345,6 +345,32 @@ class Store:
         done = await self._set_state(keys=[self.keys.task(task_id)], args=_flatten(encoded))
         return bool(int(done))
 
+    async def set_task_states(self, updates: Sequence[tuple[str, Mapping[str, FieldValue]]]
+                              ) -> list[bool]:
+        """`set_task_state` for many tasks in one pipelined round trip."""
+        if not updates:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for task_id, fields in updates:
+            encoded = encode_fields(fields)
+            if not encoded:
+                raise ValueError("set_task_states needs at least one field per task")
+            await self._set_state(keys=[self.keys.task(task_id)], args=_flatten(encoded),
+                                  client=pipe)
+        return [bool(int(done)) for done in await pipe.execute()]
+
+    async def intake_lookup(self, task_ids: Sequence[str]) -> list[tuple[bool, bool]]:
+        """Per task: (is it final already, was it cancelled before placement),
+        in one pipelined round trip (the scheduler's intake checks)."""
+        if not task_ids:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for task_id in task_ids:
+            pipe.hget(self.keys.task(task_id), IS_FINAL_FIELD)
+            pipe.exists(self.keys.cancelled(task_id))
+        replies = await pipe.execute()
+        return [(replies[2 * i] == "1", bool(replies[2 * i + 1])) for i in range(len(task_ids))]
+
     async def get_task_state(self, task_id: str) -> Fields:
         """The task's state hash; empty when unknown (or expired)."""
         return _as_fields(await self.client.hgetall(self.keys.task(task_id)))

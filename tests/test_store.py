@@ -355,3 +355,16 @@ async def test_append_events_keeps_order_in_one_trip(redis_client) -> None:
     ids = await store.append_events([{"i": i} for i in range(1, 6)])
     assert len(ids) == 5 and await store.append_events([]) == []
     assert [int(f["i"]) for _, f in await store.read_events()] == [0, 1, 2, 3, 4, 5]
+
+
+async def test_batched_intake_lookup_and_state_updates(redis_client) -> None:
+    store = Store(redis_client)
+    await store.finish_task("done", TaskStatus.COMPLETED, "")
+    await store.mark_cancelled("gone")
+    lookup = await store.intake_lookup(["done", "gone", "new"])
+    assert lookup == [(True, False), (False, True), (False, False)]
+    assert await store.set_task_states([("new", {"status": "queued"}),
+                                        ("done", {"status": "queued"})]) == [True, False]
+    assert (await store.get_task_state("new"))["status"] == "queued"
+    assert (await store.get_task_state("done"))["status"] == "completed"
+    assert await store.intake_lookup([]) == [] and await store.set_task_states([]) == []

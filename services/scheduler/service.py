@@ -327,15 +327,35 @@ class SchedulerService:
             self._has_unacked_intake = False
 
     async def _handle_intake(self, entries: list[Entry]) -> None:
-        for _entry_id, fields in entries:
-            await self._take(fields)
+        taken = [t for t in [await self._parse(fields) for _, fields in entries] if t]
+        # One pipelined round trip for every check, one for every state write:
+        # per-task round trips made this loop the stack's bottleneck.
+        lookup = await self.store.intake_lookup([task.task_id for task, _, _ in taken])
+        accepted = []
+        for (task, payload, fields), (is_final, is_cancelled) in zip(taken, lookup, strict=True):
+            if is_final:
+                continue  # finished before a restart; its result stands
+            if is_cancelled:
+                await self.writer.end_task(task.task_id, "failed", CANCELLED_BEFORE_PLACEMENT)
+                continue
+            self._payloads[task.task_id] = payload
+            accepted.append((task, fields))
+        # The task's fields go to its state hash too: a restart finds the
+        # payload of deferred training there (the intake entry is deleted).
+        await self.store.set_task_states([
+            (task.task_id, {**fields, "status": "queued", "arrival_s": task.arrival_s,
+                            "queued_t": time.time()})
+            for task, fields in accepted])
+        for task, _ in accepted:
+            await self.core.on_task(task)
         # Write-ahead: the decisions these entries caused are stored before the
         # entries go, so a crash in between replays them (and the redelivered
         # entries are recognised as known).
         await self.events.flush()
         await self.store.ack_intake([entry_id for entry_id, _ in entries])
 
-    async def _take(self, fields: Fields) -> None:
+    async def _parse(self, fields: Fields) -> tuple[Task, TaskPayload, Fields] | None:
+        """The entry's task, or None when it is malformed (ended) or already known."""
         task_id = fields.get("task_id", "")
         try:
             task, payload = task_from_fields(fields, arrival_s=self.clock())
@@ -344,22 +364,10 @@ class SchedulerService:
             if task_id:
                 await self.writer.end_task(task_id, "rejected",
                                            f"INVALID_ARGUMENT: malformed task fields ({exc})")
-            return
+            return None
         if self.core.knows(task_id):
-            return  # redelivered; the planner has it
-        state = await self.store.get_task_state(task_id)
-        if state.get(IS_FINAL_FIELD) == "1":
-            return  # finished before a restart; its result stands
-        if await self.store.is_cancelled(task_id):
-            await self.writer.end_task(task_id, "failed", CANCELLED_BEFORE_PLACEMENT)
-            return
-        self._payloads[task_id] = payload
-        # The task's fields go to its state hash too: a restart finds the
-        # payload of deferred training there (the intake entry is deleted).
-        await self.store.set_task_state(
-            task_id, {**fields, "status": "queued", "arrival_s": task.arrival_s,
-                      "queued_t": time.time()})
-        await self.core.on_task(task)
+            return None  # redelivered; the planner has it
+        return task, payload, fields
 
     def _forget_payload(self, task_id: str) -> None:
         self._payloads.pop(task_id, None)
