@@ -77,7 +77,14 @@ class NodeDriver:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._is_stopping = False
+        self._last_s = 0.0
         self.num_errors = 0
+
+    def _tick(self, at_s: float | None = None) -> float:
+        """Engine time for the next engine call: `at_s` (or the clock), never
+        earlier than a time the engine has already been given."""
+        self._last_s = max(self._last_s, self.now_s() if at_s is None else at_s)
+        return self._last_s
 
     def now_s(self) -> float:
         return (self._clock() - self._t0) / self.time_scale
@@ -113,24 +120,27 @@ class NodeDriver:
     def add_task(self, task: Task) -> None:
         if self._is_stopping:
             raise RuntimeError("executor is stopping")
-        starts, outcomes = self.engine.add_task(task, self.now_s())
-        self._after(starts, outcomes)
+        now_s = self._tick()
+        starts, outcomes = self.engine.add_task(task, now_s)
+        self._after(starts, outcomes, now_s)
 
     def cancel(self, task_id: str) -> bool:
-        is_found, starts, outcomes = self.engine.cancel(task_id, self.now_s())
-        self._after(starts, outcomes)
+        now_s = self._tick()
+        is_found, starts, outcomes = self.engine.cancel(task_id, now_s)
+        self._after(starts, outcomes, now_s)
         return is_found
 
     def add_blocking(self, tag: str, durations_s: tuple[float, ...],
                      apply_updates: int | None) -> None:
-        starts = self.engine.add_blocking(tag, durations_s, apply_updates, self.now_s())
-        self._after(starts, [])
+        now_s = self._tick()
+        starts = self.engine.add_blocking(tag, durations_s, apply_updates, now_s)
+        self._after(starts, [], now_s)
 
     # ------------------------------------------------------------ loop
 
-    def _after(self, starts: list[StageStart], outcomes: list[Outcome]) -> None:
+    def _after(self, starts: list[StageStart], outcomes: list[Outcome], at_s: float) -> None:
         for start in starts:
-            task = asyncio.create_task(self._run_stage(start))
+            task = asyncio.create_task(self._run_stage(start, at_s))
             self._stage_tasks.add(task)
             task.add_done_callback(self._stage_tasks.discard)
         if outcomes:
@@ -139,17 +149,26 @@ class NodeDriver:
             self._wake.set()
         self._arm_timer()
 
-    async def _run_stage(self, start: StageStart) -> None:
-        try:
-            await self.backend.execute(start)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # a backend failure must not wedge the node: log, count, go on
-            self.num_errors += 1
-            log.exception("stage_failed", node=self.engine.node_id, stage=start.stage,
-                          kind=start.kind)
-        starts, outcomes = self.engine.on_stage_done(start.stage, self.now_s())
-        self._after(starts, outcomes)
+    async def _run_stage(self, start: StageStart, start_at_s: float) -> None:
+        if isinstance(self.backend, EmulatedBackend):
+            # Sleep to the stage's absolute end in profile time, and tell the
+            # engine it ended then: timer overshoot (~0.5 ms a wake-up) would
+            # otherwise add up over every stage of every decode step.
+            end_s = start_at_s + start.duration_s
+            await asyncio.sleep(max(end_s - self.now_s(), 0.0) * self.time_scale)
+            done_at_s = self._tick(end_s)
+        else:
+            try:
+                await self.backend.execute(start)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a backend failure must not wedge the node: log, count, go on
+                self.num_errors += 1
+                log.exception("stage_failed", node=self.engine.node_id, stage=start.stage,
+                              kind=start.kind)
+            done_at_s = self._tick()
+        starts, outcomes = self.engine.on_stage_done(start.stage, done_at_s)
+        self._after(starts, outcomes, done_at_s)
 
     def _arm_timer(self) -> None:
         deadline = self.engine.next_timer_s()
@@ -164,8 +183,9 @@ class NodeDriver:
     def _on_timer(self) -> None:
         self._timer = None
         self._timer_at = None
-        starts, outcomes = self.engine.on_timer(self.now_s())
-        self._after(starts, outcomes)
+        now_s = self._tick()
+        starts, outcomes = self.engine.on_timer(now_s)
+        self._after(starts, outcomes, now_s)
 
     async def _write_loop(self) -> None:
         while not (self._is_stopping and not self._pending):
