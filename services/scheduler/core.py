@@ -122,6 +122,20 @@ class SchedulerCore:
             self.planner.submit(task, now_s)
             await self._apply(self.planner.plan(now_s))
 
+    async def on_tasks(self, tasks: Iterable[Task]) -> None:
+        """An intake batch: submit every new task, plan once, dispatch in parallel."""
+        async with self._lock:
+            now_s = self.clock()
+            is_new = False
+            for task in tasks:
+                if task.task_id in self._tasks:
+                    continue  # redelivered; the planner has it
+                self._tasks[task.task_id] = task
+                self.planner.submit(task, now_s)
+                is_new = True
+            if is_new:
+                await self._apply(self.planner.plan(now_s))
+
     async def on_finished(self, task_id: str, is_success: bool, is_requeue: bool = False,
                           node_id: int | None = None) -> bool:
         """An executor finished (or gave back) a task; False if ignored as stale.
@@ -176,9 +190,10 @@ class SchedulerCore:
         return self.planner.planner.next_wakeup_s()
 
     async def _apply(self, decisions: list[Decision]) -> None:
+        placements: list[Placement] = []
         for decision in decisions:
             if isinstance(decision, Placement):
-                await self._dispatch(decision)
+                placements.append(decision)
             elif isinstance(decision, Rejection):
                 self.num_rejected += 1
                 self._forget(decision.task_id)
@@ -191,6 +206,12 @@ class SchedulerCore:
                     log.warning("weight_sync_failed", error=str(exc))
             elif isinstance(decision, Deferral):
                 log.debug("deferred", task_id=decision.task_id)
+        # Dispatch RPCs go out together (each has its deadline); a failure's
+        # planner inputs are still recorded in the order they happen.
+        if len(placements) == 1:
+            await self._dispatch(placements[0])
+        elif placements:
+            await asyncio.gather(*(self._dispatch(p) for p in placements))
         self.wakeup.set()
 
     async def _dispatch(self, placement: Placement) -> None:

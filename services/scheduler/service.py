@@ -346,8 +346,7 @@ class SchedulerService:
             (task.task_id, {**fields, "status": "queued", "arrival_s": task.arrival_s,
                             "queued_t": time.time()})
             for task, fields in accepted])
-        for task, _ in accepted:
-            await self.core.on_task(task)
+        await self.core.on_tasks([task for task, _ in accepted])
         # Write-ahead: the decisions these entries caused are stored before the
         # entries go, so a crash in between replays them (and the redelivered
         # entries are recognised as known).

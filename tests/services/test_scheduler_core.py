@@ -81,3 +81,13 @@ async def test_event_log_replays_to_the_same_decisions() -> None:
     await core.on_task(make_training("t", 0.0, 60, seq=9))
     replayed = [decision_key(d) for d in replay(events, make_planner("lemix", num_nodes=2))]
     assert replayed == recorded_decision_keys(events)
+
+
+async def test_an_intake_batch_is_planned_once_and_dispatched_together() -> None:
+    core, ports, events = make_core()
+    batch = [make_request(f"b{i}", 0.0, seq=i) for i in range(4)]
+    await core.on_tasks(batch + [make_request("b0")])  # a redelivered id inside the batch
+    assert sorted(ports.dispatched) == [("b0", 0), ("b1", 1), ("b2", 0), ("b3", 1)]
+    assert sum(1 for e in events if e.get("input") == "plan") == 1
+    await core.on_tasks([make_request("b1")])  # known: nothing new, no plan
+    assert sum(1 for e in events if e.get("input") == "plan") == 1
