@@ -28,15 +28,14 @@ log_format                     ``--log-format``           ``LEMIX_LOG_FORMAT``
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
-import os
-import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lemix import settings
 from lemix.redis_keys import DEFAULT_NAMESPACE, RedisKeys
+from lemix.settings import Option
 
 # The public port in DESIGN.md; `GatewayConfig()` itself defaults to 0 (a free
 # port), which is what tests and `lemix up` with many stacks want.
@@ -115,41 +114,32 @@ def _check_seconds(name: str, value: float, *, allow_zero: bool) -> None:
 # ------------------------------------------------------------------ mapping
 
 
-@dataclass(frozen=True)
-class _Option:
-    field: str
-    flag: str
-    env: str
-    parse: Callable[[str], Any]
-    help: str
-
-
-_OPTIONS: tuple[_Option, ...] = (
-    _Option("host", "--host", "LEMIX_GATEWAY_HOST", str, "address to bind"),
-    _Option("port", "--port", "LEMIX_GATEWAY_PORT", int, "port to bind (0 = any free port)"),
-    _Option("scheduler_address", "--scheduler", "LEMIX_SCHEDULER_ADDRESS", str,
+_OPTIONS: tuple[Option, ...] = (
+    Option("host", "--host", "LEMIX_GATEWAY_HOST", str, "address to bind"),
+    Option("port", "--port", "LEMIX_GATEWAY_PORT", int, "port to bind (0 = any free port)"),
+    Option("scheduler_address", "--scheduler", "LEMIX_SCHEDULER_ADDRESS", str,
             "the scheduler's host:port"),
-    _Option("redis_url", "--redis-url", "LEMIX_REDIS_URL", str, "Redis holding queues/state"),
-    _Option("namespace", "--namespace", "LEMIX_NAMESPACE", str,
+    Option("redis_url", "--redis-url", "LEMIX_REDIS_URL", str, "Redis holding queues/state"),
+    Option("namespace", "--namespace", "LEMIX_NAMESPACE", str,
             "Redis key prefix shared by the stack's services"),
-    _Option("max_context_tokens", "--max-context-tokens", "LEMIX_MAX_CONTEXT_TOKENS", int,
+    Option("max_context_tokens", "--max-context-tokens", "LEMIX_MAX_CONTEXT_TOKENS", int,
             "prompt + max_tokens must fit in this many tokens"),
-    _Option("max_in_flight", "--max-in-flight", "LEMIX_MAX_IN_FLIGHT", int,
+    Option("max_in_flight", "--max-in-flight", "LEMIX_MAX_IN_FLIGHT", int,
             "concurrent Generate streams before RESOURCE_EXHAUSTED"),
-    _Option("submit_deadline_s", "--submit-deadline-s", "LEMIX_SUBMIT_DEADLINE_S", float,
+    Option("submit_deadline_s", "--submit-deadline-s", "LEMIX_SUBMIT_DEADLINE_S", float,
             "deadline of Scheduler.Submit, seconds"),
-    _Option("cancel_deadline_s", "--cancel-deadline-s", "LEMIX_CANCEL_DEADLINE_S", float,
+    Option("cancel_deadline_s", "--cancel-deadline-s", "LEMIX_CANCEL_DEADLINE_S", float,
             "deadline of Scheduler.Cancel, seconds"),
-    _Option("stream_idle_timeout_s", "--stream-idle-timeout-s", "LEMIX_STREAM_IDLE_TIMEOUT_S",
+    Option("stream_idle_timeout_s", "--stream-idle-timeout-s", "LEMIX_STREAM_IDLE_TIMEOUT_S",
             float, "end a stream UNAVAILABLE after this long without output, seconds"),
-    _Option("tokenizer", "--tokenizer", "LEMIX_TOKENIZER", str,
+    Option("tokenizer", "--tokenizer", "LEMIX_TOKENIZER", str,
             "'approx' (emulated backend); HF tokenizers arrive with the torch backend"),
-    _Option("node_check_s", "--node-check-s", "LEMIX_NODE_CHECK_S", float,
+    Option("node_check_s", "--node-check-s", "LEMIX_NODE_CHECK_S", float,
             "cache the live-executor check this long, seconds (0 = every request)"),
-    _Option("shutdown_grace_s", "--shutdown-grace-s", "LEMIX_SHUTDOWN_GRACE_S", float,
+    Option("shutdown_grace_s", "--shutdown-grace-s", "LEMIX_SHUTDOWN_GRACE_S", float,
             "on stop, in-flight streams get this long to finish, seconds"),
-    _Option("log_level", "--log-level", "LEMIX_LOG_LEVEL", str, "/".join(LOG_LEVELS)),
-    _Option("log_format", "--log-format", "LEMIX_LOG_FORMAT", str, "/".join(LOG_FORMATS)),
+    Option("log_level", "--log-level", "LEMIX_LOG_LEVEL", str, "/".join(LOG_LEVELS)),
+    Option("log_format", "--log-format", "LEMIX_LOG_FORMAT", str, "/".join(LOG_FORMATS)),
 )  # fmt: skip
 
 _CLI_DEFAULTS: dict[str, Any] = {"port": CLI_DEFAULT_PORT}
@@ -157,42 +147,14 @@ _CLI_DEFAULTS: dict[str, Any] = {"port": CLI_DEFAULT_PORT}
 
 def build_parser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
     """The gateway's flags; every default is None so env and defaults can apply."""
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description="LeMix gateway: the public gRPC API (Generate, Train, GetStats). "
-        "Flags override LEMIX_* environment variables, which override the defaults.",
-    )
-    defaults = {f.name: f.default for f in dataclasses.fields(GatewayConfig)}
-    for opt in _OPTIONS:
-        default = _CLI_DEFAULTS.get(opt.field, defaults[opt.field])
-        parser.add_argument(
-            opt.flag,
-            dest=opt.field,
-            type=opt.parse,
-            default=None,
-            help=f"{opt.help} [env {opt.env}; default {default}]",
-        )
-    return parser
+    return settings.build_parser(
+        GatewayConfig, _OPTIONS, prog=prog, cli_defaults=_CLI_DEFAULTS,
+        description="LeMix gateway: the public gRPC API (Generate, Train, GetStats).")
 
 
 def from_env_and_args(
     argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 ) -> GatewayConfig:
-    """Build the config from `argv` (default `sys.argv[1:]`) and `env` (default
-    `os.environ`). Raises ValueError on a bad env value or config; `--help` and
-    bad flags exit through argparse (SystemExit)."""
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    environ = os.environ if env is None else env
-    values: dict[str, Any] = dict(_CLI_DEFAULTS)
-    for opt in _OPTIONS:
-        flag_value = getattr(args, opt.field)
-        if flag_value is not None:
-            values[opt.field] = flag_value
-        elif environ.get(opt.env, "") != "":
-            text = environ[opt.env]
-            try:
-                values[opt.field] = opt.parse(text)
-            except ValueError:
-                kind = opt.parse.__name__ if hasattr(opt.parse, "__name__") else "value"
-                raise ValueError(f"{opt.env}={text!r} is not a valid {kind}") from None
-    return GatewayConfig(**values)
+    """Build the config from `argv` and `env` (see lemix.settings)."""
+    return settings.parse_settings(GatewayConfig, build_parser(), _OPTIONS, argv, env,
+                                   _CLI_DEFAULTS)

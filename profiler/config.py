@@ -24,17 +24,15 @@ log_format             ``--log-format``           ``LEMIX_LOG_FORMAT``
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
-import os
-import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from lemix import settings
 from lemix.profile import default_profile_path
 from lemix.redis_keys import DEFAULT_NAMESPACE, RedisKeys
+from lemix.settings import Option
 from profiler.fit import FitConfig
 from profiler.runner import DEFAULT_MEASURE_DEADLINE_S
 
@@ -99,69 +97,37 @@ class ProfilerConfig:
 # ------------------------------------------------------------------ mapping
 
 
-@dataclass(frozen=True)
-class _Option:
-    field: str
-    flag: str
-    env: str
-    parse: Callable[[str], Any]
-    help: str
-
-
-_OPTIONS: tuple[_Option, ...] = (
-    _Option("host", "--host", "LEMIX_PROFILER_HOST", str, "address to bind"),
-    _Option("port", "--port", "LEMIX_PROFILER_PORT", int, "port to bind (0 = any free port)"),
-    _Option("redis_url", "--redis-url", "LEMIX_REDIS_URL", str, "Redis where profiles are stored"),
-    _Option("namespace", "--namespace", "LEMIX_NAMESPACE", str,
+_OPTIONS: tuple[Option, ...] = (
+    Option("host", "--host", "LEMIX_PROFILER_HOST", str, "address to bind"),
+    Option("port", "--port", "LEMIX_PROFILER_PORT", int, "port to bind (0 = any free port)"),
+    Option("redis_url", "--redis-url", "LEMIX_REDIS_URL", str, "Redis where profiles are stored"),
+    Option("namespace", "--namespace", "LEMIX_NAMESPACE", str,
             "Redis key prefix shared by the stack's services"),
-    _Option("base_profile_path", "--base-profile", "LEMIX_PROFILE", str,
+    Option("base_profile_path", "--base-profile", "LEMIX_PROFILE", str,
             "profile JSON whose memory/transfer/optimizer figures fitted profiles keep "
             "(default: the shipped A100 one)"),
-    _Option("measure_deadline_s", "--measure-deadline-s", "LEMIX_PROFILER_MEASURE_DEADLINE_S",
+    Option("measure_deadline_s", "--measure-deadline-s", "LEMIX_PROFILER_MEASURE_DEADLINE_S",
             float, "deadline of one executor Measure call, seconds"),
-    _Option("holdout_fraction", "--holdout-fraction", "LEMIX_PROFILER_HOLDOUT_FRACTION", float,
+    Option("holdout_fraction", "--holdout-fraction", "LEMIX_PROFILER_HOLDOUT_FRACTION", float,
             "share of grid points held out to score the fits"),
-    _Option("seed", "--seed", "LEMIX_PROFILER_SEED", int, "seed of the held-out split"),
-    _Option("shutdown_grace_s", "--shutdown-grace-s", "LEMIX_SHUTDOWN_GRACE_S", float,
+    Option("seed", "--seed", "LEMIX_PROFILER_SEED", int, "seed of the held-out split"),
+    Option("shutdown_grace_s", "--shutdown-grace-s", "LEMIX_SHUTDOWN_GRACE_S", float,
             "on stop, in-flight RunProfile calls get this long, seconds"),
-    _Option("log_level", "--log-level", "LEMIX_LOG_LEVEL", str, "/".join(LOG_LEVELS)),
-    _Option("log_format", "--log-format", "LEMIX_LOG_FORMAT", str, "/".join(LOG_FORMATS)),
+    Option("log_level", "--log-level", "LEMIX_LOG_LEVEL", str, "/".join(LOG_LEVELS)),
+    Option("log_format", "--log-format", "LEMIX_LOG_FORMAT", str, "/".join(LOG_FORMATS)),
 )  # fmt: skip
 
 
 def build_parser(prog: str = "python -m profiler") -> argparse.ArgumentParser:
     """The profiler's flags; every default is None so env and defaults can apply."""
-    parser = argparse.ArgumentParser(
-        prog=prog,
+    return settings.build_parser(
+        ProfilerConfig, _OPTIONS, prog=prog,
         description="LeMix profiler: measures executors over a (C, l) grid and fits the "
-        "latency models. Flags override LEMIX_* environment variables, which override "
-        "the defaults.",
-    )
-    defaults = {f.name: f.default for f in dataclasses.fields(ProfilerConfig)}
-    for opt in _OPTIONS:
-        parser.add_argument(opt.flag, dest=opt.field, type=opt.parse, default=None,
-                            help=f"{opt.help} [env {opt.env}; default {defaults[opt.field]!r}]")
-    return parser
+        "latency models.")
 
 
 def from_env_and_args(
     argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 ) -> ProfilerConfig:
-    """Build the config from `argv` (default `sys.argv[1:]`) and `env` (default
-    `os.environ`). Raises ValueError on a bad env value or config; `--help` and
-    bad flags exit through argparse (SystemExit)."""
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    environ = os.environ if env is None else env
-    values: dict[str, Any] = {}
-    for opt in _OPTIONS:
-        flag_value = getattr(args, opt.field)
-        if flag_value is not None:
-            values[opt.field] = flag_value
-        elif environ.get(opt.env, "") != "":
-            text = environ[opt.env]
-            try:
-                values[opt.field] = opt.parse(text)
-            except ValueError:
-                raise ValueError(f"{opt.env}={text!r} is not a valid {opt.parse.__name__} "
-                                 f"(for {opt.flag})") from None
-    return ProfilerConfig(**values)
+    """Build the config from `argv` and `env` (see lemix.settings)."""
+    return settings.parse_settings(ProfilerConfig, build_parser(), _OPTIONS, argv, env)
