@@ -1,0 +1,187 @@
+"""Per-architecture forward code over a Hugging Face model's own modules.
+
+The executor runs a model as *packed ragged* batches: every token of every
+request in one iteration sits in one sequence ``x [1, N, hidden]`` (a prefill
+contributes its prompt, a decode step one token), each with its own position.
+Projections, norms and MLPs run once over all N tokens; attention runs per
+request against that request's own KV cache, through the `attend` callback
+the stage runner supplies. That is how vLLM/SGLang batch without padding, and
+it needs per-layer control the HF ``forward`` does not give, so the layer
+bodies below call the HF submodules (same weights, same numerics) in the
+order HF does. Tests check the logits against the unsplit HF model.
+
+A `Family` knows one architecture: the embedding (first stage), the decoder
+layers, and the head (last stage). Supported: Llama-family
+(`LlamaForCausalLM`: RMSNorm, RoPE, GQA, SwiGLU; also Mistral/Qwen2-shaped
+configs that load as Llama) and GPT-2 (`GPT2LMHeadModel`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from torch import nn
+
+# attend(index of the layer within the model, q [1, h, N, d], k_new [1, kvh, N, d],
+#        v_new [1, kvh, N, d]) -> attention output [1, N, h*d]
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Family(Protocol):
+    """One architecture's stage pieces, over a loaded HF model."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_positions: int
+
+    def embed_modules(self) -> list[nn.Module]:
+        """Modules the first stage owns besides its layers."""
+        ...
+
+    def head_modules(self) -> list[nn.Module]:
+        """Modules the last stage owns besides its layers."""
+        ...
+
+    def layer(self, index: int) -> nn.Module:
+        """Decoder layer `index` (0-based over the whole model)."""
+        ...
+
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """ids, positions [N] (long) -> x [1, N, hidden]."""
+        ...
+
+    def layer_forward(self, index: int, x: torch.Tensor, positions: torch.Tensor,
+                      attend: Attend) -> torch.Tensor:
+        """x [1, N, hidden] through layer `index` -> [1, N, hidden]."""
+        ...
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """x [1, N, hidden] -> logits [1, N, vocab] (float32)."""
+        ...
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaFamily:
+    """`LlamaForCausalLM` (and configs of the same shape)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        config = model.config
+        self.model = model
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = (getattr(config, "head_dim", None)
+                         or config.hidden_size // config.num_attention_heads)
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+        self.max_positions = config.max_position_embeddings
+        self._layers = model.model.layers
+        self._rotary = model.model.rotary_emb
+
+    def embed_modules(self) -> list[nn.Module]:
+        return [self.model.model.embed_tokens]
+
+    def head_modules(self) -> list[nn.Module]:
+        return [self.model.model.norm, self.model.lm_head]
+
+    def layer(self, index: int) -> nn.Module:
+        return self._layers[index]
+
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model.model.embed_tokens(ids)[None]
+
+    def layer_forward(self, index: int, x: torch.Tensor, positions: torch.Tensor,
+                      attend: Attend) -> torch.Tensor:
+        layer = self._layers[index]
+        attn = layer.self_attn
+        n = x.shape[1]
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(1, n, self.num_heads, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(h).view(1, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(h).view(1, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = self._rotary(h, positions[None])  # [1, N, d] each
+        cos, sin = cos[:, None], sin[:, None]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        x = x + attn.o_proj(attend(index, q, k, v))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.model.norm(x)).float()
+
+
+class GPT2Family:
+    """`GPT2LMHeadModel`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        config = model.config
+        self.model = model
+        self.num_layers = config.n_layer
+        self.num_heads = config.n_head
+        self.num_kv_heads = config.n_head
+        self.hidden_size = config.n_embd
+        self.head_dim = config.n_embd // config.n_head
+        self.vocab_size = config.vocab_size
+        self.max_positions = config.n_positions
+        self._blocks = model.transformer.h
+
+    def embed_modules(self) -> list[nn.Module]:
+        return [self.model.transformer.wte, self.model.transformer.wpe]
+
+    def head_modules(self) -> list[nn.Module]:
+        return [self.model.transformer.ln_f, self.model.lm_head]
+
+    def layer(self, index: int) -> nn.Module:
+        return self._blocks[index]
+
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        t = self.model.transformer
+        return (t.wte(ids) + t.wpe(positions))[None]
+
+    def layer_forward(self, index: int, x: torch.Tensor, positions: torch.Tensor,
+                      attend: Attend) -> torch.Tensor:
+        block = self._blocks[index]
+        n = x.shape[1]
+        q, k, v = block.attn.c_attn(block.ln_1(x)).split(self.hidden_size, dim=2)
+        shape = (1, n, self.num_heads, self.head_dim)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        x = x + block.attn.c_proj(attend(index, q, k, v))
+        return x + block.mlp(block.ln_2(x))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.model.transformer
+        return self.model.lm_head(t.ln_f(x)).float()
+
+
+def attention_scale(model: nn.Module, index: int, head_dim: int) -> float:
+    """The softmax scale HF uses for layer `index`."""
+    config = model.config
+    if getattr(config, "model_type", "") == "gpt2":
+        scale = head_dim ** -0.5 if config.scale_attn_weights else 1.0
+        if config.scale_attn_by_inverse_layer_idx:
+            scale /= float(index + 1)
+        return scale
+    return head_dim ** -0.5
+
+
+def family_for(model: nn.Module) -> Family:
+    """The `Family` of a loaded HF causal LM; ValueError for unsupported ones."""
+    model_type = getattr(model.config, "model_type", "")
+    if model_type in ("llama", "mistral", "qwen2") and hasattr(model, "model"):
+        return LlamaFamily(model)
+    if model_type == "gpt2":
+        return GPT2Family(model)
+    raise ValueError(
+        f"model type {model_type!r} is not supported by the staged runner; supported: "
+        "llama (and llama-shaped mistral/qwen2 configs), gpt2"
+    )

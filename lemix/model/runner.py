@@ -1,0 +1,183 @@
+"""Serving on a staged model: prefill + decode iterations with per-request KV.
+
+The node engine decides *what* an iteration holds (which requests prefill,
+which decode; `lemix.batching`'s Algorithm 3); `InferenceRunner` runs it one
+stage at a time. Stage 0 packs the iteration's tokens (a prefill's prompt, a
+decode's last token) with their positions, each stage appends to the
+requests' caches, and the last stage samples each request's next token.
+
+A prefill with a reference answer also scores it (the paper's inference
+loss): the prompt and reference go through the stages together, causally, so
+the logits at prompt positions are unchanged; only the prompt's K/V is kept.
+One forward pass gives the first token and the teacher-forced cross-entropy
+of the weights serving the request.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from lemix.model.staged import Segment, StagedModel
+from lemix.outputs import FINISH_LENGTH, FINISH_STOP
+
+
+@dataclass
+class GenRequest:
+    """One inference request's model-side state."""
+
+    key: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    reference_ids: tuple[int, ...] = ()
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    ignore_eos: bool = False
+    generated: list[int] = field(default_factory=list)
+    inference_loss: float | None = None
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class _Carry:
+    hidden: torch.Tensor
+    positions: torch.Tensor
+    segments: list[Segment]
+
+
+def sample_next(logits: torch.Tensor, req: GenRequest) -> int:
+    """Greedy at temperature 0, else temperature + nucleus (top-p) sampling,
+    drawn from the request's own seeded generator (reproducible per request)."""
+    if req.temperature == 0.0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / req.temperature, dim=-1)
+    if req.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always >= 1 token).
+        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < req.top_p
+        sorted_probs = sorted_probs * keep
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    if req.generator is None:
+        req.generator = torch.Generator().manual_seed(req.seed)
+    return int(torch.multinomial(probs.cpu(), 1, generator=req.generator))
+
+
+class InferenceRunner:
+    """Runs inference iterations of one node's staged model."""
+
+    def __init__(self, staged: StagedModel, eos_id: int | None) -> None:
+        self.staged = staged
+        self.eos_id = eos_id
+        self.requests: dict[str, GenRequest] = {}
+        self._carry: dict[int, _Carry] = {}
+        self._lock = threading.Lock()
+
+    def admit(self, req: GenRequest) -> None:
+        """Allocate the request's KV on every stage (prompt + max_tokens)."""
+        if not req.prompt_ids:
+            raise ValueError(f"request {req.key!r} has no prompt token ids")
+        total = len(req.prompt_ids) + req.max_tokens
+        if total > self.staged.family.max_positions:
+            raise ValueError(f"request {req.key!r}: {total} tokens exceed the model's "
+                             f"{self.staged.family.max_positions} positions")
+        for stage in self.staged.stages:
+            stage.kv.allocate(req.key, total)
+        with self._lock:
+            self.requests[req.key] = req
+
+    def release(self, key: str) -> None:
+        for stage in self.staged.stages:
+            stage.kv.free(key)
+        with self._lock:
+            self.requests.pop(key, None)
+
+    def offload(self, key: str) -> int:
+        return sum(stage.kv.offload(key) for stage in self.staged.stages)
+
+    def reload(self, key: str) -> int:
+        return sum(stage.kv.reload(key) for stage in self.staged.stages)
+
+    @torch.no_grad()
+    def run_stage(self, stage_index: int, iteration: int, prefill: Sequence[str],
+                  decode: Sequence[str]) -> list[str]:
+        """Run one iteration's work on one stage.
+
+        `iteration` identifies the iteration across its stages. Returns, on the
+        last stage, the keys that stopped at an end-of-sequence token.
+        """
+        stage = self.staged.stages[stage_index]
+        for key in (*prefill, *decode):
+            stage.kv.reload(key)  # no-op unless it was offloaded
+        if stage.is_first:
+            inputs, positions, segments = self._pack(prefill, decode)
+        else:
+            with self._lock:
+                carry = self._carry.pop(iteration)
+            inputs, positions, segments = carry.hidden, carry.positions, carry.segments
+        out = stage.forward(inputs, positions, segments)
+        if not stage.is_last:
+            with self._lock:
+                self._carry[iteration] = _Carry(out, positions, segments)
+            return []
+        return self._sample(out[0], prefill, decode, segments)
+
+    def _pack(self, prefill: Sequence[str],
+              decode: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor, list[Segment]]:
+        ids: list[int] = []
+        positions: list[int] = []
+        segments: list[Segment] = []
+        for key in prefill:
+            req = self.requests[key]
+            tokens = req.prompt_ids + req.reference_ids
+            start = len(ids)
+            ids.extend(tokens)
+            positions.extend(range(len(tokens)))
+            segments.append(Segment(start, len(ids), key, len(req.prompt_ids)))
+        for key in decode:
+            req = self.requests[key]
+            start = len(ids)
+            ids.append(req.generated[-1])
+            positions.append(len(req.prompt_ids) + len(req.generated) - 1)
+            segments.append(Segment(start, start + 1, key, 1))
+        return torch.tensor(ids), torch.tensor(positions), segments
+
+    def _sample(self, logits: torch.Tensor, prefill: Sequence[str], decode: Sequence[str],
+                segments: Sequence[Segment]) -> list[str]:
+        """logits [N, vocab]: next token per request; the inference loss of prefills."""
+        stopped = []
+        for key, seg in zip((*prefill, *decode), segments, strict=True):
+            req = self.requests[key]
+            num_prompt = len(req.prompt_ids)
+            row = seg.start + num_prompt - 1 if key in prefill else seg.start
+            if req.reference_ids and not req.generated:
+                rows = logits[row: row + len(req.reference_ids)]
+                target = torch.tensor(req.reference_ids, device=rows.device)
+                req.inference_loss = float(F.cross_entropy(rows, target))
+            token = sample_next(logits[row], req)
+            req.generated.append(token)
+            if token == self.eos_id and not req.ignore_eos:
+                req.finish_reason = FINISH_STOP
+                stopped.append(key)
+            elif len(req.generated) >= req.max_tokens:
+                req.finish_reason = FINISH_LENGTH
+        return stopped
+
+    def generate_alone(self, req: GenRequest) -> list[int]:
+        """Prefill then decode `req` by itself to completion (tests, benchmarks)."""
+        self.admit(req)
+        try:
+            keys = [req.key]
+            for s in range(self.staged.num_stages):
+                stopped = self.run_stage(s, -1, keys, [])
+            while not stopped and len(req.generated) < req.max_tokens:
+                for s in range(self.staged.num_stages):
+                    stopped = self.run_stage(s, -1, [], keys)
+            return list(req.generated)
+        finally:
+            self.release(req.key)
