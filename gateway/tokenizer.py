@@ -6,7 +6,12 @@ to turn text into a deterministic number of tokens (about one per 4 UTF-8
 bytes, roughly what BPE vocabularies average on English) so context limits
 and the planner's sizes are realistic. Its ids are stable hashes, not a
 vocabulary: they mean nothing to a model, so the gateway does not send them
-(`is_emulated`). A real Hugging Face tokenizer arrives with the torch backend.
+(`is_emulated`). Real tokenizers (a model directory's, or a byte-level BPE
+trained on the default corpus) are in `lemix.model.tokenizer`; `load_tokenizer`
+picks one by name.
+
+Prompts for a real model start with BOS when the tokenizer has one (the Llama
+convention; `encode` itself adds no special tokens): see `encode_prompt`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,16 @@ class Tokenizer(Protocol):
     @property
     def eos_id(self) -> int:
         """The end-of-sequence token id."""
+        ...
+
+    @property
+    def bos_id(self) -> int | None:
+        """The beginning-of-sequence token id; None when the vocabulary has none."""
+        ...
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, special tokens included (ids are 0..vocab_size-1)."""
         ...
 
     @property
@@ -69,6 +84,10 @@ class ApproxTokenizer:
         return APPROX_EOS_ID
 
     @property
+    def bos_id(self) -> int | None:
+        return None  # no vocabulary, nothing to begin with
+
+    @property
     def is_emulated(self) -> bool:
         return True
 
@@ -92,11 +111,21 @@ def emulated_token_id(position: int, vocab_size: int = APPROX_VOCAB_SIZE) -> int
     return _stable_id(b"out:%d" % position, vocab_size)
 
 
+def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
+    """The ids a model is prompted with for `text`: BOS first when the tokenizer
+    has one (Llama convention), then `encode(text)`. Emulated ids get no BOS:
+    their count is the emulated prompt length and must stay as it was."""
+    ids = tokenizer.encode(text)
+    bos_id = None if tokenizer.is_emulated else tokenizer.bos_id
+    return ids if bos_id is None else [bos_id, *ids]
+
+
 def load_tokenizer(name: str) -> Tokenizer:
-    """The tokenizer a config names. Only "approx" exists until the torch backend."""
+    """The tokenizer a config names: "approx" (the emulated stand-in),
+    "bpe:<vocab_size>", a tokenizer.json file or a model directory
+    (`lemix.model.tokenizer.load_tokenizer`). Raises ValueError otherwise."""
     if name == "approx":
-        return ApproxTokenizer()
-    raise ValueError(
-        f"tokenizer {name!r} is not available: only 'approx' (the emulated backend's "
-        "stand-in) is supported until the torch backend brings Hugging Face tokenizers"
-    )
+        return ApproxTokenizer()  # without importing the tokenizers library
+    from lemix.model.tokenizer import load_tokenizer as load_real_tokenizer
+
+    return load_real_tokenizer(name)

@@ -20,7 +20,7 @@ import math
 import uuid
 from collections.abc import Sequence
 
-from gateway.tokenizer import Tokenizer
+from gateway.tokenizer import Tokenizer, encode_prompt
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
 from lemix.rpc.errors import InvalidArgument
 from lemix.types import Task, TaskKind, TaskPayload
@@ -92,7 +92,7 @@ def validate_generate(
         prompt_ids: tuple[int, ...] = tuple(request.prompt_token_ids)
         num_prompt_tokens = len(prompt_ids)
     else:
-        encoded = tokenizer.encode(request.prompt)
+        encoded = encode_prompt(tokenizer, request.prompt)  # BOS first for a real model
         num_prompt_tokens = len(encoded)
         prompt_ids = () if tokenizer.is_emulated else tuple(encoded)
     num_total = num_prompt_tokens + request.max_tokens
@@ -142,7 +142,7 @@ def _sample_tokens(
         ids = tuple(sample.token_ids)
         reference = ids[num_tokens - sample.num_reference_tokens :]
     elif has_text:
-        query_ids = tokenizer.encode(sample.query)
+        query_ids = encode_prompt(tokenizer, sample.query)  # BOS first, as in inference
         reference_ids = tokenizer.encode(sample.reference)
         num_tokens = len(query_ids) + len(reference_ids)
         ids = () if tokenizer.is_emulated else (*query_ids, *reference_ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ from gateway.tokenizer import (
 )
 from gateway.validate import validate_generate, validate_train
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
+from lemix.model.tokenizer import train_bpe
 from lemix.rpc.errors import InvalidArgument
 from lemix.types import Task, TaskKind, TaskPayload
 
@@ -46,8 +48,8 @@ def test_emulated_token_ids_are_stable_per_position() -> None:
 
 def test_unknown_tokenizer_is_a_clear_error() -> None:
     assert isinstance(load_tokenizer("approx"), ApproxTokenizer)
-    with pytest.raises(ValueError, match="only 'approx'"):
-        load_tokenizer("/models/llama")
+    with pytest.raises(ValueError, match="expected 'approx'"):
+        load_tokenizer("/models/llama")  # no such directory
 
 
 # ---------------------------------------------------------------- inference
@@ -144,3 +146,24 @@ def test_train_ids_derive_from_sample_ids() -> None:
 def test_train_invalid(samples: list[gateway_pb2.TrainSample], message: str) -> None:
     with pytest.raises(InvalidArgument, match=message):
         _train(samples, limit=10)
+
+
+# ------------------------------------------------------- a real tokenizer
+
+
+def test_real_tokenizer_prompts_start_with_bos(tmp_path: Path) -> None:
+    texts = ["hello world, a small corpus for a small vocabulary"] * 5
+    bpe = train_bpe(lambda: texts, vocab_size=270, corpus_id="t", cache_dir=tmp_path)
+    assert bpe.bos_id is not None
+    request = gateway_pb2.GenerateRequest(prompt="hello", max_tokens=4, reference="world")
+    task, payload = validate_generate(request, tokenizer=bpe, max_context_tokens=64)
+    assert payload.prompt_token_ids == (bpe.bos_id, *bpe.encode("hello"))
+    assert task.num_prompt_tokens == len(payload.prompt_token_ids)
+    assert payload.reference_token_ids == tuple(bpe.encode("world"))  # continues: no BOS
+    sample = gateway_pb2.TrainSample(query="hello", reference="world")
+    [(train_task, train_payload)] = validate_train(
+        gateway_pb2.TrainRequest(samples=[sample]), tokenizer=bpe, max_context_tokens=64
+    )
+    ids = (bpe.bos_id, *bpe.encode("hello"), *bpe.encode("world"))
+    assert train_payload.prompt_token_ids == ids
+    assert train_task.num_prompt_tokens == len(train_payload.prompt_token_ids)
