@@ -21,6 +21,7 @@ key                          type    what it holds
 ``ns:completions:cursor``    string  last completions entry the scheduler applied
 ``ns:cancelled:<task_id>``   string  cancelled before placement (with TTL)
 ``ns:scheduler:epoch``       string  wall-clock origin of the planner's time
+``ns:scheduler:slo``         hash    the SLO the scheduler plans for (ttft_s, tbt_s)
 ``ns:profile:<name>``        string  a fitted profile as JSON text
 ``ns:stats``                 hash    integer counters
 ===========================  ======  ==============================================
@@ -122,6 +123,11 @@ class RedisKeys:
     def scheduler_epoch(self) -> str:
         """Wall-clock epoch of the scheduler's planner time (set once)."""
         return self._key("scheduler", "epoch")
+
+    @property
+    def scheduler_slo(self) -> str:
+        """The SLO pair the scheduler plans for (the gateway judges requests by it)."""
+        return self._key("scheduler", "slo")
 
     @property
     def stats(self) -> str:

@@ -23,8 +23,27 @@ class Option:
     field: str
     flag: str
     env: str
-    parse: Callable[[str], Any]
+    parse: Callable[[str], Any]  # `boolean` makes a --flag/--no-flag pair
     help: str
+    metavar: str | None = None
+
+
+def boolean(text: str) -> bool:
+    """A boolean variable: 1/true/yes/on or 0/false/no/off."""
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected 1/0/true/false, got {text!r}")
+
+
+def port_or_off(text: str) -> int:
+    """A port that may be switched off: "off"/"none" (or any negative number) = -1.
+    (-1, not None: a flag whose value is None counts as not given.)"""
+    if text.strip().lower() in ("off", "none", "disabled"):
+        return -1
+    return max(int(text), -1)
 
 
 def build_parser(config_cls: type, options: Sequence[Option], *, prog: str, description: str,
@@ -37,8 +56,13 @@ def build_parser(config_cls: type, options: Sequence[Option], *, prog: str, desc
     defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}
     defaults.update(cli_defaults or {})
     for opt in options:
-        parser.add_argument(opt.flag, dest=opt.field, type=opt.parse, default=None,
-                            help=f"{opt.help} [env {opt.env}; default {defaults[opt.field]!r}]")
+        text = f"{opt.help} [env {opt.env}; default {defaults[opt.field]!r}]"
+        if opt.parse is boolean:
+            parser.add_argument(opt.flag, dest=opt.field, default=None, help=text,
+                                action=argparse.BooleanOptionalAction)
+        else:
+            parser.add_argument(opt.flag, dest=opt.field, type=opt.parse, default=None,
+                                metavar=opt.metavar, help=text)
     return parser
 
 
@@ -65,3 +89,10 @@ def parse_settings(config_cls: Callable[..., T], parser: argparse.ArgumentParser
                 raise ValueError(f"{opt.env}={text!r} is not a valid {kind} "
                                  f"(for {opt.flag})") from None
     return config_cls(**values)
+
+
+def check_port_or_off(name: str, port: int) -> None:
+    """ValueError unless `port` is -1 (off), 0 (any free port) or a port number."""
+    if not -1 <= port <= 65535:
+        raise ValueError(f"{name} must be in [0, 65535] (0 = any free port) or -1 (off), "
+                         f"got {port}")

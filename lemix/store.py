@@ -22,12 +22,15 @@ The store assumes one Redis instance (no cluster): scripts touch several keys.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+import functools
+import inspect
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
+from lemix import telemetry
 from lemix.redis_keys import DEDUPE_TTL_S, NODE_HEARTBEAT_TTL_S, OUTPUT_MAXLEN, RedisKeys
 
 FieldValue = str | int | float | bool | None
@@ -166,6 +169,31 @@ return id
 """
 
 
+_C = TypeVar("_C", bound=type)
+
+
+def _counted(op: str, method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    @functools.wraps(method)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await method(*args, **kwargs)
+        except (RedisError, OSError):
+            telemetry.observe_redis_error(op)
+            raise
+
+    return wrapper
+
+
+def _count_redis_errors(cls: _C) -> _C:
+    """Every public async method counts its Redis failures in
+    `lemix_redis_errors_total{op=<method>}`: the store's one error path."""
+    for name, member in list(vars(cls).items()):
+        if not name.startswith("_") and inspect.iscoroutinefunction(member):
+            setattr(cls, name, _counted(name, member))
+    return cls
+
+
+@_count_redis_errors
 class Store:
     """The services' Redis operations, over a ``decode_responses=True`` client.
 
@@ -588,3 +616,17 @@ class Store:
         """All counters."""
         raw = _as_fields(await self.client.hgetall(self.keys.stats))
         return {name: int(value) for name, value in raw.items()}
+
+    # =================================================================== SLO
+
+    async def put_slo(self, ttft_s: float, tbt_s: float) -> None:
+        """Publish the SLO pair the scheduler plans for."""
+        fields = encode_fields({"ttft_s": ttft_s, "tbt_s": tbt_s})
+        await self.client.hset(self.keys.scheduler_slo, mapping=fields)  # type: ignore[arg-type]
+
+    async def get_slo(self) -> tuple[float, float] | None:
+        """(ttft_s, tbt_s) as the scheduler published it, or None."""
+        fields = _as_fields(await self.client.hgetall(self.keys.scheduler_slo))
+        if not fields.get("ttft_s") or not fields.get("tbt_s"):
+            return None
+        return get_float(fields, "ttft_s"), get_float(fields, "tbt_s")

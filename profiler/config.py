@@ -9,6 +9,7 @@ field                  flag                       environment variable
 =====================  =========================  ===================================
 host                   ``--host``                 ``LEMIX_PROFILER_HOST``
 port                   ``--port``                 ``LEMIX_PROFILER_PORT``
+metrics_port           ``--metrics-port``         ``LEMIX_PROFILER_METRICS_PORT``
 redis_url              ``--redis-url``            ``LEMIX_REDIS_URL``
 namespace              ``--namespace``            ``LEMIX_NAMESPACE``
 base_profile_path      ``--base-profile``         ``LEMIX_PROFILE``
@@ -28,11 +29,12 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lemix import settings
 from lemix.profile import default_profile_path
 from lemix.redis_keys import DEFAULT_NAMESPACE, RedisKeys
-from lemix.settings import Option
+from lemix.settings import Option, port_or_off
 from profiler.fit import FitConfig
 from profiler.runner import DEFAULT_MEASURE_DEADLINE_S
 
@@ -48,6 +50,7 @@ class ProfilerConfig:
 
     host: str = "127.0.0.1"
     port: int = 0  # 0 = any free port (the bound one is printed at start)
+    metrics_port: int = -1  # Prometheus /metrics: 0 = any free port, -1 = off
     redis_url: str = DEFAULT_REDIS_URL
     namespace: str = DEFAULT_NAMESPACE  # Redis key prefix shared with the other services
     # Memory, transfer and optimizer figures of every fitted profile come from
@@ -66,6 +69,7 @@ class ProfilerConfig:
             raise ValueError(f"host must be a non-empty host name or address, got {self.host!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535] (0 = any free port), got {self.port}")
+        settings.check_port_or_off("metrics_port", self.metrics_port)
         if not self.redis_url.startswith(_REDIS_SCHEMES):
             raise ValueError(
                 f"redis_url must start with one of {', '.join(_REDIS_SCHEMES)}, "
@@ -100,6 +104,8 @@ class ProfilerConfig:
 _OPTIONS: tuple[Option, ...] = (
     Option("host", "--host", "LEMIX_PROFILER_HOST", str, "address to bind"),
     Option("port", "--port", "LEMIX_PROFILER_PORT", int, "port to bind (0 = any free port)"),
+    Option("metrics_port", "--metrics-port", "LEMIX_PROFILER_METRICS_PORT", port_or_off,
+            "Prometheus /metrics port (0 = any free port, -1 = off)"),
     Option("redis_url", "--redis-url", "LEMIX_REDIS_URL", str, "Redis where profiles are stored"),
     Option("namespace", "--namespace", "LEMIX_NAMESPACE", str,
             "Redis key prefix shared by the stack's services"),
@@ -117,11 +123,14 @@ _OPTIONS: tuple[Option, ...] = (
     Option("log_format", "--log-format", "LEMIX_LOG_FORMAT", str, "/".join(LOG_FORMATS)),
 )  # fmt: skip
 
+# `python -m profiler` serves metrics unless told not to.
+_CLI_DEFAULTS: dict[str, Any] = {"metrics_port": 0}
+
 
 def build_parser(prog: str = "python -m profiler") -> argparse.ArgumentParser:
     """The profiler's flags; every default is None so env and defaults can apply."""
     return settings.build_parser(
-        ProfilerConfig, _OPTIONS, prog=prog,
+        ProfilerConfig, _OPTIONS, prog=prog, cli_defaults=_CLI_DEFAULTS,
         description="LeMix profiler: measures executors over a (C, l) grid and fits the "
         "latency models.")
 
@@ -130,4 +139,5 @@ def from_env_and_args(
     argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 ) -> ProfilerConfig:
     """Build the config from `argv` and `env` (see lemix.settings)."""
-    return settings.parse_settings(ProfilerConfig, build_parser(), _OPTIONS, argv, env)
+    return settings.parse_settings(ProfilerConfig, build_parser(), _OPTIONS, argv, env,
+                                   _CLI_DEFAULTS)

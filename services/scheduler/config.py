@@ -1,26 +1,28 @@
 """The scheduler's configuration, and the ONE place that maps env vars and flags to it.
 
 Precedence: a command-line flag, else its ``LEMIX_*`` environment variable,
-else the dataclass default. Nothing is read at import time: `from_env_and_args`
-reads `os.environ` (or the mapping it is given) when called.
+else the default (lemix.settings is the mechanism). Nothing is read at import
+time: `from_env_and_args` reads `os.environ` (or the mapping it is given) when
+called. `scripts/config_table.py` prints the README table from `_OPTIONS`.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lemix import settings
 from lemix.batching import BatchingConfig
 from lemix.memory import MemoryConfig
 from lemix.planner.base import PlannerConfig
 from lemix.planner.registry import POLICIES, get_spec
 from lemix.profile import Profile, default_profile_path
 from lemix.redis_keys import DEFAULT_NAMESPACE, RedisKeys
+from lemix.settings import Option, port_or_off
 from lemix.sim.run import Slo, SloConfig, compute_slo
 from lemix.types import Task, TaskKind
 
@@ -38,6 +40,7 @@ class SchedulerConfig:
 
     host: str = "127.0.0.1"
     port: int = 0  # 0 = a free port (the bound one is printed)
+    metrics_port: int = -1  # Prometheus /metrics: 0 = a free port, -1 = off
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = DEFAULT_NAMESPACE  # Redis key prefix shared with gateway and executors
     policy: str = "lemix"
@@ -80,6 +83,7 @@ class SchedulerConfig:
         RedisKeys(self.namespace)  # namespace must be a non-empty word
         if not 0 <= self.port < 1 << 16:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        settings.check_port_or_off("metrics_port", self.metrics_port)
         if self.num_nodes < 1:
             raise ValueError(f"num_nodes must be >= 1, got {self.num_nodes}")
         if self.slo_ttft_s < 0 or self.slo_tbt_s < 0:
@@ -159,101 +163,81 @@ class SchedulerConfig:
 # ------------------------------------------------------------------ env + CLI
 
 
-@dataclass(frozen=True)
-class _Option:
-    field: str  # SchedulerConfig field
-    env: str  # LEMIX_* variable
-    help: str
+def _option(field: str, env: str, parse: Callable[[str], Any], help: str) -> Option:
+    """The scheduler's flags are its field names, dashed."""
+    return Option(field, f"--{field.replace('_', '-')}", env, parse, help,
+                  metavar=field.upper())
 
 
-_OPTIONS: tuple[_Option, ...] = (
-    _Option("host", "LEMIX_SCHEDULER_HOST", "address to bind the gRPC server to"),
-    _Option("port", "LEMIX_SCHEDULER_PORT", "gRPC port (0 = a free port)"),
-    _Option("redis_url", "LEMIX_REDIS_URL", "Redis URL, e.g. redis://host:6379/0"),
-    _Option("namespace", "LEMIX_NAMESPACE", "Redis key namespace shared by the stack"),
-    _Option("policy", "LEMIX_POLICY", f"placement policy: {', '.join(POLICIES)}"),
-    _Option("num_nodes", "LEMIX_NUM_NODES", "executor nodes (ids 0..N-1)"),
-    _Option("profile_path", "LEMIX_PROFILE", "profile JSON (default: the shipped A100 one)"),
-    _Option("slo_ttft_s", "LEMIX_SLO_TTFT_S", "TTFT SLO in s (0 = derive from the profile)"),
-    _Option("slo_tbt_s", "LEMIX_SLO_TBT_S", "TBT SLO in s (0 = derive from the profile)"),
-    _Option("slo_multiplier", "LEMIX_SLO_MULTIPLIER", "derived SLO = k x unloaded latency"),
-    _Option("slo_prompt_tokens", "LEMIX_SLO_PROMPT_TOKENS",
+_OPTIONS: tuple[Option, ...] = (
+    _option("host", "LEMIX_SCHEDULER_HOST", str, "address to bind the gRPC server to"),
+    _option("port", "LEMIX_SCHEDULER_PORT", int, "gRPC port (0 = a free port)"),
+    _option("metrics_port", "LEMIX_SCHEDULER_METRICS_PORT", port_or_off,
+            "Prometheus /metrics port (0 = a free port, -1 = off)"),
+    _option("redis_url", "LEMIX_REDIS_URL", str, "Redis URL, e.g. redis://host:6379/0"),
+    _option("namespace", "LEMIX_NAMESPACE", str, "Redis key namespace shared by the stack"),
+    _option("policy", "LEMIX_POLICY", str, f"placement policy: {', '.join(POLICIES)}"),
+    _option("num_nodes", "LEMIX_NUM_NODES", int, "executor nodes (ids 0..N-1)"),
+    _option("profile_path", "LEMIX_PROFILE", str,
+            "profile JSON (default: the shipped A100 one)"),
+    _option("slo_ttft_s", "LEMIX_SLO_TTFT_S", float,
+            "TTFT SLO in s (0 = derive from the profile)"),
+    _option("slo_tbt_s", "LEMIX_SLO_TBT_S", float, "TBT SLO in s (0 = derive from the profile)"),
+    _option("slo_multiplier", "LEMIX_SLO_MULTIPLIER", float,
+            "derived SLO = k x unloaded latency"),
+    _option("slo_prompt_tokens", "LEMIX_SLO_PROMPT_TOKENS", int,
             "reference prompt length for derived SLOs (0 = compute_slo default)"),
-    _Option("slo_output_tokens", "LEMIX_SLO_OUTPUT_TOKENS",
+    _option("slo_output_tokens", "LEMIX_SLO_OUTPUT_TOKENS", int,
             "reference output length for derived SLOs (0 = compute_slo default)"),
-    _Option("kappa", "LEMIX_KAPPA", "usable fraction of each GPU's memory"),
-    _Option("max_batch_size", "LEMIX_MAX_BATCH_SIZE", "executors' running-batch cap"),
-    _Option("train_rate", "LEMIX_TRAIN_RATE", "SEPARATE: training share of nodes"),
-    _Option("sync_every_tasks", "LEMIX_SYNC_EVERY_TASKS", "SEPARATE: weight sync period K"),
-    _Option("max_defer_s", "LEMIX_MAX_DEFER_S", "longest a training task is deferred"),
-    _Option("defer_recheck_s", "LEMIX_DEFER_RECHECK_S", "re-evaluate deferred training every"),
-    _Option("dispatch_deadline_s", "LEMIX_DISPATCH_DEADLINE_S", "deadline of executor calls"),
-    _Option("dispatch_retry_s", "LEMIX_DISPATCH_RETRY_S",
+    _option("kappa", "LEMIX_KAPPA", float, "usable fraction of each GPU's memory"),
+    _option("max_batch_size", "LEMIX_MAX_BATCH_SIZE", int, "executors' running-batch cap"),
+    _option("train_rate", "LEMIX_TRAIN_RATE", float, "SEPARATE: training share of nodes"),
+    _option("sync_every_tasks", "LEMIX_SYNC_EVERY_TASKS", int,
+            "SEPARATE: weight sync period K"),
+    _option("max_defer_s", "LEMIX_MAX_DEFER_S", float, "longest a training task is deferred"),
+    _option("defer_recheck_s", "LEMIX_DEFER_RECHECK_S", float,
+            "re-evaluate deferred training every"),
+    _option("dispatch_deadline_s", "LEMIX_DISPATCH_DEADLINE_S", float,
+            "deadline of executor calls"),
+    _option("dispatch_retry_s", "LEMIX_DISPATCH_RETRY_S", float,
             "pause before a node that failed a dispatch gets work again"),
-    _Option("weight_sync_deadline_s", "LEMIX_WEIGHT_SYNC_DEADLINE_S",
+    _option("weight_sync_deadline_s", "LEMIX_WEIGHT_SYNC_DEADLINE_S", float,
             "deadline of one SyncWeights call"),
-    _Option("weight_sync_dir", "LEMIX_WEIGHT_SYNC_DIR", "where synced weights are saved"),
-    _Option("consumer", "LEMIX_SCHEDULER_CONSUMER", "intake consumer name"),
-    _Option("node_poll_s", "LEMIX_NODE_POLL_S", "node heartbeat poll period"),
-    _Option("read_block_s", "LEMIX_READ_BLOCK_S", "longest blocking Redis read"),
-    _Option("intake_batch", "LEMIX_INTAKE_BATCH", "intake entries per read"),
-    _Option("claim_min_idle_s", "LEMIX_CLAIM_MIN_IDLE_S",
+    _option("weight_sync_dir", "LEMIX_WEIGHT_SYNC_DIR", str, "where synced weights are saved"),
+    _option("consumer", "LEMIX_SCHEDULER_CONSUMER", str, "intake consumer name"),
+    _option("node_poll_s", "LEMIX_NODE_POLL_S", float, "node heartbeat poll period"),
+    _option("read_block_s", "LEMIX_READ_BLOCK_S", float, "longest blocking Redis read"),
+    _option("intake_batch", "LEMIX_INTAKE_BATCH", int, "intake entries per read"),
+    _option("claim_min_idle_s", "LEMIX_CLAIM_MIN_IDLE_S", float,
             "take over intake entries pending this long at start"),
-    _Option("stop_grace_s", "LEMIX_STOP_GRACE_S", "grace for in-flight RPCs on stop"),
-    _Option("log_level", "LEMIX_LOG_LEVEL", "debug|info|warning|error"),
-    _Option("log_format", "LEMIX_LOG_FORMAT", "console|json"),
+    _option("stop_grace_s", "LEMIX_STOP_GRACE_S", float, "grace for in-flight RPCs on stop"),
+    _option("log_level", "LEMIX_LOG_LEVEL", str, "debug|info|warning|error"),
+    _option("log_format", "LEMIX_LOG_FORMAT", str, "console|json"),
 )
 
-_FIELD_TYPES: dict[str, Callable[[str], Any]] = {
-    f.name: {"int": int, "float": float, "str": str}[str(f.type)]
-    for f in fields(SchedulerConfig)
-}
+# `python -m services.scheduler` serves metrics unless told not to.
+_CLI_DEFAULTS: dict[str, Any] = {"metrics_port": 0}
 
 
 def env_table() -> list[tuple[str, str, str]]:
     """(flag, env var, help) for every option: for docs and `--help`."""
-    return [(f"--{o.field.replace('_', '-')}", o.env, o.help) for o in _OPTIONS]
+    return [(o.flag, o.env, o.help) for o in _OPTIONS]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m services.scheduler",
-        description="LeMix global scheduler: intake -> planner -> executor dispatch. "
-        "Every flag falls back to its LEMIX_* environment variable, then the default.",
-    )
-    defaults = SchedulerConfig()
-    for option in _OPTIONS:
-        default = getattr(defaults, option.field)
-        parser.add_argument(
-            f"--{option.field.replace('_', '-')}",
-            dest=option.field,
-            type=_FIELD_TYPES[option.field],
-            default=None,
-            metavar=option.field.upper(),
-            help=f"{option.help} [env {option.env}; default {default!r}]",
-        )
-    return parser
+def build_parser(prog: str = "python -m services.scheduler") -> argparse.ArgumentParser:
+    """The scheduler's flags; every default is None so env and defaults can apply."""
+    return settings.build_parser(
+        SchedulerConfig, _OPTIONS, prog=prog, cli_defaults=_CLI_DEFAULTS,
+        description="LeMix global scheduler: intake -> planner -> executor dispatch.")
 
 
 def from_env_and_args(
-    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 ) -> SchedulerConfig:
     """Parse flags (`argv`, default sys.argv[1:]) over env vars (default os.environ).
 
     `--help` and usage errors exit through argparse (status 0 and 2); a bad
     value raises `ValueError` naming the flag and its environment variable.
     """
-    env = os.environ if environ is None else environ
-    args = build_parser().parse_args(argv)
-    values: dict[str, Any] = {}
-    for option in _OPTIONS:
-        given = getattr(args, option.field)
-        if given is None and env.get(option.env, "") != "":
-            try:
-                given = _FIELD_TYPES[option.field](env[option.env])
-            except ValueError:
-                raise ValueError(f"{option.env}={env[option.env]!r} is not a valid "
-                                 f"{_FIELD_TYPES[option.field].__name__}") from None
-        if given is not None:
-            values[option.field] = given
-    return replace(SchedulerConfig(), **values)
+    return settings.parse_settings(SchedulerConfig, build_parser(), _OPTIONS, argv, env,
+                                   _CLI_DEFAULTS)

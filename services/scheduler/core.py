@@ -12,11 +12,13 @@ exactly what the planner saw.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Protocol
 
 import structlog
 
+from lemix import telemetry
 from lemix.planner.recording import RecordingPlanner
 from lemix.types import Decision, Deferral, Placement, Rejection, Task, WeightSync
 
@@ -68,13 +70,16 @@ class SchedulerCore:
     keeps beside the task (its payload). `is_cancelled(task_id)` is asked
     before a deferred training task is dispatched: one cancelled while it
     waited is dropped instead (its end message was written by the canceller).
+    `policy` labels the Prometheus counters (`lemix.telemetry`).
     """
 
     def __init__(self, planner: RecordingPlanner, dispatcher: Dispatcher, writer: ResultWriter,
                  clock: Callable[[], float], *,
                  on_forget: Callable[[str], None] | None = None,
-                 is_cancelled: Callable[[str], Awaitable[bool]] | None = None) -> None:
+                 is_cancelled: Callable[[str], Awaitable[bool]] | None = None,
+                 policy: str = "") -> None:
         self.planner = planner
+        self.policy = policy
         self.dispatcher = dispatcher
         self.writer = writer
         self.clock = clock
@@ -120,7 +125,7 @@ class SchedulerCore:
             self._tasks[task.task_id] = task
             now_s = self.clock()
             self.planner.submit(task, now_s)
-            await self._apply(self.planner.plan(now_s))
+            await self._apply(self._plan(now_s))
 
     async def on_tasks(self, tasks: Iterable[Task]) -> None:
         """An intake batch: submit every new task, plan once, dispatch in parallel."""
@@ -134,7 +139,7 @@ class SchedulerCore:
                 self.planner.submit(task, now_s)
                 is_new = True
             if is_new:
-                await self._apply(self.planner.plan(now_s))
+                await self._apply(self._plan(now_s))
 
     async def on_finished(self, task_id: str, is_success: bool, is_requeue: bool = False,
                           node_id: int | None = None) -> bool:
@@ -155,7 +160,7 @@ class SchedulerCore:
                 self.planner.submit(task, now_s)  # training goes back, never lost
             else:
                 self._forget(task_id)
-            decisions += self.planner.plan(now_s)
+            decisions += self._plan(now_s)
             await self._apply(decisions)
             return True
 
@@ -163,10 +168,11 @@ class SchedulerCore:
         async with self._lock:
             now_s = self.clock()
             self._set_health(node_id, is_healthy, now_s)
-            await self._apply(self.planner.plan(now_s))
+            await self._apply(self._plan(now_s))
 
     def _set_health(self, node_id: int, is_healthy: bool, now_s: float) -> None:
         self.planner.on_node_health(node_id, is_healthy, now_s)
+        telemetry.set_node_health(node_id, is_healthy)
         if is_healthy:
             self.down_nodes.discard(node_id)
             self.dispatch_failed_s.pop(node_id, None)
@@ -184,10 +190,17 @@ class SchedulerCore:
 
     async def on_timer(self) -> None:
         async with self._lock:
-            await self._apply(self.planner.plan(self.clock()))
+            await self._apply(self._plan(self.clock()))
 
     def next_wakeup_s(self) -> float | None:
         return self.planner.planner.next_wakeup_s()
+
+    def _plan(self, now_s: float) -> list[Decision]:
+        """The planner's decisions now; its wall time is the decision latency."""
+        start_s = time.perf_counter()
+        decisions = self.planner.plan(now_s)
+        telemetry.observe_decision(time.perf_counter() - start_s)
+        return decisions
 
     async def _apply(self, decisions: list[Decision]) -> None:
         placements: list[Placement] = []
@@ -196,6 +209,8 @@ class SchedulerCore:
                 placements.append(decision)
             elif isinstance(decision, Rejection):
                 self.num_rejected += 1
+                rejected = self._tasks.get(decision.task_id)
+                telemetry.observe_rejected(self.policy, rejected.kind.value if rejected else "")
                 self._forget(decision.task_id)
                 await self.writer.end_task(decision.task_id, "rejected",
                                            rejection_reason(decision.reason))
@@ -229,6 +244,7 @@ class SchedulerCore:
             # The node is gone: the task fails with a reason the client sees
             # (UNAVAILABLE), the planner forgets it and stops using the node.
             self.num_dispatch_failures += 1
+            telemetry.observe_dispatch_failure(placement.node_id)
             now_s = self.clock()
             self.planner.on_task_finished(placement.task_id, now_s, is_success=False)
             self._set_health(placement.node_id, False, now_s)
@@ -242,4 +258,5 @@ class SchedulerCore:
                                        f"did not take the task ({exc})")
             return
         self.num_placed += 1
+        telemetry.observe_placed(self.policy, task.kind.value)
         await self.writer.mark_placed(placement.task_id, placement.node_id)

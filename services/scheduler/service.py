@@ -34,6 +34,7 @@ from grpc_health.v1 import health
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from lemix import telemetry
 from lemix._proto.lemix.v1 import scheduler_pb2_grpc
 from lemix.planner.recording import Event, RecordingPlanner
 from lemix.planner.registry import build_planner
@@ -166,6 +167,8 @@ class SchedulerService:
         config = self.config
         profile = self._profile or load_profile(config.resolved_profile_path)
         planner_config = config.planner_config(profile)
+        # The gateway judges requests against the SLO the planner protects.
+        await self.store.put_slo(planner_config.slo_ttft_s, planner_config.slo_tbt_s)
         planner = build_planner(config.policy, planner_config, profile, config.memory)
         events: list[Event] = [event_from_fields(f) for _, f in await self.store.read_events()]
         check_config(events, planner_config, config.policy)
@@ -180,7 +183,8 @@ class SchedulerService:
         self.writer = RedisResultWriter(self.store)
         self.core = SchedulerCore(
             RecordingPlanner(planner, self.events), self.dispatcher, self.writer, self.clock,
-            on_forget=self._forget_payload, is_cancelled=self.store.is_cancelled)
+            on_forget=self._forget_payload, is_cancelled=self.store.is_cancelled,
+            policy=config.policy)
         self.core.restore(recovered.tasks, recovered.num_placed, recovered.num_rejected)
         for task in recovered.tasks:  # deferred or requeued work still needs its payload
             state = await self.store.get_task_state(task.task_id)
@@ -408,6 +412,12 @@ class SchedulerService:
         await self._sleep_or_stop(self.config.node_poll_s)
         if not self._stopping.is_set():
             await self._poll_nodes()
+            await self._export_queue_depths()
+
+    async def _export_queue_depths(self) -> None:
+        telemetry.set_queue_depth("intake_pending", await self.store.pending_count())
+        telemetry.set_queue_depth("deferred_training", self.core.planner.planner.num_deferred)
+        telemetry.set_queue_depth("held", self.core.num_tasks)
 
     async def _poll_nodes(self) -> None:
         states = await self.store.get_node_states()

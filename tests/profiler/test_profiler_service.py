@@ -148,7 +148,9 @@ def test_config_reads_env_and_flags_with_flags_winning() -> None:
         "0.0.0.0", 7200, "redis://r:6380/1", "ns1")
     assert config.resolved_base_profile_path == Path("/p.json")
     assert config.fit_config().holdout_fraction == 0.3 and config.seed == 0
-    assert from_env_and_args([], {}) == ProfilerConfig()
+    # The command line serves metrics on a free port; the dataclass default is off.
+    assert from_env_and_args([], {}) == ProfilerConfig(metrics_port=0)
+    assert from_env_and_args(["--metrics-port", "off"], {}).metrics_port == -1
 
 
 @pytest.mark.parametrize(("argv", "env", "message"), [
@@ -197,7 +199,8 @@ async def test_process_serves_until_sigterm_and_exits_zero(
         assert proc.stdout is not None
         line = (await asyncio.wait_for(proc.stdout.readline(), timeout=30)).decode()
         assert line.startswith("SERVING profiler address="), line
-        address = line.split("address=", 1)[1].strip()
+        address, *rest = line.split("address=", 1)[1].split()
+        assert rest and rest[0].startswith("metrics=127.0.0.1:"), line  # --metrics-port 0
         async with channel(address) as ch:
             reply = await profiler_pb2_grpc.ProfilerStub(ch).RunProfile(
                 grid_request(executor.address, "from-process", num_repeats=1),
