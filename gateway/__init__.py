@@ -1,11 +1,16 @@
-"""The LeMix gateway: the public gRPC API (`lemix.v1.Gateway`).
+"""The LeMix gateway: the public gRPC API (`lemix.v1.Gateway`) and an
+OpenAI-compatible HTTP API, one request path behind both.
 
-- `gateway.config`    — `GatewayConfig` and the one env/flag mapping.
-- `gateway.tokenizer` — the `Tokenizer` protocol and the emulation stand-in.
-- `gateway.validate`  — requests -> domain tasks, or `InvalidArgument`.
-- `gateway.convert`   — output-stream messages and Redis state -> responses.
-- `gateway.servicer`  — `GatewayServicer` (thin: validate, convert, delegate).
-- `gateway.service`   — `GatewayService`: start/stop the server and its clients.
+- `gateway.config`           — `GatewayConfig` and the one env/flag mapping.
+- `gateway.tokenizer`        — the `Tokenizer` protocol and the emulation stand-in.
+- `gateway.validate`         — requests -> domain tasks, or `InvalidArgument`.
+- `gateway.convert`          — output-stream messages and Redis state -> responses.
+- `gateway.core`             — `GatewayCore`: admission, Submit, output streams, cancel.
+- `gateway.servicer`         — `GatewayServicer` (thin: gRPC -> core).
+- `gateway.openai_convert`   — OpenAI JSON -> requests (then `gateway.validate`).
+- `gateway.openai_responses` — responses -> OpenAI JSON; errors -> HTTP statuses.
+- `gateway.http_api`         — the aiohttp routes (thin: HTTP -> core).
+- `gateway.service`          — `GatewayService`: start/stop the servers and clients.
 
 Run it with ``python -m gateway [flags]``.
 """

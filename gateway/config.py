@@ -9,6 +9,9 @@ field                          flag                       environment variable
 =============================  =========================  ==========================
 host                           ``--host``                 ``LEMIX_GATEWAY_HOST``
 port                           ``--port``                 ``LEMIX_GATEWAY_PORT``
+http_port                      ``--http-port``            ``LEMIX_GATEWAY_HTTP_PORT``
+served_model_name              ``--served-model-name``    ``LEMIX_SERVED_MODEL_NAME``
+metrics_port                   ``--metrics-port``         ``LEMIX_GATEWAY_METRICS_PORT``
 scheduler_address              ``--scheduler``            ``LEMIX_SCHEDULER_ADDRESS``
 redis_url                      ``--redis-url``            ``LEMIX_REDIS_URL``
 namespace                      ``--namespace``            ``LEMIX_NAMESPACE``
@@ -35,11 +38,12 @@ from typing import Any
 
 from lemix import settings
 from lemix.redis_keys import DEFAULT_NAMESPACE, RedisKeys
-from lemix.settings import Option
+from lemix.settings import Option, port_or_off
 
 # The public port in DESIGN.md; `GatewayConfig()` itself defaults to 0 (a free
 # port), which is what tests and `lemix up` with many stacks want.
 CLI_DEFAULT_PORT = 50051
+CLI_DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible HTTP API (gateway.http_api)
 # Where the scheduler listens unless told otherwise (gateway is 50051).
 DEFAULT_SCHEDULER_ADDRESS = "127.0.0.1:50052"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -54,6 +58,9 @@ class GatewayConfig:
 
     host: str = "127.0.0.1"
     port: int = 0  # 0 = any free port (the bound one is reported at start)
+    http_port: int = 0  # the OpenAI-compatible HTTP API; 0 = any free port, as `port`
+    served_model_name: str = "lemix"  # the `model` the HTTP API lists and accepts
+    metrics_port: int = -1  # Prometheus /metrics on its own port: 0 = a free one, -1 = off
     scheduler_address: str = DEFAULT_SCHEDULER_ADDRESS  # host:port
     redis_url: str = DEFAULT_REDIS_URL
     namespace: str = DEFAULT_NAMESPACE  # Redis key prefix shared with the other services
@@ -64,7 +71,7 @@ class GatewayConfig:
     # A stream with no new output message for this long is ended UNAVAILABLE
     # (its executor probably died) and its task cancelled.
     stream_idle_timeout_s: float = 60.0
-    tokenizer: str = "approx"  # "approx" (emulated backend); an HF path with torch
+    tokenizer: str = "approx"  # "approx" (emulated); "bpe:<vocab>", tokenizer.json, model dir
     node_check_s: float = 0.5  # how long "is any executor live?" is cached; 0 = never
     shutdown_grace_s: float = 5.0  # in-flight streams get this long to finish on stop
     log_level: str = "info"  # for `python -m gateway`'s logging
@@ -75,6 +82,13 @@ class GatewayConfig:
             raise ValueError("host must be non-empty (e.g. 127.0.0.1 or 0.0.0.0)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535] (0 = any free port), got {self.port}")
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [0, 65535] (0 = any free port), "
+                             f"got {self.http_port}")  # fmt: skip
+        if not self.served_model_name or any(ch.isspace() for ch in self.served_model_name):
+            raise ValueError(f"served_model_name must be a non-empty name without spaces, "
+                             f"got {self.served_model_name!r}")  # fmt: skip
+        settings.check_port_or_off("metrics_port", self.metrics_port)
         _check_address("scheduler_address", self.scheduler_address)
         if not self.redis_url.startswith(_REDIS_SCHEMES):
             raise ValueError(
@@ -117,6 +131,12 @@ def _check_seconds(name: str, value: float, *, allow_zero: bool) -> None:
 _OPTIONS: tuple[Option, ...] = (
     Option("host", "--host", "LEMIX_GATEWAY_HOST", str, "address to bind"),
     Option("port", "--port", "LEMIX_GATEWAY_PORT", int, "port to bind (0 = any free port)"),
+    Option("http_port", "--http-port", "LEMIX_GATEWAY_HTTP_PORT", int,
+            "OpenAI-compatible HTTP API port (0 = any free port)"),
+    Option("served_model_name", "--served-model-name", "LEMIX_SERVED_MODEL_NAME", str,
+            "model name the HTTP API serves (GET /v1/models)"),
+    Option("metrics_port", "--metrics-port", "LEMIX_GATEWAY_METRICS_PORT", port_or_off,
+            "Prometheus /metrics port (0 = any free port, -1 = off)"),
     Option("scheduler_address", "--scheduler", "LEMIX_SCHEDULER_ADDRESS", str,
             "the scheduler's host:port"),
     Option("redis_url", "--redis-url", "LEMIX_REDIS_URL", str, "Redis holding queues/state"),
@@ -133,7 +153,8 @@ _OPTIONS: tuple[Option, ...] = (
     Option("stream_idle_timeout_s", "--stream-idle-timeout-s", "LEMIX_STREAM_IDLE_TIMEOUT_S",
             float, "end a stream UNAVAILABLE after this long without output, seconds"),
     Option("tokenizer", "--tokenizer", "LEMIX_TOKENIZER", str,
-            "'approx' (emulated backend); HF tokenizers arrive with the torch backend"),
+            "'approx' (emulated backend), 'bpe:<vocab_size>' (trained on the default "
+            "corpus, cached), a tokenizer.json file or a model directory"),
     Option("node_check_s", "--node-check-s", "LEMIX_NODE_CHECK_S", float,
             "cache the live-executor check this long, seconds (0 = every request)"),
     Option("shutdown_grace_s", "--shutdown-grace-s", "LEMIX_SHUTDOWN_GRACE_S", float,
@@ -142,14 +163,16 @@ _OPTIONS: tuple[Option, ...] = (
     Option("log_format", "--log-format", "LEMIX_LOG_FORMAT", str, "/".join(LOG_FORMATS)),
 )  # fmt: skip
 
-_CLI_DEFAULTS: dict[str, Any] = {"port": CLI_DEFAULT_PORT}
+_CLI_DEFAULTS: dict[str, Any] = {"port": CLI_DEFAULT_PORT, "http_port": CLI_DEFAULT_HTTP_PORT,
+                                 "metrics_port": 0}
 
 
 def build_parser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
     """The gateway's flags; every default is None so env and defaults can apply."""
     return settings.build_parser(
         GatewayConfig, _OPTIONS, prog=prog, cli_defaults=_CLI_DEFAULTS,
-        description="LeMix gateway: the public gRPC API (Generate, Train, GetStats).")
+        description="LeMix gateway: the public gRPC API (Generate, Train, GetStats) and "
+        "the OpenAI-compatible HTTP API.")
 
 
 def from_env_and_args(

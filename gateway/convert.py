@@ -14,8 +14,17 @@ from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 
-from gateway.tokenizer import emulated_token_id
+from gateway.tokenizer import Tokenizer, emulated_token_id
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
+from lemix.model.tokenizer import detokenize_new
+from lemix.outputs import (
+    FINISH_LENGTH,
+    FINISH_REASON_FIELD,
+    FINISH_REASONS,
+    FINISH_STOP,
+    TOKEN_IDS_FIELD,
+    parse_token_ids,
+)
 from lemix.rpc import convert
 from lemix.store import (
     IS_FINAL_FIELD,
@@ -36,9 +45,8 @@ NUM_TOKENS_FIELD = "n"  # tokens produced so far
 NODE_FIELD = "node"
 VERSION_FIELD = "version"  # training updates in the serving weights (first token)
 LOSS_FIELD = "inference_loss"  # optional, on the end message when a reference was given
-
-FINISH_LENGTH = "length"  # produced max_tokens
-FINISH_STOP = "stop"  # ended earlier (EOS) with status completed
+# Optional, from a real model (lemix.outputs): TOKEN_IDS_FIELD on token/end messages,
+# FINISH_REASON_FIELD (FINISH_LENGTH | FINISH_STOP) on the end message.
 
 # Failure-reason prefixes a client may see as their status (PROTOCOL.md,
 # "Task ids and reasons"); any other reason is INTERNAL.
@@ -82,8 +90,10 @@ class OutputStream:
     `received_s` is when the gateway received the request, on `clock`
     (monotonic): TTFT and E2E are measured from it. Token messages carry the
     count so far, so a message may stand for several tokens (or none, if
-    redelivered); each new token gets `emulated_token_id(position)` because the
-    emulated backend produces counts, not ids.
+    redelivered). A message from a real model lists the ids it adds (`ids`);
+    without them each new token gets `emulated_token_id(position)`, because the
+    emulated backend produces counts, not ids. With a real `tokenizer` (not
+    `is_emulated`) responses carry the new text, detokenized as it streams.
     """
 
     def __init__(
@@ -92,11 +102,16 @@ class OutputStream:
         max_tokens: int,
         received_s: float,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self.task_id = task_id
         self.max_tokens = max_tokens
         self.received_s = received_s
         self._clock = clock
+        self._tokenizer = None if tokenizer is None or tokenizer.is_emulated else tokenizer
+        self._ids: list[int] = []  # every output id so far, for detokenizing (real only)
+        self._num_detokenized = 0  # leading ids of _ids whose text was sent
         self.num_tokens = 0
         self.node_id = 0
         self.weight_version = 0
@@ -125,12 +140,38 @@ class OutputStream:
             self.weight_version = get_int(fields, VERSION_FIELD)
         if self.num_tokens == 0:
             response.ttft_s = self._clock() - self.received_s
-        response.token_ids.extend(emulated_token_id(i) for i in range(self.num_tokens, num_tokens))
-        response.text = ""  # emulated tokens have no text
+        new_ids = self._new_ids(fields, num_tokens - self.num_tokens)
+        response.token_ids.extend(new_ids)
+        if self._tokenizer is not None:
+            self._ids.extend(new_ids)
+            response.text = self._new_text(self._tokenizer, is_final=False)
         response.num_output_tokens = num_tokens
         response.node_id = self.node_id
         self.num_tokens = num_tokens
         return response
+
+    def _new_ids(self, fields: Mapping[str, str], num_new: int) -> list[int]:
+        """Ids of the last `num_new` tokens: the message's `ids` (which cover its
+        last positions up to `n`, possibly some already sent), else emulated."""
+        if TOKEN_IDS_FIELD not in fields:
+            return [emulated_token_id(i) for i in range(self.num_tokens, self.num_tokens + num_new)]
+        try:
+            ids = parse_token_ids(fields[TOKEN_IDS_FIELD])
+        except ValueError as e:
+            raise TaskEnded(grpc.StatusCode.INTERNAL, f"output of {self.task_id}: {e}") from e
+        if len(ids) < num_new:  # the stream lost a message: the text would have a hole
+            raise TaskEnded(
+                grpc.StatusCode.INTERNAL,
+                f"output of {self.task_id} skipped tokens: a message adds {num_new} "
+                f"tokens but carries {len(ids)} ids",
+            )
+        return list(ids[len(ids) - num_new :])
+
+    def _new_text(self, tokenizer: Tokenizer, *, is_final: bool) -> str:
+        text, self._num_detokenized = detokenize_new(
+            tokenizer, self._ids, self._num_detokenized, is_final=is_final
+        )
+        return text
 
     def _on_end(self, fields: Mapping[str, str]) -> gateway_pb2.GenerateResponse:
         self.is_ended = True
@@ -139,9 +180,14 @@ class OutputStream:
             reason = fields.get(REASON_FIELD, "") or f"task ended with status {status!r}"
             raise TaskEnded(*status_for_reason(reason))
         response = self._new_tokens(fields)  # tokens the end carries beyond the last message
+        if self._tokenizer is not None:  # flush text held back for an unfinished character
+            response.text += self._new_text(self._tokenizer, is_final=True)
         response.is_finished = True
-        is_full = self.num_tokens >= self.max_tokens
-        response.finish_reason = FINISH_LENGTH if is_full else FINISH_STOP
+        finish_reason = fields.get(FINISH_REASON_FIELD, "")
+        if finish_reason not in FINISH_REASONS:  # not sent (emulated): infer it
+            is_full = self.num_tokens >= self.max_tokens
+            finish_reason = FINISH_LENGTH if is_full else FINISH_STOP
+        response.finish_reason = finish_reason
         response.e2e_s = self._clock() - self.received_s
         response.num_output_tokens = self.num_tokens
         response.node_id = self.node_id

@@ -1,5 +1,6 @@
-"""`GatewayService`: the gateway's server and the clients it holds, started and
-stopped as one.
+"""`GatewayService`: the gateway's servers (gRPC, and the OpenAI-compatible HTTP
+API of `gateway.http_api`, one `GatewayCore` behind both) and the clients they
+hold, started and stopped as one.
 
     service = GatewayService(GatewayConfig(port=50051, redis_url=..., ...))
     await service.start()          # SERVING (health) once this returns
@@ -19,10 +20,13 @@ from types import TracebackType
 import grpc.aio
 import redis.asyncio as aioredis
 import structlog
+from aiohttp import web
 from grpc_health.v1 import health
 from redis.exceptions import RedisError
 
 from gateway.config import GatewayConfig
+from gateway.core import GatewayCore
+from gateway.http_api import HttpApi, start_http
 from gateway.servicer import GatewayServicer
 from gateway.tokenizer import Tokenizer, load_tokenizer
 from lemix._proto.lemix.v1 import gateway_pb2_grpc, scheduler_pb2_grpc
@@ -39,9 +43,17 @@ REDIS_CONNECT_TIMEOUT_S = 5.0
 REDIS_SPARE_CONNECTIONS = 64  # beyond one per in-flight stream: counters, stats, checks
 
 
+def _host_port(host: str, port: int) -> str:
+    """host:port clients dial (an IPv6 host in brackets)."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
 class GatewayService:
     """The gateway process's parts: gRPC server (Gateway + health + reflection),
-    Redis client, scheduler channel. `tokenizer` overrides `config.tokenizer`."""
+    HTTP server, Redis client, scheduler channel. `tokenizer` overrides
+    `config.tokenizer`."""
 
     def __init__(self, config: GatewayConfig, *, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
@@ -51,7 +63,10 @@ class GatewayService:
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._servicer: GatewayServicer | None = None
+        self._http: web.AppRunner | None = None
         self._port = 0
+        self._http_port = 0
+        self._is_serving = False  # what the HTTP /health reports
         self._stop_lock = asyncio.Lock()
 
     @property
@@ -63,11 +78,25 @@ class GatewayService:
 
     @property
     def address(self) -> str:
-        """host:port clients dial (an IPv6 host in brackets)."""
-        host = self.config.host
-        if ":" in host and not host.startswith("["):
-            host = f"[{host}]"
-        return f"{host}:{self.port}"
+        """host:port gRPC clients dial (an IPv6 host in brackets)."""
+        return _host_port(self.config.host, self.port)
+
+    @property
+    def http_port(self) -> int:
+        """The HTTP API's bound port."""
+        if self._http_port == 0:
+            raise RuntimeError("GatewayService is not started")
+        return self._http_port
+
+    @property
+    def http_address(self) -> str:
+        """host:port of the OpenAI-compatible HTTP API (base URL http://HOST:PORT/v1)."""
+        return _host_port(self.config.host, self.http_port)
+
+    @property
+    def other_addresses(self) -> dict[str, str]:
+        """Listeners besides `address`, for the SERVING line (lemix.service_main)."""
+        return {"http": self.http_address}
 
     @property
     def servicer(self) -> GatewayServicer:
@@ -100,31 +129,48 @@ class GatewayService:
                 raise OSError(f"cannot reach Redis at {config.redis_url}: {exc}") from exc
             store = Store(self._redis, RedisKeys(config.namespace))
             self._channel = channel(config.scheduler_address)
-            self._servicer = GatewayServicer(
+            core = GatewayCore(
                 config, store, scheduler_pb2_grpc.SchedulerStub(self._channel), tokenizer
             )
+            self._servicer = GatewayServicer(core)
             self._server, self._port, self._health = await start_server(
                 [(gateway_pb2_grpc.add_GatewayServicer_to_server, self._servicer)],
                 config.host,
                 config.port,
                 service_names=[GATEWAY_SERVICE],
             )
+            api = HttpApi(core, config, is_serving=lambda: self._is_serving)
+            self._http, self._http_port = await start_http(
+                api.app(), config.host, config.http_port,
+                shutdown_timeout_s=config.shutdown_grace_s,
+            )  # fmt: skip
         except BaseException:
+            if self._server is not None:
+                server, self._server = self._server, None
+                await server.stop(None)
             await self._close_clients()
             raise
-        log.info("gateway.started", address=self.address, scheduler=config.scheduler_address,
-                 namespace=config.namespace, max_in_flight=config.max_in_flight)  # fmt: skip
+        self._is_serving = True
+        log.info("gateway.started", address=self.address, http=self.http_address,
+                 scheduler=config.scheduler_address, namespace=config.namespace,
+                 max_in_flight=config.max_in_flight)  # fmt: skip
 
     async def stop(self) -> None:
-        """NOT_SERVING, then in-flight streams get `shutdown_grace_s` to finish
-        (new calls are refused), then the rest are cancelled; their tasks are
-        cancelled at the scheduler before the clients close. Idempotent."""
+        """NOT_SERVING, then in-flight streams (gRPC and HTTP) get
+        `shutdown_grace_s` to finish (new calls are refused), then the rest are
+        cancelled; their tasks are cancelled at the scheduler before the
+        clients close. Idempotent."""
         async with self._stop_lock:  # a second stop waits for the first
             if self._server is None or self._health is None:
                 return
+            self._is_serving = False
             server, self._server = self._server, None
-            await stop_server(server, self._health, grace_s=self.config.shutdown_grace_s)
-            if self._servicer is not None and not await self._servicer.wait_idle(
+            http, self._http = self._http, None
+            await asyncio.gather(
+                stop_server(server, self._health, grace_s=self.config.shutdown_grace_s),
+                http.cleanup() if http is not None else asyncio.sleep(0),
+            )
+            if self._servicer is not None and not await self._servicer.core.wait_idle(
                 self.config.cancel_deadline_s + 1.0
             ):
                 log.warning("gateway.stop_streams_left", num=self._servicer.num_in_flight)

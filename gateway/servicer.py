@@ -1,79 +1,27 @@
-"""`GatewayServicer`: the public API's handlers. Thin (STYLE rule 7):
-validate (`gateway.validate`) -> delegate (Scheduler.Submit, the Redis output
-stream) -> convert (`gateway.convert`); domain errors become status codes in
-`lemix.rpc.errors` via `@handle_errors`, a task's failure reason in
-`gateway.convert.status_for_reason`.
-
-Admission, in order: a valid request, a live executor (node states in Redis,
-cached `node_check_s`), a free in-flight slot (`max_in_flight`), then Submit.
-A stream the client abandons (cancel, deadline) or the gateway gives up on
-(idle timeout, Redis down) has its task cancelled at the scheduler, so the
-executor frees its KV; the slot is released in every case.
+"""`GatewayServicer`: the public gRPC API's handlers. Thin (STYLE rule 7):
+every request goes to `gateway.core.GatewayCore` (validation, admission,
+Submit, the Redis output stream, cancellation), which the OpenAI-compatible
+HTTP API (`gateway.http_api`) shares. Domain errors become status codes in
+`lemix.rpc.errors` via `@handle_errors`; a task's failure arrives as
+`TaskEnded`, whose code `gateway.convert.status_for_reason` chose.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+import contextlib
+from collections.abc import AsyncIterator
 
-import grpc
 import grpc.aio
-import structlog
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gateway.config import GatewayConfig
-from gateway.convert import OutputStream, TaskEnded, node_state_from_fields, stats_to_proto
-from gateway.tokenizer import Tokenizer
-from gateway.validate import validate_generate, validate_train
-from lemix._proto.lemix.v1 import (
-    common_pb2,
-    gateway_pb2,
-    gateway_pb2_grpc,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-)
-from lemix.rpc import convert as rpc_convert
-from lemix.rpc.errors import (
-    InvalidArgument,
-    ResourceExhausted,
-    ServiceError,
-    Unavailable,
-    error_from_rpc,
-    handle_errors,
-)
-from lemix.store import Store
-from lemix.types import Task, TaskPayload
+from gateway.convert import TaskEnded
+from gateway.core import GatewayCore
+from gateway.observe import SloCache, observe_generate, observe_train
+from lemix import telemetry
+from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc
+from lemix.rpc.errors import handle_errors
 
-log = structlog.get_logger(__name__)
-
-T = TypeVar("T")
-
-# Counters this gateway increments (`Store.incr_stat`; GetStats reports the
-# `gateway.convert.COUNTER_FIELDS` ones).
-REQUESTS_RECEIVED = "requests_received"
-TRAIN_REQUESTS_RECEIVED = "train_requests_received"
-REQUESTS_REJECTED_INVALID = "requests_rejected_invalid"
-REQUESTS_REJECTED_BUSY = "requests_rejected_busy"
-REQUESTS_REJECTED_UNAVAILABLE = "requests_rejected_unavailable"
-REQUESTS_CANCELLED = "requests_cancelled"
-NUM_INFERENCE = "num_inference"  # inference tasks the scheduler acknowledged (new ids)
-NUM_TRAINING = "num_training"  # training tasks the scheduler acknowledged (new ids)
-
-# A finished task's output stream is kept this long after its reader saw the
-# end, so an idempotent retry (same request_id) can replay it; then it expires.
-OUTPUT_RETAIN_S = 300.0
-# Train submits its tasks concurrently, at most this many Submits at once.
-TRAIN_SUBMIT_CONCURRENCY = 32
 # A context with less than this left has passed its deadline.
 _DEADLINE_SLACK_S = 0.01
-
-
-class SubmitDeadlineExceeded(Unavailable):
-    """Submit got no answer in time; the scheduler may or may not hold the task."""
 
 
 def _gone_reason(context: grpc.aio.ServicerContext) -> str:
@@ -85,241 +33,46 @@ def _gone_reason(context: grpc.aio.ServicerContext) -> str:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    """Generate / Train / GetStats over a `Store` and a Scheduler stub.
+    """Generate / Train / GetStats over a `GatewayCore`."""
 
-    `clock` (monotonic seconds) measures TTFT/E2E and the live-executor cache.
-    """
-
-    def __init__(
-        self,
-        config: GatewayConfig,
-        store: Store,
-        scheduler: scheduler_pb2_grpc.SchedulerStub,
-        tokenizer: Tokenizer,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.config = config
-        self.store = store
-        self.scheduler = scheduler
-        self.tokenizer = tokenizer
-        self._clock = clock
-        self._num_in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._live_checked_s: float | None = None
-        self._is_live = False
+    def __init__(self, core: GatewayCore) -> None:
+        self.core = core
+        self.slo = SloCache(core.store)  # what `@observe_generate` judges requests by
+        telemetry.set_in_flight_source(lambda: self.core.num_in_flight)
 
     @property
     def num_in_flight(self) -> int:
-        """Generate streams holding a slot right now."""
-        return self._num_in_flight
-
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait up to `timeout_s` for every stream to release its slot; True if so."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
-
-    # ============================================================== handlers
+        """Generate streams (gRPC and HTTP) holding a slot right now."""
+        return self.core.num_in_flight
 
     @handle_errors
+    @observe_generate
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        received_s = self._clock()
-        await self._count(REQUESTS_RECEIVED)
-        task, payload = await self._validated_generate(request)
-        await self._require_live_executor()
-        await self._acquire_slot()
-        stream = OutputStream(task.task_id, task.max_output_tokens, received_s, self._clock)
-        is_submitted = True  # from the moment Submit is sent, the scheduler may hold it
-        cancel_reason = "CANCELLED: the gateway stopped streaming this task"
+        received_s = self.core.clock()
+        task, payload = await self.core.admit(request)
+        responses = self.core.generate(
+            task, payload, received_s=received_s, gone_reason=lambda: _gone_reason(context)
+        )
         try:
-            try:
-                await self._submit(task, payload)
-            except ServiceError as exc:
-                is_submitted = isinstance(exc, SubmitDeadlineExceeded)
-                raise
-            last_id = "0-0"
-            while not stream.is_ended:
-                entries = await self._read_output(task.task_id, last_id)
-                for entry_id, fields in entries:
-                    last_id = entry_id
-                    try:
-                        response = stream.on_message(fields)
-                    except TaskEnded as end:
-                        await self._retire_output(task.task_id)
-                        await context.abort(end.code, end.details)
-                    if response is not None:
-                        yield response
-                    if stream.is_ended:
-                        break
-            await self._retire_output(task.task_id)
-        except (asyncio.CancelledError, GeneratorExit):
-            cancel_reason = _gone_reason(context)
-            raise
-        finally:
-            try:
-                if is_submitted and not stream.is_ended:
-                    await asyncio.shield(self._abandon(task.task_id, cancel_reason))
-            finally:
-                self._release_slot()
+            # aclosing: a client that goes away closes the core's stream now, so
+            # its task is cancelled and its slot released at once.
+            async with contextlib.aclosing(responses):
+                async for response in responses:
+                    yield response
+        except TaskEnded as end:
+            await context.abort(end.code, end.details)
 
     @handle_errors
+    @observe_train
     async def Train(
         self, request: gateway_pb2.TrainRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.TrainResponse:
-        await self._count(TRAIN_REQUESTS_RECEIVED)
-        try:
-            tasks = validate_train(
-                request, tokenizer=self.tokenizer,
-                max_context_tokens=self.config.max_context_tokens,
-            )  # fmt: skip
-        except InvalidArgument:
-            await self._count(REQUESTS_REJECTED_INVALID)
-            raise
-        limit = asyncio.Semaphore(TRAIN_SUBMIT_CONCURRENCY)
-
-        async def submit(task: Task, payload: TaskPayload) -> bool:
-            async with limit:
-                return await self._submit(task, payload)
-
-        # Every Submit runs to its end (each has a deadline) before we answer,
-        # so a failure never leaves calls running behind the reply.
-        results = await asyncio.gather(*(submit(t, p) for t, p in tasks), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return gateway_pb2.TrainResponse(task_ids=[task.task_id for task, _ in tasks])
+        return gateway_pb2.TrainResponse(task_ids=await self.core.train(request))
 
     @handle_errors
     async def GetStats(
         self, request: gateway_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.Stats:
-        counters = await self._redis(self.store.get_stats())
-        states = await self._redis(self.store.get_node_states())
-        nodes = []
-        for node_id, fields in sorted(states.items()):
-            try:
-                nodes.append(node_state_from_fields(node_id, fields))
-            except ValueError as exc:  # one bad hash must not hide the others
-                log.warning("gateway.bad_node_state", node_id=node_id, error=str(exc))
-        return stats_to_proto(counters, nodes, self._num_in_flight)
-
-    # ============================================================= admission
-
-    async def _validated_generate(
-        self, request: gateway_pb2.GenerateRequest
-    ) -> tuple[Task, TaskPayload]:
-        try:
-            return validate_generate(
-                request, tokenizer=self.tokenizer,
-                max_context_tokens=self.config.max_context_tokens,
-            )  # fmt: skip
-        except InvalidArgument:
-            await self._count(REQUESTS_REJECTED_INVALID)
-            raise
-
-    async def _require_live_executor(self) -> None:
-        """Raise `Unavailable` unless some executor's heartbeat is live (cached)."""
-        now_s = self._clock()
-        if self._live_checked_s is None or now_s - self._live_checked_s >= self.config.node_check_s:
-            states = await self._redis(self.store.get_node_states())
-            self._is_live, self._live_checked_s = bool(states), now_s
-        if not self._is_live:
-            await self._count(REQUESTS_REJECTED_UNAVAILABLE)
-            raise Unavailable("no live executor: start one with `lemix up` or check the executors")
-
-    async def _acquire_slot(self) -> None:
-        if self._num_in_flight >= self.config.max_in_flight:
-            num_in_flight = self._num_in_flight
-            await self._count(REQUESTS_REJECTED_BUSY)
-            raise ResourceExhausted(
-                f"server busy: {num_in_flight} requests in flight "
-                f"(limit {self.config.max_in_flight}); retry with backoff"
-            )
-        self._num_in_flight += 1
-        self._idle.clear()
-
-    def _release_slot(self) -> None:
-        self._num_in_flight -= 1
-        if self._num_in_flight == 0:
-            self._idle.set()
-
-    # ============================================================ delegation
-
-    async def _submit(self, task: Task, payload: TaskPayload) -> bool:
-        """Scheduler.Submit with a deadline; True for a new task, False for a
-        known id (idempotent resubmit). Raises domain errors."""
-        request = scheduler_pb2.SubmitRequest(task=rpc_convert.task_to_proto(task, payload))
-        try:
-            reply = await self.scheduler.Submit(request, timeout=self.config.submit_deadline_s)
-        except grpc.aio.AioRpcError as err:
-            raise self._scheduler_error("Submit", err) from err
-        if not reply.is_duplicate:
-            await self._count(NUM_TRAINING if task.is_training else NUM_INFERENCE)
-        return not reply.is_duplicate
-
-    def _scheduler_error(self, method: str, err: grpc.aio.AioRpcError) -> Exception:
-        where = f"scheduler at {self.config.scheduler_address}"
-        if err.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
-            return SubmitDeadlineExceeded(
-                f"{where} did not answer {method} within "
-                f"{self.config.submit_deadline_s:g} s; retry later"
-            )
-        error = error_from_rpc(err)
-        if isinstance(error, Unavailable):
-            return Unavailable(f"{where} is unavailable ({err.details()}); retry later")
-        return error  # the scheduler's own refusal, or an AioRpcError (-> INTERNAL, logged)
-
-    async def _read_output(self, task_id: str, last_id: str) -> list[tuple[str, dict[str, str]]]:
-        """The next output messages, waiting up to the idle timeout for one."""
-        timeout_s = self.config.stream_idle_timeout_s
-        entries = await self._redis(
-            self.store.read_output(task_id, last_id, block_ms=max(1, round(timeout_s * 1000)))
-        )
-        if not entries:
-            raise Unavailable(
-                f"task {task_id} produced no output for {timeout_s:g} s "
-                "(its executor may have failed); it was cancelled, retry it"
-            )
-        return entries
-
-    async def _abandon(self, task_id: str, reason: str) -> None:
-        """Cancel a task nobody will read (best effort, short deadline)."""
-        await self._count(REQUESTS_CANCELLED)
-        request = common_pb2.CancelRequest(task_id=task_id, reason=reason)
-        try:
-            await self.scheduler.Cancel(request, timeout=self.config.cancel_deadline_s)
-        except grpc.aio.AioRpcError as err:
-            log.warning("gateway.cancel_failed", task_id=task_id, reason=reason,
-                        code=err.code().name, error=err.details())  # fmt: skip
-        except Exception as exc:  # e.g. the channel closed under us at shutdown
-            # Best effort by design: the caller is already failing or gone.
-            log.warning("gateway.cancel_failed", task_id=task_id, reason=reason,
-                        error=f"{type(exc).__name__}: {exc}")  # fmt: skip
-        else:
-            log.info("gateway.cancelled", task_id=task_id, reason=reason)
-
-    async def _retire_output(self, task_id: str) -> None:
-        try:
-            await self.store.expire_output(task_id, OUTPUT_RETAIN_S)
-        except RedisError as exc:
-            log.warning("gateway.expire_output_failed", task_id=task_id, error=str(exc))
-
-    async def _redis(self, awaitable: Awaitable[T]) -> T:
-        """Await a Store call; an unreachable Redis reads as `Unavailable`."""
-        try:
-            return await awaitable
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            raise Unavailable(f"state store (Redis) unavailable: {exc}; retry later") from exc
-
-    async def _count(self, name: str, by: int = 1) -> None:
-        """Best effort: a counter must never fail a request."""
-        try:
-            await self.store.incr_stat(name, by)
-        except RedisError as exc:
-            log.warning("gateway.count_failed", counter=name, error=str(exc))
+        return await self.core.stats()

@@ -2,8 +2,11 @@
 
 Parse the config (flags and `LEMIX_*` variables; exit 2 on bad settings), set
 up logging, start the service (exit 1 if it cannot start: Redis unreachable,
-port busy), print one `SERVING <name> address=HOST:PORT` line on stdout (what
-`lemix up` waits for; logs go to stderr), run until SIGINT/SIGTERM, stop
+port busy) and the process's Prometheus endpoint (`metrics_port`; metrics are
+per process, so the endpoint is too), print one `SERVING <name>
+address=HOST:PORT [NAME=HOST:PORT ...] [metrics=HOST:PORT]` line on stdout
+(what `lemix up` waits for; logs go to stderr; NAME=... are the service's
+`other_addresses`, e.g. the gateway's `http=`), run until SIGINT/SIGTERM, stop
 cleanly (exit 0).
 """
 
@@ -19,6 +22,7 @@ from typing import Any, Protocol, TypeVar
 import structlog
 
 from lemix.logs import configure_logging
+from lemix.metrics_http import MetricsServer
 
 log = structlog.get_logger(__name__)
 
@@ -32,7 +36,13 @@ class Service(Protocol):
     async def stop(self) -> Any: ...
 
 
-class _LoggedConfig(Protocol):
+class _ServiceConfig(Protocol):
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def metrics_port(self) -> int: ...  # 0 = any free port, negative = no endpoint
+
     @property
     def log_level(self) -> str: ...
 
@@ -40,13 +50,16 @@ class _LoggedConfig(Protocol):
     def log_format(self) -> str: ...
 
 
-C = TypeVar("C", bound=_LoggedConfig)
+C = TypeVar("C", bound=_ServiceConfig)
 
 
-async def serve(service: Service, label: str) -> int:
+async def serve(service: Service, label: str, *, metrics_host: str = "127.0.0.1",
+                metrics_port: int = -1) -> int:
     """Start, announce, wait for SIGINT/SIGTERM, stop. Returns the exit status."""
+    metrics: MetricsServer | None = None
     try:
         await service.start()
+        metrics = await MetricsServer.start_optional(metrics_host, metrics_port)
     except Exception as exc:
         log.error("start_failed", service=label, error=f"{type(exc).__name__}: {exc}")
         with contextlib.suppress(Exception):
@@ -58,13 +71,19 @@ async def serve(service: Service, label: str) -> int:
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     try:
-        print(f"SERVING {label} address={service.address}", flush=True)
+        # Other listeners a service names (the gateway's `http`), then metrics.
+        others: dict[str, str] = getattr(service, "other_addresses", {})
+        where = "".join(f" {name}={address}" for name, address in others.items())
+        where += f" metrics={metrics.address}" if metrics is not None else ""
+        print(f"SERVING {label} address={service.address}{where}", flush=True)
         await stop.wait()
         log.info("stopping", service=label)
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
         await service.stop()
+        if metrics is not None:
+            await metrics.stop()
     return 0
 
 
@@ -78,7 +97,8 @@ def run_service(argv: Sequence[str] | None, parse: Callable[[Sequence[str] | Non
         return 2
     configure_logging(config.log_level, config.log_format)
     try:
-        return asyncio.run(serve(make(config), label(config)))
+        return asyncio.run(serve(make(config), label(config), metrics_host=config.host,
+                                 metrics_port=config.metrics_port))
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

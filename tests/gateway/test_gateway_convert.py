@@ -12,7 +12,9 @@ from gateway.convert import (
     stats_to_proto,
     status_for_reason,
 )
-from gateway.tokenizer import emulated_token_id
+from gateway.tokenizer import ApproxTokenizer, emulated_token_id
+from lemix.model.tokenizer import BPETokenizer, corpus_fingerprint, train_bpe
+from lemix.outputs import format_token_ids, parse_token_ids
 
 
 class FakeClock:
@@ -88,3 +90,75 @@ def test_node_state_and_stats() -> None:
     stats = stats_to_proto({"num_inference": 4, "num_failed": 1, "other": 9}, [node], 2)
     assert (stats.num_inference, stats.num_failed, stats.num_in_flight) == (4, 1, 2)
     assert stats.num_training == 0 and len(stats.nodes) == 1
+
+
+# ------------------------------------------------------- real ids and text
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory: pytest.TempPathFactory) -> BPETokenizer:
+    texts = ["Crème brûlée, naïve café. 日本語のテキスト。🎉 Hello world!"] * 10
+    return train_bpe(
+        lambda: texts, vocab_size=300, corpus_id=corpus_fingerprint(texts),
+        cache_dir=tmp_path_factory.mktemp("tokenizers"),
+    )  # fmt: skip
+
+
+def _token(n: int, ids: list[int]) -> dict[str, str]:
+    return {"type": "token", "n": str(n), "ids": format_token_ids(ids)}
+
+
+def test_stream_sends_real_ids_and_their_text(bpe: BPETokenizer) -> None:
+    text = "café 🎉 日本"
+    ids = bpe.encode(text)
+    assert len(ids) >= 6
+    stream = OutputStream("inf-1", max_tokens=len(ids), received_s=0.0, clock=FakeClock(),
+                          tokenizer=bpe)  # fmt: skip
+    responses = [stream.on_message(_token(n, ids[n - 1 : n])) for n in range(1, len(ids))]
+    # The last message redelivers two ids it already sent, and the end adds nothing.
+    responses.append(stream.on_message(_token(len(ids), ids[-3:])))
+    assert stream.on_message(_token(len(ids), ids[-1:])) is None  # redelivered
+    final = stream.on_message({"type": "end", "status": "completed", "n": str(len(ids)),
+                               "finish_reason": "stop", "inference_loss": "0.5"})  # fmt: skip
+    sent = [r for r in responses if r is not None]
+    assert [i for r in sent for i in r.token_ids] == ids
+    assert "".join(r.text for r in sent) == text  # whole characters only, in order
+    assert all("\ufffd" not in r.text for r in sent)
+    assert final is not None and final.finish_reason == "stop"  # as sent, though n == max
+    assert final.inference_loss == 0.5 and not final.token_ids
+
+
+def test_end_flushes_held_back_text_and_its_ids(bpe: BPETokenizer) -> None:
+    ids = bpe.encode("🎉")
+    assert len(ids) > 1
+    stream = OutputStream("inf-1", max_tokens=9, received_s=0.0, clock=FakeClock(),
+                          tokenizer=bpe)  # fmt: skip
+    first = stream.on_message(_token(1, ids[:1]))
+    assert first is not None and first.text == ""  # half a character: held back
+    final = stream.on_message({"type": "end", "status": "completed", "n": str(len(ids)),
+                               "ids": format_token_ids(ids[1:])})  # fmt: skip
+    assert final is not None and final.text == "🎉" and list(final.token_ids) == ids[1:]
+    assert final.finish_reason == "stop"  # inferred: short of max_tokens
+
+
+def test_ids_without_a_real_tokenizer_have_no_text() -> None:
+    stream = OutputStream("inf-1", max_tokens=2, received_s=0.0, clock=FakeClock(),
+                          tokenizer=ApproxTokenizer())  # fmt: skip
+    response = stream.on_message(_token(2, [7, 8]))
+    assert response is not None and list(response.token_ids) == [7, 8] and response.text == ""
+    final = stream.on_message({"type": "end", "status": "completed", "n": "2",
+                               "finish_reason": "bogus"})  # fmt: skip
+    assert final is not None and final.finish_reason == "length"  # unknown: inferred
+
+
+@pytest.mark.parametrize("ids", ["5", "5,x", "5,-1"])
+def test_missing_or_malformed_ids_end_the_stream(ids: str) -> None:
+    stream = OutputStream("inf-1", max_tokens=5, received_s=0.0, clock=FakeClock())
+    with pytest.raises(TaskEnded) as info:
+        stream.on_message({"type": "token", "n": "2", "ids": ids})
+    assert info.value.code is grpc.StatusCode.INTERNAL and not stream.is_ended
+
+
+def test_token_ids_field_round_trips() -> None:
+    assert format_token_ids([15, 0, 2046]) == "15,0,2046"
+    assert parse_token_ids("15,0,2046") == (15, 0, 2046) and parse_token_ids("") == ()

@@ -46,7 +46,8 @@ async def test_serves_then_stops_cleanly_on_sigterm(
     redis_server: EmbeddedRedis, fake_scheduler: FakeScheduler, namespace: str
 ) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "--port", "0", "--redis-url", redis_server.url,
+        [sys.executable, "-m", "gateway", "--port", "0", "--http-port", "0",
+         "--redis-url", redis_server.url,
          "--scheduler", fake_scheduler.address, "--namespace", namespace],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "LEMIX_LOG_FORMAT": "json"},
@@ -55,7 +56,10 @@ async def test_serves_then_stops_cleanly_on_sigterm(
         assert proc.stdout is not None
         line = proc.stdout.readline().strip()
         assert line.startswith(PREFIX), line
-        await wait_for_serving(line.removeprefix(PREFIX), GATEWAY_SERVICE, timeout_s=10.0)
+        # The line goes on with the other listeners: http=HOST:PORT, metrics=HOST:PORT.
+        address, *others = line.removeprefix(PREFIX).split()
+        assert others and others[0].startswith("http=127.0.0.1:"), line
+        await wait_for_serving(address, GATEWAY_SERVICE, timeout_s=10.0)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         assert proc.stderr is not None

@@ -1,0 +1,258 @@
+"""OpenAI-compatible JSON <-> the gateway's requests, in one module.
+
+Requests become the same `GenerateRequest` / `TrainRequest` messages the gRPC
+API takes, so `gateway.validate` checks both alike; this module checks only
+what JSON adds (types, OpenAI-only fields). Every problem raises
+`BadRequest` (an `InvalidArgument`: 400) naming the field in `param`; an
+unknown model raises `ModelNotFound` (404).
+
+Defaults follow OpenAI's: `temperature` 1, `top_p` 1; `max_tokens` (or
+`max_completion_tokens`) defaults to `DEFAULT_MAX_TOKENS`. One prompt and one
+choice per request (`n` 1); `stop`, `logprobs`, `echo`, `suffix`,
+`logit_bias`, penalties and tools are refused with a 400, not ignored.
+
+Chat messages become one prompt with `chat_prompt`'s template::
+
+    <|system|>\\n{content}\\n<|user|>\\n{content}\\n ... <|assistant|>\\n
+
+(one ``<|{role}|>`` header line per message, then the assistant's header the
+model continues from). Roles: system, developer, user, assistant; content is a
+string or a list of ``{"type": "text", "text": ...}`` parts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
+from lemix.rpc.errors import InvalidArgument, NotFound
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; we use it for chat too
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+_MAX_U32 = (1 << 32) - 1
+_MAX_U64 = (1 << 64) - 1
+# OpenAI fields we do not implement: refused when set to anything but "off".
+_UNSUPPORTED_IF_SET = ("stop", "suffix", "echo", "logprobs", "top_logprobs", "logit_bias",
+                       "tools", "functions")  # fmt: skip
+_UNSUPPORTED_UNLESS = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0}
+
+Json = dict[str, Any]
+
+
+class BadRequest(InvalidArgument):
+    """An `InvalidArgument` whose OpenAI error names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ModelNotFound(NotFound):
+    """The request names a model this gateway does not serve."""
+
+    param = "model"
+    openai_code = "model_not_found"
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A parsed /v1/completions or /v1/chat/completions body."""
+
+    generate: gateway_pb2.GenerateRequest  # what gateway.core admits and runs
+    is_chat: bool
+    is_stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with usage
+
+
+# ------------------------------------------------------------------ fields
+
+
+def _int(body: Mapping[str, Any], name: str, default: int, lo: int, hi: int) -> int:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise BadRequest(f"{name} must be an integer in [{lo}, {hi}], got {value!r}", name)
+    return value
+
+
+def _number(body: Mapping[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise BadRequest(f"{name} must be a number, got {value!r}", name)
+    return float(value)
+
+
+def _bool(body: Mapping[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(f"{name} must be true or false, got {value!r}", name)
+    return value
+
+
+def _object(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise BadRequest(f"{where} must be a JSON object, got {type(value).__name__}", where)
+    return value
+
+
+def _token_ids(value: Any, where: str) -> list[int]:
+    if not isinstance(value, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= _MAX_U32 for i in value
+    ):
+        raise BadRequest(f"{where} must be a list of token ids (integers >= 0)", where)
+    return value
+
+
+def check_model(body: Mapping[str, Any], served_model: str) -> None:
+    """`model` may be left out; if given it must be the one this gateway serves."""
+    model = body.get("model")
+    if model is None:
+        return
+    if model != served_model:
+        raise ModelNotFound(f"the model {model!r} does not exist; this server serves "
+                            f"{served_model!r} (see GET /v1/models)")  # fmt: skip
+
+
+def _check_supported(body: Mapping[str, Any]) -> None:
+    for name in _UNSUPPORTED_IF_SET:
+        if body.get(name) not in (None, False, "", [], {}):
+            raise BadRequest(f"{name} is not supported by this server; leave it out", name)
+    for name, neutral in _UNSUPPORTED_UNLESS.items():
+        if body.get(name) not in (None, neutral):
+            raise BadRequest(f"{name} is not supported by this server (only {neutral}); "
+                          "leave it out", name)  # fmt: skip
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise BadRequest("response_format is not supported (only {'type': 'text'})",
+                      "response_format")  # fmt: skip
+
+
+# ---------------------------------------------------------------- requests
+
+
+def _sampling(body: Mapping[str, Any]) -> common_pb2.SamplingParams:
+    # Range checks (temperature >= 0, top_p in (0, 1]) are gateway.validate's.
+    return common_pb2.SamplingParams(
+        temperature=_number(body, "temperature", 1.0),
+        top_p=_number(body, "top_p", 1.0),
+        ignore_eos=_bool(body, "ignore_eos"),  # vLLM's extension
+        seed=_int(body, "seed", 0, 0, _MAX_U64),
+    )
+
+
+def _max_tokens(body: Mapping[str, Any]) -> int:
+    name = "max_tokens"
+    if body.get("max_completion_tokens") is not None:  # chat's newer name for it
+        name = "max_completion_tokens"
+    return _int(body, name, DEFAULT_MAX_TOKENS, 0, _MAX_U32)
+
+
+def _parse(body: Any, served_model: str) -> tuple[Mapping[str, Any], bool]:
+    """The body as an object, checked for model and unsupported fields; is_stream."""
+    body = _object(body, "the request body")
+    check_model(body, served_model)
+    _check_supported(body)
+    options = body.get("stream_options")
+    if options is not None:
+        _object(options, "stream_options")
+    return body, _bool(body, "stream")
+
+
+def _include_usage(body: Mapping[str, Any]) -> bool:
+    return _bool(body.get("stream_options") or {}, "include_usage")
+
+
+def parse_completion(body: Any, served_model: str) -> CompletionRequest:
+    """A /v1/completions body: `prompt` is a string or a list of token ids
+    (or a one-element list of either)."""
+    body, is_stream = _parse(body, served_model)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise BadRequest("batched prompts are not supported: send one prompt per request",
+                          "prompt")  # fmt: skip
+        prompt = prompt[0]
+    request = gateway_pb2.GenerateRequest(max_tokens=_max_tokens(body), sampling=_sampling(body))
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    elif isinstance(prompt, list):
+        request.prompt_token_ids.extend(_token_ids(prompt, "prompt"))
+    elif prompt is not None:
+        raise BadRequest("prompt must be a string or a list of token ids", "prompt")
+    return CompletionRequest(request, False, is_stream, _include_usage(body))
+
+
+def _content(message: Mapping[str, Any], where: str) -> str:
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = [_object(part, f"{where}.content[]") for part in content]
+        if all(part.get("type") == "text" and isinstance(part.get("text"), str) for part in parts):
+            return "".join(part["text"] for part in parts)
+    raise BadRequest(f"{where}.content must be a string or a list of text parts", where)
+
+
+def chat_prompt(messages: Any) -> str:
+    """The prompt for a chat: the module docstring's template."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list of {role, content} objects",
+                      "messages")  # fmt: skip
+    lines = []
+    for i, raw in enumerate(messages):
+        where = f"messages[{i}]"
+        message = _object(raw, where)
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise BadRequest(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                          f"{where}.role")  # fmt: skip
+        lines.append(f"<|{role}|>\n{_content(message, where)}\n")
+    return "".join(lines) + "<|assistant|>\n"
+
+
+def parse_chat(body: Any, served_model: str) -> CompletionRequest:
+    """A /v1/chat/completions body."""
+    body, is_stream = _parse(body, served_model)
+    request = gateway_pb2.GenerateRequest(
+        prompt=chat_prompt(body.get("messages")),
+        max_tokens=_max_tokens(body),
+        sampling=_sampling(body),
+    )
+    return CompletionRequest(request, True, is_stream, _include_usage(body))
+
+
+def _sample(raw: Any, where: str) -> gateway_pb2.TrainSample:
+    sample = _object(raw, where)
+    texts = {}
+    for name in ("sample_id", "query", "reference"):
+        value = sample.get(name) or ""
+        if not isinstance(value, str):
+            raise BadRequest(f"{where}.{name} must be a string", f"{where}.{name}")
+        texts[name] = value
+    token_ids = sample.get("token_ids") or []
+    return gateway_pb2.TrainSample(
+        **texts,
+        token_ids=_token_ids(token_ids, f"{where}.token_ids"),
+        num_reference_tokens=_int(sample, "num_reference_tokens", 0, 0, _MAX_U32),
+    )
+
+
+def parse_train(body: Any) -> gateway_pb2.TrainRequest:
+    """A /v1/lemix/train body: ``{"samples": [{"query", "reference"} | {"token_ids",
+    "num_reference_tokens"}, ...], "batch_size": 1}`` (`sample_id` optional)."""
+    body = _object(body, "the request body")
+    samples = body.get("samples")
+    if not isinstance(samples, list):
+        raise BadRequest("samples must be a list of {query, reference} objects", "samples")
+    return gateway_pb2.TrainRequest(
+        samples=[_sample(s, f"samples[{i}]") for i, s in enumerate(samples)],
+        batch_size=_int(body, "batch_size", 1, 1, _MAX_U32),
+    )

@@ -1,0 +1,157 @@
+"""Gateway results -> OpenAI-compatible JSON: completions, stream chunks, errors.
+
+`CompletionBuilder` turns one task's `GenerateResponse`s into a completion
+(``cmpl-<task id>``) or chat completion (``chatcmpl-<task id>``), whole or as
+stream chunks. Text is the gateway tokenizer's decode of the token ids the
+gateway reports, decoded as they stream (`lemix.model.tokenizer.detokenize_new`,
+which holds back a token that ends inside a multibyte character).
+
+`error_for` is the one map from what `gateway.core` raises to an HTTP status
+and OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``:
+it reads the same status codes the gRPC API answers with.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import grpc
+import structlog
+
+from gateway.convert import TaskEnded
+from gateway.tokenizer import Tokenizer
+from lemix._proto.lemix.v1 import gateway_pb2
+from lemix.model.tokenizer import detokenize_new
+from lemix.rpc.errors import ServiceError
+
+log = structlog.get_logger(__name__)
+
+Json = dict[str, Any]
+
+# gRPC status -> (HTTP status, OpenAI error type); any other status is a 500.
+_HTTP_BY_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+}
+_SERVER_ERROR = (500, "server_error")
+_TYPE_BY_HTTP = dict(_HTTP_BY_STATUS.values())
+
+
+# ------------------------------------------------------------------ errors
+
+
+def error_body(message: str, error_type: str, *, param: str | None = None,
+               code: str | None = None) -> Json:  # fmt: skip
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def error_for(exc: Exception) -> tuple[int, Json]:
+    """(HTTP status, body) for an exception a request raised. Domain errors and
+    failed tasks keep their message; anything else is a logged 500 with an id."""
+    if isinstance(exc, TaskEnded):
+        code, message = exc.code, exc.details
+    elif isinstance(exc, ServiceError):
+        code, message = exc.code, str(exc) or exc.code.name
+    else:
+        error_id = uuid.uuid4().hex[:12]
+        log.error("http.internal_error", error_id=error_id,
+                  error=f"{type(exc).__name__}: {exc}", exc_info=exc)  # fmt: skip
+        message = f"internal error {type(exc).__name__} (error_id={error_id})"
+        return 500, error_body(message, _SERVER_ERROR[1], code="internal")
+    status, error_type = _HTTP_BY_STATUS.get(code, _SERVER_ERROR)
+    openai_code = getattr(exc, "openai_code", None) or code.name.lower()
+    return status, error_body(message, error_type, param=getattr(exc, "param", None),
+                              code=openai_code)  # fmt: skip
+
+
+def error_for_status(status: int, message: str) -> Json:
+    """The body for an HTTP-level error (unknown route, bad method, bad JSON)."""
+    return error_body(message, _TYPE_BY_HTTP.get(status, "invalid_request_error"))
+
+
+# ----------------------------------------------------------------- models
+
+
+def model_body(served_model: str, created: int) -> Json:
+    return {"id": served_model, "object": "model", "created": created, "owned_by": "lemix"}
+
+
+def models_body(served_model: str, created: int) -> Json:
+    """GET /v1/models: the one model this gateway serves."""
+    return {"object": "list", "data": [model_body(served_model, created)]}
+
+
+# ------------------------------------------------------------ completions
+
+
+class CompletionBuilder:
+    """One request's completion, built from its task's responses.
+
+    `add(response)` returns the stream chunk for it (None when it adds no
+    text and does not finish); `body()` is the whole non-streaming answer.
+    """
+
+    def __init__(self, *, is_chat: bool, task_id: str, model: str, created: int,
+                 num_prompt_tokens: int, tokenizer: Tokenizer) -> None:  # fmt: skip
+        self.is_chat = is_chat
+        self.id = ("chatcmpl-" if is_chat else "cmpl-") + task_id
+        self.model = model
+        self.created = created
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_completion_tokens = 0
+        self.finish_reason: str | None = None
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []  # every output id so far
+        self._num_detokenized = 0  # leading ids of _ids whose text is in _texts
+        self._texts: list[str] = []
+
+    def add(self, response: gateway_pb2.GenerateResponse) -> Json | None:
+        is_first = not self._texts
+        self.num_completion_tokens += len(response.token_ids)
+        self._ids.extend(response.token_ids)
+        text, self._num_detokenized = detokenize_new(
+            self._tokenizer, self._ids, self._num_detokenized, is_final=response.is_finished
+        )
+        if response.is_finished:
+            self.finish_reason = response.finish_reason or "stop"
+        if text:
+            self._texts.append(text)
+        if not text and not response.is_finished:
+            return None
+        if self.is_chat:
+            delta: Json = {"role": "assistant", "content": text} if is_first else {"content": text}
+            choice: Json = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": text}
+        choice |= {"logprobs": None, "finish_reason": self.finish_reason}
+        return self._envelope(chunk=True) | {"choices": [choice]}
+
+    def usage(self) -> Json:
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": self.num_completion_tokens,
+            "total_tokens": self.num_prompt_tokens + self.num_completion_tokens,
+        }
+
+    def usage_chunk(self) -> Json:
+        """The last chunk of a stream with ``stream_options.include_usage``."""
+        return self._envelope(chunk=True) | {"choices": [], "usage": self.usage()}
+
+    def body(self) -> Json:
+        text = "".join(self._texts)
+        if self.is_chat:
+            choice: Json = {"index": 0, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": 0, "text": text}
+        choice |= {"logprobs": None, "finish_reason": self.finish_reason}
+        return self._envelope(chunk=False) | {"choices": [choice], "usage": self.usage()}
+
+    def _envelope(self, *, chunk: bool) -> Json:
+        if self.is_chat:
+            kind = "chat.completion.chunk" if chunk else "chat.completion"
+        else:
+            kind = "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
