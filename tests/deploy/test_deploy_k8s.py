@@ -1,0 +1,189 @@
+"""deploy/k8s/: every manifest against the Kubernetes API models (the `kubernetes`
+client's generated pydantic models forbid unknown fields, check types and
+required fields), the kustomization, and agreement with docker-compose.yml."""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any
+
+import kubernetes.client as k8s
+import pydantic
+import pytest
+import yaml
+from deploy_support import (
+    COMPOSE,
+    K8S_DIR,
+    PARSERS,
+    compose_config,
+    lemix_module,
+    process_env,
+    python_modules,
+    service_ports,
+)
+
+MODELS: dict[tuple[str, str], type[pydantic.BaseModel]] = {
+    ("v1", "ConfigMap"): k8s.V1ConfigMap,
+    ("v1", "Service"): k8s.V1Service,
+    ("apps/v1", "Deployment"): k8s.V1Deployment,
+    ("apps/v1", "StatefulSet"): k8s.V1StatefulSet,
+}
+KUSTOMIZATION_KEYS = {"apiVersion", "kind", "namespace", "labels", "commonLabels", "resources",
+                      "images", "configMapGenerator", "patches", "namePrefix"}
+MANIFESTS = sorted(p for p in K8S_DIR.glob("*.yaml") if p.name != "kustomization.yaml")
+DOCS = [(p.name, doc) for p in MANIFESTS for doc in yaml.safe_load_all(p.read_text()) if doc]
+COMPOSE_MODEL = compose_config(COMPOSE)
+
+
+def objects(kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for _, d in DOCS if d["kind"] == kind}
+
+
+WORKLOADS = {**objects("Deployment"), **objects("StatefulSet")}
+SERVICES = objects("Service")
+CONFIG = objects("ConfigMap")["lemix-config"]["data"]
+
+
+def container(workload: dict[str, Any]) -> dict[str, Any]:
+    containers = workload["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1, workload["metadata"]["name"]
+    return containers[0]
+
+
+def container_env(workload: dict[str, Any]) -> dict[str, str]:
+    """Its LEMIX_* environment: the ConfigMap, then its own `env` (fieldRefs as a stand-in)."""
+    c = container(workload)
+    env: dict[str, str] = {}
+    for source in c.get("envFrom", []):
+        assert source["configMapRef"]["name"] == "lemix-config"
+        env.update(CONFIG)
+    for var in c.get("env", []):
+        env[var["name"]] = var.get("value", "10.0.0.2")  # status.podIP
+    return env
+
+
+def compose_name(k8s_name: str) -> str:
+    """The compose service a workload corresponds to (compose has one per GPU executor)."""
+    return "executor-0" if k8s_name == "executor" else k8s_name
+
+
+# ------------------------------------------------------------------ API models
+
+
+@pytest.mark.parametrize("name,doc", DOCS, ids=[f"{n}:{d.get('kind')}" for n, d in DOCS])
+def test_manifest_matches_the_api_model(name: str, doc: dict[str, Any]) -> None:
+    model = MODELS.get((doc.get("apiVersion"), doc.get("kind")))
+    assert model is not None, f"{name}: unexpected {doc.get('apiVersion')} {doc.get('kind')}"
+    parsed = model.model_validate(doc)  # raises on unknown fields, wrong types, missing ones
+    assert parsed.metadata is not None and parsed.metadata.name, name
+
+
+def test_the_model_check_catches_mistakes() -> None:
+    deployment = copy.deepcopy(WORKLOADS["gateway"])
+    container(deployment)["livenessProbe"]["grpc"]["prot"] = 1
+    with pytest.raises(pydantic.ValidationError, match="prot"):
+        k8s.V1Deployment.model_validate(deployment)
+    deployment = copy.deepcopy(WORKLOADS["gateway"])
+    del container(deployment)["name"]
+    with pytest.raises(pydantic.ValidationError, match="name"):
+        k8s.V1Deployment.model_validate(deployment)
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    kustomization = yaml.safe_load((K8S_DIR / "kustomization.yaml").read_text())
+    assert kustomization["kind"] == "Kustomization"
+    assert set(kustomization) <= KUSTOMIZATION_KEYS, set(kustomization) - KUSTOMIZATION_KEYS
+    assert sorted(kustomization["resources"]) == [p.name for p in MANIFESTS]
+    assert len(set(kustomization["resources"])) == len(kustomization["resources"])
+
+
+# ------------------------------------------------------------------ workloads
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_workload_is_wired(name: str) -> None:
+    workload = WORKLOADS[name]
+    spec, c = workload["spec"], container(workload)
+    labels = spec["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"].items() <= labels.items()
+    service = SERVICES[name]  # every workload has a Service of its name
+    assert service["spec"]["selector"].items() <= labels.items()
+    port_names = {p["name"]: p["containerPort"] for p in c["ports"]}
+    for port in service["spec"]["ports"]:
+        assert port["targetPort"] in port_names, (name, port)
+        assert port["port"] == port_names[port["targetPort"]], (name, port)
+    if workload["kind"] == "StatefulSet":
+        assert SERVICES[spec["serviceName"]]["spec"].get("clusterIP") == "None", name
+    for kind in ("requests", "limits"):
+        assert {"cpu", "memory"} <= set(c["resources"][kind]), (name, kind)
+    if name == "redis":
+        return
+    pod_security = spec["template"]["spec"]["securityContext"]
+    assert pod_security["runAsNonRoot"] and pod_security["runAsUser"] != 0
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert c[probe]["grpc"]["port"] in port_names.values(), (name, probe)
+
+
+def test_redis_persists_on_a_volume_claim() -> None:
+    redis = WORKLOADS["redis"]
+    args = container(redis)["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"
+    claims = {t["metadata"]["name"] for t in redis["spec"]["volumeClaimTemplates"]}
+    mounts = {m["name"]: m["mountPath"] for m in container(redis)["volumeMounts"]}
+    assert mounts == {name: "/data" for name in claims}
+
+
+def test_executors_one_pod_per_node_with_its_gpus() -> None:
+    executor = WORKLOADS["executor"]
+    assert executor["kind"] == "StatefulSet"
+    pod = executor["spec"]["template"]["spec"]
+    rules = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert [r["topologyKey"] for r in rules] == ["kubernetes.io/hostname"]
+    compose_gpus = COMPOSE_MODEL["services"]["executor-0"]["deploy"]["resources"][
+        "reservations"]["devices"][0]["device_ids"]
+    assert container(executor)["resources"]["limits"]["nvidia.com/gpu"] == str(len(compose_gpus))
+    assert executor["spec"]["replicas"] == int(CONFIG["LEMIX_NUM_NODES"])
+    command = container(executor)["command"]
+    assert command[:5] == ["python", "-m", "lemix.node_identity", "--from", "hostname"]
+    env = {v["name"]: v for v in container(executor)["env"]}
+    assert env["LEMIX_NODE_ID"]["value"] == "auto"
+    assert env["LEMIX_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+
+
+def test_the_scheduler_is_a_singleton() -> None:
+    scheduler = WORKLOADS["scheduler"]["spec"]
+    assert scheduler["replicas"] == 1 and scheduler["strategy"]["type"] == "Recreate"
+
+
+# ------------------------------------------------------------------ agreement with compose
+
+
+def test_same_services_as_compose() -> None:
+    compose_names = {re.sub(r"-\d+$", "", n) for n in COMPOSE_MODEL["services"]}
+    assert set(WORKLOADS) == compose_names
+
+
+def test_configmap_is_composes_shared_env() -> None:
+    assert COMPOSE_MODEL["x-lemix-env"] == CONFIG
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_same_command_ports_env_and_grace_as_compose(name: str) -> None:
+    workload, svc = WORKLOADS[name], COMPOSE_MODEL["services"][compose_name(name)]
+    c = container(workload)
+    ports = {p["containerPort"] for p in c["ports"]}
+    if name == "redis":
+        assert ports == {6379} and svc["image"] == c["image"]
+        return
+    assert python_modules(c["command"])[-1] == lemix_module(svc)
+    assert c["image"] == svc["image"], name  # lemix:cpu / lemix:gpu (kustomize may rename)
+    health = svc["healthcheck"]["test"]
+    assert ports == service_ports(svc["environment"]), name
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert c[probe]["grpc"].get("service") == health[-1], (name, probe)
+    env = container_env(workload)
+    assert set(env) == set(svc["environment"]), set(env) ^ set(svc["environment"])
+    parse, grace_field = PARSERS[lemix_module(svc) or ""]
+    grace_s = getattr(parse(process_env(env, c["command"])), grace_field)
+    assert workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= grace_s + 10
