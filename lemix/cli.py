@@ -306,10 +306,17 @@ def cmd_compare(setup: CliSetup, out_dir: str, *, is_demo: bool = False) -> int:
     live_runs: list[dict[str, Any]] = []
     if is_demo:
         from lemix.cli_services import run_live_demo
+        from lemix.torch_demo import TorchDemoConfig, run_demo, side_by_side
 
-        print("== 1/2: the live stack (Redis, scheduler, executors, gateway over gRPC) ==")
+        print("== 1/3: a real model (torch, tiny Llama, 2 nodes x 2 stages on the CPU): "
+              "co-located LeMix vs SEPARATE, live ==")
+        torch_runs, png = run_demo(TorchDemoConfig(duration_s=45.0), Path(out_dir))
+        print(side_by_side(torch_runs))
+        print(f"plot:    {png}")
+        live_runs.extend(torch_runs)
+        print("\n== 2/3: the stack at paper scale (emulated A100 timing, every service live) ==")
         live_runs.append(run_live_demo(Path(out_dir)))
-        print("\n== 2/2: LeMix vs the baselines, simulated on identical workloads ==")
+        print("\n== 3/3: LeMix vs the baselines, simulated on identical workloads ==")
     start = time.perf_counter()
     runs = run_sweep(
         setup.sweep, setup.workload, setup.run, setup.profile, num_workers=setup.num_workers

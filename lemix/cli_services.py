@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from lemix.launcher import StackConfig, run_until_signalled
 from lemix.metrics import format_table
 from lemix.planner.registry import POLICIES
-from lemix.profile import Profile, default_profile_path, load_profile
+from lemix.profile import Profile, default_profile_path, load_profile, torch_cpu_profile_path
 from lemix.redis_keys import DEFAULT_NAMESPACE, RedisKeys
 from lemix.replay import ReplayConfig, run_replay
 from lemix.sim.run import SloConfig, compute_slo
@@ -47,11 +47,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     up.add_argument("--profile", metavar="FILE", help="profile JSON (default: shipped A100 one)")
     up.add_argument("--policy", default="lemix", help=f"one of: {', '.join(POLICIES)}")
     up.add_argument("--gateway-port", type=int, default=50051)
+    up.add_argument("--http-port", type=int, default=8000,
+                    help="the gateway's OpenAI-compatible HTTP API (default 8000; 0 = free)")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--time-scale", type=float, default=1.0,
                     help="emulated stage time multiplier (<1 runs faster than the profile)")
     up.add_argument("--train-rate", type=float, default=0.0, help="SEPARATE's training share")
     up.add_argument("--log-dir", default="runs/stack-logs")
+    up.add_argument("--model", default="tiny-llama",
+                    help="torch: model preset or local checkpoint directory")
+    up.add_argument("--tokenizer", default="bpe:8192",
+                    help="torch: tokenizer spec shared by the gateway and the executors")
 
     _add_profile_parser(sub)
 
@@ -202,9 +208,14 @@ async def _profile_and_store(config: ProfileCommandConfig) -> ProfileRun:
             await client.aclose()
 
 
-def _profile_path(profile: str | None, num_stages: int | None) -> Path:
+def _profile_path(profile: str | None, num_stages: int | None,
+                  backend: str = "emulated") -> Path:
     if profile:
         return Path(profile)
+    if backend == "torch":
+        # The latency model of the shipped CPU measurement; memory figures are
+        # replaced by the real model's at executor start.
+        return torch_cpu_profile_path()
     if num_stages is None:
         return default_profile_path()
     path = default_profile_path().with_name(f"a100-llama2-7b-{num_stages}stage.json")
@@ -218,15 +229,18 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         raise ValueError(f"unknown policy {args.policy!r}; choose from {', '.join(POLICIES)}")
     return StackConfig(
         num_nodes=args.nodes,
-        profile_path=_profile_path(args.profile, args.stages),
+        profile_path=_profile_path(args.profile, args.stages, args.backend),
         backend=args.backend,
         policy=args.policy,
         host=args.host,
         gateway_port=args.gateway_port,
+        http_port=args.http_port,
         time_scale=args.time_scale,
         train_rate=args.train_rate,
         log_dir=Path(args.log_dir),
         redis_url=os.environ.get("LEMIX_REDIS_URL") or None,  # else an embedded one
+        model=args.model,
+        tokenizer=args.tokenizer,
     )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from lemix.batching import BatchingConfig, admit
@@ -116,6 +117,7 @@ class _Request:
     num_generated: int = 0
     context_tokens: int = 0
     is_cancelled: bool = False
+    is_stopped: bool = False  # the model emitted end-of-sequence
 
 
 @dataclass(slots=True)
@@ -253,6 +255,14 @@ class NodeEngine:
                 outcomes.append(Failed(task_id, reason))
                 return True, [], outcomes
         return False, [], outcomes
+
+    def stop_requests(self, task_ids: Iterable[str]) -> None:
+        """Requests of the in-flight iteration whose model emitted end-of-sequence:
+        they finish when the iteration ends, with the tokens they have."""
+        wanted = set(task_ids)
+        for req in self.running:
+            if req.task.task_id in wanted:
+                req.is_stopped = True
 
     def next_timer_s(self) -> float | None:
         """When a memory wait reaches T_max (the driver calls `on_timer` then)."""
@@ -484,7 +494,7 @@ class NodeEngine:
             if req.is_cancelled:
                 self.memory.release(req.task.task_id)
                 outcomes.append(Failed(req.task.task_id, "CANCELLED: cancelled by the client"))
-            elif req.num_generated >= req.task.max_output_tokens:
+            elif req.is_stopped or req.num_generated >= req.task.max_output_tokens:
                 self.memory.release(req.task.task_id)
                 outcomes.append(Finished(req.task.task_id, req.num_generated))
             else:

@@ -4,8 +4,11 @@ Starts an embedded Redis (unless a URL is given), N executors, the profiler,
 the scheduler and the gateway as `python -m ...` subprocesses, each configured through its
 `LEMIX_*` environment variables (the services' own config modules map them).
 A service is up when it prints its `SERVING ... address=HOST:PORT` line and
-answers gRPC health checks. Stopping goes in reverse order of dependency:
-the gateway drains first, then the scheduler, then the executors, then Redis.
+answers gRPC health checks; each serves Prometheus metrics on a free port
+(`metrics=HOST:PORT` on that line; `Stack.metrics_addresses`); the gateway's
+line also names its OpenAI-compatible HTTP API (`http=HOST:PORT`;
+`Stack.http_address`). Stopping goes in reverse order of dependency: the
+gateway drains first, then the scheduler, then the executors, then Redis.
 Each service's output goes to `<log_dir>/<name>.log`.
 """
 
@@ -34,6 +37,9 @@ class StackConfig:
     policy: str = "lemix"
     host: str = "127.0.0.1"
     gateway_port: int = 50051
+    # The gateway's OpenAI-compatible HTTP API; 0 = a free port (`lemix up`'s
+    # --http-port defaults to 8000), so programmatic stacks never collide on it.
+    http_port: int = 0
     redis_url: str | None = None  # None: start an embedded Redis
     namespace: str = "lemix"
     time_scale: float = 1.0
@@ -42,15 +48,21 @@ class StackConfig:
     train_rate: float = 0.0  # SEPARATE's split
     log_dir: Path = Path("runs/stack-logs")
     extra_env: dict[str, str] = field(default_factory=dict)
+    # torch backend: the model every executor builds and the tokenizer the
+    # gateway and the executors share (trained once here before they start).
+    model: str = "tiny-llama"
+    tokenizer: str = "bpe:8192"
+    torch_threads: int = 1  # per executor process; several share the cores
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1:
             raise ValueError("--nodes must be >= 1")
-        if self.backend != "emulated":
-            raise ValueError(f"backend {self.backend!r} is not available yet: the torch "
-                             "executor backend arrives with its own issue; use --backend emulated")
+        if self.backend not in ("emulated", "torch"):
+            raise ValueError(f"backend must be 'emulated' or 'torch', got {self.backend!r}")
         if self.time_scale <= 0:
             raise ValueError("--time-scale must be > 0")
+        if self.backend == "torch" and self.time_scale != 1.0:
+            raise ValueError("--time-scale is for the emulated backend; torch runs in real time")
 
 
 @dataclass
@@ -59,6 +71,8 @@ class _Child:
     process: asyncio.subprocess.Process
     address: str
     copier: asyncio.Task[None]
+    metrics_address: str = ""  # host:port of its /metrics; "" = none
+    http_address: str = ""  # host:port of its HTTP API (the gateway's); "" = none
 
 
 class Stack:
@@ -69,6 +83,7 @@ class Stack:
         self.redis: EmbeddedRedis | None = None
         self.children: list[_Child] = []
         self.gateway_address = ""
+        self.http_address = ""  # the gateway's OpenAI-compatible API, once started
 
     async def __aenter__(self) -> Stack:
         await self.start()
@@ -90,10 +105,17 @@ class Stack:
             "LEMIX_MAX_BATCH_SIZE": str(c.max_batch_size),
             "LEMIX_TRAIN_RATE": repr(c.train_rate),
             "LEMIX_LOG_FORMAT": "json",
+            # Every service's /metrics on a free port, reported on its SERVING line.
+            **{f"LEMIX_{svc}_METRICS_PORT": "0"
+               for svc in ("GATEWAY", "SCHEDULER", "EXECUTOR", "PROFILER")},
             "PYTHONUNBUFFERED": "1",
         })
         if c.profile_path is not None:
             env["LEMIX_PROFILE"] = str(c.profile_path)
+        if c.backend == "torch":
+            env.update({"LEMIX_EXECUTOR_BACKEND": "torch", "LEMIX_MODEL": c.model,
+                        "LEMIX_TOKENIZER": c.tokenizer,
+                        "LEMIX_TORCH_THREADS": str(c.torch_threads)})
         env.update(c.extra_env)
         return env
 
@@ -107,6 +129,8 @@ class Stack:
                 self.redis = EmbeddedRedis().start()
                 redis_url = self.redis.url
             env = self._env(redis_url)
+            if c.backend == "torch":
+                await asyncio.to_thread(_prepare_tokenizer, c.tokenizer)
             executors = [
                 self._spawn(f"executor-{i}", "services.executor", EXECUTOR_SERVICE,
                             {**env, "LEMIX_NODE_ID": str(i), "LEMIX_EXECUTOR_PORT": "0",
@@ -122,11 +146,13 @@ class Stack:
             gateway = await self._spawn("gateway", "gateway", GATEWAY_SERVICE,
                                         {**env, "LEMIX_SCHEDULER_ADDRESS": scheduler.address,
                                          "LEMIX_GATEWAY_HOST": c.host,
-                                         "LEMIX_GATEWAY_PORT": str(c.gateway_port)})
+                                         "LEMIX_GATEWAY_PORT": str(c.gateway_port),
+                                         "LEMIX_GATEWAY_HTTP_PORT": str(c.http_port)})
         except BaseException:
             await self.stop()
             raise
         self.gateway_address = gateway.address
+        self.http_address = gateway.http_address
         return gateway.address
 
     async def _spawn(self, name: str, module: str, service: str, env: dict[str, str]) -> _Child:
@@ -137,14 +163,15 @@ class Stack:
             stderr=log_file, start_new_session=True)
         log_file.close()  # the child holds its own descriptor
         try:
-            address = await asyncio.wait_for(_read_address(process), START_TIMEOUT_S)
+            address, metrics, http = await asyncio.wait_for(_read_address(process),
+                                                            START_TIMEOUT_S)
         except (TimeoutError, EOFError) as exc:
             process.kill()
             await process.wait()
             raise RuntimeError(f"{name} did not start ({exc}); its log ({log_path}) ends:\n"
                                f"{_tail(log_path)}") from None
         copier = asyncio.create_task(_copy_rest(process, log_path))
-        child = _Child(name, process, address, copier)
+        child = _Child(name, process, address, copier, metrics, http)
         self.children.append(child)
         await wait_for_serving(address, service, timeout_s=START_TIMEOUT_S)
         return child
@@ -159,6 +186,10 @@ class Stack:
             self.redis.stop()
             self.redis = None
 
+    def metrics_addresses(self) -> dict[str, str]:
+        """host:port of each running service's /metrics, by service name."""
+        return {ch.name: ch.metrics_address for ch in self.children if ch.metrics_address}
+
     def failed_child(self) -> str | None:
         """The name of a service that exited on its own, if any."""
         for child in self.children:
@@ -167,7 +198,17 @@ class Stack:
         return None
 
 
-async def _read_address(process: asyncio.subprocess.Process) -> str:
+def _prepare_tokenizer(spec: str) -> None:
+    """Train (or find cached) the shared tokenizer once, before the services
+    that load it start, so they do not each train it at the same time."""
+    from lemix.model.tokenizer import load_tokenizer
+
+    load_tokenizer(spec)
+
+
+async def _read_address(process: asyncio.subprocess.Process) -> tuple[str, str, str]:
+    """(gRPC address, metrics address or "", HTTP API address or "") from the
+    `SERVING` line."""
     assert process.stdout is not None
     while True:
         line = await process.stdout.readline()
@@ -175,7 +216,8 @@ async def _read_address(process: asyncio.subprocess.Process) -> str:
             raise EOFError("exited before it served")
         text = line.decode(errors="replace").strip()
         if text.startswith("SERVING ") and "address=" in text:
-            return text.split("address=", 1)[1].split()[0]
+            words = dict(w.split("=", 1) for w in text.split() if "=" in w)
+            return words["address"], words.get("metrics", ""), words.get("http", "")
 
 
 async def _copy_rest(process: asyncio.subprocess.Process, log_path: Path) -> None:
@@ -213,7 +255,9 @@ async def run_until_signalled(config: StackConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     stack = Stack(config)
     address = await stack.start()
-    print(f"READY gateway={address}", flush=True)
+    print(f"READY gateway={address} http={stack.http_address}", flush=True)
+    for name, metrics in stack.metrics_addresses().items():
+        print(f"metrics {name}: http://{metrics}/metrics", flush=True)
     exit_code = 0
     try:
         while not stop.is_set():

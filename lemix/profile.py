@@ -192,3 +192,9 @@ def save_profile(profile: Profile, path: str | Path) -> None:
 def default_profile_path() -> Path:
     """The A100 Llama-2-7B two-stage profile shipped in the repo."""
     return Path(__file__).resolve().parent.parent / "profiles" / "a100-llama2-7b-2stage.json"
+
+
+def torch_cpu_profile_path() -> Path:
+    """The shipped profile measured on a CPU for the torch backend's
+    ``tiny-llama`` preset, 2 stages (`lemix profile` against torch executors)."""
+    return default_profile_path().with_name("cpu-tiny-llama-2stage.json")

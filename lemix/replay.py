@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,10 @@ _REJECT_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHA
                  grpc.StatusCode.UNAVAILABLE}
 _DUMMY_TOKEN_ID = 100  # the emulated backend only needs the prompt's length
 
+# (query, reference) text of a task, for a stack that runs a real model; None:
+# send dummy token ids of the task's length (all the emulated backend needs).
+TextFor = Callable[[Task], tuple[str, str] | None]
+
 
 @dataclass(frozen=True)
 class ReplayConfig:
@@ -41,6 +45,7 @@ class ReplayConfig:
     slo_ttft_s: float = 1.0
     slo_tbt_s: float = 0.1
     show_progress: bool = True
+    text_for: TextFor | None = None
 
     def __post_init__(self) -> None:
         if ":" not in self.target:
@@ -73,10 +78,15 @@ async def _generate(stub: gateway_pb2_grpc.GatewayStub, task: Task, record: Task
                     t0: float, config: ReplayConfig) -> None:
     request = gateway_pb2.GenerateRequest(
         request_id=task.task_id,
-        prompt_token_ids=[_DUMMY_TOKEN_ID] * task.num_prompt_tokens,
         max_tokens=task.max_output_tokens,
+        # Fixed output lengths, so runs under different policies do equal work.
         sampling=common_pb2.SamplingParams(ignore_eos=True),
     )
+    text = config.text_for(task) if config.text_for is not None else None
+    if text is None:
+        request.prompt_token_ids.extend([_DUMMY_TOKEN_ID] * task.num_prompt_tokens)
+    else:
+        request.prompt, request.reference = text
     try:
         async for message in stub.Generate(request, timeout=config.request_deadline_s):
             now = time.monotonic() - t0
@@ -87,6 +97,8 @@ async def _generate(stub: gateway_pb2_grpc.GatewayStub, task: Task, record: Task
             if message.is_finished:
                 record.finish_s = now
                 record.status = TaskStatus.COMPLETED
+                if text is not None and text[1]:
+                    record.inference_loss = message.inference_loss
     except grpc.aio.AioRpcError as err:
         record.finish_s = time.monotonic() - t0
         is_refused = err.code() in _REJECT_CODES and record.first_token_s is None
@@ -101,12 +113,15 @@ async def _generate(stub: gateway_pb2_grpc.GatewayStub, task: Task, record: Task
 
 async def _train(stub: gateway_pb2_grpc.GatewayStub, task: Task, record: TaskRecord,
                  t0: float, config: ReplayConfig) -> None:
-    request = gateway_pb2.TrainRequest(
-        samples=[gateway_pb2.TrainSample(sample_id=f"{task.task_id}-{i}",
-                                         token_ids=[_DUMMY_TOKEN_ID] * task.num_prompt_tokens)
-                 for i in range(task.batch_size)],
-        batch_size=task.batch_size,
-    )
+    text = config.text_for(task) if config.text_for is not None else None
+    if text is None:
+        samples = [gateway_pb2.TrainSample(sample_id=f"{task.task_id}-{i}",
+                                           token_ids=[_DUMMY_TOKEN_ID] * task.num_prompt_tokens)
+                   for i in range(task.batch_size)]
+    else:  # a real model trains on one text sample per task
+        samples = [gateway_pb2.TrainSample(sample_id=f"{task.task_id}-0", query=text[0],
+                                           reference=text[1])]
+    request = gateway_pb2.TrainRequest(samples=samples, batch_size=len(samples))
     try:
         await stub.Train(request, timeout=config.request_deadline_s)
         record.placed_s = time.monotonic() - t0  # durable; completion comes from stats
@@ -146,7 +161,8 @@ async def _training_done(stub: gateway_pb2_grpc.GatewayStub) -> int:
 
 async def run_replay(config: ReplayConfig, tasks: Sequence[Task], *, request_rate: float,
                      train_rate: float, duration_s: float, seed: int,
-                     label: str = "live") -> dict[str, Any]:
+                     label: str = "live",
+                     records_out: list[TaskRecord] | None = None) -> dict[str, Any]:
     """Replay `tasks` against the gateway; return the DESIGN.md metrics object."""
     records = {t.task_id: TaskRecord(t.task_id, t.kind, t.arrival_s, t.num_prompt_tokens,
                                      t.max_output_tokens, t.batch_size) for t in tasks}
@@ -171,6 +187,8 @@ async def run_replay(config: ReplayConfig, tasks: Sequence[Task], *, request_rat
                 record.reason = f"not finished within the {config.drain_timeout_s:g} s drain"
             record.finish_s = time.monotonic() - t0
     finished = [r.finish_s for r in records.values() if r.finish_s is not None]
+    if records_out is not None:
+        records_out.extend(records.values())
     return summarize(
         list(records.values()), policy=label, seed=seed, request_rate=request_rate,
         train_rate=train_rate, duration_s=duration_s, makespan_s=max(finished, default=0.0),

@@ -19,7 +19,7 @@ configs that load as Llama) and GPT-2 (`GPT2LMHeadModel`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -74,9 +74,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LlamaFamily:
     """`LlamaForCausalLM` (and configs of the same shape)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: Any) -> None:  # an HF causal LM: attribute-typed at runtime
         config = model.config
-        self.model = model
+        self.model: Any = model
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -85,8 +85,8 @@ class LlamaFamily:
         self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
         self.max_positions = config.max_position_embeddings
-        self._layers = model.model.layers
-        self._rotary = model.model.rotary_emb
+        self._layers: Any = model.model.layers
+        self._rotary: Any = model.model.rotary_emb
 
     def embed_modules(self) -> list[nn.Module]:
         return [self.model.model.embed_tokens]
@@ -123,9 +123,9 @@ class LlamaFamily:
 class GPT2Family:
     """`GPT2LMHeadModel`."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: Any) -> None:  # an HF causal LM: attribute-typed at runtime
         config = model.config
-        self.model = model
+        self.model: Any = model
         self.num_layers = config.n_layer
         self.num_heads = config.n_head
         self.num_kv_heads = config.n_head
@@ -133,7 +133,7 @@ class GPT2Family:
         self.head_dim = config.n_embd // config.n_head
         self.vocab_size = config.vocab_size
         self.max_positions = config.n_positions
-        self._blocks = model.transformer.h
+        self._blocks: Any = model.transformer.h
 
     def embed_modules(self) -> list[nn.Module]:
         return [self.model.transformer.wte, self.model.transformer.wpe]
@@ -163,7 +163,7 @@ class GPT2Family:
         return self.model.lm_head(t.ln_f(x)).float()
 
 
-def attention_scale(model: nn.Module, index: int, head_dim: int) -> float:
+def attention_scale(model: Any, index: int, head_dim: int) -> float:
     """The softmax scale HF uses for layer `index`."""
     config = model.config
     if getattr(config, "model_type", "") == "gpt2":
@@ -174,7 +174,7 @@ def attention_scale(model: nn.Module, index: int, head_dim: int) -> float:
     return head_dim ** -0.5
 
 
-def family_for(model: nn.Module) -> Family:
+def family_for(model: Any) -> Family:
     """The `Family` of a loaded HF causal LM; ValueError for unsupported ones."""
     model_type = getattr(model.config, "model_type", "")
     if model_type in ("llama", "mistral", "qwen2") and hasattr(model, "model"):

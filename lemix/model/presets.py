@@ -65,15 +65,15 @@ class ModelSpec:
         return _DTYPES[self.dtype]
 
 
-def build_model(spec: ModelSpec) -> nn.Module:
+def build_model(spec: ModelSpec) -> Any:
     """The HF causal LM for `spec`, in eval mode, on CPU, in `spec.dtype`."""
     import transformers
 
     if spec.is_preset:
-        fields = dict(PRESETS[spec.name])
+        fields: dict[str, Any] = dict(PRESETS[spec.name])
         model_type = fields.pop("model_type")
         vocab_size = spec.vocab_size or 8192
-        special = {"bos_token_id": spec.bos_id, "eos_token_id": spec.eos_id,
+        special: dict[str, Any] = {"bos_token_id": spec.bos_id, "eos_token_id": spec.eos_id,
                    "pad_token_id": spec.pad_id}
         if model_type == "gpt2":
             # No dropout: serving and training see the same function, and the
@@ -97,7 +97,7 @@ def build_model(spec: ModelSpec) -> nn.Module:
     return model
 
 
-def _untie_head(model: nn.Module) -> None:
+def _untie_head(model: Any) -> None:
     """Give the LM head its own weight when it shares the embedding's.
 
     Pipeline stages own disjoint parameters (the embedding lives on the first

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +57,7 @@ def split_layers(num_layers: int, num_stages: int) -> list[range]:
 class Stage:
     """One pipeline stage: its layers (plus embeddings / head), device and KV."""
 
-    def __init__(self, index: int, num_stages: int, family: Family, model: nn.Module,
+    def __init__(self, index: int, num_stages: int, family: Family, model: Any,
                  layers: range, device: torch.device, host_device: torch.device,
                  dtype: torch.dtype) -> None:
         self.index = index
@@ -137,7 +138,7 @@ def _offset_causal_mask(num_new: int, total: int, device: torch.device) -> torch
 class StagedModel:
     """A loaded HF causal LM as S `Stage`s."""
 
-    def __init__(self, model: nn.Module, num_stages: int,
+    def __init__(self, model: Any, num_stages: int,
                  devices: Sequence[str | torch.device] | None = None,
                  host_device: str | torch.device = "cpu") -> None:
         self.model = model

@@ -73,7 +73,9 @@ class _Packed:
 def pack_samples(samples: Sequence[Sample]) -> _Packed:
     ids: list[int] = []
     positions: list[int] = []
-    segments, index, targets = [], [], []
+    segments: list[Segment] = []
+    index: list[int] = []
+    targets: list[int] = []
     for sample in samples:
         start, n = len(ids), len(sample.token_ids)
         ids.extend(sample.token_ids)
@@ -146,7 +148,10 @@ class PipelineTrainer:
         stash.on_backward_done(graph.epoch)
         if not stage.is_first:
             with self._lock:
-                self._grads[(key, stage_index)] = graph.inputs.grad
+                grad_in = graph.inputs.grad
+                if grad_in is None:
+                    raise RuntimeError(f"stage {stage_index} input of {key!r} got no gradient")
+                self._grads[(key, stage_index)] = grad_in
         self._step(stage_index)
         if stage.is_first:
             with self._lock:

@@ -2,26 +2,32 @@
 maps ``LEMIX_*`` environment variables and command-line flags onto it.
 
 Precedence: a flag given on the command line, else its environment variable,
-else the dataclass default. Nothing is read at import time; `from_env_and_args`
-reads `os.environ` when called (or the mapping it is given, for tests).
+else the default (lemix.settings is the mechanism). Nothing is read at import
+time; `from_env_and_args` reads `os.environ` when called (or the mapping it is
+given, for tests). `scripts/config_table.py` prints the README table from
+`_OPTIONS`.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from lemix import settings
 from lemix.batching import BatchingConfig
 from lemix.engine import EngineConfig
 from lemix.memory import MemoryConfig
 from lemix.redis_keys import DEFAULT_NAMESPACE, RedisKeys
+from lemix.settings import Option, boolean, port_or_off
 
-BACKENDS = ("emulated",)  # "torch" joins when the real stage backend lands
+if TYPE_CHECKING:
+    from services.executor.torch_setup import TorchBackendConfig
+
+BACKENDS = ("emulated", "torch")
 LOG_FORMATS = ("console", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -39,6 +45,7 @@ class ExecutorConfig:
     node_id: int = 0
     host: str = "127.0.0.1"  # gRPC bind address
     port: int = 0  # 0 = any free port (see ExecutorService.bound_port)
+    metrics_port: int = -1  # Prometheus /metrics: 0 = any free port, -1 = off
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = DEFAULT_NAMESPACE  # Redis key prefix shared by one stack
     profile_path: Path | None = None  # None = lemix.profile.default_profile_path()
@@ -57,6 +64,16 @@ class ExecutorConfig:
     shutdown_grace_s: float = 5.0  # how long stop() lets running work finish
     log_format: str = "console"
     log_level: str = "info"
+    # torch backend (see services/executor/torch_setup.py)
+    model: str = "tiny-llama"  # a preset name or a local checkpoint directory
+    tokenizer: str = "bpe:8192"  # the gateway must use the same
+    devices: str = ""  # per stage, comma-separated; "" = cuda:0..S-1 if present, else cpu
+    dtype: str = ""  # "" = bfloat16 on GPU, float32 on CPU
+    model_seed: int = 0  # preset init; equal on every node so replicas start equal
+    learning_rate: float = 1e-3
+    max_grad_norm: float = 1.0
+    memory_budget_bytes: int = 0  # per stage on CPU; 0 = 4 GiB
+    torch_threads: int = 0  # intra-op threads; 0 = torch's default
 
     def __post_init__(self) -> None:
         if not 0 <= self.node_id <= _MAX_NODE_ID:
@@ -65,6 +82,7 @@ class ExecutorConfig:
             raise ValueError(f"host must be a non-empty host name or address, got {self.host!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535] (0 = any free port), got {self.port}")
+        settings.check_port_or_off("metrics_port", self.metrics_port)
         if not self.redis_url.startswith(_REDIS_SCHEMES):
             raise ValueError(
                 f"redis_url must start with one of {', '.join(_REDIS_SCHEMES)}, "
@@ -91,6 +109,20 @@ class ExecutorConfig:
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         self.engine_config()  # batching/memory ranges are checked by their own configs
+        if self.backend == "torch":
+            if self.time_scale != 1.0:
+                raise ValueError("time_scale applies to the emulated backend only; the torch "
+                                 "backend runs in real time (leave it at 1)")
+            self.torch_config()
+
+    def torch_config(self) -> TorchBackendConfig:
+        from services.executor.torch_setup import TorchBackendConfig
+
+        return TorchBackendConfig(
+            model=self.model, tokenizer=self.tokenizer, devices=self.devices, dtype=self.dtype,
+            seed=self.model_seed, learning_rate=self.learning_rate,
+            max_grad_norm=self.max_grad_norm, memory_budget_bytes=self.memory_budget_bytes,
+            num_threads=self.torch_threads)
 
     # ------------------------------------------------------------ derived
 
@@ -122,19 +154,10 @@ class ExecutorConfig:
         cls, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     ) -> ExecutorConfig:
         """Build the config from `env` (default `os.environ`) and `argv` (default
-        `sys.argv[1:]`). Bad flags exit via argparse (status 2); a bad
-        environment value or an out-of-range setting raises `ValueError`."""
-        env = os.environ if env is None else env
-        parser = build_parser()
-        args = parser.parse_args(argv)
-        values: dict[str, Any] = {}
-        for opt in _OPTIONS:
-            given = getattr(args, opt.field)
-            if given is not None:
-                values[opt.field] = given
-            elif env.get(opt.env, "") != "":
-                values[opt.field] = _parse_env(opt, env[opt.env])
-        return cls(**values)
+        `sys.argv[1:]`), through lemix.settings. Bad flags exit via argparse
+        (status 2); a bad environment value or an out-of-range setting raises
+        `ValueError`."""
+        return settings.parse_settings(cls, build_parser(), _OPTIONS, argv, env, _CLI_DEFAULTS)
 
 
 def _positive(name: str, value: float) -> None:
@@ -147,86 +170,72 @@ def _non_negative(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a finite number >= 0, got {value}")
 
 
-def _bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected 1/0/true/false, got {text!r}")
-
-
-@dataclass(frozen=True)
-class _Option:
-    field: str  # ExecutorConfig field
-    flag: str
-    env: str
-    parse: Callable[[str], Any]
-    help: str
-    metavar: str | None = None
-
-
-_OPTIONS: tuple[_Option, ...] = (
-    _Option("node_id", "--node-id", "LEMIX_NODE_ID", int, "this node's id", "N"),
-    _Option("host", "--host", "LEMIX_EXECUTOR_HOST", str, "gRPC bind address", "HOST"),
-    _Option("port", "--port", "LEMIX_EXECUTOR_PORT", int, "gRPC port (0 = any free port)",
-            "PORT"),
-    _Option("redis_url", "--redis-url", "LEMIX_REDIS_URL", str, "Redis URL", "URL"),
-    _Option("namespace", "--namespace", "LEMIX_NAMESPACE", str, "Redis key prefix", "NS"),
-    _Option("profile_path", "--profile", "LEMIX_PROFILE", Path,
-            "profile JSON (default: the shipped A100 profile)", "FILE"),
-    _Option("backend", "--backend", "LEMIX_EXECUTOR_BACKEND", str,
-            f"stage backend: {', '.join(BACKENDS)}", "NAME"),
-    _Option("time_scale", "--time-scale", "LEMIX_TIME_SCALE", float,
-            "wall seconds per profile second (emulated)", "X"),
-    _Option("latency_noise_cv", "--latency-noise-cv", "LEMIX_LATENCY_NOISE_CV", float,
-            "CV of the emulated latency noise (0 = exact profile)", "CV"),
-    _Option("seed", "--seed", "LEMIX_SEED", int, "noise RNG seed (plus node id)", "N"),
-    _Option("heartbeat_s", "--heartbeat-s", "LEMIX_HEARTBEAT_S", float,
-            "node-state write period, s", "S"),
-    _Option("node_ttl_s", "--node-ttl-s", "LEMIX_NODE_TTL_S", float,
-            "node-state TTL, s (default 3x heartbeat)", "S"),
-    _Option("max_batch_size", "--max-batch-size", "LEMIX_MAX_BATCH_SIZE", int,
-            "C, the running-batch cap", "C"),
-    _Option("join_window_s", "--join-window-s", "LEMIX_JOIN_WINDOW_S", float,
-            "T_w, profile s (default: join at any iteration)", "S"),
-    _Option("kappa", "--kappa", "LEMIX_KAPPA", float, "usable fraction of GPU memory", "K"),
-    _Option("max_wait_s", "--max-wait-s", "LEMIX_MAX_WAIT_S", float,
-            "T_max, profile s a task may wait for memory", "S"),
-    _Option("is_offload_enabled", "--offload", "LEMIX_OFFLOAD", _bool,
-            "offload KV to host after T_max (--no-offload: wait, then drop)"),
-    _Option("advertise_host", "--advertise-host", "LEMIX_ADVERTISE_HOST", str,
-            "host others dial (default: --host, or this machine's name for a wildcard)",
-            "HOST"),
-    _Option("shutdown_grace_s", "--shutdown-grace-s", "LEMIX_SHUTDOWN_GRACE_S", float,
-            "how long shutdown lets running work finish, s", "S"),
-    _Option("log_format", "--log-format", "LEMIX_LOG_FORMAT", str,
-            f"log format: {', '.join(LOG_FORMATS)}", "FMT"),
-    _Option("log_level", "--log-level", "LEMIX_LOG_LEVEL", str,
-            f"log level: {', '.join(LOG_LEVELS)}", "LEVEL"),
+_OPTIONS: tuple[Option, ...] = (
+    Option("node_id", "--node-id", "LEMIX_NODE_ID", int, "this node's id", "N"),
+    Option("host", "--host", "LEMIX_EXECUTOR_HOST", str, "gRPC bind address", "HOST"),
+    Option("port", "--port", "LEMIX_EXECUTOR_PORT", int, "gRPC port (0 = any free port)",
+           "PORT"),
+    Option("metrics_port", "--metrics-port", "LEMIX_EXECUTOR_METRICS_PORT", port_or_off,
+           "Prometheus /metrics port (0 = any free port, -1 = off)", "PORT"),
+    Option("redis_url", "--redis-url", "LEMIX_REDIS_URL", str, "Redis URL", "URL"),
+    Option("namespace", "--namespace", "LEMIX_NAMESPACE", str, "Redis key prefix", "NS"),
+    Option("profile_path", "--profile", "LEMIX_PROFILE", Path,
+           "profile JSON (default: the shipped A100 profile)", "FILE"),
+    Option("backend", "--backend", "LEMIX_EXECUTOR_BACKEND", str,
+           f"stage backend: {', '.join(BACKENDS)}", "NAME"),
+    Option("time_scale", "--time-scale", "LEMIX_TIME_SCALE", float,
+           "wall seconds per profile second (emulated)", "X"),
+    Option("latency_noise_cv", "--latency-noise-cv", "LEMIX_LATENCY_NOISE_CV", float,
+           "CV of the emulated latency noise (0 = exact profile)", "CV"),
+    Option("seed", "--seed", "LEMIX_SEED", int, "noise RNG seed (plus node id)", "N"),
+    Option("heartbeat_s", "--heartbeat-s", "LEMIX_HEARTBEAT_S", float,
+           "node-state write period, s", "S"),
+    Option("node_ttl_s", "--node-ttl-s", "LEMIX_NODE_TTL_S", float,
+           "node-state TTL, s (default 3x heartbeat)", "S"),
+    Option("max_batch_size", "--max-batch-size", "LEMIX_MAX_BATCH_SIZE", int,
+           "C, the running-batch cap", "C"),
+    Option("join_window_s", "--join-window-s", "LEMIX_JOIN_WINDOW_S", float,
+           "T_w, profile s (default: join at any iteration)", "S"),
+    Option("kappa", "--kappa", "LEMIX_KAPPA", float, "usable fraction of GPU memory", "K"),
+    Option("max_wait_s", "--max-wait-s", "LEMIX_MAX_WAIT_S", float,
+           "T_max, profile s a task may wait for memory", "S"),
+    Option("is_offload_enabled", "--offload", "LEMIX_OFFLOAD", boolean,
+           "offload KV to host after T_max (--no-offload: wait, then drop)"),
+    Option("advertise_host", "--advertise-host", "LEMIX_ADVERTISE_HOST", str,
+           "host others dial (default: --host, or this machine's name for a wildcard)",
+           "HOST"),
+    Option("shutdown_grace_s", "--shutdown-grace-s", "LEMIX_SHUTDOWN_GRACE_S", float,
+           "how long shutdown lets running work finish, s", "S"),
+    Option("log_format", "--log-format", "LEMIX_LOG_FORMAT", str,
+           f"log format: {', '.join(LOG_FORMATS)}", "FMT"),
+    Option("log_level", "--log-level", "LEMIX_LOG_LEVEL", str,
+           f"log level: {', '.join(LOG_LEVELS)}", "LEVEL"),
+    Option("model", "--model", "LEMIX_MODEL", str,
+           "torch: model preset or local checkpoint directory", "NAME|DIR"),
+    Option("tokenizer", "--tokenizer", "LEMIX_TOKENIZER", str,
+           "torch: tokenizer spec (bpe:N, tokenizer.json, model dir)", "SPEC"),
+    Option("devices", "--devices", "LEMIX_DEVICES", str,
+           "torch: per-stage devices, comma-separated (default cuda:0.. or cpu)", "LIST"),
+    Option("dtype", "--dtype", "LEMIX_DTYPE", str,
+           "torch: float32 | bfloat16 | float16 (default by device)", "DTYPE"),
+    Option("model_seed", "--model-seed", "LEMIX_MODEL_SEED", int,
+           "torch: preset weight-init seed", "N"),
+    Option("learning_rate", "--learning-rate", "LEMIX_LEARNING_RATE", float,
+           "torch: AdamW learning rate", "LR"),
+    Option("max_grad_norm", "--max-grad-norm", "LEMIX_MAX_GRAD_NORM", float,
+           "torch: per-stage gradient clipping (0 = off)", "N"),
+    Option("memory_budget_bytes", "--memory-budget-bytes", "LEMIX_MEMORY_BUDGET_BYTES", int,
+           "torch on CPU: memory per stage, bytes (0 = 4 GiB)", "B"),
+    Option("torch_threads", "--torch-threads", "LEMIX_TORCH_THREADS", int,
+           "torch: intra-op threads (0 = default)", "N"),
 )
 
-
-def _parse_env(opt: _Option, text: str) -> Any:
-    try:
-        return opt.parse(text)
-    except ValueError as exc:
-        raise ValueError(f"{opt.env}={text!r} is not valid for {opt.flag}: {exc}") from None
+# `python -m services.executor` serves metrics unless told not to.
+_CLI_DEFAULTS: dict[str, Any] = {"metrics_port": 0}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `python -m services.executor` flags; each names its environment variable."""
-    parser = argparse.ArgumentParser(
-        prog="python -m services.executor",
-        description="LeMix executor: one process per node (emulated stage backend).",
-    )
-    defaults = {f.name: f.default for f in fields(ExecutorConfig)}
-    for opt in _OPTIONS:
-        text = f"{opt.help} [env {opt.env}; default {defaults[opt.field]!r}]"
-        if opt.parse is _bool:
-            parser.add_argument(opt.flag, dest=opt.field, default=None,
-                                action=argparse.BooleanOptionalAction, help=text)
-        else:
-            parser.add_argument(opt.flag, dest=opt.field, default=None, type=opt.parse,
-                                metavar=opt.metavar, help=text)
-    return parser
+def build_parser(prog: str = "python -m services.executor") -> argparse.ArgumentParser:
+    """The executor's flags; each names its environment variable."""
+    return settings.build_parser(
+        ExecutorConfig, _OPTIONS, prog=prog, cli_defaults=_CLI_DEFAULTS,
+        description="LeMix executor: one process per node (torch or emulated stage backend).")

@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import structlog
 
 from lemix.engine import NodeEngine, Outcome, StageStart
-from lemix.types import Task
+from lemix.types import Task, TaskPayload
+from services.executor.convert import MeasureResult, MeasureSpec, SyncDirection
 
 log = structlog.get_logger(__name__)
 
@@ -34,7 +35,9 @@ _WRITER_STOP_S = 2.0
 class StageBackend(Protocol):
     """Executes one stage's work item."""
 
-    async def execute(self, start: StageStart) -> None: ...
+    async def execute(self, start: StageStart) -> Sequence[str] | None:
+        """Run it; return the ids of requests that ended early (end-of-sequence)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -47,9 +50,28 @@ class EmulatedBackend:
         if self.time_scale <= 0:
             raise ValueError("time_scale must be > 0")
 
-    async def execute(self, start: StageStart) -> None:
+    async def execute(self, start: StageStart) -> Sequence[str] | None:
         if start.duration_s > 0:
             await asyncio.sleep(start.duration_s * self.time_scale)
+        return None
+
+
+@runtime_checkable
+class ModelBackend(Protocol):
+    """A backend that runs a real model: it keeps per-task model state.
+
+    The node calls these around the engine; the sink reads token ids and end
+    fields from it. (`EmulatedBackend` has no model and implements none.)
+    """
+
+    def bind(self, engine: NodeEngine) -> None: ...
+    def on_dispatch(self, task: Task, payload: TaskPayload) -> None: ...
+    def forget(self, task_id: str) -> None: ...
+    def output_ids(self, task_id: str) -> Sequence[int]: ...
+    def end_fields(self, task_id: str) -> dict[str, str | float]: ...
+    def prepare_sync(self, tag: str, direction: SyncDirection, location: str) -> None: ...
+    async def measure(self, spec: MeasureSpec) -> MeasureResult: ...
+    def close(self) -> None: ...
 
 
 class OutcomeSink(Protocol):
@@ -159,7 +181,9 @@ class NodeDriver:
             done_at_s = self._tick(end_s)
         else:
             try:
-                await self.backend.execute(start)
+                stopped = await self.backend.execute(start)
+                if stopped:
+                    self.engine.stop_requests(stopped)
             except asyncio.CancelledError:
                 raise
             except Exception:  # a backend failure must not wedge the node: log, count, go on

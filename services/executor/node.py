@@ -26,7 +26,17 @@ from collections.abc import Iterable
 
 import structlog
 
-from lemix.engine import BlockingDone, Failed, Finished, NodeEngine, Outcome, Requeued
+from lemix import telemetry
+from lemix.engine import (
+    BlockingDone,
+    Failed,
+    Finished,
+    FirstToken,
+    NodeEngine,
+    Outcome,
+    Requeued,
+    TokensEmitted,
+)
 from lemix.memory import activation_bytes, kv_bytes
 from lemix.profile import Profile
 from lemix.rpc.errors import InvalidArgument, ResourceExhausted, Unavailable
@@ -39,7 +49,7 @@ from services.executor.convert import (
     WeightSyncResult,
     WeightSyncSpec,
 )
-from services.executor.driver import NodeDriver, OutcomeSink, StageBackend
+from services.executor.driver import ModelBackend, NodeDriver, OutcomeSink, StageBackend
 
 log = structlog.get_logger(__name__)
 
@@ -72,20 +82,50 @@ class BusyMeter:
 
 
 class _ObservedSink:
-    """Passes batches to the real sink and tells the node what ended."""
+    """Passes batches to the real sink, tells the node what ended and counts
+    it in `lemix.telemetry` (once per batch written: a failed write is retried
+    by the driver and counted when it succeeds)."""
 
     def __init__(self, node: ExecutorNode, inner: OutcomeSink) -> None:
         self._node = node
         self._inner = inner
+        self._num_tokens: dict[str, int] = {}  # tokens counted so far, by live task id
 
     async def write(self, batch: list[tuple[float, Outcome]]) -> None:
         # A weight sync waits on the stages, not on Redis: resolve it first.
         self._node.on_blocking_done(o.tag for _, o in batch if isinstance(o, BlockingDone))
         await self._inner.write(batch)
+        self._observe(batch)  # before on_ended: it needs the tasks still held
         self._node.on_ended(o.task_id for _, o in batch if isinstance(o, Finished | Failed))
         # Requeued training comes back under the same id: do not treat it as a duplicate.
         self._node.on_ended((o.task_id for _, o in batch if isinstance(o, Requeued)),
                             is_final=False)
+
+    def _observe(self, batch: list[tuple[float, Outcome]]) -> None:
+        node_id = self._node.node_id
+        for _, outcome in batch:
+            if isinstance(outcome, FirstToken):
+                self._count_tokens(outcome.task_id, 1)
+            elif isinstance(outcome, TokensEmitted):
+                for task_id, n in zip(outcome.task_ids, outcome.num_generated, strict=True):
+                    self._count_tokens(task_id, n)
+            elif isinstance(outcome, Finished | Failed | Requeued):
+                task = self._node.held_task(outcome.task_id)
+                if isinstance(outcome, Finished):
+                    self._count_tokens(outcome.task_id, outcome.num_output_tokens)
+                is_training = task.is_training if task else isinstance(outcome, Requeued)
+                outcome_name = {Finished: telemetry.COMPLETED, Failed: telemetry.FAILED,
+                                Requeued: "requeued"}[type(outcome)]
+                telemetry.observe_task_ended(
+                    node_id, "training" if is_training else "inference", outcome_name,
+                    num_samples=task.batch_size if task else 0)
+                self._num_tokens.pop(outcome.task_id, None)
+
+    def _count_tokens(self, task_id: str, num_so_far: int) -> None:
+        seen = self._num_tokens.get(task_id, 0)
+        if num_so_far > seen:
+            telemetry.observe_tokens(self._node.node_id, num_so_far - seen)
+            self._num_tokens[task_id] = num_so_far
 
 
 class ExecutorNode:
@@ -108,6 +148,11 @@ class ExecutorNode:
         self._blocking: dict[str, asyncio.Future[None]] = {}
         self._sync_seq = itertools.count(1)
         self._busy = BusyMeter()
+        # The real model behind the stages (torch backend), or None (emulated).
+        self.model: ModelBackend | None = None
+        if isinstance(backend, ModelBackend):
+            backend.bind(engine)
+            self.model = backend
 
     async def start(self) -> None:
         await self.driver.start()
@@ -126,6 +171,8 @@ class ExecutorNode:
             log.info("executor.duplicate_dispatch", node=self.node_id, task_id=task.task_id)
             return False
         self._check_could_fit(task)
+        if self.model is not None:
+            self.model.on_dispatch(task, payload)  # InvalidArgument when it can't run
         self._held[task.task_id] = task
         self.payloads[task.task_id] = payload
         self.driver.add_task(task)
@@ -152,6 +199,10 @@ class ExecutorNode:
         self._blocking[tag] = done
         start_s = self.driver.now_s()
         apply = spec.weight_version if spec.direction is SyncDirection.LOAD else None
+        if self.model is not None:
+            if not spec.location:
+                raise InvalidArgument("a weight sync of a real model needs a location")
+            self.model.prepare_sync(tag, spec.direction, spec.location)
         try:
             self.driver.add_blocking(tag, durations_s, apply)
             await done
@@ -161,13 +212,18 @@ class ExecutorNode:
                  version=spec.weight_version, location=spec.location)
         return WeightSyncResult(self.driver.now_s() - start_s, sum(weight_bytes))
 
-    def measure(self, spec: MeasureSpec) -> MeasureResult:
-        """Emulated profiling: samples of the engine's ground-truth latency, so
-        a profiler fitting them recovers the profile this node was given."""
+    async def measure(self, spec: MeasureSpec) -> MeasureResult:
+        """Profiling: a real model times the stage; the emulated backend returns
+        samples of the engine's ground-truth latency, so a profiler fitting
+        them recovers the profile this node was given."""
         if spec.stage >= self.engine.num_stages:
             raise InvalidArgument(
                 f"stage {spec.stage} out of range; this node has {self.engine.num_stages} stages"
             )
+        if self.model is not None:
+            if not self.engine.is_idle:
+                raise Unavailable(f"node {self.node_id} is busy; profile an idle node")
+            return await self.model.measure(spec)
         truth, stage, memory = self.engine.truth, spec.stage, self.profile.memory
         if spec.phase is MeasurePhase.FORWARD:
             samples = [truth.forward_s(stage, spec.batch_size, spec.num_tokens)
@@ -219,12 +275,18 @@ class ExecutorNode:
             if done is not None and not done.done():
                 done.set_result(None)
 
+    def held_task(self, task_id: str) -> Task | None:
+        """The dispatched task, while this node holds it."""
+        return self._held.get(task_id)
+
     def on_ended(self, task_ids: Iterable[str], *, is_final: bool = True) -> None:
         """The node no longer holds these tasks; final ones are remembered so a
         late duplicate Dispatch is not run again."""
         for task_id in task_ids:
             if self._held.pop(task_id, None) is not None:
                 self.payloads.pop(task_id, None)
+                if self.model is not None:
+                    self.model.forget(task_id)
                 if not is_final:
                     continue
                 self._recent_done[task_id] = None

@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 import structlog
 from grpc_health.v1 import health
 
+from lemix import telemetry
 from lemix._proto.lemix.v1 import executor_pb2_grpc
 from lemix.engine import NodeEngine
 from lemix.profile import Profile, default_profile_path, load_profile
@@ -34,7 +35,7 @@ from lemix.rpc.server import start_server, stop_server
 from lemix.sim.simulator import NoisyLatency
 from lemix.store import FieldValue, Store
 from services.executor.config import ExecutorConfig
-from services.executor.driver import EmulatedBackend, StageBackend
+from services.executor.driver import EmulatedBackend, ModelBackend, StageBackend
 from services.executor.node import ExecutorNode
 from services.executor.servicer import ExecutorServicer
 from services.executor.sink import RedisOutcomeSink
@@ -73,6 +74,7 @@ class ExecutorService:
         self._heartbeat_stop = asyncio.Event()
         self._is_started = False
         self._is_stopped = False
+        self._num_offloads_seen = 0
 
     @property
     def bound_port(self) -> int:
@@ -108,6 +110,15 @@ class ExecutorService:
     async def _start(self) -> None:
         config = self.config
         profile = self._profile or load_profile(config.profile_path or default_profile_path())
+        backend: StageBackend = EmulatedBackend(config.time_scale)
+        if config.backend == "torch":
+            from services.executor.torch_setup import build_torch_node
+
+            node_id = config.node_id
+            # Building the model (and a first-use tokenizer) takes seconds: off the loop.
+            backend, profile = await asyncio.to_thread(
+                build_torch_node, config.torch_config(), profile,
+                on_training_loss=lambda loss: telemetry.observe_training_loss(node_id, loss))
         truth = NoisyLatency(profile.ours, config.latency_noise_cv,
                              random.Random(config.seed + config.node_id))
         engine = NodeEngine(config.node_id, profile, truth, config.engine_config())
@@ -116,8 +127,9 @@ class ExecutorService:
             socket_timeout=30.0)  # writes only; redis-py's 5 s default is too tight under load
         await self._redis.ping()
         self._store = Store(self._redis, RedisKeys(config.namespace))
-        self.node = ExecutorNode(engine, self._backend(),
-                                 RedisOutcomeSink(self._store, config.node_id),
+        model = backend if isinstance(backend, ModelBackend) else None
+        self.node = ExecutorNode(engine, backend,
+                                 RedisOutcomeSink(self._store, config.node_id, model=model),
                                  time_scale=config.time_scale)
         await self.node.start()
         servicer = ExecutorServicer(self.node)
@@ -134,11 +146,6 @@ class ExecutorService:
         log.info("executor.started", node=config.node_id, address=self.node.address,
                  profile=profile.name, stages=profile.num_stages, backend=config.backend,
                  time_scale=config.time_scale)
-
-    def _backend(self) -> StageBackend:
-        if self.config.backend == "emulated":
-            return EmulatedBackend(self.config.time_scale)
-        raise ValueError(f"unknown backend {self.config.backend!r}")  # config validates it
 
     async def stop(self, grace_s: float | None = None) -> None:
         """NOT_SERVING, withdraw the node state, drain for up to `grace_s`
@@ -164,6 +171,8 @@ class ExecutorService:
             await self._withdraw_state()
         if self.node is not None:
             await self.node.stop(grace_s)
+            if self.node.model is not None:
+                self.node.model.close()
         if self._server is not None and self._health is not None:
             await stop_server(self._server, self._health, grace_s=_RPC_GRACE_S)
             self._server = None
@@ -176,8 +185,25 @@ class ExecutorService:
 
     async def _put_state(self) -> None:
         assert self.node is not None and self._store is not None  # set by _start
-        await self._store.put_node_state(self.config.node_id, node_state_fields(self.node),
+        fields = node_state_fields(self.node)
+        self._export_metrics(fields)
+        await self._store.put_node_state(self.config.node_id, fields,
                                          ttl_s=self.config.heartbeat_ttl_s)
+
+    def _export_metrics(self, fields: dict[str, FieldValue]) -> None:
+        """This heartbeat's gauges, and the KV offloads since the last one."""
+        assert self.node is not None
+        engine = self.node.engine
+        stages = range(engine.num_stages)
+        telemetry.set_node_state(
+            self.config.node_id, busy_fraction=float(fields["busy_fraction"] or 0.0),
+            num_running=int(fields["num_running"] or 0),
+            num_waiting=int(fields["num_waiting"] or 0),
+            used_bytes=[engine.memory.used_bytes(s) for s in stages],
+            capacity_bytes=[engine.memory.threshold_bytes for _ in stages])
+        telemetry.observe_kv_offloads(self.config.node_id,
+                                      engine.num_offloads - self._num_offloads_seen)
+        self._num_offloads_seen = engine.num_offloads
 
     async def _heartbeat_loop(self) -> None:
         stop = self._heartbeat_stop

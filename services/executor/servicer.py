@@ -68,4 +68,4 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def Measure(
         self, request: executor_pb2.MeasureRequest, context: grpc.aio.ServicerContext
     ) -> executor_pb2.MeasureResponse:
-        return measure_to_proto(self._node.measure(measure_from_proto(request)))
+        return measure_to_proto(await self._node.measure(measure_from_proto(request)))

@@ -31,7 +31,9 @@ from lemix.engine import (
     Requeued,
     TokensEmitted,
 )
+from lemix.outputs import TOKEN_IDS_FIELD, format_token_ids
 from lemix.store import FieldValue, Store
+from services.executor.driver import ModelBackend
 
 log = structlog.get_logger(__name__)
 
@@ -47,9 +49,13 @@ class RedisOutcomeSink:
     the completions stream and the stats counters."""
 
     def __init__(self, store: Store, node_id: int, *,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 model: ModelBackend | None = None) -> None:
         self.store = store
         self.node_id = node_id
+        # A real model's token ids and end fields (finish reason, inference
+        # loss) ride on the messages; the emulated backend has none.
+        self.model = model
         self._clock = clock  # epoch seconds for the `t` fields
         self._num_tokens: dict[str, int] = {}  # tokens emitted so far, by live task id
 
@@ -61,15 +67,19 @@ class RedisOutcomeSink:
         for _, outcome in batch:
             if isinstance(outcome, FirstToken):
                 self._num_tokens[outcome.task_id] = 1
-                tokens.append((outcome.task_id, {
+                fields: dict[str, FieldValue] = {
                     "type": TOKEN_MESSAGE, "n": 1, "first": True, "node": node,
                     "version": outcome.weight_updates, "t": t,
-                }))
+                }
+                self._add_ids(fields, outcome.task_id, 0, 1)
+                tokens.append((outcome.task_id, fields))
             elif isinstance(outcome, TokensEmitted):
                 for task_id, n in zip(outcome.task_ids, outcome.num_generated, strict=True):
+                    previous = self._num_tokens.get(task_id, n - 1)
                     self._num_tokens[task_id] = n
-                    tokens.append((task_id, {"type": TOKEN_MESSAGE, "n": n, "node": node,
-                                             "t": t}))
+                    fields = {"type": TOKEN_MESSAGE, "n": n, "node": node, "t": t}
+                    self._add_ids(fields, task_id, previous, n)
+                    tokens.append((task_id, fields))
             elif isinstance(outcome, Finished | Failed | Requeued):
                 ends.append(outcome)
             elif isinstance(outcome, BlockingDone):
@@ -82,6 +92,11 @@ class RedisOutcomeSink:
         for name, count in stats.items():
             if count:
                 await self.store.incr_stat(name, count)
+
+    def _add_ids(self, fields: dict[str, FieldValue], task_id: str, start: int,
+                 end: int) -> None:
+        if self.model is not None:
+            fields[TOKEN_IDS_FIELD] = format_token_ids(self.model.output_ids(task_id)[start:end])
 
     async def _write_end(self, outcome: Finished | Failed | Requeued, t: float) -> str:
         """Write one task's end; returns the name of the counter it bumps."""
@@ -98,9 +113,13 @@ class RedisOutcomeSink:
         else:
             status, reason, n = FAILED, outcome.reason, self._num_tokens.get(task_id, 0)
             stat = "num_failed"
+        output_fields: dict[str, FieldValue] = {"type": END_MESSAGE, "n": n,
+                                                "node": str(self.node_id), "t": t}
+        if self.model is not None and isinstance(outcome, Finished) and n > 0:
+            output_fields.update(self.model.end_fields(task_id))
         is_first_end = await self.store.finish_task(
             task_id, status, reason,
-            output_fields={"type": END_MESSAGE, "n": n, "node": str(self.node_id), "t": t},
+            output_fields=output_fields,
             state_fields={"node_id": self.node_id, "finish_t": t, "num_output_tokens": n},
         )
         # Always report it, even when the task was already final (a redelivery):

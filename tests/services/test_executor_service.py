@@ -426,7 +426,8 @@ def test_config_reads_env_and_flags_with_flags_winning(tmp_path: Path) -> None:
     ([], {"LEMIX_NODE_ID": "x"}, "LEMIX_NODE_ID"),
     ([], {"LEMIX_OFFLOAD": "maybe"}, "LEMIX_OFFLOAD"),
     (["--time-scale", "0"], {}, "time_scale"),
-    (["--backend", "torch"], {}, "backend"),
+    (["--backend", "tpu"], {}, "backend"),
+    (["--backend", "torch", "--time-scale", "0.5"], {}, "time_scale"),
     (["--heartbeat-s", "1", "--node-ttl-s", "0.5"], {}, "node_ttl_s"),
     (["--kappa", "1.5"], {}, "kappa"),
     (["--redis-url", "localhost:6379"], {}, "redis_url"),
@@ -475,7 +476,9 @@ async def _spawn(config: ExecutorConfig) -> tuple[asyncio.subprocess.Process, st
     line = (await asyncio.wait_for(proc.stdout.readline(), timeout=30)).decode()
     prefix = f"SERVING executor node={config.node_id} address="
     assert line.startswith(prefix), line
-    return proc, line[len(prefix):].strip()
+    address, *rest = line[len(prefix):].split()
+    assert rest and rest[0].startswith("metrics="), line  # the CLI serves metrics on a free port
+    return proc, address
 
 
 async def test_process_serves_until_sigterm_and_exits_zero(

@@ -611,7 +611,8 @@ async def test_process_prints_serving_and_stops_cleanly_on_sigterm(
         assert proc.stdout is not None
         line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
         assert line.startswith("SERVING scheduler address=127.0.0.1:"), line
-        address = line.split("address=", 1)[1].strip()
+        address, *rest = line.split("address=", 1)[1].split()
+        assert rest and rest[0].startswith("metrics=127.0.0.1:"), line  # --metrics-port 0
         async with channel(address) as ch:
             state = await scheduler_pb2_grpc.SchedulerStub(ch).GetState(
                 scheduler_pb2.GetStateRequest(), timeout=TIMEOUT_S)

@@ -1,0 +1,215 @@
+"""The `torch` stage backend: a real staged transformers model behind `StageBackend`.
+
+The node engine still decides what runs where and when (the same engine the
+simulator and the emulated executor run); this backend executes each
+`StageStart` for real on its stage's device:
+
+* ``iter``  — one inference iteration's share on that stage (`InferenceRunner`);
+  the last stage samples and reports end-of-sequence stops to the engine;
+* ``fwd`` / ``bwd`` — a training task's forward / backward + optimizer step
+  on that stage (`PipelineTrainer`);
+* ``block`` — a weight save or load of that stage's parameters (safetensors).
+
+Each stage has one worker thread, so a stage runs one thing at a time (the
+engine's contract) while different stages overlap, as on separate GPUs.
+Before an iteration the backend mirrors the engine's KV offload decisions:
+requests the engine swapped out get their KV moved to host memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from lemix.engine import NodeEngine, StageStart
+from lemix.model.runner import GenRequest, InferenceRunner
+from lemix.model.staged import StagedModel
+from lemix.model.training import PipelineTrainer, Sample
+from lemix.outputs import FINISH_LENGTH
+from lemix.rpc.errors import InvalidArgument
+from lemix.types import Task, TaskPayload
+from services.executor import weights
+from services.executor.convert import MeasureResult, MeasureSpec, SyncDirection
+
+log = structlog.get_logger(__name__)
+
+FINISH_ERROR = "error"
+
+
+@dataclass(frozen=True)
+class _SyncJob:
+    direction: SyncDirection
+    location: str
+
+
+class TorchBackend:
+    """Runs a node's engine decisions on a `StagedModel`."""
+
+    def __init__(self, staged: StagedModel, runner: InferenceRunner,
+                 trainer: PipelineTrainer, *,
+                 on_training_loss: Callable[[float], None] | None = None) -> None:
+        self.staged = staged
+        self.runner = runner
+        self.trainer = trainer
+        self.engine: NodeEngine | None = None
+        self._pools = [ThreadPoolExecutor(1, thread_name_prefix=f"stage{s}")
+                       for s in range(staged.num_stages)]
+        self._samples: dict[str, list[Sample]] = {}
+        self._syncs: dict[str, _SyncJob] = {}
+        self._on_training_loss = on_training_loss
+        self.num_training_done = 0
+        self.last_training_loss: float | None = None
+        self.num_stage_errors = 0
+
+    # ------------------------------------------------------------ node hooks
+
+    def bind(self, engine: NodeEngine) -> None:
+        if engine.num_stages != self.staged.num_stages:
+            raise ValueError(f"the profile has {engine.num_stages} stages but the model was "
+                             f"split into {self.staged.num_stages}")
+        self.engine = engine
+
+    def on_dispatch(self, task: Task, payload: TaskPayload) -> None:
+        """Prepare a task the node accepted; InvalidArgument when it can't run."""
+        if not payload.prompt_token_ids:
+            raise InvalidArgument(
+                f"task {task.task_id!r} carries no token ids: the torch backend runs a real "
+                "model, so the gateway must tokenize with the model's tokenizer")
+        vocab = self.staged.vocab_size
+        if max(payload.prompt_token_ids + payload.reference_token_ids) >= vocab:
+            raise InvalidArgument(f"task {task.task_id!r}: token id out of the model's "
+                                  f"vocabulary of {vocab}")
+        if task.is_training:
+            num_ref = len(payload.reference_token_ids)
+            try:
+                sample = Sample(payload.prompt_token_ids, num_ref)
+            except ValueError as exc:
+                raise InvalidArgument(f"training task {task.task_id!r}: {exc}") from exc
+            self._samples[task.task_id] = [sample]
+            return
+        try:
+            self.runner.admit(GenRequest(
+                key=task.task_id, prompt_ids=payload.prompt_token_ids,
+                max_tokens=task.max_output_tokens, reference_ids=payload.reference_token_ids,
+                temperature=payload.temperature, top_p=payload.top_p, seed=payload.seed,
+                ignore_eos=payload.ignore_eos))
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
+
+    def forget(self, task_id: str) -> None:
+        """The node no longer holds `task_id`: free its KV / training state."""
+        self.runner.release(task_id)
+        self._samples.pop(task_id, None)
+        self.trainer.discard(task_id)
+
+    def output_ids(self, task_id: str) -> Sequence[int]:
+        req = self.runner.requests.get(task_id)
+        return req.generated if req is not None else ()
+
+    def end_fields(self, task_id: str) -> dict[str, str | float]:
+        """Fields for the task's ``end`` message: finish reason, inference loss."""
+        req = self.runner.requests.get(task_id)
+        if req is None:
+            return {}
+        fields: dict[str, str | float] = {"finish_reason": req.finish_reason or FINISH_LENGTH}
+        if req.inference_loss is not None and math.isfinite(req.inference_loss):
+            fields["inference_loss"] = req.inference_loss
+        return fields
+
+    def prepare_sync(self, tag: str, direction: SyncDirection, location: str) -> None:
+        """The next ``block`` items tagged `tag` save/load the weights at `location`."""
+        self._syncs[tag] = _SyncJob(direction, location)
+
+    def close(self) -> None:
+        for pool in self._pools:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------ execution
+
+    async def execute(self, start: StageStart) -> Sequence[str] | None:
+        self._mirror_offloads()
+        fn = self._work(start)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pools[start.stage], fn)
+
+    def _work(self, start: StageStart) -> Callable[[], Sequence[str] | None]:
+        stage = start.stage
+        if start.kind == "iter":
+            iteration: Any = start.work
+            prefill = [r.task.task_id for r in iteration.prefill]
+            decode = [r.task.task_id for r in iteration.decode]
+            return lambda: self._run_iteration(stage, id(iteration), prefill, decode)
+        if start.kind == "fwd":
+            task: Task = start.work  # type: ignore[assignment]
+            samples = self._samples.get(task.task_id, []) if stage == 0 else []
+            return lambda: self.trainer.forward(stage, task.task_id, samples)
+        if start.kind == "bwd":
+            task = start.work  # type: ignore[assignment]
+            return lambda: self._backward(stage, task.task_id)
+        job = self._syncs.get(str(start.work))
+        if job is None:
+            raise RuntimeError(f"blocking item {start.work!r} has no weight sync job")
+        return lambda: self._sync_stage(stage, job)
+
+    def _run_iteration(self, stage: int, iteration: int, prefill: list[str],
+                       decode: list[str]) -> Sequence[str]:
+        try:
+            return self.runner.run_stage(stage, iteration, prefill, decode)
+        except Exception:
+            # The iteration's requests cannot continue; end them now rather than
+            # let later stages or steps run on missing state.
+            self.num_stage_errors += 1
+            log.exception("torch.iteration_failed", stage=stage)
+            for key in (*prefill, *decode):
+                req = self.runner.requests.get(key)
+                if req is not None:
+                    req.finish_reason = FINISH_ERROR
+            return [*prefill, *decode]
+
+    def _backward(self, stage: int, key: str) -> None:
+        loss = self.trainer.backward(stage, key)
+        if stage == 0:
+            self.num_training_done += 1
+            self._samples.pop(key, None)
+            if loss is not None:
+                self.last_training_loss = loss
+                if self._on_training_loss is not None:
+                    self._on_training_loss(loss)
+
+    def _sync_stage(self, stage: int, job: _SyncJob) -> None:
+        path = Path(job.location) / f"stage{stage}.safetensors"
+        if job.direction is SyncDirection.SAVE:
+            weights.save_stage(self.staged.stages[stage], path)
+        else:
+            weights.load_stage(self.staged.stages[stage], path)
+
+    def _mirror_offloads(self) -> None:
+        engine = self.engine
+        if engine is None:
+            return
+        for req in engine.swapped:
+            self.runner.offload(req.task.task_id)
+
+    # ------------------------------------------------------------ profiling
+
+    async def measure(self, spec: MeasureSpec) -> MeasureResult:
+        """Time `spec` on its stage's thread (see `services.executor.torch_measure`)."""
+        from services.executor.torch_measure import measure_stage
+
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pools[spec.stage],
+                                          lambda: measure_stage(self.staged, spec))
+
+
+def set_torch_threads(num_threads: int) -> None:
+    """Intra-op threads per process (0 = torch's default)."""
+    if num_threads > 0:
+        torch.set_num_threads(num_threads)

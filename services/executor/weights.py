@@ -1,0 +1,52 @@
+"""Saving and loading one pipeline stage's weights (SEPARATE's weight sync).
+
+One safetensors file per stage under the sync location, keyed by the stage's
+own parameter names, so the stage of another node with the same split loads
+it directly. Writes go to a temporary name and are renamed into place: a
+reader never sees a half-written file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from lemix.model.staged import Stage
+
+
+def save_stage(stage: Stage, path: Path) -> int:
+    """Write `stage`'s parameters to `path`; returns the bytes written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {name: p.detach().to("cpu").contiguous()
+               for name, p in stage.modules.named_parameters()}
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def load_stage(stage: Stage, path: Path) -> int:
+    """Copy the parameters in `path` into `stage`; returns the bytes loaded.
+
+    Raises FileNotFoundError, or ValueError when the file's names or shapes do
+    not match this stage (a different model or split)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no stage weights at {path}")
+    tensors = load_file(str(path))
+    params = dict(stage.modules.named_parameters())
+    if set(tensors) != set(params):
+        missing = sorted(set(params) - set(tensors))[:3]
+        extra = sorted(set(tensors) - set(params))[:3]
+        raise ValueError(f"{path} does not match stage {stage.index}: missing {missing}, "
+                         f"unexpected {extra}")
+    with torch.no_grad():
+        for name, p in params.items():
+            src = tensors[name]
+            if src.shape != p.shape:
+                raise ValueError(f"{path}: {name} has shape {tuple(src.shape)}, the stage "
+                                 f"expects {tuple(p.shape)}")
+            p.copy_(src.to(p.device, p.dtype))
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -1,0 +1,158 @@
+"""The torch backend behind a real executor node: serving, training, EOS, syncs, measure."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from factories import make_profile, make_request, make_training
+
+from lemix.engine import EngineConfig, Failed, Finished, NodeEngine
+from lemix.model.presets import ModelSpec, build_model
+from lemix.model.runner import GenRequest, InferenceRunner
+from lemix.model.staged import StagedModel
+from lemix.model.training import PipelineTrainer, TrainingConfig
+from lemix.rpc.errors import InvalidArgument
+from lemix.types import TaskPayload
+from services.executor.convert import (
+    MeasurePhase,
+    MeasureSpec,
+    SyncDirection,
+    WeightSyncSpec,
+)
+from services.executor.node import ExecutorNode
+from services.executor.torch_backend import TorchBackend
+from services.executor.torch_setup import model_profile
+
+VOCAB = 300
+
+
+class RecordingSink:
+    """Records outcomes and, like the Redis sink, the model's ids at write time."""
+
+    def __init__(self, model: TorchBackend) -> None:
+        self.model = model
+        self.ended: dict[str, Finished | Failed] = {}
+        self.ids: dict[str, list[int]] = {}
+        self.end_fields: dict[str, dict] = {}
+        self.changed = asyncio.Event()
+
+    async def write(self, batch: list) -> None:
+        for _, outcome in batch:
+            if isinstance(outcome, Finished | Failed):
+                self.ended[outcome.task_id] = outcome
+                self.ids[outcome.task_id] = list(self.model.output_ids(outcome.task_id))
+                self.end_fields[outcome.task_id] = self.model.end_fields(outcome.task_id)
+        self.changed.set()
+
+    async def wait_for(self, ids: set[str], timeout_s: float = 60.0) -> None:
+        async def loop() -> None:
+            while not ids <= set(self.ended):
+                self.changed.clear()
+                await self.changed.wait()
+        await asyncio.wait_for(loop(), timeout_s)
+
+
+def _backend(seed: int = 3) -> TorchBackend:
+    staged = StagedModel(build_model(ModelSpec("tiny-llama", vocab_size=VOCAB, seed=seed)), 2)
+    return TorchBackend(staged, InferenceRunner(staged, eos_id=None),
+                        PipelineTrainer(staged, TrainingConfig()))
+
+
+def _node(backend: TorchBackend) -> tuple[ExecutorNode, RecordingSink]:
+    profile = model_profile(make_profile(2), backend.staged, ["cpu", "cpu"], 1 << 30)
+    engine = NodeEngine(0, profile, profile.ours, EngineConfig(emit_tokens=True))
+    sink = RecordingSink(backend)
+    return ExecutorNode(engine, backend, sink), sink
+
+
+def _prompt(n: int, offset: int) -> tuple[int, ...]:
+    return tuple((offset + 13 * i) % (VOCAB - 3) + 3 for i in range(n))
+
+
+async def test_serves_batched_requests_with_their_solo_tokens_and_trains() -> None:
+    backend = _backend()
+    node, sink = _node(backend)
+    await node.start()
+    prompts = {"a": _prompt(6, 1), "b": _prompt(19, 2), "c": _prompt(11, 3)}
+    solo = {k: InferenceRunner(backend.staged, None).generate_alone(GenRequest(k, p, 8))
+            for k, p in prompts.items()}
+    sample = _prompt(30, 9)
+    node.dispatch(make_training("t", 0.0, len(sample)),
+                  TaskPayload(prompt_token_ids=sample, reference_token_ids=sample[-10:]))
+    for key, prompt in prompts.items():
+        node.dispatch(make_request(key, 0.0, len(prompt), 8), TaskPayload(prompt_token_ids=prompt))
+    await sink.wait_for({"a", "b", "c", "t"})
+    await node.stop(grace_s=5.0)
+    assert all(isinstance(sink.ended[k], Finished) for k in (*prompts, "t"))
+    # Tokens may differ from solo ones only if training changed the weights first;
+    # requests that prefilled before the training step finished match exactly.
+    assert backend.num_training_done == 1 and backend.trainer.num_steps == [1, 1]
+    assert backend.last_training_loss is not None
+    for key in prompts:
+        assert len(sink.ids[key]) == 8 == sink.ended[key].num_output_tokens
+        assert sink.end_fields[key]["finish_reason"] == "length"
+    assert any(sink.ids[k] == solo[k] for k in prompts)
+    # Everything released: KV buffers and training state.
+    assert all(st.kv.device_bytes == 0 for st in backend.staged.stages)
+    assert not backend.runner.requests
+
+
+async def test_end_of_sequence_ends_a_request_early_with_stop() -> None:
+    backend = _backend()
+    prompt = _prompt(9, 4)
+    greedy = InferenceRunner(backend.staged, None).generate_alone(GenRequest("p", prompt, 6))
+    backend.runner.eos_id = greedy[2]
+    node, sink = _node(backend)
+    await node.start()
+    node.dispatch(make_request("r", 0.0, len(prompt), 6), TaskPayload(prompt_token_ids=prompt,
+                                                                      reference_token_ids=(5, 6)))
+    await sink.wait_for({"r"})
+    await node.stop(grace_s=5.0)
+    cut = greedy.index(greedy[2]) + 1
+    assert sink.ended["r"].num_output_tokens == cut
+    assert sink.ids["r"] == greedy[:cut]
+    assert sink.end_fields["r"]["finish_reason"] == "stop"
+    assert sink.end_fields["r"]["inference_loss"] > 0
+
+
+async def test_refuses_tasks_it_cannot_run_with_invalid_argument() -> None:
+    node, _ = _node(_backend())
+    await node.start()
+    with pytest.raises(InvalidArgument, match="token ids"):
+        node.dispatch(make_request("r", 0.0, 10, 4), TaskPayload())
+    with pytest.raises(InvalidArgument, match="vocabulary"):
+        node.dispatch(make_request("v", 0.0, 2, 4), TaskPayload(prompt_token_ids=(1, VOCAB)))
+    node.dispatch(make_request("ok", 0.0, 3, 2), TaskPayload(prompt_token_ids=(4, 5, 6)))
+    await node.stop(grace_s=5.0)
+
+
+async def test_weight_sync_saves_and_loads_real_stage_weights(tmp_path: Path) -> None:
+    source, target = _backend(seed=1), _backend(seed=2)
+    src_node, _ = _node(source)
+    dst_node, _ = _node(target)
+    await src_node.start()
+    await dst_node.start()
+    prompt = list(_prompt(12, 5))
+    assert not torch.equal(source.staged.logits(prompt), target.staged.logits(prompt))
+    saved = await src_node.sync_weights(WeightSyncSpec(SyncDirection.SAVE, str(tmp_path), 4))
+    loaded = await dst_node.sync_weights(WeightSyncSpec(SyncDirection.LOAD, str(tmp_path), 4))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stage0.safetensors",
+                                                          "stage1.safetensors"]
+    assert saved.num_bytes == loaded.num_bytes > 0
+    assert torch.equal(source.staged.logits(prompt), target.staged.logits(prompt))
+    assert dst_node.engine.visible_updates == 4
+    await src_node.stop(grace_s=1.0)
+    await dst_node.stop(grace_s=1.0)
+
+
+async def test_measure_times_the_real_stage() -> None:
+    node, _ = _node(_backend())
+    await node.start()
+    for phase in MeasurePhase:
+        result = await node.measure(MeasureSpec(phase, 1, 2, 16, 64, 3))
+        assert len(result.latency_s) == 3 and all(t > 0 for t in result.latency_s)
+        assert result.peak_memory_bytes > node.engine.profile.memory.weight_bytes[1]
+    await node.stop(grace_s=1.0)
