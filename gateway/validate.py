@@ -186,10 +186,9 @@ def validate_train(
     """A `TrainRequest` as training tasks of `batch_size` samples each (the last
     may be smaller); raises `InvalidArgument`.
 
-    A task's `num_prompt_tokens` is its longest sample (samples are padded to
-    it). Token ids travel only with single-sample tasks: `lemix.v1.Task` holds
-    one sequence, so a multi-sample batch carries sizes only (enough for the
-    emulated backend).
+    A task's `num_prompt_tokens` is its longest sample (the planner books
+    memory as if samples were padded to it). A multi-sample task's ids travel
+    back to back with per-sample lengths (`TaskPayload.sample_lengths`).
     """
     samples = list(request.samples)
     if not samples:
@@ -211,7 +210,12 @@ def validate_train(
         if len(batch) == 1:
             _, ids, reference = batch[0]
             payload = TaskPayload(prompt_token_ids=ids, reference_token_ids=reference)
-        else:
-            payload = TaskPayload()
+        elif tokenizer.is_emulated:
+            payload = TaskPayload()  # sizes are all the emulated backend needs
+        else:  # samples back to back, each with its reference length
+            payload = TaskPayload(
+                prompt_token_ids=tuple(i for _, ids, _ in batch for i in ids),
+                sample_lengths=tuple(len(ids) for _, ids, _ in batch),
+                reference_lengths=tuple(len(reference) for _, _, reference in batch))
         tasks.append((task, payload))
     return tasks

@@ -73,8 +73,15 @@ class TaskPayload:
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
     ignore_eos: bool = False  # decode exactly max_output_tokens (load tests)
     seed: int = 0  # sampling RNG seed
+    # Training tasks of several samples: prompt_token_ids is the samples one
+    # after another, sample i has sample_lengths[i] tokens of which the last
+    # reference_lengths[i] are its reference (reference_token_ids stays empty).
+    sample_lengths: tuple[int, ...] = ()
+    reference_lengths: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.sample_lengths or self.reference_lengths:
+            self._check_samples()
         if not 0.0 <= self.temperature < float("inf"):
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -85,6 +92,29 @@ class TaskPayload:
             ids = getattr(self, name)
             if any(i < 0 for i in ids):
                 raise ValueError(f"{name} must be >= 0, got {min(ids)}")
+
+    def _check_samples(self) -> None:
+        if len(self.sample_lengths) != len(self.reference_lengths):
+            raise ValueError("sample_lengths and reference_lengths must have one entry per "
+                             "sample")
+        if sum(self.sample_lengths) != len(self.prompt_token_ids):
+            raise ValueError(f"sample_lengths add up to {sum(self.sample_lengths)} but there "
+                             f"are {len(self.prompt_token_ids)} prompt_token_ids")
+        if any(not 0 <= r <= n for n, r in zip(self.sample_lengths, self.reference_lengths,
+                                               strict=True)):
+            raise ValueError("each reference length must be within its sample's length")
+        if self.reference_token_ids:
+            raise ValueError("a multi-sample payload carries references as reference_lengths")
+
+    def samples(self) -> list[tuple[tuple[int, ...], int]]:
+        """(token ids, number of reference tokens at the end) per sample."""
+        if not self.sample_lengths:
+            return [(self.prompt_token_ids, len(self.reference_token_ids))]
+        out, start = [], 0
+        for n, num_ref in zip(self.sample_lengths, self.reference_lengths, strict=True):
+            out.append((self.prompt_token_ids[start:start + n], num_ref))
+            start += n
+        return out
 
 
 # ---------------------------------------------------------------- decisions

@@ -118,6 +118,8 @@ def task_to_proto(task: Task, payload: TaskPayload | None = None) -> common_pb2.
                 raise InvalidArgument(f"{where}: {name} must be < 2^32, got {max(ids)}")
         msg.prompt_token_ids.extend(payload.prompt_token_ids)
         msg.reference_token_ids.extend(payload.reference_token_ids)
+        msg.sample_lengths.extend(payload.sample_lengths)
+        msg.reference_lengths.extend(payload.reference_lengths)
         msg.sampling.CopyFrom(
             common_pb2.SamplingParams(
                 temperature=payload.temperature,
@@ -153,6 +155,8 @@ def task_from_proto(msg: common_pb2.Task) -> tuple[Task, TaskPayload]:
         payload = TaskPayload(
             prompt_token_ids=tuple(msg.prompt_token_ids),
             reference_token_ids=tuple(msg.reference_token_ids),
+            sample_lengths=tuple(msg.sample_lengths),
+            reference_lengths=tuple(msg.reference_lengths),
             temperature=_finite(f"{where}: sampling.temperature", sampling.temperature),
             top_p=sampling.top_p or 1.0,
             ignore_eos=sampling.ignore_eos,

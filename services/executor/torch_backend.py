@@ -88,12 +88,11 @@ class TorchBackend:
             raise InvalidArgument(f"task {task.task_id!r}: token id out of the model's "
                                   f"vocabulary of {vocab}")
         if task.is_training:
-            num_ref = len(payload.reference_token_ids)
             try:
-                sample = Sample(payload.prompt_token_ids, num_ref)
+                samples = [Sample(ids, num_ref) for ids, num_ref in payload.samples()]
             except ValueError as exc:
                 raise InvalidArgument(f"training task {task.task_id!r}: {exc}") from exc
-            self._samples[task.task_id] = [sample]
+            self._samples[task.task_id] = samples
             return
         try:
             self.runner.admit(GenRequest(

@@ -22,6 +22,8 @@ field                  value
 ``seq``                int, arrival order
 ``prompt_token_ids``   comma-separated ints ("" for the emulated backend)
 ``reference_token_ids`` comma-separated ints
+``sample_lengths``     comma-separated ints (multi-sample training; "" otherwise)
+``reference_lengths``  comma-separated ints
 ``temperature``        float (repr, exact)
 ``top_p``              float
 ``ignore_eos``         ``1`` | ``0``
@@ -67,6 +69,8 @@ def task_to_fields(task: Task, payload: TaskPayload, *,
         "seq": task.seq,
         "prompt_token_ids": _ids_to_text(payload.prompt_token_ids),
         "reference_token_ids": _ids_to_text(payload.reference_token_ids),
+        "sample_lengths": _ids_to_text(payload.sample_lengths),
+        "reference_lengths": _ids_to_text(payload.reference_lengths),
         "temperature": payload.temperature,
         "top_p": payload.top_p,
         "ignore_eos": payload.ignore_eos,
@@ -94,6 +98,8 @@ def task_from_fields(fields: Mapping[str, str], *,
     payload = TaskPayload(
         prompt_token_ids=_ids_from_text(fields.get("prompt_token_ids", "")),
         reference_token_ids=_ids_from_text(fields.get("reference_token_ids", "")),
+        sample_lengths=_ids_from_text(fields.get("sample_lengths", "")),
+        reference_lengths=_ids_from_text(fields.get("reference_lengths", "")),
         temperature=get_float(fields, "temperature"),
         top_p=get_float(fields, "top_p", 1.0),
         ignore_eos=get_bool(fields, "ignore_eos"),

@@ -123,6 +123,20 @@ def test_train_batches_samples_and_sizes_by_the_longest() -> None:
     assert [(t.batch_size, t.num_prompt_tokens) for t, _ in batched] == [(2, 5), (1, 1)]
 
 
+def test_train_batch_carries_each_samples_ids_for_a_real_tokenizer(tmp_path: Path) -> None:
+    from lemix.model.tokenizer import train_bpe
+
+    real = train_bpe(lambda: ["hello world, how are you today?"] * 50, vocab_size=300,
+                     corpus_id="tiny", cache_dir=tmp_path)
+    samples = [gateway_pb2.TrainSample(query="hello", reference="world"),
+               gateway_pb2.TrainSample(token_ids=[7, 8, 9], num_reference_tokens=1)]
+    request = gateway_pb2.TrainRequest(samples=samples, batch_size=2)
+    [(task, payload)] = validate_train(request, tokenizer=real, max_context_tokens=64)
+    first = (real.bos_id, *real.encode("hello"), *real.encode("world"))
+    assert payload.samples() == [(first, len(real.encode("world"))), ((7, 8, 9), 1)]
+    assert task.batch_size == 2 and task.num_prompt_tokens == max(len(first), 3)
+
+
 def test_train_ids_derive_from_sample_ids() -> None:
     samples = [gateway_pb2.TrainSample(sample_id=f"s{i}", query="q") for i in range(3)]
     first = [t.task_id for t, _ in _train(samples, batch_size=2)]

@@ -64,6 +64,15 @@ def test_training_task_round_trips_without_payload() -> None:
     assert convert.task_from_proto(msg) == (task, TaskPayload())
 
 
+def test_multi_sample_training_payload_round_trips() -> None:
+    task = Task("train-4", TaskKind.TRAINING, 0.0, num_prompt_tokens=3, batch_size=2)
+    payload = TaskPayload(prompt_token_ids=(5, 6, 7, 8, 9), sample_lengths=(3, 2),
+                          reference_lengths=(1, 2))
+    msg = convert.task_to_proto(task, payload)
+    back = convert.task_from_proto(common_pb2.Task.FromString(msg.SerializeToString()))
+    assert back == (task, payload)
+
+
 def test_task_nested_in_service_messages() -> None:
     task = _inference()
     request = scheduler_pb2.SubmitRequest(task=convert.task_to_proto(task))

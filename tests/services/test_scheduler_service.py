@@ -225,6 +225,10 @@ def test_task_fields_round_trip() -> None:
     assert encoded["prompt_token_ids"] == "5,6,7" and encoded["kind"] == "inference"
     assert task_from_fields(encoded) == (task, payload)
     assert task_from_fields(encoded, arrival_s=9.0)[0].arrival_s == 9.0
+    batch = TaskPayload(prompt_token_ids=(1, 2, 3), sample_lengths=(2, 1),
+                        reference_lengths=(1, 0))
+    training = Task("t-2", TaskKind.TRAINING, 0.0, 2, batch_size=2)
+    assert task_from_fields(encode_fields(task_to_fields(training, batch))) == (training, batch)
 
 
 def test_config_flags_override_env_and_env_overrides_defaults() -> None:

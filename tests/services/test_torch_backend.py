@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,31 @@ async def test_measure_times_the_real_stage() -> None:
         assert len(result.latency_s) == 3 and all(t > 0 for t in result.latency_s)
         assert result.peak_memory_bytes > node.engine.profile.memory.weight_bytes[1]
     await node.stop(grace_s=1.0)
+
+
+async def test_multi_sample_training_task_packs_its_samples() -> None:
+    from lemix.model.training import Sample
+
+    backend = _backend()
+    node, sink = _node(backend)
+    await node.start()
+    a, b = _prompt(20, 1), _prompt(12, 2)
+    expected = backend.trainer.loss([Sample(a, 5), Sample(b, 3)])
+    payload = TaskPayload(prompt_token_ids=a + b, sample_lengths=(20, 12),
+                          reference_lengths=(5, 3))
+    task = make_training("t", 0.0, 20)
+    node.dispatch(dataclasses.replace(task, batch_size=2), payload)
+    await sink.wait_for({"t"})
+    await node.stop(grace_s=5.0)
+    assert backend.trainer.num_steps == [1, 1]
+    assert backend.last_training_loss == pytest.approx(expected, rel=1e-5)
+
+
+def test_multi_sample_payload_is_checked() -> None:
+    with pytest.raises(ValueError, match="add up"):
+        TaskPayload(prompt_token_ids=(1, 2, 3), sample_lengths=(2, 2), reference_lengths=(1, 1))
+    with pytest.raises(ValueError, match="within"):
+        TaskPayload(prompt_token_ids=(1, 2, 3), sample_lengths=(1, 2), reference_lengths=(2, 1))
+    payload = TaskPayload(prompt_token_ids=(1, 2, 3), sample_lengths=(1, 2),
+                          reference_lengths=(0, 1))
+    assert payload.samples() == [((1,), 0), ((2, 3), 1)]

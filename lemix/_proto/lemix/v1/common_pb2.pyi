@@ -28,7 +28,7 @@ TASK_STATUS_REJECTED: TaskStatus
 TASK_STATUS_FAILED: TaskStatus
 
 class Task(_message.Message):
-    __slots__ = ("task_id", "kind", "arrival_s", "num_prompt_tokens", "max_output_tokens", "batch_size", "seq", "prompt_token_ids", "reference_token_ids", "sampling")
+    __slots__ = ("task_id", "kind", "arrival_s", "num_prompt_tokens", "max_output_tokens", "batch_size", "seq", "prompt_token_ids", "reference_token_ids", "sampling", "sample_lengths", "reference_lengths")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_S_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,8 @@ class Task(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     kind: TaskKind
     arrival_s: float
@@ -49,7 +51,9 @@ class Task(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     reference_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
-    def __init__(self, task_id: _Optional[str] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., arrival_s: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., batch_size: _Optional[int] = ..., seq: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., reference_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    sample_lengths: _containers.RepeatedScalarFieldContainer[int]
+    reference_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, task_id: _Optional[str] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., arrival_s: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., batch_size: _Optional[int] = ..., seq: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., reference_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., sample_lengths: _Optional[_Iterable[int]] = ..., reference_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "ignore_eos", "seed")
