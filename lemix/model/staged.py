@@ -106,8 +106,14 @@ class Stage:
                     cache.values[local][:, num_past:end] = vs[0, :, :seg.num_cached]
                 if cache is not None and num_past:
                     total = num_past + seg.num_tokens
-                    ks = torch.cat((cache.keys[local][None, :, :num_past], ks), dim=2)
-                    vs = torch.cat((cache.values[local][None, :, :num_past], vs), dim=2)
+                    if seg.num_cached == seg.num_tokens:
+                        # Every new token is already in the cache: attend over a
+                        # view of it, no copy of the past (a decode step).
+                        ks = cache.keys[local][None, :, :total]
+                        vs = cache.values[local][None, :, :total]
+                    else:
+                        ks = torch.cat((cache.keys[local][None, :, :num_past], ks), dim=2)
+                        vs = torch.cat((cache.values[local][None, :, :num_past], vs), dim=2)
                     mask = _offset_causal_mask(seg.num_tokens, total, self.device)
                     outs.append(F.scaled_dot_product_attention(
                         qs, ks, vs, attn_mask=mask, scale=self._scales[local],
@@ -116,7 +122,7 @@ class Stage:
                     outs.append(F.scaled_dot_product_attention(
                         qs, ks, vs, is_causal=seg.num_tokens > 1, scale=self._scales[local],
                         enable_gqa=True))
-            out = torch.cat(outs, dim=2)  # [1, h, N, d]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, h, N, d]
             return out.transpose(1, 2).reshape(1, out.shape[2], -1)
 
         for i in self.layers:

@@ -118,7 +118,8 @@ class ExecutorService:
             # Building the model (and a first-use tokenizer) takes seconds: off the loop.
             backend, profile = await asyncio.to_thread(
                 build_torch_node, config.torch_config(), profile,
-                on_training_loss=lambda loss: telemetry.observe_training_loss(node_id, loss))
+                on_training_loss=lambda loss: telemetry.observe_training_loss(node_id, loss),
+                on_inference_loss=lambda loss: telemetry.observe_inference_loss(node_id, loss))
         truth = NoisyLatency(profile.ours, config.latency_noise_cv,
                              random.Random(config.seed + config.node_id))
         engine = NodeEngine(config.node_id, profile, truth, config.engine_config())

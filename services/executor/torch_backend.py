@@ -55,7 +55,8 @@ class TorchBackend:
 
     def __init__(self, staged: StagedModel, runner: InferenceRunner,
                  trainer: PipelineTrainer, *,
-                 on_training_loss: Callable[[float], None] | None = None) -> None:
+                 on_training_loss: Callable[[float], None] | None = None,
+                 on_inference_loss: Callable[[float], None] | None = None) -> None:
         self.staged = staged
         self.runner = runner
         self.trainer = trainer
@@ -65,6 +66,7 @@ class TorchBackend:
         self._samples: dict[str, list[Sample]] = {}
         self._syncs: dict[str, _SyncJob] = {}
         self._on_training_loss = on_training_loss
+        self._on_inference_loss = on_inference_loss
         self.num_training_done = 0
         self.last_training_loss: float | None = None
         self.num_stage_errors = 0
@@ -161,7 +163,13 @@ class TorchBackend:
     def _run_iteration(self, stage: int, iteration: int, prefill: list[str],
                        decode: list[str]) -> Sequence[str]:
         try:
-            return self.runner.run_stage(stage, iteration, prefill, decode)
+            stopped = self.runner.run_stage(stage, iteration, prefill, decode)
+            if stage == self.staged.num_stages - 1 and self._on_inference_loss is not None:
+                for key in prefill:
+                    req = self.runner.requests.get(key)
+                    if req is not None and req.inference_loss is not None:
+                        self._on_inference_loss(req.inference_loss)
+            return stopped
         except Exception:
             # The iteration's requests cannot continue; end them now rather than
             # let later stages or steps run on missing state.

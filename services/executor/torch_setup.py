@@ -64,6 +64,7 @@ class TorchBackendConfig:
 
 def build_torch_node(config: TorchBackendConfig, profile: Profile, *,
                      on_training_loss: Callable[[float], None] | None = None,
+                     on_inference_loss: Callable[[float], None] | None = None,
                      ) -> tuple[TorchBackend, Profile]:
     """The backend and the profile its engine must use (memory from the model)."""
     from lemix.model.tokenizer import load_tokenizer
@@ -84,7 +85,8 @@ def build_torch_node(config: TorchBackendConfig, profile: Profile, *,
     runner = InferenceRunner(staged, tokenizer.eos_id)
     trainer = PipelineTrainer(staged, TrainingConfig(learning_rate=config.learning_rate,
                                                      max_grad_norm=config.max_grad_norm))
-    backend = TorchBackend(staged, runner, trainer, on_training_loss=on_training_loss)
+    backend = TorchBackend(staged, runner, trainer, on_training_loss=on_training_loss,
+                           on_inference_loss=on_inference_loss)
     return backend, model_profile(profile, staged, devices, config.memory_budget_bytes)
 
 
