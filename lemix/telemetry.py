@@ -92,6 +92,10 @@ EXECUTOR_BUSY = Gauge(
     "lemix_executor_busy_fraction", "Recent busy share of the node's stages (0..1)", ["node"])
 EXECUTOR_MEMORY_USED = Gauge(
     "lemix_executor_memory_used_bytes", "GPU memory accounted on a stage", ["node", "stage"])
+EXECUTOR_MEMORY_MEASURED = Gauge(
+    "lemix_executor_memory_measured_bytes",
+    "Memory a stage really holds (torch backend: CUDA allocator, or tensors on a CPU)",
+    ["node", "stage"])
 EXECUTOR_MEMORY_CAPACITY = Gauge(
     "lemix_executor_memory_capacity_bytes", "Usable GPU memory of a stage (kappa x total)",
     ["node", "stage"])
@@ -205,6 +209,12 @@ def set_node_state(node: int, *, busy_fraction: float, num_running: int, num_wai
     for stage, (used, capacity) in enumerate(zip(used_bytes, capacity_bytes, strict=True)):
         EXECUTOR_MEMORY_USED.labels(node=label, stage=str(stage)).set(used)
         EXECUTOR_MEMORY_CAPACITY.labels(node=label, stage=str(stage)).set(capacity)
+
+
+def set_measured_memory(node: int, used_bytes: Sequence[int]) -> None:
+    """Memory the stages really hold (beside the ledger's accounted figure)."""
+    for stage, used in enumerate(used_bytes):
+        EXECUTOR_MEMORY_MEASURED.labels(node=str(node), stage=str(stage)).set(used)
 
 
 def observe_kv_offloads(node: int, count: int) -> None:

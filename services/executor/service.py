@@ -202,6 +202,8 @@ class ExecutorService:
             num_waiting=int(fields["num_waiting"] or 0),
             used_bytes=[engine.memory.used_bytes(s) for s in stages],
             capacity_bytes=[engine.memory.threshold_bytes for _ in stages])
+        if self.node.model is not None:
+            telemetry.set_measured_memory(self.config.node_id, self.node.model.used_bytes())
         telemetry.observe_kv_offloads(self.config.node_id,
                                       engine.num_offloads - self._num_offloads_seen)
         self._num_offloads_seen = engine.num_offloads

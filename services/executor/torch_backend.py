@@ -30,6 +30,7 @@ import structlog
 import torch
 
 from lemix.engine import NodeEngine, StageStart
+from lemix.model.device_memory import stage_used_bytes
 from lemix.model.runner import GenRequest, InferenceRunner
 from lemix.model.staged import StagedModel
 from lemix.model.training import PipelineTrainer, Sample
@@ -128,6 +129,11 @@ class TorchBackend:
     def prepare_sync(self, tag: str, direction: SyncDirection, location: str) -> None:
         """The next ``block`` items tagged `tag` save/load the weights at `location`."""
         self._syncs[tag] = _SyncJob(direction, location)
+
+    def used_bytes(self) -> list[int]:
+        """Memory each stage really holds now (see `lemix.model.device_memory`)."""
+        return [stage_used_bytes(stage, self.trainer.optimizers[s])
+                for s, stage in enumerate(self.staged.stages)]
 
     def close(self) -> None:
         for pool in self._pools:

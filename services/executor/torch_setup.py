@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from lemix.model.device_memory import device_total_bytes
 from lemix.model.presets import ModelSpec, build_model
 from lemix.model.runner import InferenceRunner
 from lemix.model.staged import StagedModel
@@ -94,8 +95,7 @@ def model_profile(profile: Profile, staged: StagedModel, devices: list[str],
                   budget_bytes: int) -> Profile:
     """`profile` with memory figures of the real model on these devices."""
     if devices[0].startswith("cuda"):
-        capacity = min(torch.cuda.get_device_properties(torch.device(d)).total_memory
-                       for d in devices)
+        capacity = min(device_total_bytes(torch.device(d)) or 0 for d in devices)
     else:
         capacity = budget_bytes or DEFAULT_CPU_BUDGET_BYTES
     weights = tuple(staged.weight_bytes())

@@ -185,3 +185,23 @@ def test_multi_sample_payload_is_checked() -> None:
     payload = TaskPayload(prompt_token_ids=(1, 2, 3), sample_lengths=(1, 2),
                           reference_lengths=(0, 1))
     assert payload.samples() == [((1,), 0), ((2, 3), 1)]
+
+
+async def test_measured_memory_follows_what_the_stages_hold() -> None:
+    backend = _backend()
+    node, sink = _node(backend)
+    await node.start()
+    idle = backend.used_bytes()
+    weights = backend.staged.weight_bytes()
+    assert idle == weights  # no grads, no optimizer state, no KV yet
+    prompt = _prompt(10, 1)
+    node.dispatch(make_request("r", 0.0, len(prompt), 30), TaskPayload(prompt_token_ids=prompt))
+    kv = [st.kv.bytes_per_token() * (len(prompt) + 30) for st in backend.staged.stages]
+    assert backend.used_bytes() == [w + k for w, k in zip(weights, kv, strict=True)]
+    sample = _prompt(16, 3)
+    node.dispatch(make_training("t", 0.0, len(sample)),
+                  TaskPayload(prompt_token_ids=sample, reference_token_ids=sample[-4:]))
+    await sink.wait_for({"r", "t"})
+    await node.stop(grace_s=5.0)
+    # AdamW's two moments (plus a step counter) now live beside every weight.
+    assert all(u >= 3 * w for u, w in zip(backend.used_bytes(), weights, strict=True))
