@@ -55,8 +55,11 @@ RUN /opt/venv/bin/pip install --no-cache-dir .
 # ------------------------------------------------------------------ runtime
 FROM os-${VARIANT} AS runtime
 ARG VARIANT
+# The weight-sync dir (LEMIX_WEIGHT_SYNC_DIR) exists, owned by lemix, so a fresh
+# volume mounted on it (compose's lemix-weights) is writable by the executors.
 RUN groupadd --system --gid 10001 lemix \
- && useradd --system --uid 10001 --gid lemix --home-dir /app --create-home lemix
+ && useradd --system --uid 10001 --gid lemix --home-dir /app --create-home lemix \
+ && install -d -o 10001 -g 10001 /var/lib/lemix/weights
 COPY --from=build /opt/venv /opt/venv
 COPY --chown=10001:10001 profiles /app/profiles
 WORKDIR /app

@@ -14,7 +14,9 @@ Routes (README "API" shows them in use):
 Handlers are thin: `gateway.openai_convert` parses, `gateway.core.GatewayCore`
 runs the request exactly as gRPC's Generate/Train would (validation, in-flight
 bound, Submit, the Redis output stream), `gateway.openai_responses` builds the
-JSON and maps errors. A client that disconnects cancels its task.
+JSON and maps errors. A client that disconnects cancels its task. Completions
+and training count in the gateway's metrics exactly as gRPC calls do
+(`gateway.observe`, with the gRPC status name as the code).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from gateway.config import GatewayConfig
 from gateway.core import NO_EXECUTOR_MESSAGE, GatewayCore
+from gateway.observe import GenerateObservation, SloCache, code_of, observe_training
 from gateway.openai_convert import (
     BadRequest,
     CompletionRequest,
@@ -59,6 +62,14 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Parse = Callable[[Any, str], CompletionRequest]
+
+
+def _http_code_of(exc: BaseException) -> str:
+    """`code_of`, plus aiohttp's own refusals of a request (e.g. a body over
+    the size limit), which are the client's: INVALID_ARGUMENT."""
+    if isinstance(exc, web.HTTPClientError):
+        return "INVALID_ARGUMENT"
+    return code_of(exc)
 
 
 @web.middleware
@@ -100,11 +111,12 @@ async def _send_chunk(stream: web.StreamResponse, builder: CompletionBuilder,
 class HttpApi:
     """The routes over one `GatewayCore`; `is_serving()` is False while stopping."""
 
-    def __init__(self, core: GatewayCore, config: GatewayConfig,
-                 is_serving: Callable[[], bool]) -> None:  # fmt: skip
+    def __init__(self, core: GatewayCore, config: GatewayConfig, is_serving: Callable[[], bool],
+                 *, slo: SloCache | None = None) -> None:  # fmt: skip
         self.core = core
         self.config = config
         self._is_serving = is_serving
+        self._slo = slo or SloCache(core.store)  # what completions are judged by
         self._created = int(time.time())  # the model's `created`: when this gateway started
 
     def app(self) -> web.Application:
@@ -136,7 +148,7 @@ class HttpApi:
         return web.json_response(model_body(self.config.served_model_name, self._created))
 
     async def train(self, request: web.Request) -> web.Response:
-        task_ids = await self.core.train(parse_train(await _json(request)))
+        task_ids = await observe_training(self._train(request), len, _http_code_of)
         return web.json_response({"object": "lemix.train", "task_ids": task_ids})
 
     async def health(self, request: web.Request) -> web.Response:
@@ -159,6 +171,11 @@ class HttpApi:
 
     async def _complete(self, request: web.Request, parse: Parse) -> web.StreamResponse:
         received_s = self.core.clock()
+        async with GenerateObservation(self._slo, _http_code_of) as observation:
+            return await self._run(request, parse, received_s, observation)
+
+    async def _run(self, request: web.Request, parse: Parse, received_s: float,
+                   observation: GenerateObservation) -> web.StreamResponse:  # fmt: skip
         parsed = parse(await _json(request), self.config.served_model_name)
         task, payload = await self.core.admit(parsed.generate)
         builder = CompletionBuilder(
@@ -166,9 +183,9 @@ class HttpApi:
             created=int(time.time()), num_prompt_tokens=task.num_prompt_tokens,
             tokenizer=self.core.tokenizer,
         )  # fmt: skip
-        responses = self.core.generate(
+        responses = observation.watch(self.core.generate(
             task, payload, received_s=received_s, gone_reason=lambda: HTTP_GONE_REASON
-        )
+        ))  # fmt: skip
         # aclosing: a disconnect (the handler is cancelled) or a failed write
         # closes the core's stream now, so the task is cancelled at once.
         async with contextlib.aclosing(responses):
@@ -203,6 +220,9 @@ class HttpApi:
         await stream.write(b"data: [DONE]\n\n")
         await stream.write_eof()
         return stream
+
+    async def _train(self, request: web.Request) -> list[str]:
+        return await self.core.train(parse_train(await _json(request)))
 
 
 # ------------------------------------------------------------------ server

@@ -1,33 +1,45 @@
 """The gateway's Prometheus instrumentation (`lemix.telemetry`), kept out of
-the handlers: `@observe_generate` / `@observe_train` wrap the servicer's
-methods (under `@handle_errors`, so they see domain errors and aborts before
-they become statuses), and `SloCache` keeps the scheduler's SLO at hand.
+the handlers and shared by both protocols: `GenerateObservation` and
+`observe_training` count a request whichever API it came in by (the gRPC
+servicer through `@observe_generate` / `@observe_train`, the HTTP API
+directly), and `SloCache` keeps the scheduler's SLO at hand.
 
 A request counts once, when it ends, with the outcome `lemix replay` would
 give it: completed, rejected (INVALID_ARGUMENT / RESOURCE_EXHAUSTED /
-UNAVAILABLE before any token), failed (anything else) or cancelled.
+UNAVAILABLE before any token), failed (anything else) or cancelled. Its
+`code` label is the gRPC status name, also for HTTP requests: each protocol
+passes a `CodeOf` that maps what ended the request to that name (`code_of`
+is the protocol-independent part).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from types import TracebackType
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import grpc.aio
 import structlog
 from redis.exceptions import RedisError
 
+from gateway.convert import TaskEnded
 from lemix import telemetry
+from lemix._proto.lemix.v1 import gateway_pb2
 from lemix.rpc.errors import status_code_for
 from lemix.store import Store
 
 log = structlog.get_logger(__name__)
 
 SLO_REFRESH_S = 5.0  # how often the published SLO is read again (a scheduler may restart)
+
+T = TypeVar("T")
+# What ended a request -> the gRPC status name it counts under.
+CodeOf = Callable[[BaseException], str]
 
 
 class SloCache:
@@ -54,51 +66,116 @@ class SloCache:
         telemetry.set_slo(self.current)
 
 
+def code_of(exc: BaseException) -> str:
+    """The status name of a request `exc` ended: CANCELLED when its caller went
+    away, a failed task's code, else what `lemix.rpc.errors` maps `exc` to."""
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        return "CANCELLED"
+    if isinstance(exc, TaskEnded):
+        return exc.code.name
+    return status_code_for(exc).name
+
+
+class GenerateObservation:
+    """One inference request's metrics, recorded once when it ends:
+
+        async with GenerateObservation(slo, code_of) as observation:
+            ...                                   # parse, admit: errors count too
+            async for response in observation.watch(responses):
+                ...
+
+    It ends with the exception that leaves the `async with`, else the one that
+    ended `watch` (a caller that handles it, like an SSE stream sending it as
+    an event, still has it counted), else OK. Times come from the responses
+    (`ttft_s` on the first token, `e2e_s` on the final one).
+    """
+
+    def __init__(self, slo: SloCache, code_of: CodeOf = code_of) -> None:
+        self._slo = slo
+        self._code_of = code_of
+        self._code = "OK"
+        self._ttft_s: float | None = None
+        self._e2e_s: float | None = None
+        self._num_tokens = 0
+
+    async def __aenter__(self) -> GenerateObservation:
+        await self._slo.refresh()
+        return self
+
+    async def watch(
+        self, responses: AsyncGenerator[gateway_pb2.GenerateResponse, None]
+    ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
+        """`responses`, observed; closing this closes `responses` at once."""
+        async with contextlib.aclosing(responses):
+            try:
+                async for response in responses:
+                    if response.num_output_tokens > 0 and self._ttft_s is None:
+                        self._ttft_s = response.ttft_s
+                    self._num_tokens = max(self._num_tokens, response.num_output_tokens)
+                    if response.is_finished:
+                        self._e2e_s = response.e2e_s
+                    yield response
+            except BaseException as exc:
+                self._code = self._code_of(exc)
+                raise
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        code = self._code if exc is None else self._code_of(exc)
+        outcome = telemetry.request_outcome(code, self._ttft_s is not None)
+        telemetry.observe_request("inference", outcome, code)
+        is_completed = outcome == telemetry.COMPLETED
+        telemetry.observe_inference(self._ttft_s if is_completed else None,
+                                    self._e2e_s if is_completed else None, self._num_tokens,
+                                    self._slo.current)  # fmt: skip
+
+
+async def observe_training(call: Awaitable[T], num_tasks: Callable[[T], int],
+                           code_of: CodeOf = code_of) -> T:  # fmt: skip
+    """Await one Train call and count it: its `num_tasks(result)` tasks
+    `accepted`, or the call rejected/failed/cancelled."""
+    try:
+        result = await call
+    except BaseException as exc:
+        code = code_of(exc)
+        telemetry.observe_request("training", telemetry.request_outcome(code, False), code)
+        raise
+    telemetry.observe_request("training", telemetry.ACCEPTED, "OK", count=num_tasks(result))
+    return result
+
+
+# ---------------------------------------------------------------- gRPC
+
+
 class _Observed(Protocol):
     slo: SloCache
 
 
-def _code_of(exc: BaseException, context: grpc.aio.ServicerContext) -> str:
-    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
-        return "CANCELLED"
-    if isinstance(exc, grpc.aio.AbortError):  # the handler aborted with a task's status
-        code = context.code()
-        return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
-    return status_code_for(exc).name
+def _grpc_code_of(context: grpc.aio.ServicerContext) -> CodeOf:
+    def code(exc: BaseException) -> str:
+        if isinstance(exc, grpc.aio.AbortError):  # the handler aborted with a task's status
+            status = context.code()
+            return status.name if isinstance(status, grpc.StatusCode) else "UNKNOWN"
+        return code_of(exc)
+
+    return code
 
 
 def observe_generate(
-    method: Callable[[Any, Any, grpc.aio.ServicerContext], AsyncIterator[Any]],
+    method: Callable[[Any, Any, grpc.aio.ServicerContext], AsyncGenerator[Any, None]],
 ) -> Callable[[Any, Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
-    """Count a Generate stream and time it from the responses it yields
-    (`ttft_s` on the first token, `e2e_s` on the final one)."""
+    """Count a servicer's Generate stream (`GenerateObservation`); wear it under
+    `@handle_errors`, so it sees domain errors and aborts before they become
+    statuses."""
 
     @functools.wraps(method)
     async def wrapper(self: _Observed, request: Any,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        await self.slo.refresh()
-        ttft_s: float | None = None
-        e2e_s: float | None = None
-        num_tokens = 0
-        code = "OK"
-        try:
-            async for response in method(self, request, context):
-                if response.num_output_tokens > 0 and ttft_s is None:
-                    ttft_s = response.ttft_s
-                num_tokens = max(num_tokens, response.num_output_tokens)
-                if response.is_finished:
-                    e2e_s = response.e2e_s
-                yield response
-        except BaseException as exc:
-            code = _code_of(exc, context)
-            raise
-        finally:
-            outcome = telemetry.request_outcome(code, ttft_s is not None)
-            telemetry.observe_request("inference", outcome, code)
-            is_completed = outcome == telemetry.COMPLETED
-            telemetry.observe_inference(ttft_s if is_completed else None,
-                                        e2e_s if is_completed else None, num_tokens,
-                                        self.slo.current)
+        async with GenerateObservation(self.slo, _grpc_code_of(context)) as observation:
+            responses = observation.watch(method(self, request, context))
+            async with contextlib.aclosing(responses):
+                async for response in responses:
+                    yield response
 
     return wrapper
 
@@ -106,18 +183,12 @@ def observe_generate(
 def observe_train(
     method: Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]],
 ) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]:
-    """Count a Train call: its tasks `accepted`, or the call rejected/failed."""
+    """Count a servicer's Train call (`observe_training`), under `@handle_errors`."""
 
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            response = await method(self, request, context)
-        except BaseException as exc:
-            code = _code_of(exc, context)
-            telemetry.observe_request("training", telemetry.request_outcome(code, False), code)
-            raise
-        telemetry.observe_request("training", telemetry.ACCEPTED, "OK",
-                                  count=len(response.task_ids))
-        return response
+        return await observe_training(method(self, request, context),
+                                      lambda response: len(response.task_ids),
+                                      _grpc_code_of(context))  # fmt: skip
 
     return wrapper

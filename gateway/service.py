@@ -27,6 +27,7 @@ from redis.exceptions import RedisError
 from gateway.config import GatewayConfig
 from gateway.core import GatewayCore
 from gateway.http_api import HttpApi, start_http
+from gateway.observe import SloCache
 from gateway.servicer import GatewayServicer
 from gateway.tokenizer import Tokenizer, load_tokenizer
 from lemix._proto.lemix.v1 import gateway_pb2_grpc, scheduler_pb2_grpc
@@ -132,14 +133,15 @@ class GatewayService:
             core = GatewayCore(
                 config, store, scheduler_pb2_grpc.SchedulerStub(self._channel), tokenizer
             )
-            self._servicer = GatewayServicer(core)
+            slo = SloCache(store)  # one SLO reader for both APIs' metrics
+            self._servicer = GatewayServicer(core, slo)
             self._server, self._port, self._health = await start_server(
                 [(gateway_pb2_grpc.add_GatewayServicer_to_server, self._servicer)],
                 config.host,
                 config.port,
                 service_names=[GATEWAY_SERVICE],
             )
-            api = HttpApi(core, config, is_serving=lambda: self._is_serving)
+            api = HttpApi(core, config, is_serving=lambda: self._is_serving, slo=slo)
             self._http, self._http_port = await start_http(
                 api.app(), config.host, config.http_port,
                 shutdown_timeout_s=config.shutdown_grace_s,

@@ -9,7 +9,7 @@ HTTP API (`gateway.http_api`) shares. Domain errors become status codes in
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import grpc.aio
 
@@ -35,9 +35,10 @@ def _gone_reason(context: grpc.aio.ServicerContext) -> str:
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Generate / Train / GetStats over a `GatewayCore`."""
 
-    def __init__(self, core: GatewayCore) -> None:
+    def __init__(self, core: GatewayCore, slo: SloCache | None = None) -> None:
         self.core = core
-        self.slo = SloCache(core.store)  # what `@observe_generate` judges requests by
+        # What `@observe_generate` judges requests by (shared with the HTTP API).
+        self.slo = slo or SloCache(core.store)
         telemetry.set_in_flight_source(lambda: self.core.num_in_flight)
 
     @property
@@ -49,7 +50,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     @observe_generate
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
         received_s = self.core.clock()
         task, payload = await self.core.admit(request)
         responses = self.core.generate(

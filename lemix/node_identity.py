@@ -65,11 +65,6 @@ return 1
 """
 
 
-def claim_key(keys: RedisKeys, node_id: int) -> str:
-    """Redis key holding the owner of `node_id`'s claim (beside the node's state)."""
-    return f"{keys.node_state(node_id)}:claim"
-
-
 def ordinal_from_hostname(hostname: str) -> int:
     """The StatefulSet ordinal in a pod name: ``executor-3`` → 3 (ValueError if none)."""
     match = _ORDINAL.match(hostname.split(".", 1)[0])
@@ -88,7 +83,7 @@ class NodeClaim:
         if not ttl_s > 0:
             raise ValueError(f"claim ttl must be > 0 seconds, got {ttl_s}")
         self._client = client
-        self._keys = [claim_key(keys, i) for i in range(num_nodes)]
+        self._keys = [keys.node_claim(i) for i in range(num_nodes)]
         self._owner = owner
         self._ttl_ms = str(max(1, int(ttl_s * 1000)))
 

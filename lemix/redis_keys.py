@@ -16,6 +16,7 @@ key                          type    what it holds
 ``ns:nodes``                 set     node ids that ever reported (for lookup)
 ``ns:node:<node_id>``        hash    the node's latest reported state
 ``ns:node:<node_id>:alive``  string  heartbeat; its TTL expiring = node is dead
+``ns:node:<node_id>:claim``  string  owner of a container's claim on the id, with TTL
 ``ns:events``                stream  scheduler event log (replay / parity tests)
 ``ns:completions``           stream  task ends reported by executors
 ``ns:completions:cursor``    string  last completions entry the scheduler applied
@@ -96,6 +97,10 @@ class RedisKeys:
 
     def node_heartbeat(self, node_id: int) -> str:
         return self._key("node", str(int(node_id)), "alive")
+
+    def node_claim(self, node_id: int) -> str:
+        """Owner of a replica's claim on `node_id` (`lemix.node_identity`)."""
+        return self._key("node", str(int(node_id)), "claim")
 
     # ------------------------------------------------------------ misc
     @property

@@ -169,6 +169,28 @@ def test_gateway_and_executors_tokenize_alike(name: str, model: Any,
     assert len(tokenizers) == 1, tokenizers
 
 
+@pytest.mark.parametrize("name,model,services", CONFIGS, ids=IDS)
+def test_executors_share_the_weight_sync_dir(name: str, model: Any,
+                                             services: dict[str, Any]) -> None:
+    """SEPARATE's weight sync: the scheduler names files under its dir, one
+    executor saves them, the others load them, so each mounts one shared
+    named volume at the scheduler's path."""
+    sync_dir = services["scheduler"]["environment"]["LEMIX_WEIGHT_SYNC_DIR"]
+    executors = {n: s for n, s in services.items() if lemix_module(s) == "services.executor"}
+    assert executors and sync_dir.startswith("/")
+    volumes = set()
+    for svc_name, svc in executors.items():
+        assert svc["environment"]["LEMIX_WEIGHT_SYNC_DIR"] == sync_dir, svc_name
+        mounts = {target: source for source, target, *_ in
+                  (str(v).split(":") for v in svc.get("volumes", []))}  # short syntax
+        assert sync_dir in mounts, f"{svc_name} does not mount {sync_dir}"
+        volumes.add(mounts[sync_dir])
+    (volume,) = volumes  # one volume for all of them
+    assert volume in model["volumes"] and not volume.startswith(("/", "."))
+    dockerfile = (REPO / "Dockerfile").read_text()  # a fresh volume copies its ownership
+    assert f"install -d -o 10001 -g 10001 {sync_dir}" in dockerfile
+
+
 def test_both_files_share_the_same_settings() -> None:
     base, cpu = (strip_tags(load_compose_file(p))["x-lemix-env"] for p in (COMPOSE, COMPOSE_CPU))
     assert base == cpu

@@ -28,6 +28,7 @@ MODELS: dict[tuple[str, str], type[pydantic.BaseModel]] = {
     ("v1", "Service"): k8s.V1Service,
     ("apps/v1", "Deployment"): k8s.V1Deployment,
     ("apps/v1", "StatefulSet"): k8s.V1StatefulSet,
+    ("v1", "PersistentVolumeClaim"): k8s.V1PersistentVolumeClaim,
 }
 KUSTOMIZATION_KEYS = {"apiVersion", "kind", "namespace", "labels", "commonLabels", "resources",
                       "images", "configMapGenerator", "patches", "namePrefix"}
@@ -149,6 +150,20 @@ def test_executors_one_pod_per_node_with_its_gpus() -> None:
     env = {v["name"]: v for v in container(executor)["env"]}
     assert env["LEMIX_NODE_ID"]["value"] == "auto"
     assert env["LEMIX_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+
+
+def test_executors_share_the_weight_sync_dir() -> None:
+    """Every executor pod mounts one ReadWriteMany claim at the scheduler's
+    LEMIX_WEIGHT_SYNC_DIR (one pod saves synced weights, the others load them)."""
+    sync_dir = container_env(WORKLOADS["scheduler"])["LEMIX_WEIGHT_SYNC_DIR"]
+    executor = WORKLOADS["executor"]
+    assert container_env(executor)["LEMIX_WEIGHT_SYNC_DIR"] == sync_dir
+    mounts = {m["mountPath"]: m["name"] for m in container(executor)["volumeMounts"]}
+    volumes = {v["name"]: v for v in executor["spec"]["template"]["spec"]["volumes"]}
+    claim_name = volumes[mounts[sync_dir]]["persistentVolumeClaim"]["claimName"]
+    assert "ReadWriteMany" in objects("PersistentVolumeClaim")[claim_name]["spec"]["accessModes"]
+    assert not executor["spec"].get("volumeClaimTemplates")  # per pod: not shared
+    assert executor["spec"]["template"]["spec"]["securityContext"]["fsGroup"] == 10001
 
 
 def test_the_scheduler_is_a_singleton() -> None:

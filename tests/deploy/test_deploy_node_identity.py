@@ -14,7 +14,7 @@ import redis
 import redis.asyncio as aioredis
 
 from lemix import node_identity
-from lemix.node_identity import NodeClaim, claim_key, ordinal_from_hostname
+from lemix.node_identity import NodeClaim, ordinal_from_hostname
 from lemix.redis_keys import RedisKeys
 from lemix.redis_server import EmbeddedRedis
 
@@ -44,7 +44,7 @@ async def test_claims_are_distinct_lowest_first(redis_client: aioredis.Redis) ->
     assert [await a.claim(), await b.claim(), await c.claim()] == [0, 1, None]
     await a.release(0)
     assert await c.claim() == 0  # a spare takes the freed id
-    assert await redis_client.get(claim_key(KEYS, 0)) == "c"
+    assert await redis_client.get(KEYS.node_claim(0)) == "c"
 
 
 async def test_a_restarted_owner_gets_its_own_id_back(redis_client: aioredis.Redis) -> None:
@@ -62,7 +62,7 @@ async def test_renew_and_lost_claims(redis_client: aioredis.Redis) -> None:
     assert await b.claim() == 0
     assert not await a.renew(0)
     await a.release(0)  # releasing someone else's claim does nothing
-    assert await redis_client.get(claim_key(KEYS, 0)) == "b"
+    assert await redis_client.get(KEYS.node_claim(0)) == "b"
 
 
 async def test_run_with_claim_sets_the_id_and_releases(redis_client: aioredis.Redis,
@@ -75,7 +75,7 @@ async def test_run_with_claim_sets_the_id_and_releases(redis_client: aioredis.Re
     status = await node_identity.run_with_claim(command, dict(os.environ),
                                                 make_claim(redis_client, "me"), ttl_s=5.0)
     assert status == 3 and out.read_text() == "1"
-    assert await redis_client.get(claim_key(KEYS, 1)) is None
+    assert await redis_client.get(KEYS.node_claim(1)) is None
 
 
 def _run_module(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -133,10 +133,10 @@ def test_module_passes_sigterm_on_and_releases(redis_server: EmbeddedRedis) -> N
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
-        assert client.get(claim_key(RedisKeys("sig"), 0))
+        assert client.get(RedisKeys("sig").node_claim(0))
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-        assert client.get(claim_key(RedisKeys("sig"), 0)) is None
+        assert client.get(RedisKeys("sig").node_claim(0)) is None
     finally:
         proc.kill()
         proc.wait()

@@ -17,14 +17,18 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import openai
 import pytest
 from factories import make_profile
+from prometheus_client import REGISTRY
 
+from gateway import service as gateway_service
 from gateway.config import GatewayConfig
 from gateway.openai_convert import chat_prompt
 from gateway.service import GatewayService
 from gateway.tokenizer import ApproxTokenizer
+from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc
 from lemix.profile import save_profile
 from lemix.redis_server import EmbeddedRedis
 from lemix.store import Store
@@ -255,6 +259,8 @@ async def test_over_the_in_flight_bound_is_429_and_disconnect_cancels(
 async def test_non_streaming_disconnect_cancels_the_task(
     gateway: GatewayService, store: Store
 ) -> None:
+    cancelled = {"kind": "inference", "outcome": "cancelled", "code": "CANCELLED"}
+    num_cancelled = _sample("lemix_gateway_requests_total", **cancelled)
     url = f"http://{gateway.http_address}/v1/completions"
     timeout = aiohttp.ClientTimeout(total=0.5)  # the client gives up long before 3000 tokens
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -262,6 +268,7 @@ async def test_non_streaming_disconnect_cancels_the_task(
             await session.post(url, json={"prompt": "hi", "max_tokens": 3000})
     await _eventually(lambda: gateway.servicer.num_in_flight == 0)
     assert (await store.get_stats())["requests_cancelled"] == 1
+    assert _sample("lemix_gateway_requests_total", **cancelled) == num_cancelled + 1
     await _assert_still_serving(gateway)
 
 
@@ -318,3 +325,78 @@ async def test_stop_with_open_stream_releases_everything(stack: HttpStack) -> No
         await gateway.stop()
         assert gateway.servicer.num_in_flight == 0
         await held.close()
+
+
+# ------------------------------------------------------------ metrics, bind
+
+
+def _sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def _counts() -> dict[str, float]:
+    """The gateway metrics this process has recorded so far (the default registry)."""
+    requests = "lemix_gateway_requests_total"
+    return {
+        "completed": _sample(requests, kind="inference", outcome="completed", code="OK"),
+        "invalid": _sample(requests, kind="inference", outcome="rejected",
+                           code="INVALID_ARGUMENT"),
+        "not_found": _sample(requests, kind="inference", outcome="failed", code="NOT_FOUND"),
+        "accepted": _sample(requests, kind="training", outcome="accepted", code="OK"),
+        "train_invalid": _sample(requests, kind="training", outcome="rejected",
+                                 code="INVALID_ARGUMENT"),
+        "tokens": _sample("lemix_gateway_output_tokens_total"),
+        "ttft": _sample("lemix_gateway_ttft_seconds_count"),
+        "slo": sum(_sample("lemix_gateway_slo_requests_total", result=r)
+                   for r in ("met", "missed", "unknown")),
+    }  # fmt: skip
+
+
+async def test_http_requests_count_in_the_metrics_like_grpc(
+    gateway: GatewayService, client: openai.AsyncOpenAI
+) -> None:
+    before = _counts()
+    await client.chat.completions.create(model="lemix", messages=MESSAGES, max_tokens=3)
+    stream = await client.completions.create(model="lemix", prompt="hi", max_tokens=4,
+                                             stream=True)  # fmt: skip
+    assert [chunk async for chunk in stream]
+    with pytest.raises(openai.BadRequestError):
+        await client.chat.completions.create(model="lemix", messages=[], max_tokens=3)
+    status, _ = await _post(gateway, "/v1/chat/completions", "{not json")
+    assert status == 400
+    with pytest.raises(openai.NotFoundError):
+        await client.chat.completions.create(model="gpt-9", messages=MESSAGES, max_tokens=3)
+    samples = [{"query": "q", "reference": "r"}] * 2
+    assert (await _post(gateway, "/v1/lemix/train", json.dumps({"samples": samples})))[0] == 200
+    assert (await _post(gateway, "/v1/lemix/train", '{"samples": []}'))[0] == 400
+    # One gRPC Generate beside them counts once, like an HTTP one.
+    async with grpc.aio.insecure_channel(gateway.address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        request = gateway_pb2.GenerateRequest(prompt="hi", max_tokens=2)
+        assert [r async for r in stub.Generate(request)][-1].is_finished
+
+    after = _counts()
+    delta = {name: after[name] - before[name] for name in after}
+    assert delta == {"completed": 3, "invalid": 2, "not_found": 1, "accepted": 2,
+                     "train_invalid": 1, "tokens": 3 + 4 + 2, "ttft": 3, "slo": 6}  # fmt: skip
+
+
+async def test_http_api_binds_the_configured_host(
+    stack: HttpStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hosts: list[str] = []
+    real_start_http = gateway_service.start_http
+
+    async def recording_start_http(app: Any, host: str, port: int,
+                                   **kw: Any) -> tuple[Any, int]:  # fmt: skip
+        hosts.append(host)
+        runner, bound_port = await real_start_http(app, host, port, **kw)
+        assert {address[0] for address in runner.addresses} == {host}
+        return runner, bound_port
+
+    monkeypatch.setattr(gateway_service, "start_http", recording_start_http)
+    service = await stack.make_gateway(host="0.0.0.0")  # what containers set
+    assert hosts == ["0.0.0.0"] and service.http_address.startswith("0.0.0.0:")
+    url = f"http://127.0.0.1:{service.http_port}/health"  # all interfaces, loopback included
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        assert response.status == 200
