@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -96,6 +97,9 @@ def run_service(argv: Sequence[str] | None, parse: Callable[[Sequence[str] | Non
         print(f"error: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level, config.log_format)
+    # A native crash (a segfault or heap corruption in a C extension) then
+    # leaves every thread's Python stack in the service's log.
+    faulthandler.enable(all_threads=True)
     try:
         return asyncio.run(serve(make(config), label(config), metrics_host=config.host,
                                  metrics_port=config.metrics_port))

@@ -32,8 +32,7 @@ class WeightStash:
     """Stashing for one stage's parameters (one instance per stage)."""
 
     def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        self._params = {p.untyped_storage().data_ptr(): p for p in params
-                        if p.storage_offset() == 0}
+        self._params = {p.data_ptr(): p for p in params if p.storage_offset() == 0}
         self.epoch = 0
         self._live: Counter[int] = Counter()  # epoch -> graphs built then and not yet done
         self._snapshots: dict[int, dict[int, torch.Tensor]] = {}
@@ -66,7 +65,10 @@ class WeightStash:
     def _pack(self, tensor: torch.Tensor) -> object:
         if tensor.layout != torch.strided or tensor.device.type == "meta":
             return tensor
-        ptr = tensor.untyped_storage().data_ptr()
+        # The storage's base address, without materializing a Python storage
+        # object: wrapping a storage from inside an autograd hook while other
+        # threads run torch work corrupted the heap (seen on torch 2.13, CPU).
+        ptr = tensor.data_ptr() - tensor.storage_offset() * tensor.element_size()
         if ptr in self._params:
             return _SavedParam(tensor, self.epoch, ptr)
         return tensor

@@ -47,6 +47,10 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+        # No GOAWAY for "too many pings": a process starved of CPU (a node busy
+        # with a model on its cores) reads two delayed keepalive pings back to
+        # back, and the strike would drop every call on the channel.
+        ("grpc.http2.max_ping_strikes", 0),
         # gRPC sets SO_REUSEPORT by default, so a second server on a fixed,
         # busy port would bind silently and steal half the connections.
         ("grpc.so_reuseport", 0),

@@ -52,10 +52,12 @@ def _saved_bytes(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
         if isinstance(t, torch.nn.Parameter) or t._base is not None and isinstance(
                 t._base, torch.nn.Parameter):
             return t  # weights are static memory, counted apart
-        ptr = t.untyped_storage().data_ptr()
+        # By base address, without wrapping the storage in a Python object
+        # from inside a hook (see lemix.model.stash).
+        ptr = t.data_ptr() - t.storage_offset() * t.element_size()
         if ptr not in seen:
             seen.add(ptr)
-            total += t.untyped_storage().nbytes()
+            total += t.numel() * t.element_size()
         return t
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
