@@ -68,7 +68,7 @@ class WeightStash:
         # The storage's base address, without materializing a Python storage
         # object: wrapping a storage from inside an autograd hook while other
         # threads run torch work corrupted the heap (seen on torch 2.13, CPU).
-        ptr = tensor.data_ptr() - tensor.storage_offset() * tensor.element_size()
+        ptr = int(tensor.data_ptr() - tensor.storage_offset() * tensor.element_size())
         if ptr in self._params:
             return _SavedParam(tensor, self.epoch, ptr)
         return tensor

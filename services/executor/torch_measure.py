@@ -54,7 +54,7 @@ def _saved_bytes(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
             return t  # weights are static memory, counted apart
         # By base address, without wrapping the storage in a Python object
         # from inside a hook (see lemix.model.stash).
-        ptr = t.data_ptr() - t.storage_offset() * t.element_size()
+        ptr = int(t.data_ptr() - t.storage_offset() * t.element_size())
         if ptr not in seen:
             seen.add(ptr)
             total += t.numel() * t.element_size()
