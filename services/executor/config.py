@@ -62,6 +62,7 @@ class ExecutorConfig:
     is_offload_enabled: bool = True  # False: wait-then-drop
     advertise_host: str = ""  # host others dial; "" = host (or this machine's name)
     shutdown_grace_s: float = 5.0  # how long stop() lets running work finish
+    stage_timeout_s: float = 300.0  # a stage item running longer marks the node unhealthy
     log_format: str = "console"
     log_level: str = "info"
     # torch backend (see services/executor/torch_setup.py)
@@ -104,6 +105,7 @@ class ExecutorConfig:
         if any(ch.isspace() for ch in self.advertise_host):
             raise ValueError(f"advertise_host must not contain spaces: {self.advertise_host!r}")
         _non_negative("shutdown_grace_s", self.shutdown_grace_s)
+        _positive("stage_timeout_s", self.stage_timeout_s)
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if self.log_level not in LOG_LEVELS:
@@ -206,6 +208,8 @@ _OPTIONS: tuple[Option, ...] = (
            "HOST"),
     Option("shutdown_grace_s", "--shutdown-grace-s", "LEMIX_SHUTDOWN_GRACE_S", float,
            "how long shutdown lets running work finish, s", "S"),
+    Option("stage_timeout_s", "--stage-timeout-s", "LEMIX_STAGE_TIMEOUT_S", float,
+           "a stage item running longer (wall s) marks the node unhealthy", "S"),
     Option("log_format", "--log-format", "LEMIX_LOG_FORMAT", str,
            f"log format: {', '.join(LOG_FORMATS)}", "FMT"),
     Option("log_level", "--log-level", "LEMIX_LOG_LEVEL", str,

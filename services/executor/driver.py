@@ -102,6 +102,7 @@ class NodeDriver:
         self._is_stopping = False
         self._last_s = 0.0
         self.num_errors = 0
+        self._stage_since: dict[int, float] = {}  # stage -> clock() when its work began
 
     def _tick(self, at_s: float | None = None) -> float:
         """Engine time for the next engine call: `at_s` (or the clock), never
@@ -172,7 +173,20 @@ class NodeDriver:
             self._wake.set()
         self._arm_timer()
 
+    def longest_running_stage_s(self) -> float:
+        """Wall seconds the longest-running stage item has been running (0: none)."""
+        if not self._stage_since:
+            return 0.0
+        return self._clock() - min(self._stage_since.values())
+
     async def _run_stage(self, start: StageStart, start_at_s: float) -> None:
+        self._stage_since[start.stage] = self._clock()
+        try:
+            await self._run_stage_work(start, start_at_s)
+        finally:
+            self._stage_since.pop(start.stage, None)
+
+    async def _run_stage_work(self, start: StageStart, start_at_s: float) -> None:
         if isinstance(self.backend, EmulatedBackend):
             # Sleep to the stage's absolute end in profile time, and tell the
             # engine it ended then: timer overshoot (~0.5 ms a wake-up) would

@@ -132,8 +132,11 @@ class ExecutorNode:
     """One node: dispatch, cancel, report, sync weights, measure."""
 
     def __init__(self, engine: NodeEngine, backend: StageBackend, sink: OutcomeSink, *,
-                 time_scale: float = 1.0) -> None:
+                 time_scale: float = 1.0, stage_timeout_s: float = 300.0) -> None:
         self.engine = engine
+        # A stage item running longer than this (wall s) means a hung stage:
+        # the node reports itself unhealthy so the scheduler stops placing on it.
+        self.stage_timeout_s = stage_timeout_s
         self.profile: Profile = engine.profile
         self.node_id = engine.node_id
         self.sink = sink
@@ -264,8 +267,12 @@ class ExecutorNode:
             memory_capacity_bytes=engine.memory.threshold_bytes,
             busy_fraction=self._busy.update(now_s, mean_busy_s),
             num_training_updates=engine.num_training_updates,
-            is_healthy=not self.is_stopping,
+            is_healthy=not self.is_stopping and not self.is_stage_hung,
         )
+
+    @property
+    def is_stage_hung(self) -> bool:
+        return self.driver.longest_running_stage_s() > self.stage_timeout_s
 
     # ------------------------------------------------------------ sink hooks
 

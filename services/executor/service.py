@@ -131,7 +131,8 @@ class ExecutorService:
         model = backend if isinstance(backend, ModelBackend) else None
         self.node = ExecutorNode(engine, backend,
                                  RedisOutcomeSink(self._store, config.node_id, model=model),
-                                 time_scale=config.time_scale)
+                                 time_scale=config.time_scale,
+                                 stage_timeout_s=config.stage_timeout_s)
         await self.node.start()
         servicer = ExecutorServicer(self.node)
         self._server, self._bound_port, self._health = await start_server(

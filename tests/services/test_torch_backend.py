@@ -205,3 +205,30 @@ async def test_measured_memory_follows_what_the_stages_hold() -> None:
     await node.stop(grace_s=5.0)
     # AdamW's two moments (plus a step counter) now live beside every weight.
     assert all(u >= 3 * w for u, w in zip(backend.used_bytes(), weights, strict=True))
+
+
+async def test_a_hung_stage_marks_the_node_unhealthy() -> None:
+    class StuckBackend:
+        def __init__(self) -> None:
+            self.release = asyncio.Event()
+
+        async def execute(self, start: object) -> None:
+            await self.release.wait()
+            return None
+
+    backend = StuckBackend()
+    profile = make_profile(2)
+    engine = NodeEngine(0, profile, profile.ours, EngineConfig(emit_tokens=True))
+    node = ExecutorNode(engine, backend, RecordingSink(_backend()), stage_timeout_s=0.05)
+    await node.start()
+    assert node.snapshot().is_healthy
+    node.dispatch(make_request("r", 0.0, 4, 1), TaskPayload())
+    await asyncio.sleep(0.2)
+    assert not node.snapshot().is_healthy  # stage 0 has run 0.2 s > 0.05 s
+    backend.release.set()
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if engine.is_idle:
+            break
+    assert node.snapshot().is_healthy
+    await node.stop(grace_s=1.0)
