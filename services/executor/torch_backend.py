@@ -71,6 +71,10 @@ class TorchBackend:
         self.num_training_done = 0
         self.last_training_loss: float | None = None
         self.num_stage_errors = 0
+        # Bytes each stage holds, measured by the stage's own thread after each
+        # item: reading grads or optimizer state from another thread while a
+        # backward accumulates into them is a data race (it corrupted the heap).
+        self._used_bytes = staged.weight_bytes()
 
     # ------------------------------------------------------------ node hooks
 
@@ -131,9 +135,8 @@ class TorchBackend:
         self._syncs[tag] = _SyncJob(direction, location)
 
     def used_bytes(self) -> list[int]:
-        """Memory each stage really holds now (see `lemix.model.device_memory`)."""
-        return [stage_used_bytes(stage, self.trainer.optimizers[s])
-                for s, stage in enumerate(self.staged.stages)]
+        """Memory each stage held after its last item (see `lemix.model.device_memory`)."""
+        return list(self._used_bytes)
 
     def close(self) -> None:
         for pool in self._pools:
@@ -144,8 +147,16 @@ class TorchBackend:
     async def execute(self, start: StageStart) -> Sequence[str] | None:
         self._mirror_offloads()
         fn = self._work(start)
+        stage = start.stage
+
+        def job() -> Sequence[str] | None:
+            try:
+                return fn()
+            finally:
+                self._used_bytes[stage] = stage_used_bytes(
+                    self.staged.stages[stage], self.trainer.optimizers[stage])
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pools[start.stage], fn)
+        return await loop.run_in_executor(self._pools[stage], job)
 
     def _work(self, start: StageStart) -> Callable[[], Sequence[str] | None]:
         stage = start.stage
