@@ -57,12 +57,17 @@ class TorchBackend:
     def __init__(self, staged: StagedModel, runner: InferenceRunner,
                  trainer: PipelineTrainer, *,
                  on_training_loss: Callable[[float], None] | None = None,
-                 on_inference_loss: Callable[[float], None] | None = None) -> None:
+                 on_inference_loss: Callable[[float], None] | None = None,
+                 num_threads: int = 0) -> None:
         self.staged = staged
         self.runner = runner
         self.trainer = trainer
         self.engine: NodeEngine | None = None
-        self._pools = [ThreadPoolExecutor(1, thread_name_prefix=f"stage{s}")
+        # One worker thread per stage. OpenMP's thread count is per calling
+        # thread, so each worker sets it itself (0: torch's default).
+        self._pools = [ThreadPoolExecutor(1, thread_name_prefix=f"stage{s}",
+                                          initializer=set_torch_threads,
+                                          initargs=(num_threads,))
                        for s in range(staged.num_stages)]
         self._samples: dict[str, list[Sample]] = {}
         self._syncs: dict[str, _SyncJob] = {}

@@ -87,7 +87,8 @@ def build_torch_node(config: TorchBackendConfig, profile: Profile, *,
     trainer = PipelineTrainer(staged, TrainingConfig(learning_rate=config.learning_rate,
                                                      max_grad_norm=config.max_grad_norm))
     backend = TorchBackend(staged, runner, trainer, on_training_loss=on_training_loss,
-                           on_inference_loss=on_inference_loss)
+                           on_inference_loss=on_inference_loss,
+                           num_threads=config.num_threads)
     return backend, model_profile(profile, staged, devices, config.memory_budget_bytes)
 
 
