@@ -118,6 +118,7 @@ class _Request:
     context_tokens: int = 0
     is_cancelled: bool = False
     is_stopped: bool = False  # the model emitted end-of-sequence
+    failure: str = ""  # the backend could not run it: ends Failed with this reason
 
 
 @dataclass(slots=True)
@@ -263,6 +264,14 @@ class NodeEngine:
         for req in self.running:
             if req.task.task_id in wanted:
                 req.is_stopped = True
+
+    def fail_requests(self, task_ids: Iterable[str], reason: str) -> None:
+        """Requests of the in-flight iteration the backend could not run: they
+        end Failed (with `reason`, a "STATUS: text" string) when it ends."""
+        wanted = set(task_ids)
+        for req in self.running:
+            if req.task.task_id in wanted and not req.failure:
+                req.failure = reason
 
     def next_timer_s(self) -> float | None:
         """When a memory wait reaches T_max (the driver calls `on_timer` then)."""
@@ -482,18 +491,21 @@ class NodeEngine:
         for req in iteration.prefill:
             req.num_generated = 1
             req.context_tokens = req.task.num_prompt_tokens + 1
-            outcomes.append(FirstToken(req.task.task_id, self.visible_updates))
+            if not req.failure:  # a failed request's token was never made
+                outcomes.append(FirstToken(req.task.task_id, self.visible_updates))
         for req in iteration.decode:
             req.num_generated += 1
             req.context_tokens += 1
-        if self.config.emit_tokens and iteration.decode:
-            outcomes.append(TokensEmitted(tuple(r.task.task_id for r in iteration.decode),
-                                          tuple(r.num_generated for r in iteration.decode)))
+        emitted = [r for r in iteration.decode if not r.failure]
+        if self.config.emit_tokens and emitted:
+            outcomes.append(TokensEmitted(tuple(r.task.task_id for r in emitted),
+                                          tuple(r.num_generated for r in emitted)))
         still = []
         for req in self.running:
-            if req.is_cancelled:
+            if req.is_cancelled or req.failure:
                 self.memory.release(req.task.task_id)
-                outcomes.append(Failed(req.task.task_id, "CANCELLED: cancelled by the client"))
+                reason = req.failure or "CANCELLED: cancelled by the client"
+                outcomes.append(Failed(req.task.task_id, reason))
             elif req.is_stopped or req.num_generated >= req.task.max_output_tokens:
                 self.memory.release(req.task.task_id)
                 outcomes.append(Finished(req.task.task_id, req.num_generated))

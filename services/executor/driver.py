@@ -32,6 +32,15 @@ log = structlog.get_logger(__name__)
 _WRITER_STOP_S = 2.0
 
 
+class RequestsFailed(Exception):  # noqa: N818 - it is an outcome, not a misuse
+    """A backend could not run these requests (they end Failed, `reason`)."""
+
+    def __init__(self, task_ids: Sequence[str], reason: str) -> None:
+        super().__init__(reason)
+        self.task_ids = tuple(task_ids)
+        self.reason = reason
+
+
 class StageBackend(Protocol):
     """Executes one stage's work item."""
 
@@ -201,6 +210,9 @@ class NodeDriver:
                     self.engine.stop_requests(stopped)
             except asyncio.CancelledError:
                 raise
+            except RequestsFailed as exc:
+                self.num_errors += 1
+                self.engine.fail_requests(exc.task_ids, exc.reason)
             except Exception:  # a backend failure must not wedge the node: log, count, go on
                 self.num_errors += 1
                 log.exception("stage_failed", node=self.engine.node_id, stage=start.stage,

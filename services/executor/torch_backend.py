@@ -39,11 +39,9 @@ from lemix.rpc.errors import InvalidArgument
 from lemix.types import Task, TaskPayload
 from services.executor import weights
 from services.executor.convert import MeasureResult, MeasureSpec, SyncDirection
+from services.executor.driver import RequestsFailed
 
 log = structlog.get_logger(__name__)
-
-FINISH_ERROR = "error"
-
 
 @dataclass(frozen=True)
 class _SyncJob:
@@ -192,16 +190,14 @@ class TorchBackend:
                     if req is not None and req.inference_loss is not None:
                         self._on_inference_loss(req.inference_loss)
             return stopped
-        except Exception:
-            # The iteration's requests cannot continue; end them now rather than
-            # let later stages or steps run on missing state.
+        except Exception as exc:
+            # The iteration's requests cannot continue: they end Failed (the
+            # client gets INTERNAL) rather than complete with tokens never made.
             self.num_stage_errors += 1
             log.exception("torch.iteration_failed", stage=stage)
-            for key in (*prefill, *decode):
-                req = self.runner.requests.get(key)
-                if req is not None:
-                    req.finish_reason = FINISH_ERROR
-            return [*prefill, *decode]
+            raise RequestsFailed([*prefill, *decode],
+                                 f"INTERNAL: stage {stage} failed: {type(exc).__name__}: "
+                                 f"{exc}") from exc
 
     def _backward(self, stage: int, key: str) -> None:
         loss = self.trainer.backward(stage, key)

@@ -237,3 +237,26 @@ async def test_a_hung_stage_marks_the_node_unhealthy() -> None:
             break
     assert node.snapshot().is_healthy
     await node.stop(grace_s=1.0)
+
+
+async def test_a_failing_iteration_ends_its_requests_failed_internal() -> None:
+    backend = _backend()
+    node, sink = _node(backend)
+    await node.start()
+    real = backend.runner.run_stage
+
+    def broken(stage: int, iteration: int, prefill: list, decode: list) -> list:
+        if stage == 1 and "bad" in prefill:
+            raise RuntimeError("boom")
+        return real(stage, iteration, prefill, decode)
+    backend.runner.run_stage = broken  # type: ignore[method-assign]
+    node.dispatch(make_request("bad", 0.0, 5, 4), TaskPayload(prompt_token_ids=_prompt(5, 1)))
+    await sink.wait_for({"bad"})
+    node.dispatch(make_request("ok", 0.0, 5, 3), TaskPayload(prompt_token_ids=_prompt(5, 2)))
+    await sink.wait_for({"ok"})
+    await node.stop(grace_s=5.0)
+    failed = sink.ended["bad"]
+    assert isinstance(failed, Failed) and failed.reason.startswith("INTERNAL: stage 1 failed")
+    assert isinstance(sink.ended["ok"], Finished) and len(sink.ids["ok"]) == 3  # node goes on
+    assert not backend.runner.requests and all(
+        st.kv.device_bytes == 0 for st in backend.staged.stages)
