@@ -21,6 +21,7 @@ key                          type    what it holds
 ``ns:completions``           stream  task ends reported by executors
 ``ns:completions:cursor``    string  last completions entry the scheduler applied
 ``ns:cancelled:<task_id>``   string  cancelled before placement (with TTL)
+``ns:lease:<task_id>``       string  the streaming gateway's lease on a request (TTL)
 ``ns:scheduler:epoch``       string  wall-clock origin of the planner's time
 ``ns:scheduler:slo``         hash    the SLO the scheduler plans for (ttft_s, tbt_s)
 ``ns:profile:<name>``        string  a fitted profile as JSON text
@@ -40,6 +41,9 @@ INTAKE_GROUP = "scheduler"
 NODE_HEARTBEAT_TTL_S = 5.0
 # How long a task id stays known to the intake's dedupe check.
 DEDUPE_TTL_S = 24 * 3600.0
+# A gateway renews the leases of the streams it reads every
+# STREAM_LEASE_TTL_S / 3; a lease that lapses means its gateway is gone.
+STREAM_LEASE_TTL_S = 15.0
 # Approximate cap on entries per output stream (XADD MAXLEN ~): far above any
 # request's token count; only a runaway producer ever hits it.
 OUTPUT_MAXLEN = 100_000
@@ -123,6 +127,14 @@ class RedisKeys:
     def cancelled(self, task_id: str) -> str:
         """Marks a task cancelled before the scheduler placed it."""
         return self._key("cancelled", _check_part("task_id", task_id))
+
+    def stream_lease(self, task_id: str) -> str:
+        """A gateway's lease on the request it streams; renewed while it reads.
+
+        Its expiry means nobody reads the output any more (the gateway died):
+        the scheduler cancels the task so the executor frees its KV.
+        """
+        return self._key("lease", _check_part("task_id", task_id))
 
     @property
     def scheduler_epoch(self) -> str:

@@ -31,7 +31,13 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from lemix import telemetry
-from lemix.redis_keys import DEDUPE_TTL_S, NODE_HEARTBEAT_TTL_S, OUTPUT_MAXLEN, RedisKeys
+from lemix.redis_keys import (
+    DEDUPE_TTL_S,
+    NODE_HEARTBEAT_TTL_S,
+    OUTPUT_MAXLEN,
+    STREAM_LEASE_TTL_S,
+    RedisKeys,
+)
 
 FieldValue = str | int | float | bool | None
 Fields = dict[str, str]
@@ -563,6 +569,32 @@ class Store:
 
     async def is_cancelled(self, task_id: str) -> bool:
         return bool(await self.client.exists(self.keys.cancelled(task_id)))
+
+    # ========================================================= stream leases
+
+    async def renew_stream_leases(self, owner: str, task_ids: Sequence[str],
+                                  ttl_s: float = STREAM_LEASE_TTL_S) -> None:
+        """(Re)take `owner`'s lease on every stream in `task_ids`, one round trip."""
+        if not task_ids:
+            return
+        ttl_ms = _ms(ttl_s, "ttl_s")
+        pipe = self.client.pipeline(transaction=False)
+        for task_id in task_ids:
+            pipe.set(self.keys.stream_lease(task_id), owner, px=ttl_ms)
+        await pipe.execute()
+
+    async def drop_stream_lease(self, task_id: str) -> None:
+        """The reader is done with the stream (it ended or was cancelled)."""
+        await self.client.delete(self.keys.stream_lease(task_id))
+
+    async def stream_leases_held(self, task_ids: Sequence[str]) -> list[bool]:
+        """Per task: is a gateway's lease on its stream live? One round trip."""
+        if not task_ids:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for task_id in task_ids:
+            pipe.exists(self.keys.stream_lease(task_id))
+        return [bool(n) for n in await pipe.execute()]
 
     async def scheduler_epoch(self, now_epoch_s: float) -> float:
         """The planner's time origin: set once (NX), then read back forever."""
