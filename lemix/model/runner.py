@@ -15,6 +15,7 @@ of the weights serving the request.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,9 +55,19 @@ class _Carry:
 def sample_next(logits: torch.Tensor, req: GenRequest) -> int:
     """Greedy at temperature 0, else temperature + nucleus (top-p) sampling,
     drawn from the request's own seeded generator (reproducible per request)."""
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError("the model produced non-finite logits for this request")
+    if not 0.0 <= req.temperature < math.inf or not 0.0 < req.top_p <= 1.0:
+        raise ValueError(f"invalid sampling values: temperature={req.temperature}, "
+                         f"top_p={req.top_p}")
     if req.temperature == 0.0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / req.temperature, dim=-1)
+    scaled = logits.float() / req.temperature
+    if not bool(torch.isfinite(scaled).all()):
+        # A temperature so small that logits/T overflows is greedy in the
+        # limit; softmax of inf - inf would be NaN and fail the draw.
+        return int(torch.argmax(logits))
+    probs = torch.softmax(scaled, dim=-1)
     if req.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (always >= 1 token).
@@ -75,6 +86,9 @@ class InferenceRunner:
         self.staged = staged
         self.eos_id = eos_id
         self.requests: dict[str, GenRequest] = {}
+        # Requests whose sampling failed in the last stage's latest iteration,
+        # with the reason; the backend takes them right after `run_stage`.
+        self.failures: dict[str, str] = {}
         self._carry: dict[int, _Carry] = {}
         self._lock = threading.Lock()
 
@@ -90,6 +104,11 @@ class InferenceRunner:
             stage.kv.allocate(req.key, total)
         with self._lock:
             self.requests[req.key] = req
+
+    def take_failures(self) -> dict[str, str]:
+        """The requests that failed since the last call (key -> reason)."""
+        failures, self.failures = self.failures, {}
+        return failures
 
     def release(self, key: str) -> None:
         for stage in self.staged.stages:
@@ -149,17 +168,25 @@ class InferenceRunner:
 
     def _sample(self, logits: torch.Tensor, prefill: Sequence[str], decode: Sequence[str],
                 segments: Sequence[Segment]) -> list[str]:
-        """logits [N, vocab]: next token per request; the inference loss of prefills."""
+        """logits [N, vocab]: next token per request; the inference loss of prefills.
+
+        A request whose sampling fails is recorded in `failures` (key -> reason)
+        and skipped; the others in the batch go on.
+        """
         stopped = []
         for key, seg in zip((*prefill, *decode), segments, strict=True):
             req = self.requests[key]
             num_prompt = len(req.prompt_ids)
             row = seg.start + num_prompt - 1 if key in prefill else seg.start
-            if req.reference_ids and not req.generated:
-                rows = logits[row: row + len(req.reference_ids)]
-                target = torch.tensor(req.reference_ids, device=rows.device)
-                req.inference_loss = float(F.cross_entropy(rows, target))
-            token = sample_next(logits[row], req)
+            try:
+                if req.reference_ids and not req.generated:
+                    rows = logits[row: row + len(req.reference_ids)]
+                    target = torch.tensor(req.reference_ids, device=rows.device)
+                    req.inference_loss = float(F.cross_entropy(rows, target))
+                token = sample_next(logits[row], req)
+            except (ValueError, RuntimeError) as exc:
+                self.failures[key] = f"INTERNAL: sampling failed: {type(exc).__name__}: {exc}"
+                continue
             req.generated.append(token)
             if token == self.eos_id and not req.ignore_eos:
                 req.finish_reason = FINISH_STOP

@@ -33,12 +33,18 @@ _WRITER_STOP_S = 2.0
 
 
 class RequestsFailed(Exception):  # noqa: N818 - it is an outcome, not a misuse
-    """A backend could not run these requests (they end Failed, `reason`)."""
+    """A backend could not run these requests (they end Failed, `reason`).
 
-    def __init__(self, task_ids: Sequence[str], reason: str) -> None:
+    `stopped` are requests of the same item that ended normally (end of
+    sequence): one bad request must not take its batch-mates down with it.
+    """
+
+    def __init__(self, task_ids: Sequence[str], reason: str,
+                 stopped: Sequence[str] = ()) -> None:
         super().__init__(reason)
         self.task_ids = tuple(task_ids)
         self.reason = reason
+        self.stopped = tuple(stopped)
 
 
 class StageBackend(Protocol):
@@ -213,6 +219,8 @@ class NodeDriver:
             except RequestsFailed as exc:
                 self.num_errors += 1
                 self.engine.fail_requests(exc.task_ids, exc.reason)
+                if exc.stopped:
+                    self.engine.stop_requests(exc.stopped)
             except Exception:  # a backend failure must not wedge the node: log, count, go on
                 self.num_errors += 1
                 log.exception("stage_failed", node=self.engine.node_id, stage=start.stage,

@@ -184,12 +184,13 @@ class TorchBackend:
                        decode: list[str]) -> Sequence[str]:
         try:
             stopped = self.runner.run_stage(stage, iteration, prefill, decode)
+            failures = self.runner.take_failures()
             if stage == self.staged.num_stages - 1 and self._on_inference_loss is not None:
                 for key in prefill:
                     req = self.runner.requests.get(key)
-                    if req is not None and req.inference_loss is not None:
+                    if (key not in failures and req is not None
+                            and req.inference_loss is not None):
                         self._on_inference_loss(req.inference_loss)
-            return stopped
         except Exception as exc:
             # The iteration's requests cannot continue: they end Failed (the
             # client gets INTERNAL) rather than complete with tokens never made.
@@ -198,6 +199,15 @@ class TorchBackend:
             raise RequestsFailed([*prefill, *decode],
                                  f"INTERNAL: stage {stage} failed: {type(exc).__name__}: "
                                  f"{exc}") from exc
+        if failures:
+            # Only the requests that failed end Failed; their batch-mates go on.
+            self.num_stage_errors += 1
+            log.warning("torch.requests_failed", stage=stage, failures=failures)
+            # One reason for the lot: two failing differently in one
+            # iteration is rare, and each reason is logged above.
+            raise RequestsFailed(list(failures), next(iter(failures.values())),
+                                 stopped=stopped)
+        return stopped
 
     def _backward(self, stage: int, key: str) -> None:
         loss = self.trainer.backward(stage, key)

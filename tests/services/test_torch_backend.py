@@ -260,3 +260,31 @@ async def test_a_failing_iteration_ends_its_requests_failed_internal() -> None:
     assert isinstance(sink.ended["ok"], Finished) and len(sink.ids["ok"]) == 3  # node goes on
     assert not backend.runner.requests and all(
         st.kv.device_bytes == 0 for st in backend.staged.stages)
+
+
+async def test_a_request_whose_sampling_fails_ends_alone_its_batch_mates_go_on() -> None:
+    backend = _backend()
+    node, sink = _node(backend)
+    await node.start()
+    prompts = {"tiny-t": _prompt(7, 1), "poison": _prompt(8, 2), "mate": _prompt(9, 3)}
+    greedy = InferenceRunner(backend.staged, None).generate_alone(
+        GenRequest("g", prompts["tiny-t"], 5))
+    # A temperature so small that logits / T overflows: greedy in the limit, not NaN.
+    node.dispatch(make_request("tiny-t", 0.0, 7, 5),
+                  TaskPayload(prompt_token_ids=prompts["tiny-t"], temperature=1e-300, seed=1))
+    node.dispatch(make_request("poison", 0.0, 8, 5),
+                  TaskPayload(prompt_token_ids=prompts["poison"], temperature=1.0, seed=2))
+    node.dispatch(make_request("mate", 0.0, 9, 5),
+                  TaskPayload(prompt_token_ids=prompts["mate"], temperature=1.0, seed=3))
+    # TaskPayload refuses a NaN top_p, so poison the admitted request itself:
+    # its draw then fails inside the batch it shares with the other two.
+    backend.runner.requests["poison"].top_p = float("nan")
+    await sink.wait_for(set(prompts))
+    await node.stop(grace_s=5.0)
+    failed = sink.ended["poison"]
+    assert isinstance(failed, Failed) and failed.reason.startswith("INTERNAL: sampling failed")
+    for key in ("tiny-t", "mate"):
+        assert isinstance(sink.ended[key], Finished), sink.ended[key]
+        assert len(sink.ids[key]) == 5
+    assert sink.ids["tiny-t"] == greedy
+    assert not backend.runner.requests
