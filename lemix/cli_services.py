@@ -178,10 +178,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 async def _profile_and_store(config: ProfileCommandConfig) -> ProfileRun:
-    import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 
     from lemix.profile import save_profile
+    from lemix.redis_client import RedisClientConfig, connect
     from lemix.rpc.errors import Unavailable
     from lemix.store import Store
     from profiler.convert import profile_json
@@ -189,7 +189,8 @@ async def _profile_and_store(config: ProfileCommandConfig) -> ProfileRun:
 
     client = None
     if config.redis_url:
-        client = aioredis.Redis.from_url(config.redis_url, decode_responses=True)
+        client = connect(RedisClientConfig(config.redis_url, max_connections=2,
+                                           socket_timeout_s=30.0))
     try:
         if client is not None:  # fail before the measurements, not after
             await client.ping()

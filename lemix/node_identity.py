@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 
 import redis.asyncio as aioredis
 
+from lemix.redis_client import RedisClientConfig, connect
 from lemix.redis_keys import DEFAULT_NAMESPACE, RedisKeys
 
 AUTO = "auto"
@@ -204,7 +205,10 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
                                  f"{num_nodes - 1}: raise LEMIX_NUM_NODES to the replica count")
             os.execvpe(command[0], command, {**env, "LEMIX_NODE_ID": str(node_id)})
         claim = NodeClaim(
-            aioredis.Redis.from_url(env.get("LEMIX_REDIS_URL") or DEFAULT_REDIS_URL),
+            # Claim and renew, one at a time: two connections are plenty.
+            connect(RedisClientConfig(env.get("LEMIX_REDIS_URL") or DEFAULT_REDIS_URL,
+                                      max_connections=2, socket_timeout_s=10.0,
+                                      decode_responses=False)),
             RedisKeys(env.get("LEMIX_NAMESPACE") or DEFAULT_NAMESPACE), num_nodes,
             owner=socket.gethostname(), ttl_s=args.claim_ttl_s)
     except ValueError as exc:

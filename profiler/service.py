@@ -18,6 +18,7 @@ from grpc_health.v1 import health
 
 from lemix._proto.lemix.v1 import profiler_pb2_grpc
 from lemix.profile import Profile, load_profile
+from lemix.redis_client import RedisClientConfig, connect
 from lemix.redis_keys import RedisKeys
 from lemix.rpc import PROFILER_SERVICE
 from lemix.rpc.server import start_server, stop_server
@@ -69,9 +70,9 @@ class ProfilerService:
     async def _start(self) -> None:
         config = self.config
         base = self._base or load_profile(config.resolved_base_profile_path)
-        self._redis = aioredis.Redis.from_url(
-            config.redis_url, decode_responses=True, socket_connect_timeout=5.0,
-            socket_timeout=30.0)  # writes only; redis-py's 5 s default is too tight under load
+        # Profile writes and reads, one RPC at a time; writes only (no blocking read).
+        self._redis = connect(RedisClientConfig(
+            config.redis_url, max_connections=4, socket_timeout_s=30.0))
         await self._redis.ping()
         store = Store(self._redis, RedisKeys(config.namespace))
         core = ProfilerCore(store, base, config.fit_config(), config.measure_deadline_s)

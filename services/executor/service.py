@@ -29,6 +29,7 @@ from lemix import telemetry
 from lemix._proto.lemix.v1 import executor_pb2_grpc
 from lemix.engine import NodeEngine
 from lemix.profile import Profile, default_profile_path, load_profile
+from lemix.redis_client import RedisClientConfig, connect
 from lemix.redis_keys import RedisKeys
 from lemix.rpc import EXECUTOR_SERVICE
 from lemix.rpc.server import start_server, stop_server
@@ -47,6 +48,8 @@ log = structlog.get_logger(__name__)
 _GONE_TTL_S = 0.001
 # How long stop() waits for a heartbeat write in progress.
 _HEARTBEAT_STOP_S = 2.0
+# Redis connections of one executor process (see `_start`).
+_REDIS_MAX_CONNECTIONS = 8
 # How long stop() gives in-flight RPCs after the work has drained.
 _RPC_GRACE_S = 1.0
 
@@ -123,9 +126,11 @@ class ExecutorService:
         truth = NoisyLatency(profile.ours, config.latency_noise_cv,
                              random.Random(config.seed + config.node_id))
         engine = NodeEngine(config.node_id, profile, truth, config.engine_config())
-        self._redis = aioredis.Redis.from_url(
-            config.redis_url, decode_responses=True, socket_connect_timeout=5.0,
-            socket_timeout=30.0)  # writes only; redis-py's 5 s default is too tight under load
+        # Writers only: the outcome sink (one batch at a time), the heartbeat
+        # loop and the odd RPC-side read; a few spare for overlap. Writes
+        # only, so no blocking read needs the socket timeout to outlast it.
+        self._redis = connect(RedisClientConfig(
+            config.redis_url, max_connections=_REDIS_MAX_CONNECTIONS, socket_timeout_s=30.0))
         await self._redis.ping()
         self._store = Store(self._redis, RedisKeys(config.namespace))
         model = backend if isinstance(backend, ModelBackend) else None
