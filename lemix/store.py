@@ -13,7 +13,8 @@ Rules it keeps (STYLE.md, "Redis hygiene", arq as the model):
   (`finish_task`); recording a task and acking its intake entry is one
   MULTI/EXEC (`accept_task`). Readers never see one half.
 - Hot paths take one round trip: `append_outputs_batch` pipelines a whole
-  executor iteration's tokens.
+  executor iteration's tokens (`append_outputs_fenced`, the executor's, does
+  it in one script call, fenced by attempt: section "fencing").
 
 Field values are strings on the wire. `encode_fields` and the ``get_*``
 helpers below are the one place numbers, booleans and ``None`` are converted.
@@ -23,10 +24,13 @@ The store assumes one Redis instance (no cluster): scripts touch several keys.
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from enum import StrEnum
+from typing import Any, NamedTuple, TypeVar
 
+import grpc
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
@@ -38,6 +42,7 @@ from lemix.redis_keys import (
     STREAM_LEASE_TTL_S,
     RedisKeys,
 )
+from lemix.rpc.errors import ServiceError
 
 FieldValue = str | int | float | bool | None
 Fields = dict[str, str]
@@ -117,6 +122,17 @@ def _as_fields(raw: Any) -> Fields:
     return {str(name): str(value) for name, value in (raw or {}).items()}
 
 
+def _named_fields(names: Sequence[str], values: Sequence[Any]) -> Fields:
+    """An HMGET reply as {name: value} for the fields that are set."""
+    return {name: str(value) for name, value in zip(names, values, strict=True)
+            if value is not None}
+
+
+def _glob_escape(text: str) -> str:
+    """`text` matched literally in a SCAN/KEYS pattern."""
+    return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
+
+
 def _stream_entries(response: Any) -> list[Entry]:
     """Entries of a single-stream XREAD/XREADGROUP reply (RESP2 list or RESP3 dict)."""
     if not response:
@@ -133,16 +149,53 @@ def _stream_entries(response: Any) -> list[Entry]:
 # ------------------------------------------------------------------ scripts
 
 # KEYS[1] dedupe key, KEYS[2] intake stream.
-# ARGV[1] dedupe TTL in ms; ARGV[2..] the task's field/value items.
-# Returns the new entry id, or false for a task id seen before.
+# ARGV[1] dedupe TTL in ms; ARGV[2] the request's hash (`request_hash`);
+# ARGV[3..] the task's field/value items.
+# The dedupe key holds "<intake entry id> <request hash>" (a marker written
+# before hashes existed holds the entry id alone: its hash is unknown, so any
+# payload counts as the same request).
+# Returns 1 (added), 0 (same id, same request: nothing written) or -1 (same id,
+# another request: nothing written).
 _SUBMIT_LUA = """
-if not redis.call('SET', KEYS[1], '', 'NX', 'PX', ARGV[1]) then
-  return false
+local seen = redis.call('GET', KEYS[1])
+if seen then
+  local hash = string.match(seen, ' (%x+)$')
+  if hash and hash ~= ARGV[2] then
+    return -1
+  end
+  return 0
 end
-local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
-redis.call('SET', KEYS[1], id, 'KEEPTTL')
-return id
+local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+redis.call('SET', KEYS[1], id .. ' ' .. ARGV[2], 'PX', ARGV[1])
+return 1
 """
+
+# Task fields that differ between two Submits of one request (stamped by the
+# submitter or on intake), so they are not part of its hash: the scheduler's
+# submit wall time (`services.scheduler.codec.SUBMIT_T_FIELD`), arrival time
+# and arrival order.
+UNHASHED_TASK_FIELDS = frozenset({"submit_t", "arrival_s", "seq"})
+
+
+def request_hash(fields: Mapping[str, str]) -> str:
+    """Hex SHA-256 of a task's encoded fields, less `UNHASHED_TASK_FIELDS`:
+    what makes two Submits of one task id the same request."""
+    digest = hashlib.sha256()
+    for name in sorted(fields):
+        if name not in UNHASHED_TASK_FIELDS:
+            # Length-prefixed, so no choice of values can make two field sets
+            # serialize alike.
+            for part in (name, fields[name]):
+                data = part.encode("utf-8")
+                digest.update(len(data).to_bytes(8, "big") + data)
+    return digest.hexdigest()
+
+
+class TaskIdConflict(ServiceError):
+    """A Submit reuses a task id (a client's `request_id`) for a different
+    request. Retrying cannot succeed: the client must pick a new id."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
 
 # KEYS[1] task state hash. ARGV: field/value items.
 # Returns 1, or 0 when the task is already final (its state is then kept).
@@ -173,6 +226,116 @@ if ttl > 0 then
 end
 return id
 """
+
+
+class StoredTask(NamedTuple):
+    """What Redis holds about one task id (`Store.get_task_states`)."""
+
+    fields: Fields  # the asked-for fields of its state hash that are set ({}: no hash)
+    is_submitted: bool  # its intake dedupe marker exists: a Submit stored it
+    has_output: bool  # its output stream exists: its node produced output for it
+
+
+# KEYS[1] task state hash, KEYS[2] output stream. ARGV[1] TTL in ms.
+# Expires both only when the task is final; returns 1 then, else 0.
+_EXPIRE_FINISHED_LUA = """
+if redis.call('HGET', KEYS[1], 'is_final') ~= '1' then
+  return 0
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+redis.call('PEXPIRE', KEYS[2], ARGV[1])
+return 1
+"""
+
+# Fencing (services/PROTOCOL.md, "Fencing"): a task hash's ATTEMPT_FIELD is
+# the attempt number of its current placement; an executor's write for an
+# older attempt is dropped. A hash without the field fences nothing.
+ATTEMPT_FIELD = "attempt"
+
+# One executor iteration's token messages. Per message i: KEYS[2i-1] its task
+# hash, KEYS[2i] its output stream. ARGV[1] output MAXLEN (approximate); then
+# per message: the writer's attempt, the number n of field/value items, the n
+# items. A message is appended only while its hash's attempt is unset or equal
+# (read once per hash per call). Returns per message its entry id, or false
+# when fenced (nothing written for it).
+_APPEND_FENCED_LUA = """
+local written = {}
+local held_of = {}
+local at = 2
+for i = 1, #KEYS / 2 do
+  local hash = KEYS[2 * i - 1]
+  local n = tonumber(ARGV[at + 1])
+  local held = held_of[hash]
+  if held == nil then
+    held = redis.call('HGET', hash, 'attempt')
+    held_of[hash] = held
+  end
+  if held == false or held == ARGV[at] then
+    written[i] = redis.call('XADD', KEYS[2 * i], 'MAXLEN', '~', ARGV[1], '*',
+                            unpack(ARGV, at + 2, at + 1 + n))
+  else
+    written[i] = false
+  end
+  at = at + 2 + n
+end
+return written
+"""
+
+# `_FINISH_LUA`, fenced: ARGV[1] is the writer's attempt, ARGV[2..] are
+# `_FINISH_LUA`'s ARGV. Returns 1 (ended), 0 (already final) or -1 (fenced:
+# the hash's attempt is set and differs); nothing is written unless 1.
+_FINISH_FENCED_LUA = """
+local held = redis.call('HGET', KEYS[1], 'attempt')
+if held and held ~= ARGV[1] then
+  return -1
+end
+if redis.call('HGET', KEYS[1], 'is_final') == '1' then
+  return 0
+end
+local n = tonumber(ARGV[4])
+redis.call('HSET', KEYS[1], unpack(ARGV, 5, 4 + n))
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 5 + n))
+local ttl = tonumber(ARGV[3])
+if ttl > 0 then
+  redis.call('PEXPIRE', KEYS[1], ttl)
+  redis.call('PEXPIRE', KEYS[2], ttl)
+end
+return 1
+"""
+
+# KEYS[1] task hash, KEYS[2] output stream; ARGV[1] the attempt taken away.
+# Makes it stale (attempt := ARGV[1] + 1) unless a newer placement already
+# moved past it; a missing hash is not created. Then, in the same step, reads
+# {is_final, status, output stream exists}: any output that exists was written
+# before the fence, and none can follow from that attempt.
+_FENCE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local held = tonumber(redis.call('HGET', KEYS[1], 'attempt') or '0')
+  local taken = tonumber(ARGV[1])
+  if held <= taken then
+    redis.call('HSET', KEYS[1], 'attempt', taken + 1)
+  end
+end
+return {redis.call('HGET', KEYS[1], 'is_final') or '',
+        redis.call('HGET', KEYS[1], 'status') or '',
+        redis.call('EXISTS', KEYS[2])}
+"""
+
+
+class FinishOutcome(StrEnum):
+    """What a fenced `Store.finish_task_fenced` did."""
+
+    ENDED = "ended"  # this call wrote the final state and end message
+    ALREADY_FINAL = "already_final"  # the task had ended: nothing written
+    FENCED = "fenced"  # the task was placed again since: nothing written
+
+
+class FencedProgress(NamedTuple):
+    """A task's state right after `Store.fence_attempts` fenced it."""
+
+    is_final: bool
+    status: str  # its final status when `is_final`
+    has_output: bool  # its output stream exists
 
 
 _C = TypeVar("_C", bound=type)
@@ -226,25 +389,34 @@ class Store:
         self._submit = client.register_script(_SUBMIT_LUA)
         self._set_state = client.register_script(_SET_STATE_LUA)
         self._finish = client.register_script(_FINISH_LUA)
+        self._append_fenced = client.register_script(_APPEND_FENCED_LUA)
+        self._finish_fenced = client.register_script(_FINISH_FENCED_LUA)
+        self._fence = client.register_script(_FENCE_LUA)
 
     # ================================================================ intake
 
     async def submit_task(self, task_fields: Mapping[str, FieldValue]) -> bool:
         """Append a task to the intake stream unless its ``task_id`` was seen.
 
-        Returns True when added, False for a duplicate (nothing written). The
-        dedupe check and the XADD are one Lua script, so two racing submits of
-        one id add exactly one entry.
+        Returns True when added, False for a duplicate: the same id with the
+        same request (`request_hash` of the fields), nothing written. The same
+        id with a different request raises `TaskIdConflict` (ALREADY_EXISTS),
+        nothing written. The check and the XADD are one Lua script, so two
+        racing submits of one id add exactly one entry.
         """
         fields = encode_fields(task_fields)
         task_id = fields.get(TASK_ID_FIELD, "")
         if not task_id:
             raise ValueError(f"task fields need a non-empty {TASK_ID_FIELD!r}")
-        entry_id = await self._submit(
+        outcome = int(await self._submit(
             keys=[self.keys.dedupe(task_id), self.keys.intake_stream],
-            args=[self._dedupe_ttl_ms, *_flatten(fields)],
-        )
-        return entry_id is not None
+            args=[self._dedupe_ttl_ms, request_hash(fields), *_flatten(fields)],
+        ))  # fmt: skip
+        if outcome < 0:
+            raise TaskIdConflict(
+                f"request_id {task_id!r} was already used with a different request; "
+                "use a new id")
+        return outcome > 0
 
     async def ensure_group(self) -> None:
         """Create the intake stream and its consumer group if missing.
@@ -418,6 +590,7 @@ class Store:
         *,
         state_fields: Mapping[str, FieldValue] | None = None,
         ttl_s: float | None = None,
+        attempt: int | None = None,
     ) -> bool:
         """Write the final state and append the final output message, atomically.
 
@@ -426,8 +599,15 @@ class Store:
         hash (e.g. ``finish_s``). One Lua script: a reader sees both or neither.
         Returns False, writing nothing, when the task was already finished.
         `ttl_s`, if given, expires both keys after that long. Append this task's
-        last tokens (and await that) before calling this.
+        last tokens (and await that) before calling this. With `attempt` the
+        write is fenced (`finish_task_fenced`): False, nothing written, also
+        when the task was placed again since.
         """
+        if attempt is not None:
+            outcome = await self.finish_task_fenced(
+                task_id, attempt, status, reason, output_fields, state_fields=state_fields,
+                ttl_s=ttl_s)
+            return outcome is FinishOutcome.ENDED
         final = {STATUS_FIELD: str(status), REASON_FIELD: reason, IS_FINAL_FIELD: "1"}
         state = {**encode_fields(state_fields or {}), **final}
         message = {**encode_fields(output_fields or {}), **final}
@@ -495,6 +675,89 @@ class Store:
     async def expire_output(self, task_id: str, ttl_s: float) -> None:
         """Drop the task's output stream `ttl_s` after now (readers are done)."""
         await self.client.pexpire(self.keys.output(task_id), _ms(ttl_s, "ttl_s"))
+
+    # ============================================================== fencing
+    # Attempt numbers fence stale executors (services/PROTOCOL.md, "Fencing"):
+    # the scheduler numbers each placement in the task hash before its
+    # Dispatch; an executor's writes carry its attempt and land only while it
+    # is current. Each op is one round trip for the whole batch.
+
+    async def begin_attempts(self, task_ids: Sequence[str],
+                             check_cancelled: Sequence[str] = ()) -> tuple[list[int], list[bool]]:
+        """Number a new placement of each task (HINCRBY of its attempt: 1 the
+        first time) and tell, per id of `check_cancelled`, whether it was
+        cancelled; one pipelined round trip. Call before the Dispatch."""
+        if not task_ids and not check_cancelled:
+            return [], []
+        pipe = self.client.pipeline(transaction=False)
+        for task_id in task_ids:
+            pipe.hincrby(self.keys.task(task_id), ATTEMPT_FIELD, 1)
+        for task_id in check_cancelled:
+            pipe.exists(self.keys.cancelled(task_id))
+        replies = await pipe.execute()
+        num = len(task_ids)
+        return [int(n) for n in replies[:num]], [bool(n) for n in replies[num:]]
+
+    async def fence_attempts(self, taken: Sequence[tuple[str, int]]) -> list[FencedProgress]:
+        """Make each (task_id, attempt) stale, unless the task was placed again
+        since, and read what it left (final? output?) in the same atomic step
+        (`_FENCE_LUA`): a node's tasks taken away cannot write after this.
+        One pipelined round trip; a task with no hash is not created."""
+        if not taken:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for task_id, attempt in taken:
+            await self._fence(keys=[self.keys.task(task_id), self.keys.output(task_id)],
+                              args=[int(attempt)], client=pipe)
+        return [FencedProgress(str(is_final) == "1", str(status), bool(int(has_output)))
+                for is_final, status, has_output in await pipe.execute()]
+
+    async def append_outputs_fenced(
+        self, items: Sequence[tuple[str, int, Mapping[str, FieldValue]]]
+    ) -> list[str | None]:
+        """`append_outputs_batch` for (task_id, attempt, fields), fenced: a
+        message is appended only while its task's attempt is `attempt` (or the
+        hash has none). ONE script call (EVALSHA) for the whole batch; per
+        message its entry id, or None when fenced."""
+        if not items:
+            return []
+        keys: list[str] = []
+        args: list[str | int] = [self.output_maxlen]
+        for task_id, attempt, fields in items:
+            keys += [self.keys.task(task_id), self.keys.output(task_id)]
+            flat = _flatten(encode_fields(fields))
+            args += [int(attempt), len(flat), *flat]
+        replies = await self._append_fenced(keys=keys, args=args)
+        # A Lua table converts to a list up to its first nil; false -> None.
+        written = list(replies or [])
+        written += [None] * (len(items) - len(written))
+        return [None if entry_id is None else str(entry_id) for entry_id in written]
+
+    async def finish_task_fenced(
+        self,
+        task_id: str,
+        attempt: int,
+        status: str,
+        reason: str = "",
+        output_fields: Mapping[str, FieldValue] | None = None,
+        *,
+        state_fields: Mapping[str, FieldValue] | None = None,
+        ttl_s: float | None = None,
+    ) -> FinishOutcome:
+        """`finish_task`, written only while the task's attempt is `attempt`
+        (or its hash has none); says whether it ended the task, found it
+        final, or was fenced."""
+        final = {STATUS_FIELD: str(status), REASON_FIELD: reason, IS_FINAL_FIELD: "1"}
+        state_items = _flatten({**encode_fields(state_fields or {}), **final})
+        message = {**encode_fields(output_fields or {}), **final}
+        ttl_ms = 0 if ttl_s is None else _ms(ttl_s, "ttl_s")
+        outcome = int(await self._finish_fenced(
+            keys=[self.keys.task(task_id), self.keys.output(task_id)],
+            args=[int(attempt), self.output_maxlen, ttl_ms, len(state_items), *state_items,
+                  *_flatten(message)]))
+        if outcome > 0:
+            return FinishOutcome.ENDED
+        return FinishOutcome.ALREADY_FINAL if outcome == 0 else FinishOutcome.FENCED
 
     # ============================================================ node state
 
@@ -627,6 +890,88 @@ class Store:
         entries = await self.client.xrange(self.keys.events_stream, start, end, count=count)
         return [(str(entry_id), _as_fields(fields)) for entry_id, fields in entries or []]
 
+    # ================================================ scheduler: batched ops
+    # The scheduler's per-batch round trips (issue 12): a burst of placements
+    # or a node's worth of tasks costs one round trip, never one per task.
+
+    async def intake_checks(self, task_ids: Sequence[str]) -> list[tuple[bool, bool, bool]]:
+        """Per task: (is it final already, was it cancelled before placement,
+        does a gateway hold a lease on its stream), in one pipelined round trip."""
+        if not task_ids:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for task_id in task_ids:
+            pipe.hget(self.keys.task(task_id), IS_FINAL_FIELD)
+            pipe.exists(self.keys.cancelled(task_id))
+            pipe.exists(self.keys.stream_lease(task_id))
+        replies = await pipe.execute()
+        return [(replies[3 * i] == "1", bool(replies[3 * i + 1]), bool(replies[3 * i + 2]))
+                for i in range(len(task_ids))]
+
+    async def cancelled_many(self, task_ids: Sequence[str]) -> list[bool]:
+        """`is_cancelled` for many tasks in one pipelined round trip."""
+        if not task_ids:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for task_id in task_ids:
+            pipe.exists(self.keys.cancelled(task_id))
+        return [bool(n) for n in await pipe.execute()]
+
+    async def finish_tasks(
+        self,
+        ends: Sequence[tuple[str, str, str]],
+        *,
+        state_fields: Mapping[str, FieldValue] | None = None,
+        output_fields: Mapping[str, FieldValue] | None = None,
+        ttl_s: float | None = None,
+    ) -> list[bool]:
+        """`finish_task` for many (task_id, status, reason) in one pipelined
+        round trip; the same extra fields go to every task. Per task: True
+        when this call ended it, False when it was already final."""
+        if not ends:
+            return []
+        ttl_ms = 0 if ttl_s is None else _ms(ttl_s, "ttl_s")
+        pipe = self.client.pipeline(transaction=False)
+        for task_id, status, reason in ends:
+            final = {STATUS_FIELD: str(status), REASON_FIELD: reason, IS_FINAL_FIELD: "1"}
+            state_items = _flatten({**encode_fields(state_fields or {}), **final})
+            message = {**encode_fields(output_fields or {}), **final}
+            await self._finish(
+                keys=[self.keys.task(task_id), self.keys.output(task_id)],
+                args=[self.output_maxlen, ttl_ms, len(state_items), *state_items,
+                      *_flatten(message)],
+                client=pipe)  # fmt: skip
+        return [entry_id is not None for entry_id in await pipe.execute()]
+
+    async def expire_finished_tasks(self, task_ids: Sequence[str], ttl_s: float) -> int:
+        """Expire the state hash and output stream of each task that is final,
+        `ttl_s` from now (a task not final is left alone). One round trip;
+        returns how many were final."""
+        if not task_ids:
+            return 0
+        script = self.client.register_script(_EXPIRE_FINISHED_LUA)
+        ttl_ms = _ms(ttl_s, "ttl_s")
+        pipe = self.client.pipeline(transaction=False)
+        for task_id in task_ids:
+            await script(keys=[self.keys.task(task_id), self.keys.output(task_id)],
+                         args=[ttl_ms], client=pipe)
+        return sum(int(n) for n in await pipe.execute())
+
+    async def advance_completions_cursor(self, entry_id: str) -> None:
+        """Store the completions cursor and drop the entries before it, in one
+        MULTI/EXEC: the scheduler is the stream's one reader, and what it has
+        applied is in its event log (XTRIM MINID keeps `entry_id` itself)."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.set(self.keys.completions_cursor, entry_id)
+            # Exact: "~" trims whole macro nodes only, i.e. nothing on a short stream.
+            pipe.xtrim(self.keys.completions_stream, minid=entry_id, approximate=False)
+            await pipe.execute()
+
+    async def server_run_id(self) -> str:
+        """The Redis server's run id: it changes when the server restarts."""
+        info = await self.client.info("server")
+        return str(info.get("run_id", ""))
+
     # ============================================================== profiles
 
     async def put_profile(self, name: str, json_text: str) -> None:
@@ -662,3 +1007,82 @@ class Store:
         if not fields.get("ttft_s") or not fields.get("tbt_s"):
             return None
         return get_float(fields, "ttft_s"), get_float(fields, "tbt_s")
+
+    # ========================================================= task lookups
+    # Readers of per-task truth (GetTask, WatchTasks, AuditTasks): HMGET of
+    # named fields only, since a task hash also holds its payload (token ids).
+
+    async def get_task_states(self, task_ids: Sequence[str],
+                              field_names: Sequence[str]) -> list[StoredTask]:
+        """Per task, in order: its `field_names` that are set, whether a Submit
+        stored it, whether it has output. One pipelined round trip."""
+        if not task_ids:
+            return []
+        if not field_names:
+            raise ValueError("get_task_states needs at least one field name")
+        pipe = self.client.pipeline(transaction=False)
+        for task_id in task_ids:
+            pipe.hmget(self.keys.task(task_id), list(field_names))
+            pipe.exists(self.keys.dedupe(task_id))
+            pipe.exists(self.keys.output(task_id))
+        replies = await pipe.execute()
+        return [
+            StoredTask(_named_fields(field_names, replies[3 * i]), bool(replies[3 * i + 1]),
+                       bool(replies[3 * i + 2]))
+            for i in range(len(task_ids))
+        ]
+
+    async def scan_task_states(self, cursor: int, field_names: Sequence[str],
+                               count: int = 500) -> tuple[int, list[tuple[str, Fields]]]:
+        """One SCAN step over this namespace's task hashes: (next cursor, [(task
+        id, its set `field_names`)]). Start at cursor 0; a next cursor of 0 means
+        done. SCAN's guarantee holds: a hash present for the whole scan is seen
+        (maybe twice); `count` is a hint of keys per step. Two round trips."""
+        prefix = self.keys.task("x")[:-1]  # "<namespace>:task:"
+        next_cursor, keys = await self.client.scan(
+            cursor, match=_glob_escape(prefix) + "*", count=count, _type="hash")
+        if not keys:
+            return int(next_cursor), []
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hmget(key, list(field_names))
+        replies = await pipe.execute()
+        found = [(str(key)[len(prefix):], _named_fields(field_names, reply))
+                 for key, reply in zip(keys, replies, strict=True)]
+        # A hash deleted (expired) between SCAN and HMGET reads as all-None.
+        return int(next_cursor), [(task_id, fields) for task_id, fields in found if fields]
+
+    async def read_intake_entries(self, end: str = "+", count: int | None = None) -> list[Entry]:
+        """Intake entries from the oldest up to `end` (an entry id, or a
+        millisecond time) inclusive: tasks stored by Submit that no scheduler has
+        taken yet (taking one deletes it)."""
+        entries = await self.client.xrange(self.keys.intake_stream, "-", end, count=count)
+        return [(str(entry_id), _as_fields(fields)) for entry_id, fields in entries or []]
+
+    # ====================================================== gateway upkeep
+    # Batched writes of a gateway's background loop (`gateway.upkeep`): one
+    # round trip each, whatever the number of requests behind them.
+
+    async def incr_stats(self, deltas: Mapping[str, int]) -> None:
+        """Add each `deltas[name]` to counter `name`, one pipelined round trip."""
+        if not deltas:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for name, by in deltas.items():
+            pipe.hincrby(self.keys.stats, name, by)
+        await pipe.execute()
+
+    async def sync_stream_leases(self, owner: str, renew_ids: Sequence[str],
+                                 drop_ids: Sequence[str],
+                                 ttl_s: float = STREAM_LEASE_TTL_S) -> None:
+        """(Re)take `owner`'s lease on `renew_ids` and delete the leases of
+        `drop_ids` (streams whose reader is done), one round trip."""
+        if not renew_ids and not drop_ids:
+            return
+        ttl_ms = _ms(ttl_s, "ttl_s")
+        pipe = self.client.pipeline(transaction=False)
+        for task_id in renew_ids:
+            pipe.set(self.keys.stream_lease(task_id), owner, px=ttl_ms)
+        if drop_ids:
+            pipe.delete(*(self.keys.stream_lease(task_id) for task_id in drop_ids))
+        await pipe.execute()

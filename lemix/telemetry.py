@@ -109,6 +109,11 @@ EXECUTOR_TASKS = Counter(
     "lemix_executor_tasks_total",
     "Tasks the node ended, by kind and outcome (completed|failed|requeued)",
     ["node", "kind", "outcome"])
+EXECUTOR_FENCED_WRITES = Counter(
+    "lemix_executor_fenced_writes_total",
+    "Writes dropped because their task was placed again since (a stale attempt; "
+    "services/PROTOCOL.md, Fencing), by what (token|end)",
+    ["node", "what"])
 EXECUTOR_TRAINING_SAMPLES = Counter(
     "lemix_executor_training_samples_total", "Training samples completed (rate() = samples/s)",
     ["node"])
@@ -227,6 +232,12 @@ def observe_task_ended(node: int, kind: str, outcome: str, num_samples: int = 0)
     EXECUTOR_TASKS.labels(node=str(node), kind=kind, outcome=outcome).inc()
     if kind == "training" and outcome == COMPLETED and num_samples > 0:
         EXECUTOR_TRAINING_SAMPLES.labels(node=str(node)).inc(num_samples)
+
+
+def observe_fenced_writes(node: int, what: str, count: int = 1) -> None:
+    """An executor's writes for a task placed again since were dropped."""
+    if count > 0:
+        EXECUTOR_FENCED_WRITES.labels(node=str(node), what=what).inc(count)
 
 
 def observe_tokens(node: int, count: int) -> None:

@@ -14,6 +14,7 @@ from lemix.redis_keys import RedisKeys
 from lemix.store import (
     IS_FINAL_FIELD,
     Store,
+    TaskIdConflict,
     encode_fields,
     get_bool,
     get_float,
@@ -59,7 +60,10 @@ def test_store_needs_decoded_responses(redis_server: Any) -> None:
 
 async def test_submit_is_idempotent_by_task_id(store: Store) -> None:
     assert await store.submit_task(_task("t1")) is True
-    assert await store.submit_task(_task("t1", num_prompt_tokens=99)) is False
+    assert await store.submit_task(_task("t1")) is False
+    # The same id for another request is a conflict, not a silent duplicate.
+    with pytest.raises(TaskIdConflict, match="'t1' was already used with a different"):
+        await store.submit_task(_task("t1", num_prompt_tokens=99))
     assert await store.client.xlen(store.keys.intake_stream) == 1
     with pytest.raises(ValueError, match="task_id"):
         await store.submit_task({"kind": "inference"})

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +22,7 @@ from lemix.batching import BatchingConfig
 from lemix.engine import EngineConfig
 from lemix.memory import MemoryConfig
 from lemix.redis_keys import DEFAULT_NAMESPACE, RedisKeys
+from lemix.rpc.auth import SERVICE_TOKEN_OPTION, check_service_token
 from lemix.settings import Option, boolean, port_or_off
 
 if TYPE_CHECKING:
@@ -63,6 +64,11 @@ class ExecutorConfig:
     advertise_host: str = ""  # host others dial; "" = host (or this machine's name)
     shutdown_grace_s: float = 5.0  # how long stop() lets running work finish
     stage_timeout_s: float = 300.0  # a stage item running longer marks the node unhealthy
+    # SyncWeights reads and writes only under this directory (the scheduler's
+    # weight_sync_dir, the same LEMIX_WEIGHT_SYNC_DIR): any other location is refused.
+    weight_sync_dir: str = "/tmp/lemix-weights"
+    # Calls but health checks must carry it (lemix.rpc.auth); "" = unauthenticated.
+    service_token: str = field(default="", repr=False)
     log_format: str = "console"
     log_level: str = "info"
     # torch backend (see services/executor/torch_setup.py)
@@ -106,6 +112,9 @@ class ExecutorConfig:
             raise ValueError(f"advertise_host must not contain spaces: {self.advertise_host!r}")
         _non_negative("shutdown_grace_s", self.shutdown_grace_s)
         _positive("stage_timeout_s", self.stage_timeout_s)
+        if not self.weight_sync_dir or "\0" in self.weight_sync_dir:
+            raise ValueError(f"weight_sync_dir must name a directory, got {self.weight_sync_dir!r}")
+        check_service_token(self.service_token)
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if self.log_level not in LOG_LEVELS:
@@ -210,6 +219,9 @@ _OPTIONS: tuple[Option, ...] = (
            "how long shutdown lets running work finish, s", "S"),
     Option("stage_timeout_s", "--stage-timeout-s", "LEMIX_STAGE_TIMEOUT_S", float,
            "a stage item running longer (wall s) marks the node unhealthy", "S"),
+    Option("weight_sync_dir", "--weight-sync-dir", "LEMIX_WEIGHT_SYNC_DIR", str,
+           "SyncWeights reads and writes only under this directory", "DIR"),
+    SERVICE_TOKEN_OPTION,
     Option("log_format", "--log-format", "LEMIX_LOG_FORMAT", str,
            f"log format: {', '.join(LOG_FORMATS)}", "FMT"),
     Option("log_level", "--log-level", "LEMIX_LOG_LEVEL", str,

@@ -1,4 +1,4 @@
-"""Protobuf <-> domain for the executor-only messages (Measure, SyncWeights).
+"""Protobuf <-> domain for the executor-only messages (Dispatch, Measure, SyncWeights).
 
 Tasks and node states convert in `lemix.rpc.convert`, shared by every service;
 this module adds what only the executor speaks. Bad values raise
@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from lemix._proto.lemix.v1 import executor_pb2
+from lemix.rpc.convert import task_from_proto
 from lemix.rpc.errors import InvalidArgument
+from lemix.types import Task, TaskPayload
 
 MAX_MEASURE_REPEATS = 10_000  # one Measure call; the profiler loops for more
 
@@ -57,6 +59,21 @@ class WeightSyncSpec:
 class WeightSyncResult:
     duration_s: float  # profile seconds from the request to the last stage done
     num_bytes: int  # weight bytes moved, all stages
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchSpec:
+    """One placement to run: the task, its payload, and its attempt number
+    (the fencing token, services/PROTOCOL.md; 0: sent without one)."""
+
+    task: Task
+    payload: TaskPayload
+    attempt: int
+
+
+def dispatch_from_proto(msg: executor_pb2.DispatchRequest) -> DispatchSpec:
+    task, payload = task_from_proto(msg.task)
+    return DispatchSpec(task, payload, int(msg.attempt))
 
 
 _PHASES = {

@@ -4,7 +4,12 @@
 little the service needs around it, none of it scheduling:
 
 * idempotent dispatch: a redelivered `Dispatch` of a task the node holds (or
-  just finished) is accepted and not run twice;
+  just finished) is accepted and not run twice, unless it is a later attempt
+  (the scheduler moved the task away and back): the stale one is let go
+  first;
+* fencing (services/PROTOCOL.md): the attempt each held task was dispatched
+  with, for the sink (`attempt_of`); a task the sink found fenced is
+  cancelled here (`on_fenced`), which frees its KV;
 * a refusal up front of work that could never fit the node's memory, which
   would otherwise wait forever;
 * waiting for a weight save/load (`BlockingDone`) before answering;
@@ -50,6 +55,7 @@ from services.executor.convert import (
     WeightSyncSpec,
 )
 from services.executor.driver import ModelBackend, NodeDriver, OutcomeSink, StageBackend
+from services.executor.sink import LedgerSink
 
 log = structlog.get_logger(__name__)
 
@@ -58,6 +64,9 @@ _RECENT_DONE_MAX = 10_000
 # busy_fraction is measured over about this many profile seconds.
 BUSY_WINDOW_S = 5.0
 _IDLE_POLL_S = 0.01
+# How long a Dispatch of a later attempt waits for the stale one to leave
+# (its cancel's end to be written); running training cannot be cancelled.
+_RELEASE_WAIT_S = 1.0
 
 
 class BusyMeter:
@@ -116,6 +125,8 @@ class _ObservedSink:
                 is_training = task.is_training if task else isinstance(outcome, Requeued)
                 outcome_name = {Finished: telemetry.COMPLETED, Failed: telemetry.FAILED,
                                 Requeued: "requeued"}[type(outcome)]
+                if self._node.is_fenced(outcome.task_id):
+                    outcome_name = "fenced"  # it ended elsewhere, not here
                 telemetry.observe_task_ended(
                     node_id, "training" if is_training else "inference", outcome_name,
                     num_samples=task.batch_size if task else 0)
@@ -145,9 +156,12 @@ class ExecutorNode:
         self.address = ""  # host:port, set once the gRPC server is bound
         self.is_stopping = False
         self._held: dict[str, Task] = {}  # dispatched and not ended, by id
+        self._attempts: dict[str, int] = {}  # each held task's attempt (0: none sent)
+        self._fenced: set[str] = set()  # held tasks the sink found placed again elsewhere
+        self._releasing: dict[str, asyncio.Future[None]] = {}  # stale attempts on their way out
         # Token ids and sampling, kept for backends that run a real model.
         self.payloads: dict[str, TaskPayload] = {}
-        self._recent_done: OrderedDict[str, None] = OrderedDict()
+        self._recent_done: OrderedDict[str, int] = OrderedDict()  # id -> its attempt
         self._blocking: dict[str, asyncio.Future[None]] = {}
         self._sync_seq = itertools.count(1)
         self._busy = BusyMeter()
@@ -156,30 +170,64 @@ class ExecutorNode:
         if isinstance(backend, ModelBackend):
             backend.bind(engine)
             self.model = backend
+        if isinstance(sink, LedgerSink):
+            sink.bind(self)  # attempts to the sink, fenced tasks back to us
 
     async def start(self) -> None:
         await self.driver.start()
 
     # ------------------------------------------------------------ RPC actions
 
-    def dispatch(self, task: Task, payload: TaskPayload) -> bool:
-        """Run `task`; False when it is a duplicate (held or just finished).
+    def dispatch(self, task: Task, payload: TaskPayload, attempt: int = 0) -> bool:
+        """Run `task` as placement `attempt`; False when it is a duplicate (held
+        or just finished, at this attempt or a later one).
 
-        Raises `Unavailable` while stopping and `ResourceExhausted` when the
-        task could never fit this node's memory.
+        Raises `Unavailable` while stopping, or while an earlier attempt of the
+        task is still held (`accept` lets it go first), and `ResourceExhausted`
+        when the task could never fit this node's memory.
         """
+        task_id = task.task_id
         if self.is_stopping:
             raise Unavailable(f"executor node {self.node_id} is shutting down")
-        if task.task_id in self._held or task.task_id in self._recent_done:
-            log.info("executor.duplicate_dispatch", node=self.node_id, task_id=task.task_id)
+        held = self._attempts.get(task_id) if task_id in self._held else None
+        if held is not None and attempt > held:
+            raise Unavailable(f"task {task_id!r}: its attempt {held} still runs on node "
+                              f"{self.node_id}; place attempt {attempt} elsewhere")
+        done = self._recent_done.get(task_id)
+        if held is not None or (done is not None and attempt <= done):
+            log.info("executor.duplicate_dispatch", node=self.node_id, task_id=task_id,
+                     attempt=attempt)
             return False
         self._check_could_fit(task)
         if self.model is not None:
             self.model.on_dispatch(task, payload)  # InvalidArgument when it can't run
-        self._held[task.task_id] = task
-        self.payloads[task.task_id] = payload
+        self._recent_done.pop(task_id, None)  # a later attempt: this is a new placement
+        self._held[task_id] = task
+        self._attempts[task_id] = attempt
+        self.payloads[task_id] = payload
         self.driver.add_task(task)
         return True
+
+    async def accept(self, task: Task, payload: TaskPayload, attempt: int) -> bool:
+        """`dispatch`, after letting go of an earlier attempt of the task still
+        held here (it was moved away and back; its writes are fenced): that one
+        is cancelled, and this waits up to `_RELEASE_WAIT_S` for its end."""
+        held = self._attempts.get(task.task_id)
+        if task.task_id in self._held and held is not None and attempt > held:
+            await self._release(task.task_id)
+        return self.dispatch(task, payload, attempt)
+
+    async def _release(self, task_id: str) -> None:
+        gone = self._releasing.get(task_id)
+        if gone is None:
+            gone = self._releasing[task_id] = asyncio.get_running_loop().create_future()
+            self.driver.cancel(task_id)  # its end goes through the sink (fenced)
+        try:
+            await asyncio.wait_for(asyncio.shield(gone), _RELEASE_WAIT_S)
+        except TimeoutError:
+            raise Unavailable(
+                f"task {task_id!r}: an earlier attempt still runs on node {self.node_id} "
+                "(running training cannot be cancelled); place it elsewhere") from None
 
     def cancel(self, task_id: str) -> bool:
         """Cancel a held task; its `end` (CANCELLED) follows through the sink."""
@@ -286,17 +334,38 @@ class ExecutorNode:
         """The dispatched task, while this node holds it."""
         return self._held.get(task_id)
 
+    def attempt_of(self, task_id: str) -> int:
+        """The attempt a held task was dispatched with (0: none sent)."""
+        return self._attempts.get(task_id, 0)
+
+    def is_fenced(self, task_id: str) -> bool:
+        return task_id in self._fenced
+
+    def on_fenced(self, task_id: str) -> None:
+        """The sink found the task placed again elsewhere: drop it here (the
+        cancel frees its KV; its end is fenced too). Running training cannot
+        be cancelled: it ends by itself, unwritten. (A task whose end was
+        fenced is gone from the engine already: the cancel finds nothing.)"""
+        if task_id in self._held and task_id not in self._fenced:
+            self._fenced.add(task_id)
+            self.driver.cancel(task_id)
+
     def on_ended(self, task_ids: Iterable[str], *, is_final: bool = True) -> None:
         """The node no longer holds these tasks; final ones are remembered so a
         late duplicate Dispatch is not run again."""
         for task_id in task_ids:
             if self._held.pop(task_id, None) is not None:
+                attempt = self._attempts.pop(task_id, 0)
+                self._fenced.discard(task_id)
                 self.payloads.pop(task_id, None)
                 if self.model is not None:
                     self.model.forget(task_id)
+                gone = self._releasing.pop(task_id, None)
+                if gone is not None and not gone.done():
+                    gone.set_result(None)
                 if not is_final:
                     continue
-                self._recent_done[task_id] = None
+                self._recent_done[task_id] = attempt
                 if len(self._recent_done) > _RECENT_DONE_MAX:
                     self._recent_done.popitem(last=False)
 

@@ -139,10 +139,11 @@ class ExecutorService:
                                  time_scale=config.time_scale,
                                  stage_timeout_s=config.stage_timeout_s)
         await self.node.start()
-        servicer = ExecutorServicer(self.node)
+        servicer = ExecutorServicer(self.node, weight_sync_dir=config.weight_sync_dir)
         self._server, self._bound_port, self._health = await start_server(
             [(executor_pb2_grpc.add_ExecutorServicer_to_server, servicer)],
             config.host, config.port, service_names=[EXECUTOR_SERVICE],
+            service_token=config.service_token,
         )
         host = config.advertised_host(socket.gethostname())
         self.node.address = f"[{host}]:{self._bound_port}" if ":" in host else (

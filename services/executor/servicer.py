@@ -2,40 +2,47 @@
 
 No logic lives here. Domain errors (`InvalidArgument`, `ResourceExhausted`,
 `Unavailable`) become status codes in `lemix.rpc.errors.handle_errors`, the
-one place that maps them.
+one place that maps them. SyncWeights' location is checked here, before the
+node sees it: it must lie under the weight-sync directory.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
 
 import grpc.aio
 import structlog
 
 from lemix._proto.lemix.v1 import common_pb2, executor_pb2, executor_pb2_grpc
-from lemix.rpc.convert import node_state_to_proto, task_from_proto
+from lemix.rpc.convert import node_state_to_proto
 from lemix.rpc.errors import InvalidArgument, handle_errors
 from services.executor.convert import (
+    dispatch_from_proto,
     measure_from_proto,
     measure_to_proto,
     sync_from_proto,
     sync_to_proto,
 )
 from services.executor.node import ExecutorNode
+from services.executor.weights import confine_location
 
 log = structlog.get_logger(__name__)
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
-    def __init__(self, node: ExecutorNode) -> None:
+    def __init__(self, node: ExecutorNode, *, weight_sync_dir: str | Path) -> None:
         self._node = node
+        self._weight_sync_dir = weight_sync_dir  # SyncWeights' locations must be under it
 
     @handle_errors
     async def Dispatch(
         self, request: executor_pb2.DispatchRequest, context: grpc.aio.ServicerContext
     ) -> executor_pb2.DispatchResponse:
-        task, payload = task_from_proto(request.task)
-        is_new = self._node.dispatch(task, payload)
-        log.debug("executor.dispatched", task_id=task.task_id, is_new=is_new,
-                  predicted_response_s=request.predicted_response_s)
+        spec = dispatch_from_proto(request)
+        is_new = await self._node.accept(spec.task, spec.payload, spec.attempt)
+        log.debug("executor.dispatched", task_id=spec.task.task_id, attempt=spec.attempt,
+                  is_new=is_new, predicted_response_s=request.predicted_response_s)
         # A duplicate is accepted too: the node already runs (or ran) it.
         return executor_pb2.DispatchResponse(is_accepted=True)
 
@@ -61,7 +68,10 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def SyncWeights(
         self, request: executor_pb2.SyncWeightsRequest, context: grpc.aio.ServicerContext
     ) -> executor_pb2.SyncWeightsResponse:
-        result = await self._node.sync_weights(sync_from_proto(request))
+        spec = sync_from_proto(request)
+        spec = dataclasses.replace(
+            spec, location=confine_location(spec.location, self._weight_sync_dir))
+        result = await self._node.sync_weights(spec)
         return sync_to_proto(result)
 
     @handle_errors

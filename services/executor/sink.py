@@ -2,16 +2,24 @@
 
 Per `write` (one driver flush, usually one iteration):
 
-1. every token message of the batch in ONE pipelined round trip
-   (`Store.append_outputs_batch`), so per-stream order follows engine order;
+1. every token message of the batch in ONE script call
+   (`Store.append_outputs_fenced`), so per-stream order follows engine order;
 2. then, per task that ended, its final state and ``end`` message atomically
-   (`Store.finish_task`) and its completion entry for the scheduler;
+   (`Store.finish_task_fenced`) and its completion entry for the scheduler;
 3. then the counters.
 
 Tokens go first, so a task's ``end`` never precedes its last token. If a write
 fails the driver retries the whole batch: token messages may then repeat
 (readers go by ``n``), ``finish_task`` is a no-op the second time, and a
 completion may repeat (the scheduler treats completions by task id).
+
+Fencing (services/PROTOCOL.md): every write carries the attempt number the
+task was dispatched with (`TaskLedger.attempt_of`) and lands only while it is
+the task's current one. A fenced task was placed again elsewhere (this node
+was declared dead, then came back): its writes are dropped and counted
+(`lemix_executor_fenced_writes_total`), it is logged once, and the ledger is
+told (`on_fenced`) so the node lets it go. Its completion still goes out,
+with the attempt: the scheduler ignores a stale one.
 """
 
 from __future__ import annotations
@@ -19,9 +27,11 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import structlog
 
+from lemix import telemetry
 from lemix.engine import (
     BlockingDone,
     Failed,
@@ -32,7 +42,7 @@ from lemix.engine import (
     TokensEmitted,
 )
 from lemix.outputs import TOKEN_IDS_FIELD, format_token_ids
-from lemix.store import FieldValue, Store
+from lemix.store import ATTEMPT_FIELD, FieldValue, FinishOutcome, Store
 from services.executor.driver import ModelBackend
 
 log = structlog.get_logger(__name__)
@@ -44,9 +54,29 @@ END_MESSAGE = "end"
 COMPLETED, FAILED, REQUEUED = "completed", "failed", "requeued"
 
 
+class TaskLedger(Protocol):
+    """What the sink asks the node about held tasks (`ExecutorNode`)."""
+
+    def attempt_of(self, task_id: str) -> int:
+        """The attempt the task was dispatched with (0: none)."""
+        ...
+
+    def on_fenced(self, task_id: str) -> None:
+        """The task was placed again elsewhere: stop running it here."""
+        ...
+
+
+@runtime_checkable
+class LedgerSink(Protocol):
+    """A sink that fences: the node binds itself as its `TaskLedger`."""
+
+    def bind(self, ledger: TaskLedger) -> None: ...
+
+
 class RedisOutcomeSink:
     """`OutcomeSink` for `NodeDriver`: outcomes -> output streams, task states,
-    the completions stream and the stats counters."""
+    the completions stream and the stats counters. Unbound (no `TaskLedger`),
+    every write carries attempt 0."""
 
     def __init__(self, store: Store, node_id: int, *,
                  clock: Callable[[], float] = time.time,
@@ -58,40 +88,79 @@ class RedisOutcomeSink:
         self.model = model
         self._clock = clock  # epoch seconds for the `t` fields
         self._num_tokens: dict[str, int] = {}  # tokens emitted so far, by live task id
+        # Weight version that served each live inference task (its first token
+        # carries it), recorded in its task hash at the end for GetTask.
+        self._weight_versions: dict[str, int] = {}
+        self._ledger: TaskLedger | None = None
+        # Live tasks found fenced, with the attempt: their writes are dropped here.
+        self._fenced: dict[str, int] = {}
+
+    def bind(self, ledger: TaskLedger) -> None:
+        """Take attempts from `ledger` and tell it of fenced tasks."""
+        self._ledger = ledger
 
     async def write(self, batch: list[tuple[float, Outcome]]) -> None:
         t = self._clock()
         node = str(self.node_id)
-        tokens: list[tuple[str, dict[str, FieldValue]]] = []
+        tokens: list[tuple[str, int, dict[str, FieldValue]]] = []
         ends: list[Finished | Failed | Requeued] = []
         for _, outcome in batch:
             if isinstance(outcome, FirstToken):
                 self._num_tokens[outcome.task_id] = 1
+                self._weight_versions[outcome.task_id] = outcome.weight_updates
                 fields: dict[str, FieldValue] = {
                     "type": TOKEN_MESSAGE, "n": 1, "first": True, "node": node,
                     "version": outcome.weight_updates, "t": t,
                 }
                 self._add_ids(fields, outcome.task_id, 0, 1)
-                tokens.append((outcome.task_id, fields))
+                tokens.append((outcome.task_id, self._attempt(outcome.task_id), fields))
             elif isinstance(outcome, TokensEmitted):
                 for task_id, n in zip(outcome.task_ids, outcome.num_generated, strict=True):
                     previous = self._num_tokens.get(task_id, n - 1)
                     self._num_tokens[task_id] = n
                     fields = {"type": TOKEN_MESSAGE, "n": n, "node": node, "t": t}
                     self._add_ids(fields, task_id, previous, n)
-                    tokens.append((task_id, fields))
+                    tokens.append((task_id, self._attempt(task_id), fields))
             elif isinstance(outcome, Finished | Failed | Requeued):
                 ends.append(outcome)
             elif isinstance(outcome, BlockingDone):
                 log.info("executor.blocking_done", node=self.node_id, tag=outcome.tag)
-        if tokens:
-            await self.store.append_outputs_batch(tokens)
-        stats: Counter[str] = Counter({"tokens_generated": len(tokens)})
+        num_written = await self._write_tokens(tokens)
+        stats: Counter[str] = Counter({"tokens_generated": num_written})
         for end in ends:
             stats[await self._write_end(end, t)] += 1
         for name, count in stats.items():
             if count:
                 await self.store.incr_stat(name, count)
+
+    def _attempt(self, task_id: str) -> int:
+        return self._ledger.attempt_of(task_id) if self._ledger is not None else 0
+
+    def _is_fenced(self, task_id: str, attempt: int) -> bool:
+        return self._fenced.get(task_id) == attempt
+
+    async def _write_tokens(self, tokens: list[tuple[str, int, dict[str, FieldValue]]]) -> int:
+        """One script call for the batch; returns how many messages landed."""
+        live = [item for item in tokens if not self._is_fenced(item[0], item[1])]
+        telemetry.observe_fenced_writes(self.node_id, "token", len(tokens) - len(live))
+        if not live:
+            return 0
+        written = await self.store.append_outputs_fenced(live)
+        for (task_id, attempt, _), entry_id in zip(live, written, strict=True):
+            if entry_id is None:
+                self._fence(task_id, attempt, "token")
+        return sum(1 for entry_id in written if entry_id is not None)
+
+    def _fence(self, task_id: str, attempt: int, what: str) -> None:
+        """Count a dropped write; the first for a task logs it and tells the ledger."""
+        telemetry.observe_fenced_writes(self.node_id, what)
+        if self._is_fenced(task_id, attempt):
+            return
+        self._fenced[task_id] = attempt
+        log.warning("executor.fenced", node=self.node_id, task_id=task_id, attempt=attempt,
+                    what=what)
+        if self._ledger is not None:
+            self._ledger.on_fenced(task_id)
 
     def _add_ids(self, fields: dict[str, FieldValue], task_id: str, start: int,
                  end: int) -> None:
@@ -101,10 +170,12 @@ class RedisOutcomeSink:
     async def _write_end(self, outcome: Finished | Failed | Requeued, t: float) -> str:
         """Write one task's end; returns the name of the counter it bumps."""
         task_id = outcome.task_id
+        attempt = self._attempt(task_id)
         if isinstance(outcome, Requeued):
             # Training handed back: the scheduler re-submits it, so the task is
             # not final and gets no `end` message.
-            await self._append_completion(task_id, REQUEUED, outcome.reason, t)
+            await self._append_completion(task_id, REQUEUED, outcome.reason, t, attempt)
+            self._fenced.pop(task_id, None)
             return "requeued_training"
         if isinstance(outcome, Finished):
             status, reason, n = COMPLETED, "", outcome.num_output_tokens
@@ -115,22 +186,40 @@ class RedisOutcomeSink:
             stat = "num_failed"
         output_fields: dict[str, FieldValue] = {"type": END_MESSAGE, "n": n,
                                                 "node": str(self.node_id), "t": t}
-        if self.model is not None and isinstance(outcome, Finished) and n > 0:
-            output_fields.update(self.model.end_fields(task_id))
-        is_first_end = await self.store.finish_task(
-            task_id, status, reason,
-            output_fields=output_fields,
-            state_fields={"node_id": self.node_id, "finish_t": t, "num_output_tokens": n},
-        )
+        state_fields: dict[str, FieldValue] = {"node_id": self.node_id, "finish_t": t,
+                                               "num_output_tokens": n}
+        version = self._weight_versions.get(task_id)
+        if version is not None:
+            state_fields["weight_version"] = version
+        if self.model is not None and isinstance(outcome, Finished):
+            # Inference: finish reason, inference loss; training: its loss.
+            # The hash keeps them for GetTask (gateway.tasks).
+            end_fields = self.model.end_fields(task_id)
+            state_fields.update(end_fields)
+            if n > 0:
+                output_fields.update(end_fields)
+        if self._is_fenced(task_id, attempt):  # attempts only grow: no need to ask
+            finish = FinishOutcome.FENCED
+        else:
+            finish = await self.store.finish_task_fenced(
+                task_id, attempt, status, reason, output_fields, state_fields=state_fields)
+        if finish is FinishOutcome.FENCED:
+            self._fence(task_id, attempt, "end")
         # Always report it, even when the task was already final (a redelivery):
-        # the scheduler needs to learn that this node freed the task's memory.
-        await self._append_completion(task_id, status, reason, t)
+        # the scheduler needs to learn that this node freed the task's memory
+        # (and ignores it when the attempt is stale).
+        await self._append_completion(task_id, status, reason, t, attempt)
         self._num_tokens.pop(task_id, None)
-        return stat if is_first_end else "num_duplicate_ends"  # count each task once
+        self._weight_versions.pop(task_id, None)
+        self._fenced.pop(task_id, None)
+        if finish is FinishOutcome.FENCED:
+            return "num_fenced_ends"
+        # Count each task once.
+        return stat if finish is FinishOutcome.ENDED else "num_duplicate_ends"
 
     async def _append_completion(self, task_id: str, status: str, reason: str,
-                                 t: float) -> None:
+                                 t: float, attempt: int) -> None:
         await self.store.append_completion(
             {"task_id": task_id, "node_id": self.node_id, "status": status, "reason": reason,
-             "t": t}
+             "t": t, ATTEMPT_FIELD: attempt}
         )

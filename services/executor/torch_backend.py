@@ -73,6 +73,9 @@ class TorchBackend:
         self._on_inference_loss = on_inference_loss
         self.num_training_done = 0
         self.last_training_loss: float | None = None
+        # Each held training task's loss (set by its stage-0 backward), for its
+        # end fields: GetTask reports it (gateway.tasks).
+        self._training_losses: dict[str, float] = {}
         self.num_stage_errors = 0
         # Bytes each stage holds, measured by the stage's own thread after each
         # item: reading grads or optimizer state from another thread while a
@@ -117,6 +120,7 @@ class TorchBackend:
         """The node no longer holds `task_id`: free its KV / training state."""
         self.runner.release(task_id)
         self._samples.pop(task_id, None)
+        self._training_losses.pop(task_id, None)
         self.trainer.discard(task_id)
 
     def output_ids(self, task_id: str) -> Sequence[int]:
@@ -124,7 +128,11 @@ class TorchBackend:
         return req.generated if req is not None else ()
 
     def end_fields(self, task_id: str) -> dict[str, str | float]:
-        """Fields for the task's ``end`` message: finish reason, inference loss."""
+        """Fields for the task's ``end`` message: finish reason, inference loss;
+        a training task's loss."""
+        loss = self._training_losses.get(task_id)
+        if loss is not None:
+            return {"training_loss": loss} if math.isfinite(loss) else {}
         req = self.runner.requests.get(task_id)
         if req is None:
             return {}
@@ -216,6 +224,7 @@ class TorchBackend:
             self._samples.pop(key, None)
             if loss is not None:
                 self.last_training_loss = loss
+                self._training_losses[key] = loss
                 if self._on_training_loss is not None:
                     self._on_training_loss(loss)
 

@@ -4,21 +4,51 @@ One safetensors file per stage under the sync location, keyed by the stage's
 own parameter names, so the stage of another node with the same split loads
 it directly. Writes go to a temporary name and are renamed into place: a
 reader never sees a half-written file.
+
+A location comes over the network (`Executor.SyncWeights`), so
+`confine_location` keeps it under the executor's weight-sync directory before
+anything is read or written. torch is imported only by the functions that
+move tensors: the check runs in emulated executors too.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import load_file, save_file
+from lemix.rpc.errors import InvalidArgument
 
-from lemix.model.staged import Stage
+if TYPE_CHECKING:
+    from lemix.model.staged import Stage
+
+
+def confine_location(location: str, root: str | Path) -> str:
+    """`location` as an absolute path with `..` and symlinks resolved, if that
+    lies under `root` (resolved alike); else `InvalidArgument`.
+
+    A relative location is taken relative to `root`. "" (the backend's default
+    location) passes unchanged. The resolved path is what the caller must use:
+    re-resolving it later could follow a symlink swapped in meanwhile.
+    """
+    if not location:
+        return location
+    if "\0" in location:
+        raise InvalidArgument("location must be a path under the weight-sync directory; it "
+                              "contains a NUL byte")
+    base = Path(root).resolve()
+    resolved = (base / location).resolve()  # joining an absolute location yields it
+    if not resolved.is_relative_to(base):
+        raise InvalidArgument(f"location must be under {base}, got {location!r} (resolves to "
+                              f"{resolved}); this executor's weight-sync directory is "
+                              "LEMIX_WEIGHT_SYNC_DIR")
+    return str(resolved)
 
 
 def save_stage(stage: Stage, path: Path) -> int:
     """Write `stage`'s parameters to `path`; returns the bytes written."""
+    from safetensors.torch import save_file
+
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {name: p.detach().to("cpu").contiguous()
                for name, p in stage.modules.named_parameters()}
@@ -33,6 +63,9 @@ def load_stage(stage: Stage, path: Path) -> int:
 
     Raises FileNotFoundError, or ValueError when the file's names or shapes do
     not match this stage (a different model or split)."""
+    import torch
+    from safetensors.torch import load_file
+
     if not path.is_file():
         raise FileNotFoundError(f"no stage weights at {path}")
     tensors = load_file(str(path))

@@ -2,8 +2,10 @@
 
 * `GrpcDispatcher` — the `Dispatcher` port: executor Dispatch/Cancel/SyncWeights
   over one cached channel per node address, every call with a deadline.
-* `RedisResultWriter` — the `ResultWriter` port: final states and the client's
-  end message (`Store.finish_task`), placement marks.
+* `RedisResultWriter` — the `ResultWriter` port: task states in batches (final
+  ones with the client's end message, `Store.finish_tasks`), progress lookups;
+  and the `AttemptLedger` port (attempt numbers: `Store.begin_attempts`,
+  `Store.fence_attempts`).
 * `RedisEventSink` — the `RecordingPlanner` sink: buffers events in memory (the
   planner's call must not wait for Redis) and appends them, in order, from one
   background task; `flush()` waits until everything recorded so far is stored.
@@ -15,7 +17,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import PurePosixPath
 
 import grpc
@@ -28,15 +30,35 @@ from lemix.planner.recording import Event
 from lemix.rpc.client import channel
 from lemix.rpc.convert import task_to_proto
 from lemix.rpc.errors import InvalidArgument, Unavailable, error_from_rpc
-from lemix.store import Store
+from lemix.store import IS_FINAL_FIELD, STATUS_FIELD, FieldValue, Store
 from lemix.types import Placement, Task, TaskPayload, WeightSync
 from services.scheduler.codec import event_to_fields
-from services.scheduler.core import DispatchError
+from services.scheduler.ports import DispatchError, StateWrite, TaskProgress, TaskRefused
 
 log = structlog.get_logger(__name__)
 
 _SAVE = executor_pb2.SyncWeightsRequest.DIRECTION_SAVE
 _LOAD = executor_pb2.SyncWeightsRequest.DIRECTION_LOAD
+
+# Dispatch failures that say nothing about the task, only that the node did
+# not answer: it is marked down and the task goes elsewhere. Any other status
+# is the executor's verdict on THIS task (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
+# FAILED_PRECONDITION, INTERNAL...): the task ends, the node stays up.
+_NODE_FAULT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                               grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN})
+# Of those, the ones where the request may have reached the executor (its
+# answer was lost or late): the task may run there, so it is revoked.
+_MAYBE_TAKEN_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                                grpc.StatusCode.UNKNOWN})
+
+
+def dispatch_error(node_id: int, err: grpc.aio.AioRpcError) -> DispatchError:
+    """A failed Dispatch as the core's `TaskRefused` or node `DispatchError`."""
+    code = err.code()
+    details = err.details() or code.name
+    if code in _NODE_FAULT_CODES:
+        return DispatchError(f"{code.name}: {details}", is_maybe_taken=code in _MAYBE_TAKEN_CODES)
+    return TaskRefused(code.name, f"node {node_id} refused the task: {details}")
 
 
 class GrpcDispatcher:
@@ -44,15 +66,21 @@ class GrpcDispatcher:
 
     `payload_of(task_id)` supplies what the executor needs beyond the planner's
     `Task` (token ids, sampling); None sends the task without a payload.
+    `attempt_of(task_id)` is the placement's attempt number (the core's), sent
+    with the Dispatch; 0 sends none.
     """
 
     def __init__(self, *, deadline_s: float, weight_sync_deadline_s: float,
                  weight_sync_dir: str,
-                 payload_of: Callable[[str], TaskPayload | None] = lambda _: None) -> None:
+                 payload_of: Callable[[str], TaskPayload | None] = lambda _: None,
+                 attempt_of: Callable[[str], int] = lambda _: 0,
+                 service_token: str = "") -> None:
         self.deadline_s = deadline_s
+        self._service_token = service_token  # every executor call carries it
         self.weight_sync_deadline_s = weight_sync_deadline_s
         self.weight_sync_dir = weight_sync_dir
         self._payload_of = payload_of
+        self._attempt_of = attempt_of
         self._addresses: dict[int, str] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, executor_pb2_grpc.ExecutorStub] = {}
@@ -88,7 +116,7 @@ class GrpcDispatcher:
             raise DispatchError(f"node {node_id} has not advertised an address")
         stub = self._stubs.get(address)
         if stub is None:
-            self._channels[address] = channel(address)
+            self._channels[address] = channel(address, service_token=self._service_token)
             stub = self._stubs[address] = executor_pb2_grpc.ExecutorStub(self._channels[address])
         return stub
 
@@ -104,20 +132,23 @@ class GrpcDispatcher:
     # ------------------------------------------------------------ Dispatcher
 
     async def dispatch(self, placement: Placement, task: Task) -> None:
-        """Executor Dispatch; raises `DispatchError` if it is unreachable or refuses."""
+        """Executor Dispatch; raises `TaskRefused` when the executor refuses the
+        task, `DispatchError` when the node does not answer (`dispatch_error`)."""
         try:
             message = task_to_proto(task, self._payload_of(task.task_id))
         except InvalidArgument as exc:  # Submit validated it: a bug, not a node fault
             raise RuntimeError(f"cannot encode task {task.task_id}: {exc}") from exc
         request = executor_pb2.DispatchRequest(
-            task=message, predicted_response_s=placement.predicted_response_s)
+            task=message, predicted_response_s=placement.predicted_response_s,
+            attempt=self._attempt_of(task.task_id))
         stub = self._stub(placement.node_id)
         try:
             reply = await stub.Dispatch(request, timeout=self.deadline_s)
         except grpc.aio.AioRpcError as err:
-            raise DispatchError(f"{err.code().name}: {err.details()}") from err
+            raise dispatch_error(placement.node_id, err) from err
         if not reply.is_accepted:
-            raise DispatchError(f"node {placement.node_id} refused the task")
+            raise TaskRefused("FAILED_PRECONDITION",
+                              f"node {placement.node_id} did not accept the task")
 
     async def cancel(self, node_id: int, task_id: str, reason: str) -> bool:
         """Executor Cancel; returns its is_found. Raises `Unavailable` (or the
@@ -177,24 +208,61 @@ class GrpcDispatcher:
 
 
 class RedisResultWriter:
-    """Final states and placement marks in the task's Redis hash/stream."""
+    """Task states in the task's Redis hash/stream, a batch per round trip.
 
-    def __init__(self, store: Store) -> None:
+    Final states carry the client's end message and, with `finished_ttl_s`,
+    expire that long after (hash and output stream).
+    """
+
+    def __init__(self, store: Store, finished_ttl_s: float | None = None) -> None:
         self.store = store
+        self.finished_ttl_s = finished_ttl_s
 
     async def end_task(self, task_id: str, status: str, reason: str) -> None:
-        t = time.time()
-        is_first_end = await self.store.finish_task(
-            task_id, status, reason,
-            output_fields={"type": "end", "status": status, "reason": reason, "n": "0", "t": t},
-            state_fields={"finish_t": t},
-        )
-        if is_first_end:  # count each task once (a redelivery ends nothing new)
-            await self.store.incr_stat("num_rejected" if status == "rejected" else "num_failed")
+        """Write one task's final state and end message (see `write_states`)."""
+        await self.write_states([StateWrite(task_id, status, reason=reason)])
 
-    async def mark_placed(self, task_id: str, node_id: int) -> None:
-        await self.store.set_task_state(
-            task_id, {"status": "placed", "node_id": node_id, "placed_t": time.time()})
+    async def write_states(self, writes: Sequence[StateWrite]) -> None:
+        t = time.time()
+        updates: list[tuple[str, dict[str, FieldValue]]] = []
+        for write in writes:
+            if write.status == "placed":
+                updates.append((write.task_id, {"status": "placed", "node_id": write.node_id,
+                                                "placed_t": t}))
+            elif write.status == "queued":  # taken back from a node: no node now
+                updates.append((write.task_id, {"status": "queued", "node_id": "",
+                                                "requeued_t": t}))
+        # A state write never overwrites a final state (`Store.set_task_state`).
+        await self.store.set_task_states(updates)
+        ends = [(w.task_id, w.status, w.reason) for w in writes if w.is_final]
+        if not ends:
+            return
+        is_first = await self.store.finish_tasks(
+            ends, output_fields={"type": "end", "n": "0", "t": t}, state_fields={"finish_t": t},
+            ttl_s=self.finished_ttl_s)
+        # Count each task once (a retried or redelivered end ends nothing new).
+        num_rejected = sum(1 for (_, s, _), first in zip(ends, is_first, strict=True)
+                           if first and s == "rejected")
+        num_failed = sum(is_first) - num_rejected
+        for name, count in (("num_rejected", num_rejected), ("num_failed", num_failed)):
+            if count:
+                await self.store.incr_stat(name, count)
+
+    async def progress(self, task_ids: Sequence[str]) -> list[TaskProgress]:
+        stored = await self.store.get_task_states(task_ids, [IS_FINAL_FIELD, STATUS_FIELD])
+        return [TaskProgress(is_final=s.fields.get(IS_FINAL_FIELD) == "1",
+                             status=s.fields.get(STATUS_FIELD, ""), has_output=s.has_output)
+                for s in stored]
+
+    # ------------------------------------------------------------ AttemptLedger
+
+    async def begin_attempts(self, task_ids: Sequence[str],
+                             check_cancelled: Sequence[str]) -> tuple[list[int], list[bool]]:
+        return await self.store.begin_attempts(task_ids, check_cancelled)
+
+    async def fence(self, taken: Sequence[tuple[str, int]]) -> list[TaskProgress]:
+        return [TaskProgress(is_final=p.is_final, status=p.status, has_output=p.has_output)
+                for p in await self.store.fence_attempts(taken)]
 
 
 _EVENTS_PER_TRIP = 500

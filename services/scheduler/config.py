@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import socket
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +21,27 @@ from lemix.memory import MemoryConfig
 from lemix.planner.base import PlannerConfig
 from lemix.planner.registry import POLICIES, get_spec
 from lemix.profile import Profile, default_profile_path
-from lemix.redis_keys import DEFAULT_NAMESPACE, RedisKeys
+from lemix.redis_keys import (
+    DEFAULT_NAMESPACE,
+    NODE_HEARTBEAT_TTL_S,
+    STREAM_LEASE_TTL_S,
+    RedisKeys,
+)
+from lemix.rpc.auth import SERVICE_TOKEN_OPTION, check_service_token
 from lemix.settings import Option, port_or_off
 from lemix.sim.run import Slo, SloConfig, compute_slo
 from lemix.types import Task, TaskKind
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
+# Redis connections the scheduler's own loops hold at most at once: the intake
+# and completions loops (each parks one on a blocking read), the nodes loop,
+# the event sink, and the core. The core batches its Redis I/O (one round trip
+# per intake batch, placement batch or dead node) and does it sequentially
+# under its lock, so Dispatch concurrency costs no connections.
+NUM_LOOP_REDIS_CONNECTIONS = 5
+# A blocking read must end before the socket times out, or a quiet stream
+# reads as a dead server.
+_SOCKET_SLACK_S = 10.0
 _DEFAULT_PLANNER = PlannerConfig(num_nodes=1, num_stages=1, slo_ttft_s=1.0, slo_tbt_s=1.0)
 
 
@@ -75,8 +90,33 @@ class SchedulerConfig:
     # pending entry is a dead predecessor's: 0 takes them all at once.
     claim_min_idle_s: float = 0.0
     stop_grace_s: float = 5.0  # in-flight RPCs get this long on stop
+    # Dispatch RPCs in flight at once (a 10,000-sample Train places hundreds
+    # in one plan); the rest wait their turn.
+    max_concurrent_dispatches: int = 32
+    # Times a task is placed again after its node failed a Dispatch or went
+    # down, before it fails UNAVAILABLE (a task that kills every node it
+    # lands on must not take the cluster down one node at a time).
+    max_task_moves: int = 3
+    # A node down (heartbeat expired, or reported unhealthy) gets no new work at
+    # once, but loses what it holds only after this long down: a heartbeat
+    # late by a GC pause or a CPU-starved second must not fail its streams.
+    node_lost_after_s: float = 2.0
+    # Nodes whose heartbeat is missing after a Redis error or restart (or at
+    # start) are declared down only this long after Redis answers again.
+    redis_outage_grace_s: float = 2 * NODE_HEARTBEAT_TTL_S
+    # Submit/Cancel/GetState calls that use Redis at once; more wait here, so
+    # they cannot starve the loops of pooled connections.
+    max_rpc_redis_calls: int = 32
+    # How often the stream leases of held inference are checked; a lapsed one
+    # cancels its task (its gateway is gone).
+    lease_check_s: float = STREAM_LEASE_TTL_S / 3
+    # Task hashes and output streams of tasks the scheduler saw end expire
+    # this long after (0 = keep forever).
+    finished_task_ttl_s: float = 24 * 3600.0
     log_level: str = "info"  # debug | info | warning | error
     log_format: str = "console"  # console | json
+    # Sent to executors and required from the gateway (lemix.rpc.auth); "" = none.
+    service_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         get_spec(self.policy)  # unknown names fail here, with the list of choices
@@ -101,24 +141,45 @@ class SchedulerConfig:
             "node_poll_s": self.node_poll_s,
             "read_block_s": self.read_block_s,
             "intake_batch": self.intake_batch,
+            "max_concurrent_dispatches": self.max_concurrent_dispatches,
+            "max_rpc_redis_calls": self.max_rpc_redis_calls,
+            "lease_check_s": self.lease_check_s,
         }
         for name, value in positive.items():
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
-        if self.claim_min_idle_s < 0 or self.stop_grace_s < 0:
-            raise ValueError("claim_min_idle_s and stop_grace_s must be >= 0")
+        non_negative = {
+            "claim_min_idle_s": self.claim_min_idle_s, "stop_grace_s": self.stop_grace_s,
+            "max_task_moves": self.max_task_moves,
+            "redis_outage_grace_s": self.redis_outage_grace_s,
+            "node_lost_after_s": self.node_lost_after_s,
+            "finished_task_ttl_s": self.finished_task_ttl_s,
+        }
+        for name, value in non_negative.items():
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
         if self.log_level not in _LOG_LEVELS:
             raise ValueError(f"log_level must be one of {'|'.join(_LOG_LEVELS)}, "
                              f"got {self.log_level!r}")
         if self.log_format not in ("console", "json"):
             raise ValueError(f"log_format must be console or json, got {self.log_format!r}")
         SloConfig(self.slo_multiplier)
+        check_service_token(self.service_token)
         MemoryConfig(kappa=self.kappa)
         BatchingConfig(max_batch_size=self.max_batch_size)
 
     @property
     def consumer_name(self) -> str:
         return self.consumer or _default_consumer()
+
+    @property
+    def redis_max_connections(self) -> int:
+        """The Redis pool's bound: the loops' connections plus the RPCs' share."""
+        return NUM_LOOP_REDIS_CONNECTIONS + self.max_rpc_redis_calls
+
+    @property
+    def redis_socket_timeout_s(self) -> float:
+        return self.read_block_s + _SOCKET_SLACK_S
 
     @property
     def resolved_profile_path(self) -> Path:
@@ -211,8 +272,23 @@ _OPTIONS: tuple[Option, ...] = (
     _option("claim_min_idle_s", "LEMIX_CLAIM_MIN_IDLE_S", float,
             "take over intake entries pending this long at start"),
     _option("stop_grace_s", "LEMIX_STOP_GRACE_S", float, "grace for in-flight RPCs on stop"),
+    _option("max_concurrent_dispatches", "LEMIX_MAX_CONCURRENT_DISPATCHES", int,
+            "executor Dispatch calls in flight at once"),
+    _option("max_task_moves", "LEMIX_MAX_TASK_MOVES", int,
+            "re-placements of a task after node failures before it fails"),
+    _option("node_lost_after_s", "LEMIX_NODE_LOST_AFTER_S", float,
+            "a node down this long loses its tasks (re-queued or failed)"),
+    _option("redis_outage_grace_s", "LEMIX_REDIS_OUTAGE_GRACE_S", float,
+            "after a Redis outage, wait this long before declaring silent nodes down"),
+    _option("max_rpc_redis_calls", "LEMIX_MAX_RPC_REDIS_CALLS", int,
+            "scheduler RPCs using Redis at once (sizes the Redis pool)"),
+    _option("lease_check_s", "LEMIX_LEASE_CHECK_S", float,
+            "how often stream leases of held requests are checked"),
+    _option("finished_task_ttl_s", "LEMIX_FINISHED_TASK_TTL_S", float,
+            "finished tasks' state and output expire after (0 = never)"),
     _option("log_level", "LEMIX_LOG_LEVEL", str, "debug|info|warning|error"),
     _option("log_format", "LEMIX_LOG_FORMAT", str, "console|json"),
+    SERVICE_TOKEN_OPTION,
 )
 
 # `python -m services.scheduler` serves metrics unless told not to.

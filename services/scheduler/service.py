@@ -13,9 +13,15 @@ Loops (each survives Redis blips: it logs, backs off and goes on):
   acked, so a crash in between replays to the same state.
 * completions — executors' task ends, from the stored cursor on; the cursor
   moves only after the resulting events are stored.
-* nodes — heartbeats polled every `node_poll_s`; appearances and expiries
-  become `on_node_health`, and the advertised address is where we dispatch.
+* nodes — heartbeats polled every `node_poll_s` (`NodeSupervisor`: dead and
+  restarted nodes, the Redis-outage grace, revoked tasks); state writes a Redis
+  error left behind are retried; stream leases of held inference are checked
+  every `lease_check_s` and a lapsed one cancels its task (`LeaseWatch`).
 * timer — wakes the planner when deferred training must be looked at again.
+
+Redis: one client over a blocking pool of `config.redis_max_connections`
+(the loops' connections plus `max_rpc_redis_calls` for RPCs, which wait on a
+semaphore before touching Redis so they cannot starve the loops).
 """
 
 from __future__ import annotations
@@ -39,18 +45,20 @@ from lemix._proto.lemix.v1 import scheduler_pb2_grpc
 from lemix.planner.recording import Event, RecordingPlanner
 from lemix.planner.registry import build_planner
 from lemix.profile import Profile, load_profile
+from lemix.redis_client import RedisClientConfig, connect
 from lemix.redis_keys import RedisKeys
 from lemix.rpc import SCHEDULER_SERVICE
 from lemix.rpc.errors import InvalidArgument, Unavailable
 from lemix.rpc.server import start_server, stop_server
-from lemix.store import IS_FINAL_FIELD, Entry, Fields, Store, get_bool, get_optional_int
-from lemix.types import Task, TaskPayload
+from lemix.store import ATTEMPT_FIELD, IS_FINAL_FIELD, Entry, Fields, Store, get_optional_int
+from lemix.types import Task, TaskKind, TaskPayload
 from services.scheduler.adapters import GrpcDispatcher, RedisEventSink, RedisResultWriter
 from services.scheduler.codec import event_from_fields, task_from_fields, task_to_fields
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from services.scheduler.recovery import check_config, recover, start_event
 from services.scheduler.servicer import SchedulerServicer
+from services.scheduler.supervision import LeaseWatch, NodeSupervisor
 
 log = structlog.get_logger(__name__)
 
@@ -58,6 +66,7 @@ T = TypeVar("T")
 
 MAX_TASK_ID_CHARS = 256
 CANCELLED_BEFORE_PLACEMENT = "CANCELLED: cancelled before it was scheduled"
+GATEWAY_GONE = "the gateway streaming this request is gone"
 _LOOP_BACKOFF_S = 0.5  # after an unexpected error in a loop iteration
 _MIN_TIMER_S = 0.001  # never spin on a wake-up that is (float-)due now
 
@@ -73,13 +82,27 @@ class SchedulerSnapshot:
     nodes: dict[int, Fields]  # live nodes' heartbeat hashes, by node id
 
 
+def describe_redis_error(exc: BaseException) -> str:
+    """What went wrong talking to Redis, by its real cause.
+
+    The blocking pool's "No connection available." means every pooled
+    connection stayed busy past its wait: overload, not an unreachable Redis.
+    """
+    if isinstance(exc, RedisConnectionError) and "No connection available" in str(exc):
+        return ("every pooled Redis connection stayed busy past the pool's wait "
+                "(overloaded)")
+    if isinstance(exc, RedisTimeoutError):
+        return f"Redis did not answer in time ({exc})"
+    return f"Redis is unreachable ({type(exc).__name__}: {exc})"
+
+
 @contextlib.asynccontextmanager
 async def redis_unavailable(what: str) -> AsyncIterator[None]:
-    """Turn "cannot reach Redis" into `Unavailable` for an RPC caller."""
+    """Turn a failed Redis call into `Unavailable` for an RPC caller."""
     try:
         yield
     except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-        raise Unavailable(f"{what}: Redis is unreachable ({exc}); retry later") from exc
+        raise Unavailable(f"{what}: {describe_redis_error(exc)}; retry later") from exc
 
 
 def check_task_id(task_id: str) -> None:
@@ -108,7 +131,7 @@ class SchedulerService:
         self._stopping = asyncio.Event()
         self._loops: list[asyncio.Task[None]] = []
         self._payloads: dict[str, TaskPayload] = {}
-        self._unknown_nodes: set[int] = set()
+        self._rpc_redis_slots = asyncio.Semaphore(config.max_rpc_redis_calls)
         self._has_unacked_intake = False
         self._completions_cursor: str | None = None
         self._server: grpc.aio.Server | None = None
@@ -131,10 +154,11 @@ class SchedulerService:
         """Connect, recover, start the loops and the gRPC server."""
         config = self.config
         if self._redis is None:
-            # Blocking reads wait up to read_block_s: the socket must outlast them.
-            self._redis = aioredis.Redis.from_url(
-                config.redis_url, decode_responses=True, socket_connect_timeout=5.0,
-                socket_timeout=config.read_block_s + 10.0)
+            # Sized from our own concurrency (module docstring); blocking reads
+            # wait up to read_block_s, so the socket timeout outlasts them.
+            self._redis = connect(RedisClientConfig(
+                url=config.redis_url, max_connections=config.redis_max_connections,
+                socket_timeout_s=config.redis_socket_timeout_s))
         self.store = Store(self._redis, RedisKeys(config.namespace))
         await self._redis.ping()
         self.epoch_s = await self.store.scheduler_epoch(time.time())
@@ -143,7 +167,7 @@ class SchedulerService:
         # Nodes are down until their first heartbeat (recorded without
         # planning, so deferred work is not rejected before the first poll).
         await self.core.mark_down(range(config.num_nodes))
-        await self._poll_nodes()
+        await self.nodes.poll()
         stale = await self.store.claim_stale(config.consumer_name,
                                              round(config.claim_min_idle_s * 1000))
         if stale:
@@ -157,7 +181,8 @@ class SchedulerService:
         ]
         self._server, self.port, self._health = await start_server(
             [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerServicer(self))],
-            config.host, config.port, service_names=[SCHEDULER_SERVICE])
+            config.host, config.port, service_names=[SCHEDULER_SERVICE],
+            service_token=config.service_token)
         log.info("scheduler_started", address=self.address, policy=config.policy,
                  num_nodes=config.num_nodes, namespace=config.namespace,
                  recovered_events=self.num_recovered_events,
@@ -179,20 +204,45 @@ class SchedulerService:
         self.dispatcher = GrpcDispatcher(
             deadline_s=config.dispatch_deadline_s,
             weight_sync_deadline_s=config.weight_sync_deadline_s,
-            weight_sync_dir=config.weight_sync_dir, payload_of=self._payloads.get)
-        self.writer = RedisResultWriter(self.store)
+            weight_sync_dir=config.weight_sync_dir, payload_of=self._payloads.get,
+            attempt_of=self._attempt_of, service_token=config.service_token)
+        self.writer = RedisResultWriter(self.store,
+                                        finished_ttl_s=config.finished_task_ttl_s or None)
         self.core = SchedulerCore(
             RecordingPlanner(planner, self.events), self.dispatcher, self.writer, self.clock,
-            on_forget=self._forget_payload, is_cancelled=self.store.is_cancelled,
-            policy=config.policy)
+            on_forget=self._forget_task, ledger=self.writer,
+            policy=config.policy, max_concurrent_dispatches=config.max_concurrent_dispatches,
+            max_task_moves=config.max_task_moves)
         self.core.restore(recovered.tasks, recovered.num_placed, recovered.num_rejected)
-        for task in recovered.tasks:  # deferred or requeued work still needs its payload
-            state = await self.store.get_task_state(task.task_id)
-            if state:
-                self._payloads[task.task_id] = task_from_fields(state)[1]
-            else:
-                log.warning("payload_lost", task_id=task.task_id)
+        self.nodes = NodeSupervisor(config, self.store, self.core, self.dispatcher)
+        self.leases = LeaseWatch(self.store, config.lease_check_s)
+        await self._recover_tasks(recovered.tasks)
         self.events.start()
+
+    async def _recover_tasks(self, tasks: list[Task]) -> None:
+        """Payloads, attempts, unconfirmed placements and stream leases of
+        recovered tasks."""
+        unconfirmed = []
+        attempts: dict[str, int] = {}
+        for task in tasks:  # deferred or requeued work still needs its payload
+            state = await self.store.get_task_state(task.task_id)
+            if not state:
+                log.warning("payload_lost", task_id=task.task_id)
+                continue
+            self._payloads[task.task_id] = task_from_fields(state)[1]
+            attempts[task.task_id] = get_optional_int(state, ATTEMPT_FIELD) or 0
+            if self.core.node_of(task.task_id) is not None and state.get("status") == "queued":
+                unconfirmed.append(task.task_id)
+        # Before the requeue below: it revokes (and so fences) those attempts.
+        self.core.restore_attempts(attempts)
+        # Placed in the log but never marked placed: the predecessor died
+        # around the Dispatch. Placed again (and cancelled on the old node).
+        moved = self.core.requeue_unconfirmed(unconfirmed)
+        if moved:
+            log.warning("unconfirmed_placements_requeued", num_tasks=len(moved))
+        inference = [t.task_id for t in tasks if t.kind is TaskKind.INFERENCE]
+        held = await self.store.stream_leases_held(inference)
+        self.leases.note([t for t, is_leased in zip(inference, held, strict=True) if is_leased])
 
     async def stop(self, grace_s: float | None = None) -> None:
         """NOT_SERVING, stop the loops, store the events, stop the server, close Redis."""
@@ -225,7 +275,7 @@ class SchedulerService:
     async def submit(self, task: Task, payload: TaskPayload) -> bool:
         """Store a task durably in the intake; False when its id was seen before."""
         check_task_id(task.task_id)
-        async with redis_unavailable("Submit"):
+        async with self._rpc_redis_slots, redis_unavailable("Submit"):
             return await self.store.submit_task(task_to_fields(task, payload))
 
     async def cancel(self, task_id: str, reason: str) -> bool:
@@ -234,7 +284,7 @@ class SchedulerService:
         reason = reason or "cancelled by the client"
         node_id = self.core.node_of(task_id)
         if node_id is None:
-            async with redis_unavailable("Cancel"):
+            async with self._rpc_redis_slots, redis_unavailable("Cancel"):
                 await self.store.mark_cancelled(task_id)  # the intake drops it if unread
                 if self.core.knows(task_id):
                     # Deferred: end it now; the core drops it when it would place it.
@@ -248,7 +298,7 @@ class SchedulerService:
 
     async def snapshot(self) -> SchedulerSnapshot:
         """Counters and live nodes; events recorded so far are stored first."""
-        async with redis_unavailable("GetState"):
+        async with self._rpc_redis_slots, redis_unavailable("GetState"):
             try:
                 await self.events.flush(timeout_s=self.config.dispatch_deadline_s)
             except TimeoutError:
@@ -274,11 +324,13 @@ class SchedulerService:
                 self._log_loop_error(name, exc)
                 await self._sleep_or_stop(_LOOP_BACKOFF_S)
 
-    @staticmethod
-    def _log_loop_error(name: str, exc: Exception) -> None:
+    def _log_loop_error(self, name: str, exc: Exception) -> None:
         if isinstance(exc, RedisConnectionError | RedisTimeoutError | OSError):
-            # An outage: expected, retried; a traceback per retry is noise.
-            log.warning("loop_redis_unreachable", loop=name, error=str(exc))
+            # An outage: expected, retried; a traceback per retry is noise. The
+            # error's own type and text say which (refused, timed out, pool
+            # exhausted).
+            self.nodes.on_redis_error()
+            log.warning("loop_redis_error", loop=name, error=describe_redis_error(exc))
         else:
             log.error("loop_error", loop=name, exc_info=exc)
 
@@ -334,9 +386,11 @@ class SchedulerService:
         taken = [t for t in [await self._parse(fields) for _, fields in entries] if t]
         # One pipelined round trip for every check, one for every state write:
         # per-task round trips made this loop the stack's bottleneck.
-        lookup = await self.store.intake_lookup([task.task_id for task, _, _ in taken])
+        lookup = await self.store.intake_checks([task.task_id for task, _, _ in taken])
         accepted = []
-        for (task, payload, fields), (is_final, is_cancelled) in zip(taken, lookup, strict=True):
+        leased = []
+        for (task, payload, fields), (is_final, is_cancelled, has_lease) in zip(
+                taken, lookup, strict=True):
             if is_final:
                 continue  # finished before a restart; its result stands
             if is_cancelled:
@@ -344,12 +398,15 @@ class SchedulerService:
                 continue
             self._payloads[task.task_id] = payload
             accepted.append((task, fields))
+            if has_lease and not task.is_training:
+                leased.append(task.task_id)
         # The task's fields go to its state hash too: a restart finds the
         # payload of deferred training there (the intake entry is deleted).
         await self.store.set_task_states([
             (task.task_id, {**fields, "status": "queued", "arrival_s": task.arrival_s,
                             "queued_t": time.time()})
             for task, fields in accepted])
+        self.leases.note(leased)  # before the core: it may end them at once
         await self.core.on_tasks([task for task, _ in accepted])
         # Write-ahead: the decisions these entries caused are stored before the
         # entries go, so a crash in between replays them (and the redelivered
@@ -372,8 +429,12 @@ class SchedulerService:
             return None  # redelivered; the planner has it
         return task, payload, fields
 
-    def _forget_payload(self, task_id: str) -> None:
+    def _attempt_of(self, task_id: str) -> int:
+        return self.core.attempt_of(task_id)
+
+    def _forget_task(self, task_id: str) -> None:
         self._payloads.pop(task_id, None)
+        self.leases.forget(task_id)
 
     # ----------------------------------------------------------- completions
 
@@ -393,53 +454,57 @@ class SchedulerService:
                 await self._sleep_or_stop(_LOOP_BACKOFF_S)
 
     async def _handle_completions(self, entries: list[Entry]) -> None:
+        ended = []
         for entry_id, fields in entries:
             status = fields.get("status", "")
             task_id = fields.get("task_id", "")
             if task_id:
-                await self.core.on_finished(
+                is_applied = await self.core.on_finished(
                     task_id, is_success=status == "completed", is_requeue=status == "requeued",
-                    node_id=get_optional_int(fields, "node_id"))
+                    node_id=get_optional_int(fields, "node_id"),
+                    attempt=get_optional_int(fields, ATTEMPT_FIELD))
+                if is_applied and status != "requeued":
+                    ended.append(task_id)
             # Advanced per entry: after an error the loop resumes after the last
             # entry applied, never applying one twice within this process.
             self._completions_cursor = entry_id
         await self.events.flush()  # the stored cursor never runs ahead of the log
-        await self.store.set_completions_cursor(entry_id)
+        # Entries before the cursor are applied and in the log: trimmed.
+        await self.store.advance_completions_cursor(entry_id)
+        if ended and self.config.finished_task_ttl_s > 0:
+            # Executors write most ends without a TTL: the scheduler sets it.
+            await self.store.expire_finished_tasks(ended, self.config.finished_task_ttl_s)
 
     # ----------------------------------------------------------------- nodes
 
     async def _nodes_step(self) -> None:
         await self._sleep_or_stop(self.config.node_poll_s)
-        if not self._stopping.is_set():
-            await self._poll_nodes()
-            await self._export_queue_depths()
+        if self._stopping.is_set():
+            return
+        await self.nodes.poll()
+        await self.core.retry_writes()
+        await self._cancel_orphans()
+        await self._export_queue_depths()
 
     async def _export_queue_depths(self) -> None:
         telemetry.set_queue_depth("intake_pending", await self.store.pending_count())
         telemetry.set_queue_depth("deferred_training", self.core.planner.planner.num_deferred)
         telemetry.set_queue_depth("held", self.core.num_tasks)
 
-    async def _poll_nodes(self) -> None:
-        states = await self.store.get_node_states()
-        for node_id in sorted(set(states) - set(range(self.config.num_nodes))):
-            if node_id not in self._unknown_nodes:
-                self._unknown_nodes.add(node_id)
-                log.warning("node_out_of_range", node_id=node_id,
-                            num_nodes=self.config.num_nodes)
-        for node_id in range(self.config.num_nodes):
-            fields = states.get(node_id) or {}
-            address = fields.get("address", "")
-            is_live = bool(address) and get_bool(fields, "is_healthy", True)
-            if is_live:
-                await self.dispatcher.set_address(node_id, address)
-            if is_live == (node_id not in self.core.down_nodes):
+    async def _cancel_orphans(self) -> None:
+        """Cancel held inference whose gateway's stream lease lapsed."""
+        for task_id in await self.leases.lapsed(self.core.knows):
+            try:
+                await self.cancel(task_id, GATEWAY_GONE)
+            except Unavailable as exc:  # its node or Redis: the next check retries
+                log.warning("orphan_cancel_failed", task_id=task_id, error=str(exc))
                 continue
-            failed_s = self.core.dispatch_failed_s.get(node_id)
-            if (is_live and failed_s is not None
-                    and self.clock() - failed_s < self.config.dispatch_retry_s):
-                continue  # it heartbeats but just failed a dispatch: give it a pause
-            log.info("node_up" if is_live else "node_down", node_id=node_id, address=address)
-            await self.core.on_node_health(node_id, is_live)
+            except Exception as exc:  # the executor answered no: asking again won't help
+                log.warning("orphan_cancel_refused", task_id=task_id,
+                            error=f"{type(exc).__name__}: {exc}")
+            else:
+                log.info("orphan_cancelled", task_id=task_id)
+            self.leases.forget(task_id)
 
     @property
     def live_node_ids(self) -> list[int]:

@@ -54,14 +54,20 @@ def profile_path(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def make_config(redis_server: EmbeddedRedis, profile_path: Path) -> Callable[..., ExecutorConfig]:
+def weight_sync_dir(tmp_path: Path) -> Path:
+    return tmp_path / "weights"
+
+
+@pytest.fixture
+def make_config(redis_server: EmbeddedRedis, profile_path: Path,
+                weight_sync_dir: Path) -> Callable[..., ExecutorConfig]:
     namespace = f"test-{uuid.uuid4().hex[:8]}"
 
     def make(**overrides: object) -> ExecutorConfig:
         config = ExecutorConfig(
             node_id=3, redis_url=redis_server.url, namespace=namespace,
             profile_path=profile_path, time_scale=TIME_SCALE, heartbeat_s=0.05,
-            node_ttl_s=0.5, shutdown_grace_s=1.0,
+            node_ttl_s=0.5, shutdown_grace_s=1.0, weight_sync_dir=str(weight_sync_dir),
         )
         return replace(config, **overrides)  # type: ignore[arg-type]
 
@@ -382,10 +388,12 @@ async def test_measure_returns_the_profile_latency_within_noise(
 
 
 async def test_sync_weights_load_sets_the_served_version(
-    service: ExecutorService, stub: executor_pb2_grpc.ExecutorStub, store: Store
+    service: ExecutorService, stub: executor_pb2_grpc.ExecutorStub, store: Store,
+    weight_sync_dir: Path,
 ) -> None:
+    location = str(weight_sync_dir / "node3-v7")
     save = await stub.SyncWeights(executor_pb2.SyncWeightsRequest(
-        direction=executor_pb2.SyncWeightsRequest.DIRECTION_SAVE, location="/tmp/w"),
+        direction=executor_pb2.SyncWeightsRequest.DIRECTION_SAVE, location=location),
         timeout=DEFAULT_DEADLINE_S)
     # 1 MB per stage over a 1 MB/s link, stages in parallel: 1 profile second.
     assert save.num_bytes == 2 * 10**6
@@ -393,7 +401,7 @@ async def test_sync_weights_load_sets_the_served_version(
     await dispatch(stub, make_request("inf-v0", 0.0, 10, 1))
     assert (await first_message(store, "inf-v0"))["version"] == "0"
     load = await stub.SyncWeights(executor_pb2.SyncWeightsRequest(
-        direction=executor_pb2.SyncWeightsRequest.DIRECTION_LOAD, location="/tmp/w",
+        direction=executor_pb2.SyncWeightsRequest.DIRECTION_LOAD, location=location,
         weight_version=7), timeout=DEFAULT_DEADLINE_S)
     assert load.num_bytes == 2 * 10**6 and load.duration_s >= 1.0
     await dispatch(stub, make_request("inf-v7", 0.0, 10, 3))
@@ -402,6 +410,63 @@ async def test_sync_weights_load_sets_the_served_version(
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.SyncWeights(executor_pb2.SyncWeightsRequest(), timeout=DEFAULT_DEADLINE_S)
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_sync_weights_outside_the_sync_dir_is_refused(
+    service: ExecutorService, stub: executor_pb2_grpc.ExecutorStub, weight_sync_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """Anyone reaching the port could otherwise overwrite served weights or
+    write files anywhere the executor may: every escape is INVALID_ARGUMENT,
+    whether by absolute path, `..`, or a symlink planted inside the dir."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    weight_sync_dir.mkdir()
+    (weight_sync_dir / "link").symlink_to(outside, target_is_directory=True)
+    root = weight_sync_dir.resolve()
+    escapes = ["/etc/lemix", str(outside), f"{weight_sync_dir}/../outside", "../outside",
+               f"{weight_sync_dir}/link/v1", f"{weight_sync_dir}x/v1"]
+    for direction in (executor_pb2.SyncWeightsRequest.DIRECTION_SAVE,
+                      executor_pb2.SyncWeightsRequest.DIRECTION_LOAD):
+        for location in escapes:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.SyncWeights(executor_pb2.SyncWeightsRequest(
+                    direction=direction, location=location, weight_version=1),
+                    timeout=DEFAULT_DEADLINE_S)
+            assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT, location
+            assert f"location must be under {root}" in (info.value.details() or ""), location
+    assert list(outside.iterdir()) == []
+    # A path that wanders but stays inside is fine (and so is a relative one).
+    for location in (f"{weight_sync_dir}/a/../node3-v1", "node3-v1"):
+        reply = await stub.SyncWeights(executor_pb2.SyncWeightsRequest(
+            direction=executor_pb2.SyncWeightsRequest.DIRECTION_SAVE, location=location),
+            timeout=DEFAULT_DEADLINE_S)
+        assert reply.num_bytes == 2 * 10**6, location
+
+
+async def test_service_token_is_required_except_for_health(
+    make_config: Callable[..., ExecutorConfig],
+) -> None:
+    token = "executor-test-token-0123456789abcdef"
+    svc = ExecutorService(make_config(service_token=token))
+    await svc.start()
+    try:
+        async with channel(svc.address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await executor_pb2_grpc.ExecutorStub(ch).GetNodeState(
+                    executor_pb2.GetNodeStateRequest(), timeout=DEFAULT_DEADLINE_S)
+            assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED
+            assert "LEMIX_SERVICE_TOKEN" in (info.value.details() or "")
+            health = await health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=EXECUTOR_SERVICE),
+                timeout=DEFAULT_DEADLINE_S)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+        async with channel(svc.address, service_token=token) as ch:
+            state = await executor_pb2_grpc.ExecutorStub(ch).GetNodeState(
+                executor_pb2.GetNodeStateRequest(), timeout=DEFAULT_DEADLINE_S)
+            assert state.node_id == 3
+    finally:
+        await svc.stop(grace_s=0.1)
 
 
 # ------------------------------------------------------------------ config
@@ -420,6 +485,12 @@ def test_config_reads_env_and_flags_with_flags_winning(tmp_path: Path) -> None:
     engine = config.engine_config()
     assert engine.emit_tokens and not engine.memory.is_offload_enabled
     assert ExecutorConfig.from_env_and_args(["--offload"], env=env).is_offload_enabled
+    assert config.service_token == "" and config.weight_sync_dir == "/tmp/lemix-weights"
+    token = "from-the-environment-0123456789"
+    secured = ExecutorConfig.from_env_and_args([], env={
+        **env, "LEMIX_SERVICE_TOKEN": token, "LEMIX_WEIGHT_SYNC_DIR": "/var/lib/lemix/weights"})
+    assert secured.service_token == token and secured.weight_sync_dir == "/var/lib/lemix/weights"
+    assert token not in repr(secured)  # configs get logged; the secret must not be
 
 
 @pytest.mark.parametrize(("argv", "env", "message"), [
@@ -432,6 +503,8 @@ def test_config_reads_env_and_flags_with_flags_winning(tmp_path: Path) -> None:
     (["--kappa", "1.5"], {}, "kappa"),
     (["--redis-url", "localhost:6379"], {}, "redis_url"),
     (["--namespace", "a b"], {}, "namespace"),
+    ([], {"LEMIX_SERVICE_TOKEN": "short"}, "LEMIX_SERVICE_TOKEN must be at least 16"),
+    (["--weight-sync-dir", ""], {}, "weight_sync_dir"),
 ])
 def test_config_rejects_bad_values(argv: list[str], env: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):

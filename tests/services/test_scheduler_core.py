@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from factories import make_planner, make_request, make_training
 
 from lemix.planner.recording import RecordingPlanner, decision_key, recorded_decision_keys, replay
 from lemix.types import Placement, Task, WeightSync
-from services.scheduler.core import DispatchError, SchedulerCore
+from services.scheduler.core import DispatchError, SchedulerCore, StateWrite, TaskProgress
 
 
 class Ports:
     def __init__(self, down: set[int] | None = None) -> None:
         self.dispatched: list[tuple[str, int]] = []
         self.ended: dict[str, tuple[str, str]] = {}
+        self.states: dict[str, StateWrite] = {}
         self.syncs: list[WeightSync] = []
         self.down = down or set()
 
@@ -24,11 +27,14 @@ class Ports:
     async def sync_weights(self, sync: WeightSync) -> None:
         self.syncs.append(sync)
 
-    async def end_task(self, task_id: str, status: str, reason: str) -> None:
-        self.ended[task_id] = (status, reason)
+    async def write_states(self, writes: Sequence[StateWrite]) -> None:
+        for write in writes:
+            self.states[write.task_id] = write
+            if write.is_final:
+                self.ended[write.task_id] = (write.status, write.reason)
 
-    async def mark_placed(self, task_id: str, node_id: int) -> None:
-        pass
+    async def progress(self, task_ids: Sequence[str]) -> list[TaskProgress]:
+        return [TaskProgress(is_final=False, status="", has_output=False) for _ in task_ids]
 
 
 def make_core(policy: str = "mix-rr", down: set[int] | None = None, **kw: object):
@@ -47,11 +53,12 @@ async def test_redelivered_task_is_placed_once() -> None:
     assert ports.dispatched == [("a", 0)]
 
 
-async def test_unreachable_executor_fails_inference_and_requeues_training() -> None:
+async def test_unreachable_executor_moves_the_task_to_another_node() -> None:
     core, ports, _ = make_core(down={0})
     await core.on_task(make_request("a"))  # round-robin picks node 0, which is down
-    assert ports.ended["a"][0] == "failed"
-    assert ports.ended["a"][1].startswith("UNAVAILABLE")
+    assert ports.dispatched == [("a", 1)] and "a" not in ports.ended  # not started: moved
+    assert ports.states["a"] == StateWrite("a", "placed", node_id=1)
+    assert core.down_nodes == {0}
     await core.on_task(make_training("t", 0.0, 50))  # node 0 is now known down
     assert ("t", 1) in ports.dispatched
     await core.on_task(make_request("b"))

@@ -347,7 +347,8 @@ async def test_unreachable_executor_fails_the_task_unavailable(stack: Stack) -> 
     stub = stack.stub(service)
     await submit(stub, inference("gone"))
     end = await end_message(stack.store, "gone")
-    assert end["status"] == "failed" and end["reason"].startswith("UNAVAILABLE")
+    # Moved off the dead node, and with no other node: rejected, with the reason.
+    assert end["status"] == "rejected" and end["reason"].startswith("UNAVAILABLE")
     assert service.live_node_ids == []
     # The executor comes back (a new heartbeat, a new address): after the
     # pause the node gets work again.

@@ -176,6 +176,8 @@ async def test_multi_sample_training_task_packs_its_samples() -> None:
     await node.stop(grace_s=5.0)
     assert backend.trainer.num_steps == [1, 1]
     assert backend.last_training_loss == pytest.approx(expected, rel=1e-5)
+    # The task's own loss rides on its end (GetTask reports it).
+    assert sink.end_fields["t"] == {"training_loss": pytest.approx(expected, rel=1e-5)}
 
 
 def test_multi_sample_payload_is_checked() -> None:

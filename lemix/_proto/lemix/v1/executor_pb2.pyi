@@ -9,12 +9,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DispatchRequest(_message.Message):
-    __slots__ = ("task", "predicted_response_s")
+    __slots__ = ("task", "predicted_response_s", "attempt")
     TASK_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_RESPONSE_S_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     task: _common_pb2.Task
     predicted_response_s: float
-    def __init__(self, task: _Optional[_Union[_common_pb2.Task, _Mapping]] = ..., predicted_response_s: _Optional[float] = ...) -> None: ...
+    attempt: int
+    def __init__(self, task: _Optional[_Union[_common_pb2.Task, _Mapping]] = ..., predicted_response_s: _Optional[float] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class DispatchResponse(_message.Message):
     __slots__ = ("is_accepted",)
