@@ -12,19 +12,25 @@ port                           ``--port``                 ``LEMIX_GATEWAY_PORT``
 http_port                      ``--http-port``            ``LEMIX_GATEWAY_HTTP_PORT``
 served_model_name              ``--served-model-name``    ``LEMIX_SERVED_MODEL_NAME``
 metrics_port                   ``--metrics-port``         ``LEMIX_GATEWAY_METRICS_PORT``
+is_http_metrics_enabled        ``--http-metrics``         ``LEMIX_GATEWAY_HTTP_METRICS``
 scheduler_address              ``--scheduler``            ``LEMIX_SCHEDULER_ADDRESS``
 redis_url                      ``--redis-url``            ``LEMIX_REDIS_URL``
 namespace                      ``--namespace``            ``LEMIX_NAMESPACE``
 max_context_tokens             ``--max-context-tokens``   ``LEMIX_MAX_CONTEXT_TOKENS``
 max_in_flight                  ``--max-in-flight``        ``LEMIX_MAX_IN_FLIGHT``
+max_train_samples              ``--max-train-samples``    ``LEMIX_MAX_TRAIN_SAMPLES``
+max_train_batch_size           ``--max-train-batch-size`` ``LEMIX_MAX_TRAIN_BATCH_SIZE``
 submit_deadline_s              ``--submit-deadline-s``    ``LEMIX_SUBMIT_DEADLINE_S``
 cancel_deadline_s              ``--cancel-deadline-s``    ``LEMIX_CANCEL_DEADLINE_S``
 stream_idle_timeout_s          ``--stream-idle-timeout-s`` ``LEMIX_STREAM_IDLE_TIMEOUT_S``
+stream_lease_ttl_s             ``--stream-lease-ttl-s``   ``LEMIX_STREAM_LEASE_TTL_S``
+stats_flush_s                  ``--stats-flush-s``        ``LEMIX_STATS_FLUSH_S``
 tokenizer                      ``--tokenizer``            ``LEMIX_TOKENIZER``
 node_check_s                   ``--node-check-s``         ``LEMIX_NODE_CHECK_S``
 shutdown_grace_s               ``--shutdown-grace-s``     ``LEMIX_SHUTDOWN_GRACE_S``
 log_level                      ``--log-level``            ``LEMIX_LOG_LEVEL``
 log_format                     ``--log-format``           ``LEMIX_LOG_FORMAT``
+service_token                  ``--service-token``        ``LEMIX_SERVICE_TOKEN``
 =============================  =========================  ==========================
 """
 
@@ -33,12 +39,14 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.validate import DEFAULT_MAX_TRAIN_BATCH_SIZE, DEFAULT_MAX_TRAIN_SAMPLES
 from lemix import settings
-from lemix.redis_keys import DEFAULT_NAMESPACE, RedisKeys
-from lemix.settings import Option, port_or_off
+from lemix.redis_keys import DEFAULT_NAMESPACE, STREAM_LEASE_TTL_S, RedisKeys
+from lemix.rpc.auth import SERVICE_TOKEN_OPTION, check_service_token
+from lemix.settings import Option, boolean, port_or_off
 
 # The public port in DESIGN.md; `GatewayConfig()` itself defaults to 0 (a free
 # port), which is what tests and `lemix up` with many stacks want.
@@ -61,21 +69,38 @@ class GatewayConfig:
     http_port: int = 0  # the OpenAI-compatible HTTP API; 0 = any free port, as `port`
     served_model_name: str = "lemix"  # the `model` the HTTP API lists and accepts
     metrics_port: int = -1  # Prometheus /metrics on its own port: 0 = a free one, -1 = off
+    # Also GET /metrics on the public HTTP API port. A deployment that publishes
+    # that port turns it off and scrapes `metrics_port` inside its network.
+    is_http_metrics_enabled: bool = True
     scheduler_address: str = DEFAULT_SCHEDULER_ADDRESS  # host:port
     redis_url: str = DEFAULT_REDIS_URL
     namespace: str = DEFAULT_NAMESPACE  # Redis key prefix shared with the other services
     max_context_tokens: int = 4096  # prompt + max_tokens must fit
     max_in_flight: int = 1024  # concurrent Generate streams; more get RESOURCE_EXHAUSTED
+    # One Train call carries at most this many samples (each becomes Submit work
+    # and intake state before the call answers); more is INVALID_ARGUMENT.
+    max_train_samples: int = DEFAULT_MAX_TRAIN_SAMPLES
+    # Samples per training task (a Train call's batch_size).
+    max_train_batch_size: int = DEFAULT_MAX_TRAIN_BATCH_SIZE
     submit_deadline_s: float = 5.0  # Scheduler.Submit (a Redis write behind it)
     cancel_deadline_s: float = 2.0  # Scheduler.Cancel after a client went away
     # A stream with no new output message for this long is ended UNAVAILABLE
     # (its executor probably died) and its task cancelled.
     stream_idle_timeout_s: float = 60.0
+    # This gateway's lease on each stream it reads lives this long and is
+    # renewed every third of it; if the gateway dies, the leases lapse and the
+    # scheduler cancels the orphaned tasks (`lemix.redis_keys.stream_lease`).
+    stream_lease_ttl_s: float = STREAM_LEASE_TTL_S
+    # Request counters are summed in memory and written to Redis this often (one
+    # round trip), never once per request on the admission path.
+    stats_flush_s: float = 1.0
     tokenizer: str = "approx"  # "approx" (emulated); "bpe:<vocab>", tokenizer.json, model dir
     node_check_s: float = 0.5  # how long "is any executor live?" is cached; 0 = never
     shutdown_grace_s: float = 5.0  # in-flight streams get this long to finish on stop
     log_level: str = "info"  # for `python -m gateway`'s logging
     log_format: str = "console"  # "console" or "json" (one object per line)
+    # Sent to the scheduler (lemix.rpc.auth); the gateway's own API is public.
+    service_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -96,10 +121,12 @@ class GatewayConfig:
                 f"got {self.redis_url!r}"
             )
         RedisKeys(self.namespace)  # raises ValueError naming the problem
-        for name in ("max_context_tokens", "max_in_flight"):
+        for name in ("max_context_tokens", "max_in_flight", "max_train_samples",
+                     "max_train_batch_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("submit_deadline_s", "cancel_deadline_s", "stream_idle_timeout_s"):
+        for name in ("submit_deadline_s", "cancel_deadline_s", "stream_idle_timeout_s",
+                     "stream_lease_ttl_s", "stats_flush_s"):
             _check_seconds(name, getattr(self, name), allow_zero=False)
         for name in ("node_check_s", "shutdown_grace_s"):
             _check_seconds(name, getattr(self, name), allow_zero=True)
@@ -111,6 +138,7 @@ class GatewayConfig:
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, "
                              f"got {self.log_format!r}")  # fmt: skip
+        check_service_token(self.service_token)
 
 
 def _check_address(name: str, address: str) -> None:
@@ -137,6 +165,9 @@ _OPTIONS: tuple[Option, ...] = (
             "model name the HTTP API serves (GET /v1/models)"),
     Option("metrics_port", "--metrics-port", "LEMIX_GATEWAY_METRICS_PORT", port_or_off,
             "Prometheus /metrics port (0 = any free port, -1 = off)"),
+    Option("is_http_metrics_enabled", "--http-metrics", "LEMIX_GATEWAY_HTTP_METRICS", boolean,
+            "also serve GET /metrics on the HTTP API port (--no-http-metrics: only on "
+            "--metrics-port)"),
     Option("scheduler_address", "--scheduler", "LEMIX_SCHEDULER_ADDRESS", str,
             "the scheduler's host:port"),
     Option("redis_url", "--redis-url", "LEMIX_REDIS_URL", str, "Redis holding queues/state"),
@@ -146,12 +177,20 @@ _OPTIONS: tuple[Option, ...] = (
             "prompt + max_tokens must fit in this many tokens"),
     Option("max_in_flight", "--max-in-flight", "LEMIX_MAX_IN_FLIGHT", int,
             "concurrent Generate streams before RESOURCE_EXHAUSTED"),
+    Option("max_train_samples", "--max-train-samples", "LEMIX_MAX_TRAIN_SAMPLES", int,
+            "samples one Train call may carry (split larger sets)"),
+    Option("max_train_batch_size", "--max-train-batch-size", "LEMIX_MAX_TRAIN_BATCH_SIZE", int,
+            "samples per training task (Train's batch_size)"),
     Option("submit_deadline_s", "--submit-deadline-s", "LEMIX_SUBMIT_DEADLINE_S", float,
             "deadline of Scheduler.Submit, seconds"),
     Option("cancel_deadline_s", "--cancel-deadline-s", "LEMIX_CANCEL_DEADLINE_S", float,
             "deadline of Scheduler.Cancel, seconds"),
     Option("stream_idle_timeout_s", "--stream-idle-timeout-s", "LEMIX_STREAM_IDLE_TIMEOUT_S",
             float, "end a stream UNAVAILABLE after this long without output, seconds"),
+    Option("stream_lease_ttl_s", "--stream-lease-ttl-s", "LEMIX_STREAM_LEASE_TTL_S", float,
+            "lease on each stream this gateway reads (renewed every third), seconds"),
+    Option("stats_flush_s", "--stats-flush-s", "LEMIX_STATS_FLUSH_S", float,
+            "write the request counters to Redis this often, seconds"),
     Option("tokenizer", "--tokenizer", "LEMIX_TOKENIZER", str,
             "'approx' (emulated backend), 'bpe:<vocab_size>' (trained on the default "
             "corpus, cached), a tokenizer.json file or a model directory"),
@@ -161,6 +200,7 @@ _OPTIONS: tuple[Option, ...] = (
             "on stop, in-flight streams get this long to finish, seconds"),
     Option("log_level", "--log-level", "LEMIX_LOG_LEVEL", str, "/".join(LOG_LEVELS)),
     Option("log_format", "--log-format", "LEMIX_LOG_FORMAT", str, "/".join(LOG_FORMATS)),
+    SERVICE_TOKEN_OPTION,
 )  # fmt: skip
 
 _CLI_DEFAULTS: dict[str, Any] = {"port": CLI_DEFAULT_PORT, "http_port": CLI_DEFAULT_HTTP_PORT,

@@ -5,12 +5,19 @@ The gRPC servicer (`gateway.servicer`) and the OpenAI-compatible HTTP API
 `TrainRequest` messages and call this object, so validation, admission,
 submission and stream handling exist once.
 
-Admission, in order: a valid request (`admit`), a live executor (node states
-in Redis, cached `node_check_s`), a free in-flight slot (`max_in_flight`),
-then Submit. A stream the caller abandons (cancel, deadline, disconnect) or
-the gateway gives up on (idle timeout, Redis down) has its task cancelled at
-the scheduler, so the executor frees its KV; the slot is released in every
-case.
+Admission, in order: a valid request (`admit`, no I/O), a free in-flight slot
+(`max_in_flight`; taken before any Redis I/O, so a flood is refused with
+RESOURCE_EXHAUSTED at once, never queued behind the Redis pool), a live
+executor (node states in Redis, cached `node_check_s`, one check in flight at
+a time), this gateway's lease on the task's stream (`gateway.upkeep`), then
+Submit. Request counters are summed in memory and flushed in batches.
+
+A stream the caller abandons (cancel, deadline, disconnect) or the gateway
+gives up on (idle timeout, Redis down past it) has its task cancelled at the
+scheduler, so the executor frees its KV; the slot and the lease are released
+in every case. A transient Redis error while reading does not end the stream:
+the read resumes from the last entry seen, with backoff, within the idle
+timeout.
 
 Errors are domain errors (`lemix.rpc.errors`), plus `TaskEnded` for a task that
 ended failed or rejected; each protocol maps them to its own status codes.
@@ -20,7 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
 import time
+import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TypeVar
 
@@ -34,7 +44,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from gateway.config import GatewayConfig
 from gateway.convert import OutputStream, TaskEnded, node_state_from_fields, stats_to_proto
 from gateway.tokenizer import Tokenizer
-from gateway.validate import validate_generate, validate_train
+from gateway.upkeep import BatchedCounters, StreamLeases, Upkeep
+from gateway.validate import ANONYMOUS_SCOPE, validate_generate, validate_train
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, scheduler_pb2, scheduler_pb2_grpc
 from lemix.rpc import convert as rpc_convert
 from lemix.rpc.errors import (
@@ -44,15 +55,15 @@ from lemix.rpc.errors import (
     Unavailable,
     error_from_rpc,
 )
-from lemix.store import Store
+from lemix.store import Store, TaskIdConflict
 from lemix.types import Task, TaskPayload
 
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
 
-# Counters this gateway increments (`Store.incr_stat`; GetStats reports the
-# `gateway.convert.COUNTER_FIELDS` ones).
+# Counters this gateway increments (batched: `gateway.upkeep.BatchedCounters`;
+# GetStats reports the `gateway.convert.COUNTER_FIELDS` ones).
 REQUESTS_RECEIVED = "requests_received"
 TRAIN_REQUESTS_RECEIVED = "train_requests_received"
 REQUESTS_REJECTED_INVALID = "requests_rejected_invalid"
@@ -71,16 +82,35 @@ TRAIN_SUBMIT_CONCURRENCY = 32
 GATEWAY_STOPPED_REASON = "CANCELLED: the gateway stopped streaming this task"
 
 NO_EXECUTOR_MESSAGE = "no live executor: start one with `lemix up` or check the executors"
+# What a busy gateway tells HTTP clients to wait before retrying (Retry-After).
+BUSY_RETRY_AFTER_S = 1
+# A stream's reads after a Redis error are retried after this long, doubling
+# up to the cap, until the stream's idle timeout runs out.
+READ_RETRY_BASE_S = 0.05
+READ_RETRY_CAP_S = 1.0
 
 
 class SubmitDeadlineExceeded(Unavailable):
     """Submit got no answer in time; the scheduler may or may not hold the task."""
 
 
+class Busy(ResourceExhausted):
+    """Every in-flight slot is taken; retry after `retry_after_s`."""
+
+    retry_after_s = BUSY_RETRY_AFTER_S
+
+
+def new_gateway_id() -> str:
+    """This gateway process's name as the owner of its stream leases."""
+    return f"gw-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
 class GatewayCore:
     """Generate / Train / stats over a `Store` and a Scheduler stub.
 
-    `clock` (monotonic seconds) measures TTFT/E2E and the live-executor cache.
+    `clock` (monotonic seconds) measures TTFT/E2E, the live-executor cache and
+    the read-retry deadline. `gateway_id` owns this gateway's stream leases.
+    `start()` runs the upkeep loops (counters, leases); `close()` ends them.
     """
 
     def __init__(
@@ -91,17 +121,31 @@ class GatewayCore:
         tokenizer: Tokenizer,
         *,
         clock: Callable[[], float] = time.monotonic,
+        gateway_id: str | None = None,
     ) -> None:
         self.config = config
         self.store = store
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.clock = clock
+        self.counters = BatchedCounters(store)
+        self.leases = StreamLeases(store, gateway_id or new_gateway_id(),
+                                   config.stream_lease_ttl_s)
+        self._upkeep = Upkeep(self.counters, self.leases, flush_s=config.stats_flush_s)
         self._num_in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self._live_checked_s: float | None = None
         self._is_live = False
+        self._live_check: asyncio.Future[bool] | None = None  # the check in flight
+
+    def start(self) -> None:
+        """Start the upkeep loops (in the running event loop)."""
+        self._upkeep.start()
+
+    async def close(self) -> None:
+        """End the upkeep loops: counters flushed, every lease dropped."""
+        await self._upkeep.stop()
 
     @property
     def num_in_flight(self) -> int:
@@ -118,16 +162,18 @@ class GatewayCore:
 
     # ============================================================ operations
 
-    async def admit(self, request: gateway_pb2.GenerateRequest) -> tuple[Task, TaskPayload]:
-        """Count and validate a Generate request; raises `InvalidArgument`."""
-        await self._count(REQUESTS_RECEIVED)
+    async def admit(self, request: gateway_pb2.GenerateRequest, *,
+                    scope: str = ANONYMOUS_SCOPE) -> tuple[Task, TaskPayload]:  # fmt: skip
+        """Count and validate a Generate request from a caller in `scope`
+        (`gateway.validate.client_scope`); raises `InvalidArgument`. No I/O."""
+        self.counters.add(REQUESTS_RECEIVED)
         try:
             return validate_generate(
                 request, tokenizer=self.tokenizer,
-                max_context_tokens=self.config.max_context_tokens,
+                max_context_tokens=self.config.max_context_tokens, scope=scope,
             )  # fmt: skip
         except InvalidArgument:
-            await self._count(REQUESTS_REJECTED_INVALID)
+            self.counters.add(REQUESTS_REJECTED_INVALID)
             raise
 
     async def generate(
@@ -145,14 +191,19 @@ class GatewayCore:
         with when the caller goes away (cancellation, or closing this iterator
         early). Raises domain errors, or `TaskEnded` for a failed task.
         """
-        await self._require_live_executor()
-        await self._acquire_slot()
+        self._acquire_slot()  # first: a busy gateway answers without touching Redis
+        is_leased = False
+        is_submitted = False  # True from the moment Submit is sent: the scheduler may hold it
         stream = OutputStream(
             task.task_id, task.max_output_tokens, received_s, self.clock, tokenizer=self.tokenizer
         )
-        is_submitted = True  # from the moment Submit is sent, the scheduler may hold it
         cancel_reason = GATEWAY_STOPPED_REASON
         try:
+            await self._require_live_executor()
+            # The lease exists before the task does: the scheduler cancels a
+            # streamed task without one (its gateway died).
+            await self._redis(self.leases.take(task.task_id))
+            is_leased = is_submitted = True
             try:
                 await self._submit(task, payload)
             except ServiceError as exc:
@@ -169,19 +220,27 @@ class GatewayCore:
                 if is_submitted and not stream.is_ended:
                     await asyncio.shield(self._abandon(task.task_id, cancel_reason))
             finally:
+                if is_leased:
+                    # A refused Submit may share its id with another request's
+                    # task: that lease is not ours to delete; it lapses.
+                    self.leases.release(task.task_id, drop=is_submitted)
                 self._release_slot()
 
-    async def train(self, request: gateway_pb2.TrainRequest) -> list[str]:
+    async def train(self, request: gateway_pb2.TrainRequest, *,
+                    scope: str = ANONYMOUS_SCOPE) -> list[str]:  # fmt: skip
         """Validate and submit training samples; the task ids once every one is
         durable. Raises domain errors."""
-        await self._count(TRAIN_REQUESTS_RECEIVED)
+        self.counters.add(TRAIN_REQUESTS_RECEIVED)
+        config = self.config
         try:
             tasks = validate_train(
-                request, tokenizer=self.tokenizer,
-                max_context_tokens=self.config.max_context_tokens,
+                request, tokenizer=self.tokenizer, max_context_tokens=config.max_context_tokens,
+                max_samples=config.max_train_samples,
+                max_train_batch_size=config.max_train_batch_size,
+                scope=scope,
             )  # fmt: skip
         except InvalidArgument:
-            await self._count(REQUESTS_REJECTED_INVALID)
+            self.counters.add(REQUESTS_REJECTED_INVALID)
             raise
         limit = asyncio.Semaphore(TRAIN_SUBMIT_CONCURRENCY)
 
@@ -198,7 +257,12 @@ class GatewayCore:
         return [task.task_id for task, _ in tasks]
 
     async def stats(self) -> gateway_pb2.Stats:
-        """The stack's counters, its live nodes and this gateway's streams."""
+        """The stack's counters (this gateway's flushed first), its live nodes
+        and this gateway's streams."""
+        try:
+            await self.counters.flush()
+        except RedisError as exc:  # kept for the next flush; the read below reports Redis
+            log.warning("gateway.counters_flush_failed", error=str(exc))
         counters = await self._redis(self.store.get_stats())
         states = await self._redis(self.store.get_node_states())
         nodes = []
@@ -210,32 +274,47 @@ class GatewayCore:
         return stats_to_proto(counters, nodes, self._num_in_flight)
 
     async def has_live_executor(self) -> bool:
-        """True when some executor's heartbeat is live (cached `node_check_s`).
+        """True when some executor's heartbeat is live (cached `node_check_s`;
+        callers that arrive while a check runs share its answer).
 
         Raises `Unavailable` when Redis cannot be reached.
         """
         now_s = self.clock()
-        if self._live_checked_s is None or now_s - self._live_checked_s >= self.config.node_check_s:
+        if self._live_checked_s is not None and now_s - self._live_checked_s < (
+            self.config.node_check_s
+        ):
+            return self._is_live
+        if self._live_check is None:
+            self._live_check = asyncio.ensure_future(self._check_live(now_s))
+            # Read its error even if every caller went away (no "never retrieved").
+            self._live_check.add_done_callback(lambda f: f.cancelled() or f.exception())
+        check = self._live_check
+        # shield: one caller going away must not cancel the others' check
+        return await asyncio.shield(check)
+
+    async def _check_live(self, now_s: float) -> bool:
+        try:
             states = await self._redis(self.store.get_node_states())
             self._is_live, self._live_checked_s = bool(states), now_s
-        return self._is_live
+            return self._is_live
+        finally:
+            self._live_check = None
 
     # ============================================================= admission
 
     async def _require_live_executor(self) -> None:
         if not await self.has_live_executor():
-            await self._count(REQUESTS_REJECTED_UNAVAILABLE)
+            self.counters.add(REQUESTS_REJECTED_UNAVAILABLE)
             raise Unavailable(NO_EXECUTOR_MESSAGE)
 
-    async def _acquire_slot(self) -> None:
-        """Take an in-flight slot (no await between check and take) or raise
-        `ResourceExhausted`."""
+    def _acquire_slot(self) -> None:
+        """Take an in-flight slot or raise `Busy` (no I/O, no await)."""
         if self._num_in_flight >= self.config.max_in_flight:
-            num_in_flight = self._num_in_flight
-            await self._count(REQUESTS_REJECTED_BUSY)
-            raise ResourceExhausted(
-                f"server busy: {num_in_flight} requests in flight "
-                f"(limit {self.config.max_in_flight}); retry with backoff"
+            self.counters.add(REQUESTS_REJECTED_BUSY)
+            raise Busy(
+                f"server busy: {self._num_in_flight} requests in flight "
+                f"(limit {self.config.max_in_flight}); retry after "
+                f"{BUSY_RETRY_AFTER_S} s with backoff"
             )
         self._num_in_flight += 1
         self._idle.clear()
@@ -277,7 +356,7 @@ class GatewayCore:
         except grpc.aio.AioRpcError as err:
             raise self._scheduler_error("Submit", err) from err
         if not reply.is_duplicate:
-            await self._count(NUM_TRAINING if task.is_training else NUM_INFERENCE)
+            self.counters.add(NUM_TRAINING if task.is_training else NUM_INFERENCE)
         return not reply.is_duplicate
 
     def _scheduler_error(self, method: str, err: grpc.aio.AioRpcError) -> Exception:
@@ -287,27 +366,49 @@ class GatewayCore:
                 f"{where} did not answer {method} within "
                 f"{self.config.submit_deadline_s:g} s; retry later"
             )
+        if err.code() is grpc.StatusCode.ALREADY_EXISTS:  # the id names another request
+            return TaskIdConflict(err.details() or "request_id was already used; use a new id")
         error = error_from_rpc(err)
         if isinstance(error, Unavailable):
             return Unavailable(f"{where} is unavailable ({err.details()}); retry later")
         return error  # the scheduler's own refusal, or an AioRpcError (-> INTERNAL, logged)
 
     async def _read_output(self, task_id: str, last_id: str) -> list[tuple[str, dict[str, str]]]:
-        """The next output messages, waiting up to the idle timeout for one."""
+        """The output messages after `last_id`, waiting up to the idle timeout
+        for one. A Redis error is retried (the read starts again from
+        `last_id`, so nothing is skipped or repeated) with backoff while the
+        idle timeout lasts; past it the stream ends UNAVAILABLE."""
         timeout_s = self.config.stream_idle_timeout_s
-        entries = await self._redis(
-            self.store.read_output(task_id, last_id, block_ms=max(1, round(timeout_s * 1000)))
-        )
-        if not entries:
-            raise Unavailable(
-                f"task {task_id} produced no output for {timeout_s:g} s "
-                "(its executor may have failed); it was cancelled, retry it"
-            )
-        return entries
+        deadline_s = self.clock() + timeout_s
+        retry_s = READ_RETRY_BASE_S
+        while True:
+            left_s = deadline_s - self.clock()
+            try:
+                entries = await self.store.read_output(
+                    task_id, last_id, block_ms=max(1, round(left_s * 1000)))
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                left_s = deadline_s - self.clock()
+                if left_s <= 0:
+                    raise Unavailable(
+                        f"state store (Redis) unavailable for {timeout_s:g} s while "
+                        f"streaming task {task_id} ({exc}); it was cancelled, retry it"
+                    ) from exc
+                log.warning("gateway.stream_read_retry", task_id=task_id, last_id=last_id,
+                            retry_s=retry_s, error=str(exc))  # fmt: skip
+                await asyncio.sleep(min(retry_s, left_s))
+                retry_s = min(2 * retry_s, READ_RETRY_CAP_S)
+                continue
+            if entries:
+                return entries
+            if deadline_s - self.clock() <= 0:
+                raise Unavailable(
+                    f"task {task_id} produced no output for {timeout_s:g} s "
+                    "(its executor may have failed); it was cancelled, retry it"
+                )
 
     async def _abandon(self, task_id: str, reason: str) -> None:
         """Cancel a task nobody will read (best effort, short deadline)."""
-        await self._count(REQUESTS_CANCELLED)
+        self.counters.add(REQUESTS_CANCELLED)
         request = common_pb2.CancelRequest(task_id=task_id, reason=reason)
         try:
             await self.scheduler.Cancel(request, timeout=self.config.cancel_deadline_s)
@@ -333,10 +434,3 @@ class GatewayCore:
             return await awaitable
         except (RedisConnectionError, RedisTimeoutError) as exc:
             raise Unavailable(f"state store (Redis) unavailable: {exc}; retry later") from exc
-
-    async def _count(self, name: str, by: int = 1) -> None:
-        """Best effort: a counter must never fail a request."""
-        try:
-            await self.store.incr_stat(name, by)
-        except RedisError as exc:
-            log.warning("gateway.count_failed", counter=name, error=str(exc))

@@ -8,8 +8,19 @@ Routes (README "API" shows them in use):
   ``data: [DONE]``; ``stream_options.include_usage`` adds a usage chunk).
 - ``GET /v1/models`` (and ``/v1/models/{model}``): the served model.
 - ``POST /v1/lemix/train``: training samples -> task ids (LeMix's extension).
+- ``GET /v1/lemix/tasks/{id}``: one task's state (`lemix.task_states`), as
+  gRPC's GetTask: 404 for an unknown id, 400 for a malformed one.
 - ``GET /health``: 200 while serving with a live executor, else 503.
-- ``GET /metrics``: Prometheus' default registry.
+- ``GET /metrics``: Prometheus' default registry (unless
+  `is_http_metrics_enabled` is off: then only on the gateway's `metrics_port`).
+
+Bad input is a 400, never a 500: a body that is not UTF-8 JSON, nests more
+than `MAX_JSON_DEPTH` levels or is not an object; a body over the size limit
+is a 413. A busy gateway answers 429 with ``Retry-After``. A completion's
+``request_id`` (body, or the ``X-Request-Id`` header) is its idempotency key
+within the caller's scope (``Authorization: Bearer`` key and ``X-Client-Id``,
+hashed: `gateway.validate.client_scope`): the same request again replays its
+answer, another request under that id is a 409.
 
 Handlers are thin: `gateway.openai_convert` parses, `gateway.core.GatewayCore`
 runs the request exactly as gRPC's Generate/Train would (validation, in-flight
@@ -21,8 +32,10 @@ and training count in the gateway's metrics exactly as gRPC calls do
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -32,7 +45,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from gateway.config import GatewayConfig
-from gateway.core import NO_EXECUTOR_MESSAGE, GatewayCore
+from gateway.core import BUSY_RETRY_AFTER_S, NO_EXECUTOR_MESSAGE, GatewayCore
 from gateway.observe import GenerateObservation, SloCache, code_of, observe_training
 from gateway.openai_convert import (
     BadRequest,
@@ -50,14 +63,21 @@ from gateway.openai_responses import (
     model_body,
     models_body,
 )
+from gateway.tasks import TaskReader
+from gateway.validate import scope_from_headers
 from lemix._proto.lemix.v1 import gateway_pb2
 from lemix.rpc.errors import ServiceError
 from lemix.rpc.server import MAX_MESSAGE_BYTES
+from lemix.task_states import task_info_to_dict
 
 log = structlog.get_logger(__name__)
 
 # The failure reason a task gets when its HTTP client goes away (PROTOCOL.md).
 HTTP_GONE_REASON = "CANCELLED: the HTTP client disconnected"
+# How often a non-streaming request checks that its client is still there.
+_DISCONNECT_POLL_S = 0.1
+# A completion's idempotency key when its body has no `request_id` (vLLM's header).
+REQUEST_ID_HEADER = "X-Request-Id"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -82,19 +102,89 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
             raise
         headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
         message = f"{exc.reason}: {request.method} {request.path}"
+        if isinstance(exc, web.HTTPRequestEntityTooLarge):  # its text names both sizes
+            message = f"{exc.text}; send a smaller body (split a Train call's samples)"
         body = error_for_status(exc.status, message)
         return web.json_response(body, status=exc.status, headers=headers)
     except Exception as exc:
         status, body = error_for(exc)
         log.info("http.error", path=request.path, status=status, message=body["error"]["message"])
-        return web.json_response(body, status=status)
+        # 429 (busy, or a task refused for lack of room): when to try again.
+        retry = {"Retry-After": str(getattr(exc, "retry_after_s", BUSY_RETRY_AFTER_S))}
+        return web.json_response(body, status=status, headers=retry if status == 429 else None)
+
+
+# A body may nest at most this deep (ours nest 4: body, messages, message,
+# content parts). Deeper is refused before parsing: `json.loads` recurses, and
+# a few thousand levels exhaust the interpreter's stack (a 500, not a 400).
+MAX_JSON_DEPTH = 32
+# A JSON string (skipped whole, brackets inside it are text) or a bracket.
+_JSON_STRING_OR_BRACKET = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+
+
+def _is_nested_deeper(text: str, max_depth: int) -> bool:
+    """Whether `text` opens more than `max_depth` arrays/objects at once;
+    stops at the first level too deep."""
+    depth = 0
+    for match in _JSON_STRING_OR_BRACKET.finditer(text):
+        token = match.group()
+        if token in ("[", "{"):
+            depth += 1
+            if depth > max_depth:
+                return True
+        elif token in ("]", "}"):
+            depth -= 1
+    return False
 
 
 async def _json(request: web.Request) -> Any:
+    """The body, parsed; `BadRequest` for anything that is not JSON within
+    `MAX_JSON_DEPTH` (the parsers check it is an object)."""
     try:
-        return json.loads(await request.text())
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        text = await request.text()
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the request body is not UTF-8 text: {exc}") from None
+    if _is_nested_deeper(text, MAX_JSON_DEPTH):
+        raise BadRequest(f"the request body nests arrays/objects more than {MAX_JSON_DEPTH} "
+                         "levels deep; no field of this API needs that")  # fmt: skip
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, too-long ints
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+
+
+async def _collect_unless_gone(request: web.Request,
+                               responses: AsyncIterator[gateway_pb2.GenerateResponse],
+                               builder: CompletionBuilder) -> bool:
+    """Add every response to `builder`; False (its task cancelled) when the
+    client disconnected first.
+
+    aiohttp's handler cancellation alone is not enough: on Python 3.11 a
+    cancel that lands while redis-py is inside `asyncio.wait_for` can be
+    swallowed, leaving a non-streaming request generating for nobody. So the
+    transport is polled too, and the cancel repeated until the work ends.
+    """
+    async def collect() -> None:
+        async for response in responses:
+            builder.add(response)
+
+    work = asyncio.ensure_future(collect())
+    is_gone = False
+    try:
+        while not work.done():
+            await asyncio.wait({work}, timeout=_DISCONNECT_POLL_S)
+            transport = request.transport
+            if not work.done() and (transport is None or transport.is_closing()):
+                is_gone = True
+                break
+    finally:
+        while not work.done():
+            work.cancel()
+            await asyncio.wait({work}, timeout=_DISCONNECT_POLL_S)
+    if is_gone:
+        return False
+    work.result()  # its error, if it failed
+    return True
 
 
 async def _send(stream: web.StreamResponse, body: Json) -> None:
@@ -118,6 +208,7 @@ class HttpApi:
         self._is_serving = is_serving
         self._slo = slo or SloCache(core.store)  # what completions are judged by
         self._created = int(time.time())  # the model's `created`: when this gateway started
+        self._tasks = TaskReader(core.store)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_openai_errors], client_max_size=MAX_MESSAGE_BYTES)
@@ -127,9 +218,12 @@ class HttpApi:
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model}", self.model),
             web.post("/v1/lemix/train", self.train),
+            # `.+`: a client's request_id may contain "/" (it is checked, not routed)
+            web.get("/v1/lemix/tasks/{task_id:.+}", self.task),
             web.get("/health", self.health),
-            web.get("/metrics", self.metrics),
         ])  # fmt: skip
+        if self.config.is_http_metrics_enabled:
+            app.router.add_get("/metrics", self.metrics)
         return app
 
     # ============================================================== handlers
@@ -150,6 +244,10 @@ class HttpApi:
     async def train(self, request: web.Request) -> web.Response:
         task_ids = await observe_training(self._train(request), len, _http_code_of)
         return web.json_response({"object": "lemix.train", "task_ids": task_ids})
+
+    async def task(self, request: web.Request) -> web.Response:
+        info = await self._tasks.get(request.match_info["task_id"])
+        return web.json_response({"object": "lemix.task", **task_info_to_dict(info)})
 
     async def health(self, request: web.Request) -> web.Response:
         if not self._is_serving():
@@ -177,7 +275,10 @@ class HttpApi:
     async def _run(self, request: web.Request, parse: Parse, received_s: float,
                    observation: GenerateObservation) -> web.StreamResponse:  # fmt: skip
         parsed = parse(await _json(request), self.config.served_model_name)
-        task, payload = await self.core.admit(parsed.generate)
+        generate = parsed.generate
+        if not generate.request_id:  # the body's request_id wins over the header
+            generate.request_id = request.headers.get(REQUEST_ID_HEADER, "")
+        task, payload = await self.core.admit(generate, scope=scope_from_headers(request.headers))
         builder = CompletionBuilder(
             is_chat=parsed.is_chat, task_id=task.task_id, model=self.config.served_model_name,
             created=int(time.time()), num_prompt_tokens=task.num_prompt_tokens,
@@ -191,8 +292,9 @@ class HttpApi:
         async with contextlib.aclosing(responses):
             if parsed.is_stream:
                 return await self._stream(request, parsed, builder, responses)
-            async for response in responses:
-                builder.add(response)
+            if not await _collect_unless_gone(request, responses, builder):
+                # Recorded like aiohttp's own handler cancellation.
+                raise asyncio.CancelledError(HTTP_GONE_REASON)
             return web.json_response(builder.body())
 
     async def _stream(
@@ -222,7 +324,8 @@ class HttpApi:
         return stream
 
     async def _train(self, request: web.Request) -> list[str]:
-        return await self.core.train(parse_train(await _json(request)))
+        return await self.core.train(parse_train(await _json(request)),
+                                     scope=scope_from_headers(request.headers))
 
 
 # ------------------------------------------------------------------ server

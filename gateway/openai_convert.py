@@ -6,6 +6,10 @@ what JSON adds (types, OpenAI-only fields). Every problem raises
 `BadRequest` (an `InvalidArgument`: 400) naming the field in `param`; an
 unknown model raises `ModelNotFound` (404).
 
+`request_id` (a string, as vLLM's) is the request's idempotency key, as
+`GenerateRequest.request_id`; the HTTP API also takes it from an
+``X-Request-Id`` header.
+
 Defaults follow OpenAI's: `temperature` 1, `top_p` 1; `max_tokens` (or
 `max_completion_tokens`) defaults to `DEFAULT_MAX_TOKENS`. One prompt and one
 choice per request (`n` 1); `stop`, `logprobs`, `echo`, `suffix`,
@@ -88,6 +92,17 @@ def _number(body: Mapping[str, Any], name: str, default: float) -> float:
     return float(value)
 
 
+def _request_id(body: Mapping[str, Any]) -> str:
+    """The optional idempotency key (vLLM's `request_id`); its form is checked
+    by gateway.validate."""
+    value = body.get("request_id")
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise BadRequest(f"request_id must be a string, got {value!r}", "request_id")
+    return value
+
+
 def _bool(body: Mapping[str, Any], name: str) -> bool:
     value = body.get(name, False)
     if value is None:
@@ -139,10 +154,15 @@ def _check_supported(body: Mapping[str, Any]) -> None:
 
 
 def _sampling(body: Mapping[str, Any]) -> common_pb2.SamplingParams:
-    # Range checks (temperature >= 0, top_p in (0, 1]) are gateway.validate's.
+    # Range checks (temperature 0 or in [0.01, 100]) are gateway.validate's, for
+    # both APIs; only top_p 0 is checked here: over gRPC it means "off" (proto3
+    # cannot tell it from unset), but in JSON a 0 was sent on purpose.
+    top_p = _number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise BadRequest(f"top_p must be in (0, 1] (1 = off), got {top_p:g}", "top_p")
     return common_pb2.SamplingParams(
         temperature=_number(body, "temperature", 1.0),
-        top_p=_number(body, "top_p", 1.0),
+        top_p=top_p,
         ignore_eos=_bool(body, "ignore_eos"),  # vLLM's extension
         seed=_int(body, "seed", 0, 0, _MAX_U64),
     )
@@ -180,7 +200,8 @@ def parse_completion(body: Any, served_model: str) -> CompletionRequest:
             raise BadRequest("batched prompts are not supported: send one prompt per request",
                           "prompt")  # fmt: skip
         prompt = prompt[0]
-    request = gateway_pb2.GenerateRequest(max_tokens=_max_tokens(body), sampling=_sampling(body))
+    request = gateway_pb2.GenerateRequest(max_tokens=_max_tokens(body), sampling=_sampling(body),
+                                          request_id=_request_id(body))
     if isinstance(prompt, str):
         request.prompt = prompt
     elif isinstance(prompt, list):
@@ -225,6 +246,7 @@ def parse_chat(body: Any, served_model: str) -> CompletionRequest:
         prompt=chat_prompt(body.get("messages")),
         max_tokens=_max_tokens(body),
         sampling=_sampling(body),
+        request_id=_request_id(body),
     )
     return CompletionRequest(request, True, is_stream, _include_usage(body))
 

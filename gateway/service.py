@@ -31,6 +31,7 @@ from gateway.observe import SloCache
 from gateway.servicer import GatewayServicer
 from gateway.tokenizer import Tokenizer, load_tokenizer
 from lemix._proto.lemix.v1 import gateway_pb2_grpc, scheduler_pb2_grpc
+from lemix.redis_client import RedisClientConfig, connect
 from lemix.redis_keys import RedisKeys
 from lemix.rpc import GATEWAY_SERVICE
 from lemix.rpc.client import channel
@@ -41,7 +42,13 @@ log = structlog.get_logger(__name__)
 
 # Redis must answer the start-up PING within this long.
 REDIS_CONNECT_TIMEOUT_S = 5.0
-REDIS_SPARE_CONNECTIONS = 64  # beyond one per in-flight stream: counters, stats, checks
+# Beyond one connection per in-flight stream (each may hold one in XREAD BLOCK
+# for the idle timeout): lease and counter upkeep, live-executor checks, stats,
+# the SLO and a stream's lease take. Requests past `max_in_flight` never touch
+# Redis, so this bound is not reached by load alone.
+REDIS_SPARE_CONNECTIONS = 64
+# A socket read may take this long beyond the longest XREAD BLOCK.
+REDIS_READ_SLACK_S = 10.0
 
 
 def _host_port(host: str, port: int) -> str:
@@ -64,6 +71,7 @@ class GatewayService:
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._servicer: GatewayServicer | None = None
+        self._core: GatewayCore | None = None
         self._http: web.AppRunner | None = None
         self._port = 0
         self._http_port = 0
@@ -114,25 +122,27 @@ class GatewayService:
         tokenizer = self._tokenizer or load_tokenizer(config.tokenizer)
         try:
             # Output reads block (XREAD BLOCK) up to the stream idle timeout, so
-            # the socket timeout must outlast it (redis-py's default is 5 s); and
-            # every in-flight stream holds a connection while it waits, so the
-            # pool is sized from the in-flight bound (the default is 100).
-            self._redis = aioredis.Redis.from_url(
-                config.redis_url,
-                decode_responses=True,
-                socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
-                socket_timeout=config.stream_idle_timeout_s + 10.0,
+            # the socket timeout must outlast it; every in-flight stream holds a
+            # connection while it waits, so the (blocking) pool is sized from
+            # the in-flight bound.
+            self._redis = connect(RedisClientConfig(
+                url=config.redis_url,
                 max_connections=config.max_in_flight + REDIS_SPARE_CONNECTIONS,
-            )
+                socket_timeout_s=config.stream_idle_timeout_s + REDIS_READ_SLACK_S,
+                connect_timeout_s=REDIS_CONNECT_TIMEOUT_S,
+            ))  # fmt: skip
             try:
                 await self._redis.ping()
             except RedisError as exc:
                 raise OSError(f"cannot reach Redis at {config.redis_url}: {exc}") from exc
             store = Store(self._redis, RedisKeys(config.namespace))
-            self._channel = channel(config.scheduler_address)
+            self._channel = channel(config.scheduler_address,
+                                    service_token=config.service_token)
             core = GatewayCore(
                 config, store, scheduler_pb2_grpc.SchedulerStub(self._channel), tokenizer
             )
+            self._core = core
+            core.start()  # counters and stream leases: flushed and dropped on stop
             slo = SloCache(store)  # one SLO reader for both APIs' metrics
             self._servicer = GatewayServicer(core, slo)
             self._server, self._port, self._health = await start_server(
@@ -180,6 +190,9 @@ class GatewayService:
             log.info("gateway.stopped")
 
     async def _close_clients(self) -> None:
+        if self._core is not None:  # the last counters and lease drops go out first
+            core, self._core = self._core, None
+            await core.close()
         if self._channel is not None:
             ch, self._channel = self._channel, None
             await ch.close()

@@ -3,7 +3,8 @@ every request goes to `gateway.core.GatewayCore` (validation, admission,
 Submit, the Redis output stream, cancellation), which the OpenAI-compatible
 HTTP API (`gateway.http_api`) shares. Domain errors become status codes in
 `lemix.rpc.errors` via `@handle_errors`; a task's failure arrives as
-`TaskEnded`, whose code `gateway.convert.status_for_reason` chose.
+`TaskEnded`, whose code `gateway.convert.status_for_reason` chose. Task
+lookups (GetTask, WatchTasks, AuditTasks) go to `gateway.tasks.TaskReader`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import grpc.aio
 from gateway.convert import TaskEnded
 from gateway.core import GatewayCore
 from gateway.observe import SloCache, observe_generate, observe_train
+from gateway.tasks import TaskReader
+from gateway.validate import scope_from_headers
 from lemix import telemetry
 from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc
 from lemix.rpc.errors import handle_errors
@@ -32,11 +35,19 @@ def _gone_reason(context: grpc.aio.ServicerContext) -> str:
     return "CANCELLED: the client cancelled the call"
 
 
+def _scope(context: grpc.aio.ServicerContext) -> str:
+    """The caller's idempotency scope, from its metadata (`gateway.validate`)."""
+    return scope_from_headers({str(key): str(value)
+                               for key, value in context.invocation_metadata() or ()})
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    """Generate / Train / GetStats over a `GatewayCore`."""
+    """Generate / Train / GetStats over a `GatewayCore`; GetTask / WatchTasks /
+    AuditTasks over a `gateway.tasks.TaskReader` of the same store."""
 
     def __init__(self, core: GatewayCore, slo: SloCache | None = None) -> None:
         self.core = core
+        self.tasks = TaskReader(core.store)
         # What `@observe_generate` judges requests by (shared with the HTTP API).
         self.slo = slo or SloCache(core.store)
         telemetry.set_in_flight_source(lambda: self.core.num_in_flight)
@@ -52,7 +63,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
         received_s = self.core.clock()
-        task, payload = await self.core.admit(request)
+        task, payload = await self.core.admit(request, scope=_scope(context))
         responses = self.core.generate(
             task, payload, received_s=received_s, gone_reason=lambda: _gone_reason(context)
         )
@@ -70,10 +81,32 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Train(
         self, request: gateway_pb2.TrainRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.TrainResponse:
-        return gateway_pb2.TrainResponse(task_ids=await self.core.train(request))
+        task_ids = await self.core.train(request, scope=_scope(context))
+        return gateway_pb2.TrainResponse(task_ids=task_ids)
 
     @handle_errors
     async def GetStats(
         self, request: gateway_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.Stats:
         return await self.core.stats()
+
+    @handle_errors
+    async def GetTask(
+        self, request: gateway_pb2.GetTaskRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.TaskInfo:
+        return await self.tasks.get(request.task_id)
+
+    @handle_errors
+    async def WatchTasks(
+        self, request: gateway_pb2.WatchTasksRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[gateway_pb2.TaskInfo, None]:
+        updates = self.tasks.watch(request, context.time_remaining)
+        async with contextlib.aclosing(updates):
+            async for info in updates:
+                yield info
+
+    @handle_errors
+    async def AuditTasks(
+        self, request: gateway_pb2.AuditRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.AuditReply:
+        return await self.tasks.audit(request)

@@ -11,6 +11,19 @@ batch is idempotent too.
 
 proto3 cannot tell unset from zero: `max_tokens` 0 is an error, `batch_size`
 0 means 1 and `sampling.top_p` 0 means off (1.0), as in `lemix.rpc.convert`.
+
+Degenerate sampling values are refused here, not in the middle of a batch:
+`temperature` is 0 (greedy) or in [`MIN_TEMPERATURE`, `MAX_TEMPERATURE`]
+(sampling divides the logits by it: below 0.01 a logit of 100 becomes 1e4 and
+past it fp16 overflows to inf, so the softmax turns to NaN; vLLM clamps at the
+same 0.01); `top_p` is in (0, 1]; every number is finite.
+
+Client scope: two clients' `request_id`s must not meet. `client_scope` names
+the caller (a hash of its API key, and of the client id it sends); a scoped
+request's task id is ``<request_id>@<scope>`` (`scoped_task_id`), an
+anonymous one's is the `request_id` itself. Without authentication the
+scope is only as good as what clients send: it keeps honest clients apart,
+it does not stop one from naming another's scope.
 """
 
 from __future__ import annotations
@@ -18,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import math
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from gateway.tokenizer import Tokenizer, encode_prompt
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
@@ -29,6 +42,40 @@ INFERENCE_ID_PREFIX = "inf-"
 TRAINING_ID_PREFIX = "trn-"
 MAX_REQUEST_ID_CHARS = 128
 _ID_HEX_CHARS = 12
+MIN_TEMPERATURE = 0.01  # below it (and above 0) logits/temperature overflow; see above
+MAX_TEMPERATURE = 100.0  # past it sampling is uniform noise: surely a mistake
+# Limits of one Train call (`GatewayConfig.max_train_samples`, `max_train_batch_size`).
+DEFAULT_MAX_TRAIN_SAMPLES = 1024
+DEFAULT_MAX_TRAIN_BATCH_SIZE = 256
+ANONYMOUS_SCOPE = ""  # a caller that sent neither an API key nor a client id
+SCOPE_SEPARATOR = "@"
+AUTHORIZATION_HEADER = "authorization"
+CLIENT_ID_HEADER = "x-client-id"
+
+
+def client_scope(*, api_key: str = "", client_id: str = "") -> str:
+    """The caller's scope: `ANONYMOUS_SCOPE`, or 12 hex chars of a hash of its
+    API key (never the key itself) and client id."""
+    if not api_key and not client_id:
+        return ANONYMOUS_SCOPE
+    if client_id:
+        _check_id("the x-client-id header", client_id)
+    text = f"key:{api_key}\nclient:{client_id}"
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:_ID_HEX_CHARS]
+
+
+def scope_from_headers(headers: Mapping[str, str]) -> str:
+    """`client_scope` from request headers / gRPC metadata (lower-case names,
+    or a case-insensitive mapping): ``authorization: Bearer <key>`` and
+    ``x-client-id``."""
+    scheme, _, api_key = (headers.get(AUTHORIZATION_HEADER) or "").partition(" ")
+    return client_scope(api_key=api_key.strip() if scheme.lower() == "bearer" else "",
+                        client_id=(headers.get(CLIENT_ID_HEADER) or "").strip())
+
+
+def scoped_task_id(request_id: str, scope: str) -> str:
+    """The task id of a client's `request_id` within its `scope`."""
+    return f"{request_id}{SCOPE_SEPARATOR}{scope}" if scope else request_id
 
 
 def new_task_id(kind: TaskKind) -> str:
@@ -55,6 +102,11 @@ def _sampling(msg: common_pb2.SamplingParams) -> tuple[float, float]:
         raise InvalidArgument(
             f"sampling.temperature must be a finite number >= 0 (0 = greedy), got {temperature}"
         )
+    if temperature != 0 and not MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
+        raise InvalidArgument(
+            f"sampling.temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, "
+            f"{MAX_TEMPERATURE:g}], got {temperature:g}: for near-greedy output use 0"
+        )
     top_p = msg.top_p
     if not math.isfinite(top_p) or not 0 <= top_p <= 1:
         raise InvalidArgument(f"sampling.top_p must be in (0, 1] (0 or 1 = off), got {top_p}")
@@ -70,10 +122,12 @@ def _text_ids(tokenizer: Tokenizer, text: str) -> tuple[int, ...]:
 
 
 def validate_generate(
-    request: gateway_pb2.GenerateRequest, *, tokenizer: Tokenizer, max_context_tokens: int
+    request: gateway_pb2.GenerateRequest, *, tokenizer: Tokenizer, max_context_tokens: int,
+    scope: str = ANONYMOUS_SCOPE,
 ) -> tuple[Task, TaskPayload]:
     """A `GenerateRequest` as the inference `Task` (arrival_s 0: the scheduler
-    stamps it on intake) and its `TaskPayload`; raises `InvalidArgument`."""
+    stamps it on intake) and its `TaskPayload`; raises `InvalidArgument`.
+    A `request_id` names the task within the caller's `scope`."""
     has_text, has_ids = bool(request.prompt), bool(request.prompt_token_ids)
     if not has_text and not has_ids:
         raise InvalidArgument("prompt is empty: send prompt text or prompt_token_ids")
@@ -83,7 +137,7 @@ def validate_generate(
         raise InvalidArgument("max_tokens must be > 0")
     temperature, top_p = _sampling(request.sampling)
     task_id = (
-        _check_id("request_id", request.request_id)
+        scoped_task_id(_check_id("request_id", request.request_id), scope)
         if request.request_id
         else new_task_id(TaskKind.INFERENCE)
     )
@@ -159,9 +213,11 @@ def _sample_tokens(
     return num_tokens, ids, reference
 
 
-def _training_task_id(sample_ids: Sequence[str]) -> str:
+def _training_task_id(sample_ids: Sequence[str], scope: str) -> str:
     if all(sample_ids):
-        digest = hashlib.sha256("\n".join(sample_ids).encode("utf-8")).hexdigest()
+        # Anonymous ids hash the sample ids alone (as before scopes existed).
+        text = "\n".join(sample_ids if not scope else (f"scope:{scope}", *sample_ids))
+        digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
         return TRAINING_ID_PREFIX + digest[:_ID_HEX_CHARS]
     return new_task_id(TaskKind.TRAINING)
 
@@ -181,27 +237,44 @@ def _check_sample_ids(samples: Sequence[gateway_pb2.TrainSample]) -> None:
 
 
 def validate_train(
-    request: gateway_pb2.TrainRequest, *, tokenizer: Tokenizer, max_context_tokens: int
+    request: gateway_pb2.TrainRequest, *, tokenizer: Tokenizer, max_context_tokens: int,
+    max_samples: int = DEFAULT_MAX_TRAIN_SAMPLES,
+    max_train_batch_size: int = DEFAULT_MAX_TRAIN_BATCH_SIZE,
+    scope: str = ANONYMOUS_SCOPE,
 ) -> list[tuple[Task, TaskPayload]]:
     """A `TrainRequest` as training tasks of `batch_size` samples each (the last
-    may be smaller); raises `InvalidArgument`.
+    may be smaller); raises `InvalidArgument`. At most `max_samples` samples
+    per call and `max_train_batch_size` per task; sample-id-derived task ids are
+    derived within the caller's `scope`.
 
     A task's `num_prompt_tokens` is its longest sample (the planner books
     memory as if samples were padded to it). A multi-sample task's ids travel
     back to back with per-sample lengths (`TaskPayload.sample_lengths`).
     """
-    samples = list(request.samples)
-    if not samples:
+    num_samples = len(request.samples)
+    if not num_samples:
         raise InvalidArgument("no samples: send at least one TrainSample")
-    _check_sample_ids(samples)
+    if num_samples > max_samples:
+        raise InvalidArgument(
+            f"{num_samples} samples in one Train call; the limit (max_train_samples) is "
+            f"{max_samples}: split them over several calls"
+        )
     batch_size = request.batch_size or 1
+    if batch_size > max_train_batch_size:
+        raise InvalidArgument(
+            f"batch_size {batch_size} exceeds the limit (max_train_batch_size) of "
+            f"{max_train_batch_size} samples per training task: lower it"
+        )
+    samples = list(request.samples)
+    _check_sample_ids(samples)
     sizes = [_sample_tokens(i, s, tokenizer, max_context_tokens) for i, s in enumerate(samples)]
 
     tasks: list[tuple[Task, TaskPayload]] = []
     for start in range(0, len(samples), batch_size):
         batch = sizes[start : start + batch_size]
         task = Task(
-            task_id=_training_task_id([s.sample_id for s in samples[start : start + batch_size]]),
+            task_id=_training_task_id([s.sample_id for s in samples[start : start + batch_size]],
+                                      scope),
             kind=TaskKind.TRAINING,
             arrival_s=0.0,
             num_prompt_tokens=max(num_tokens for num_tokens, _, _ in batch),

@@ -1,4 +1,5 @@
-"""The `lemix` command: sim, compare, demo, and the service-stack commands (up, replay, profile).
+"""The `lemix` command: sim, compare, demo, and the service-stack commands (up, replay,
+profile, audit).
 
 All mapping from flags to the typed configs happens in `configs_from_args`;
 every command then works on those configs only. A ValueError (bad flag value,
@@ -122,9 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="runs/demo", metavar="DIR")
     demo.add_argument("--workers", type=int, help="worker processes (default min(2, CPUs))")
 
+    from lemix.audit import add_audit_parser
     from lemix.cli_services import add_parsers
 
     add_parsers(sub)
+    add_audit_parser(sub)
     return parser
 
 
@@ -353,6 +356,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             command = {"up": cmd_up, "replay": cmd_replay, "profile": cmd_profile}
             return command[args.command](args)
+        if args.command == "audit":
+            from lemix.audit import cmd_audit
+
+            return cmd_audit(args)
         setup = configs_from_args(args)
         if args.command == "sim":
             return cmd_sim(setup, args.json)

@@ -1,7 +1,9 @@
 """A test double of the OTHER services for the gateway's tests.
 
 `FakeScheduler` is a real `lemix.v1.Scheduler` gRPC servicer. On Submit it
-acknowledges the task and, for inference, plays its executor's part per
+stores the task as the scheduler does (`Store.submit_task`: duplicates and
+reused ids with another request, ALREADY_EXISTS, are decided there),
+acknowledges it and, for a new inference task, plays its executor's part per
 services/PROTOCOL.md: token messages on ``output:{task_id}`` (the first with
 ``first``/``version``), then an ``end`` message written with
 `Store.finish_task`. On Cancel it records the call, stops the run and writes
@@ -21,8 +23,9 @@ import grpc.aio
 
 from lemix._proto.lemix.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from lemix.rpc import convert
-from lemix.store import Store
+from lemix.store import Store, TaskIdConflict
 from lemix.types import Task, TaskKind, TaskPayload
+from services.scheduler.codec import task_to_fields
 
 if TYPE_CHECKING:
     from gateway.service import GatewayService
@@ -65,7 +68,10 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             await asyncio.sleep(self.submit_delay_s)
         if self.submit_error is not None:
             await context.abort(*self.submit_error)
-        is_duplicate = task.task_id in self.acked_at_s
+        try:  # the real intake write: its dedupe and request-hash check
+            is_duplicate = not await self.store.submit_task(task_to_fields(task, payload))
+        except TaskIdConflict as exc:
+            await context.abort(exc.code, str(exc))
         self.submitted.append((task, payload))
         if task.kind is TaskKind.INFERENCE and not is_duplicate:
             self._runs[task.task_id] = asyncio.create_task(self._play(task))
@@ -119,3 +125,68 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         for run in runs:
             run.cancel()
         await asyncio.gather(*runs, return_exceptions=True)
+
+
+async def flushed_stats(gateway: GatewayService, store: Store) -> dict[str, int]:
+    """The stack's counters once `gateway`'s batched counters are written."""
+    await gateway.servicer.core.counters.flush()
+    return await store.get_stats()
+
+
+class TcpProxy:
+    """A real TCP relay to `target_port`, so a test can cut a service's
+    connections (a network blip, a Redis restart as its clients see it):
+    `cut()` closes every relayed connection and refuses new ones until
+    `restore()`, which listens again on the same port."""
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self.target = (target_host, target_port)
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    def url_for(self, url: str) -> str:
+        """`url` (of the target) with the proxy's address instead."""
+        host, port = self.target
+        return url.replace(f"{host}:{port}", f"127.0.0.1:{self.port}", 1)
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def cut(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        for writer in list(self._writers):
+            writer.transport.abort()
+        self._writers.clear()
+        if server is not None:
+            await server.wait_closed()
+
+    async def restore(self) -> None:
+        await self.start()
+
+    async def close(self) -> None:
+        await self.cut()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers |= {writer, up_writer}
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                dst.transport.abort()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        self._writers -= {writer, up_writer}

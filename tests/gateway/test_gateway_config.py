@@ -35,6 +35,15 @@ def test_flags_override_env_which_overrides_defaults() -> None:
     assert config.node_check_s == GatewayConfig().node_check_s
 
 
+def test_isolation_limits_come_from_env() -> None:
+    env = {"LEMIX_MAX_TRAIN_SAMPLES": "64", "LEMIX_MAX_TRAIN_BATCH_SIZE": "8",
+           "LEMIX_STREAM_LEASE_TTL_S": "3", "LEMIX_STATS_FLUSH_S": "0.5"}  # fmt: skip
+    config = from_env_and_args([], env=env)
+    assert (config.max_train_samples, config.max_train_batch_size) == (64, 8)
+    assert (config.stream_lease_ttl_s, config.stats_flush_s) == (3.0, 0.5)
+    assert GatewayConfig().max_train_samples == 1024
+
+
 def test_bad_env_value_names_the_variable() -> None:
     with pytest.raises(ValueError, match="LEMIX_MAX_IN_FLIGHT='lots' is not a valid int"):
         from_env_and_args([], env={"LEMIX_MAX_IN_FLIGHT": "lots"})
@@ -49,6 +58,10 @@ def test_bad_env_value_names_the_variable() -> None:
         ({"namespace": "has space"}, "namespace must not contain whitespace"),
         ({"max_context_tokens": 0}, "max_context_tokens must be > 0"),
         ({"max_in_flight": 0}, "max_in_flight must be > 0"),
+        ({"max_train_samples": 0}, "max_train_samples must be > 0"),
+        ({"max_train_batch_size": -1}, "max_train_batch_size must be > 0"),
+        ({"stream_lease_ttl_s": 0.0}, "stream_lease_ttl_s must be"),
+        ({"stats_flush_s": float("inf")}, "stats_flush_s must be"),
         ({"submit_deadline_s": 0.0}, "submit_deadline_s must be"),
         ({"stream_idle_timeout_s": float("nan")}, "stream_idle_timeout_s must be"),
         ({"node_check_s": -1.0}, "node_check_s must be"),

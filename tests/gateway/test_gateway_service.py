@@ -14,7 +14,14 @@ from typing import Any
 import grpc
 import grpc.aio
 import pytest
-from gateway_fakes import FAKE_NODE_ID, FAKE_WEIGHT_VERSION, FakeScheduler, GatewayFactory, Script
+from gateway_fakes import (
+    FAKE_NODE_ID,
+    FAKE_WEIGHT_VERSION,
+    FakeScheduler,
+    GatewayFactory,
+    Script,
+    flushed_stats,
+)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.service import GatewayService
@@ -73,7 +80,8 @@ async def _eventually(predicate: Callable[[], bool], timeout_s: float = 5.0) -> 
 
 
 async def test_generate_streams_max_tokens_then_a_final_message(
-    stub: gateway_pb2_grpc.GatewayStub, fake_scheduler: FakeScheduler, store: Store
+    gateway: GatewayService, stub: gateway_pb2_grpc.GatewayStub, fake_scheduler: FakeScheduler,
+    store: Store,
 ) -> None:
     responses = await _collect(stub, _generate("hello world", max_tokens=5))
 
@@ -94,7 +102,7 @@ async def test_generate_streams_max_tokens_then_a_final_message(
     assert task.kind is TaskKind.INFERENCE and task.max_output_tokens == 5
     assert task.num_prompt_tokens == len(ApproxTokenizer().encode("hello world")) == 3
     assert payload.prompt_token_ids == ()  # emulated: approx ids are not sent
-    assert (await store.get_stats())["num_inference"] == 1
+    assert (await flushed_stats(gateway, store))["num_inference"] == 1
 
 
 async def test_request_id_names_the_task_and_token_ids_pass_through(
@@ -143,7 +151,7 @@ async def test_invalid_requests_are_invalid_argument(
     assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert details in (err.details() or "")
     assert fake_scheduler.submitted == []
-    assert (await store.get_stats())["requests_rejected_invalid"] == 1
+    assert (await flushed_stats(gateway, store))["requests_rejected_invalid"] == 1
     await _assert_still_serving(gateway)
 
 
@@ -174,7 +182,7 @@ async def test_in_flight_over_the_bound_is_resource_exhausted(
         err = await _status_of(stub, _generate())
         assert err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
         assert err.details() == ("server busy: 1 requests in flight (limit 1); "
-                                 "retry with backoff")  # fmt: skip
+                                 "retry after 1 s with backoff")  # fmt: skip
 
         held.cancel()
         await _eventually(lambda: gateway.servicer.num_in_flight == 0)
@@ -343,7 +351,8 @@ def _samples(n: int, *, with_ids: bool = False) -> list[gateway_pb2.TrainSample]
 
 
 async def test_train_returns_ids_only_after_every_submit_is_acked(
-    stub: gateway_pb2_grpc.GatewayStub, fake_scheduler: FakeScheduler, store: Store
+    gateway: GatewayService, stub: gateway_pb2_grpc.GatewayStub, fake_scheduler: FakeScheduler,
+    store: Store,
 ) -> None:
     fake_scheduler.submit_delay_s = 0.2
     reply = await stub.Train(
@@ -360,18 +369,19 @@ async def test_train_returns_ids_only_after_every_submit_is_acked(
     # Samples are query (4, 8, ..., 20 bytes) + 4 bytes: 2..6 tokens; a batch is its longest.
     assert [t.num_prompt_tokens for t in batches] == [3, 5, 6]
     assert all(t.kind is TaskKind.TRAINING for t in batches)
-    assert (await store.get_stats())["num_training"] == 3
+    assert (await flushed_stats(gateway, store))["num_training"] == 3
 
 
 async def test_train_with_sample_ids_is_idempotent(
-    stub: gateway_pb2_grpc.GatewayStub, fake_scheduler: FakeScheduler, store: Store
+    gateway: GatewayService, stub: gateway_pb2_grpc.GatewayStub, fake_scheduler: FakeScheduler,
+    store: Store,
 ) -> None:
     request = gateway_pb2.TrainRequest(samples=_samples(3, with_ids=True))
     first = await stub.Train(request, timeout=DEADLINE_S)
     again = await stub.Train(request, timeout=DEADLINE_S)
     assert list(first.task_ids) == list(again.task_ids)
     assert len(fake_scheduler.submitted) == 6  # resubmitted, acked as duplicates
-    assert (await store.get_stats())["num_training"] == 3
+    assert (await flushed_stats(gateway, store))["num_training"] == 3
 
 
 @pytest.mark.parametrize(

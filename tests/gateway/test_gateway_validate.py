@@ -14,7 +14,16 @@ from gateway.tokenizer import (
     emulated_token_id,
     load_tokenizer,
 )
-from gateway.validate import validate_generate, validate_train
+from gateway.validate import (
+    ANONYMOUS_SCOPE,
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
+    client_scope,
+    scope_from_headers,
+    scoped_task_id,
+    validate_generate,
+    validate_train,
+)
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
 from lemix.model.tokenizer import train_bpe
 from lemix.rpc.errors import InvalidArgument
@@ -181,3 +190,63 @@ def test_real_tokenizer_prompts_start_with_bos(tmp_path: Path) -> None:
     ids = (bpe.bos_id, *bpe.encode("hello"), *bpe.encode("world"))
     assert train_payload.prompt_token_ids == ids
     assert train_task.num_prompt_tokens == len(train_payload.prompt_token_ids)
+
+
+# --------------------------------------------- sampling floors, limits, scope
+
+
+@pytest.mark.parametrize(
+    ("temperature", "is_valid"),
+    [(0.0, True), (MIN_TEMPERATURE, True), (0.7, True), (MAX_TEMPERATURE, True),
+     (1e-300, False), (MIN_TEMPERATURE / 2, False), (MAX_TEMPERATURE * 1.01, False),
+     (float("inf"), False), (-1.0, False)],
+)  # fmt: skip
+def test_temperature_is_zero_or_within_its_range(temperature: float, is_valid: bool) -> None:
+    request = gateway_pb2.GenerateRequest(
+        prompt="a", max_tokens=1, sampling=common_pb2.SamplingParams(temperature=temperature))
+    if is_valid:
+        assert _validate(request)[1].temperature == temperature
+    else:
+        with pytest.raises(InvalidArgument, match="temperature"):
+            _validate(request)
+
+
+def test_train_limits_name_the_setting() -> None:
+    samples = [gateway_pb2.TrainSample(query="q")] * 5
+    request = gateway_pb2.TrainRequest(samples=samples)
+    with pytest.raises(InvalidArgument, match=re.escape(
+            "5 samples in one Train call; the limit (max_train_samples) is 4: split")):
+        validate_train(request, tokenizer=TOKENIZER, max_context_tokens=64, max_samples=4)
+    request = gateway_pb2.TrainRequest(samples=samples, batch_size=3)
+    with pytest.raises(InvalidArgument, match=re.escape(
+            "batch_size 3 exceeds the limit (max_train_batch_size) of 2")):
+        validate_train(request, tokenizer=TOKENIZER, max_context_tokens=64, max_train_batch_size=2)
+    assert len(validate_train(request, tokenizer=TOKENIZER, max_context_tokens=64)) == 2
+
+
+def test_client_scope_hashes_the_key_and_client_id() -> None:
+    assert client_scope() == ANONYMOUS_SCOPE == ""
+    keyed = client_scope(api_key="sk-secret")
+    assert re.fullmatch(r"[0-9a-f]{12}", keyed) and keyed == client_scope(api_key="sk-secret")
+    assert len({keyed, client_scope(api_key="other"), client_scope(client_id="sk-secret"),
+                client_scope(api_key="sk-secret", client_id="a")}) == 4  # fmt: skip
+    assert scope_from_headers({"authorization": "Bearer sk-secret"}) == keyed
+    assert scope_from_headers({"authorization": "Basic sk-secret"}) == ANONYMOUS_SCOPE
+    assert scope_from_headers({"x-client-id": " a "}) == client_scope(client_id="a")
+    with pytest.raises(InvalidArgument, match="x-client-id header must not contain"):
+        client_scope(client_id="a b")
+
+
+def test_request_ids_are_named_within_the_scope() -> None:
+    request = gateway_pb2.GenerateRequest(prompt="a", max_tokens=1, request_id="r1")
+    assert _validate(request)[0].task_id == "r1"  # anonymous: the id itself
+    task, _ = validate_generate(request, tokenizer=TOKENIZER, max_context_tokens=64,
+                                scope="0123456789ab")  # fmt: skip
+    assert task.task_id == scoped_task_id("r1", "0123456789ab") == "r1@0123456789ab"
+    samples = [gateway_pb2.TrainSample(sample_id="s1", query="q")]
+    train = gateway_pb2.TrainRequest(samples=samples)
+    anonymous = validate_train(train, tokenizer=TOKENIZER, max_context_tokens=64)
+    scoped = validate_train(train, tokenizer=TOKENIZER, max_context_tokens=64, scope="ab")
+    assert anonymous[0][0].task_id != scoped[0][0].task_id
+    assert anonymous[0][0].task_id == validate_train(
+        train, tokenizer=TOKENIZER, max_context_tokens=64)[0][0].task_id  # stable

@@ -21,6 +21,7 @@ import grpc
 import openai
 import pytest
 from factories import make_profile
+from gateway_fakes import flushed_stats
 from prometheus_client import REGISTRY
 
 from gateway import service as gateway_service
@@ -252,7 +253,7 @@ async def test_over_the_in_flight_bound_is_429_and_disconnect_cancels(
 
         await held.close()  # the client disconnects mid-stream
         await _eventually(lambda: gateway.servicer.num_in_flight == 0)
-    assert (await store.get_stats())["requests_cancelled"] == 1
+    assert (await flushed_stats(gateway, store))["requests_cancelled"] == 1
     await _assert_still_serving(gateway)
 
 
@@ -267,7 +268,7 @@ async def test_non_streaming_disconnect_cancels_the_task(
         with pytest.raises(TimeoutError):
             await session.post(url, json={"prompt": "hi", "max_tokens": 3000})
     await _eventually(lambda: gateway.servicer.num_in_flight == 0)
-    assert (await store.get_stats())["requests_cancelled"] == 1
+    assert (await flushed_stats(gateway, store))["requests_cancelled"] == 1
     assert _sample("lemix_gateway_requests_total", **cancelled) == num_cancelled + 1
     await _assert_still_serving(gateway)
 
@@ -308,7 +309,7 @@ async def test_train_returns_task_ids(gateway: GatewayService, store: Store) -> 
                                json.dumps({"samples": samples, "batch_size": 2}))  # fmt: skip
     assert status == 200, body
     assert len(body["task_ids"]) == 2 and all(t.startswith("trn-") for t in body["task_ids"])
-    assert (await store.get_stats())["num_training"] == 2
+    assert (await flushed_stats(gateway, store))["num_training"] == 2
 
     status, body = await _post(gateway, "/v1/lemix/train", '{"samples": []}')
     assert status == 400 and "no samples" in body["error"]["message"]

@@ -49,6 +49,21 @@ class GatewayStub:
                 request_serializer=lemix_dot_v1_dot_gateway__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=lemix_dot_v1_dot_gateway__pb2.Stats.FromString,
                 _registered_method=True)
+        self.GetTask = channel.unary_unary(
+                '/lemix.v1.Gateway/GetTask',
+                request_serializer=lemix_dot_v1_dot_gateway__pb2.GetTaskRequest.SerializeToString,
+                response_deserializer=lemix_dot_v1_dot_gateway__pb2.TaskInfo.FromString,
+                _registered_method=True)
+        self.WatchTasks = channel.unary_stream(
+                '/lemix.v1.Gateway/WatchTasks',
+                request_serializer=lemix_dot_v1_dot_gateway__pb2.WatchTasksRequest.SerializeToString,
+                response_deserializer=lemix_dot_v1_dot_gateway__pb2.TaskInfo.FromString,
+                _registered_method=True)
+        self.AuditTasks = channel.unary_unary(
+                '/lemix.v1.Gateway/AuditTasks',
+                request_serializer=lemix_dot_v1_dot_gateway__pb2.AuditRequest.SerializeToString,
+                response_deserializer=lemix_dot_v1_dot_gateway__pb2.AuditReply.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -77,6 +92,34 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTask(self, request, context):
+        """One task's state by id (services/PROTOCOL.md, "Task states"). Errors:
+        INVALID_ARGUMENT (empty or malformed id), NOT_FOUND (an id this stack
+        never acknowledged, or one whose record expired), UNAVAILABLE (Redis).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchTasks(self, request, context):
+        """Streams the states of up to 10,000 tasks: each task's state once at the
+        start, then a TaskInfo whenever its state changes; a task's final state
+        is sent once. The stream ends (OK) when every task is final or
+        `timeout_s` passed, else at the call's deadline. Errors: INVALID_ARGUMENT
+        (no ids, too many, malformed, repeated), UNAVAILABLE (Redis).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AuditTasks(self, request, context):
+        """Tasks not final that are older than `min_age_s` (by submit time), oldest
+        first: what `lemix audit` prints. Errors: INVALID_ARGUMENT, UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +137,21 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=lemix_dot_v1_dot_gateway__pb2.GetStatsRequest.FromString,
                     response_serializer=lemix_dot_v1_dot_gateway__pb2.Stats.SerializeToString,
+            ),
+            'GetTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTask,
+                    request_deserializer=lemix_dot_v1_dot_gateway__pb2.GetTaskRequest.FromString,
+                    response_serializer=lemix_dot_v1_dot_gateway__pb2.TaskInfo.SerializeToString,
+            ),
+            'WatchTasks': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchTasks,
+                    request_deserializer=lemix_dot_v1_dot_gateway__pb2.WatchTasksRequest.FromString,
+                    response_serializer=lemix_dot_v1_dot_gateway__pb2.TaskInfo.SerializeToString,
+            ),
+            'AuditTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.AuditTasks,
+                    request_deserializer=lemix_dot_v1_dot_gateway__pb2.AuditRequest.FromString,
+                    response_serializer=lemix_dot_v1_dot_gateway__pb2.AuditReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +235,87 @@ class Gateway:
             '/lemix.v1.Gateway/GetStats',
             lemix_dot_v1_dot_gateway__pb2.GetStatsRequest.SerializeToString,
             lemix_dot_v1_dot_gateway__pb2.Stats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lemix.v1.Gateway/GetTask',
+            lemix_dot_v1_dot_gateway__pb2.GetTaskRequest.SerializeToString,
+            lemix_dot_v1_dot_gateway__pb2.TaskInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/lemix.v1.Gateway/WatchTasks',
+            lemix_dot_v1_dot_gateway__pb2.WatchTasksRequest.SerializeToString,
+            lemix_dot_v1_dot_gateway__pb2.TaskInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AuditTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lemix.v1.Gateway/AuditTasks',
+            lemix_dot_v1_dot_gateway__pb2.AuditRequest.SerializeToString,
+            lemix_dot_v1_dot_gateway__pb2.AuditReply.FromString,
             options,
             channel_credentials,
             insecure,
