@@ -20,7 +20,8 @@ from lemix.metrics import format_table
 from lemix.planner.registry import POLICIES
 from lemix.profile import Profile, default_profile_path, load_profile, torch_cpu_profile_path
 from lemix.redis_keys import DEFAULT_NAMESPACE, RedisKeys
-from lemix.replay import ReplayConfig, run_replay
+from lemix.redis_server import APPENDFSYNC_POLICIES
+from lemix.replay import ReplayConfig, format_lost, run_replay
 from lemix.sim.run import SloConfig, compute_slo
 from lemix.workload import build_workload
 
@@ -58,6 +59,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
                     help="torch: model preset or local checkpoint directory")
     up.add_argument("--tokenizer", default="bpe:8192",
                     help="torch: tokenizer spec shared by the gateway and the executors")
+    up.add_argument("--redis-dir", metavar="DIR",
+                    help="the embedded Redis's data dir, its AOF kept across restarts "
+                    "(default: redis/ beside --log-dir, e.g. runs/redis)")
+    up.add_argument("--redis-fsync", default="everysec", choices=APPENDFSYNC_POLICIES,
+                    help="the embedded Redis's appendfsync: everysec (a Redis crash loses no "
+                    "acknowledged write, a power loss up to ~1 s) or always (fsync before "
+                    "every reply)")
+    up.add_argument("--redis-password", metavar="PASS",
+                    help="the embedded Redis's password [env LEMIX_REDIS_PASSWORD; default: "
+                    "random per start]; the env var keeps it out of `ps`")
 
     _add_profile_parser(sub)
 
@@ -182,6 +193,7 @@ async def _profile_and_store(config: ProfileCommandConfig) -> ProfileRun:
 
     from lemix.profile import save_profile
     from lemix.redis_client import RedisClientConfig, connect
+    from lemix.redis_server import redact_url
     from lemix.rpc.errors import Unavailable
     from lemix.store import Store
     from profiler.convert import profile_json
@@ -196,14 +208,17 @@ async def _profile_and_store(config: ProfileCommandConfig) -> ProfileRun:
             await client.ping()
         run = await run_profile(config.target, config.grid, config.num_repeats,
                                 config.base_profile, config.name, fit_config=config.fit,
-                                deadline_s=config.deadline_s)
+                                deadline_s=config.deadline_s,
+                                # The stack's internal token, when its executors require one.
+                                service_token=os.environ.get("LEMIX_SERVICE_TOKEN", ""))
         config.out.parent.mkdir(parents=True, exist_ok=True)
         save_profile(run.profile, config.out)
         if client is not None:
             await Store(client, config.keys).put_profile(config.name, profile_json(run))
         return run
     except RedisError as exc:
-        raise Unavailable(f"Redis at {config.redis_url}: {type(exc).__name__}: {exc}") from exc
+        raise Unavailable(f"Redis at {redact_url(config.redis_url or '')}: {type(exc).__name__}: "
+                          f"{exc}") from exc
     finally:
         if client is not None:
             await client.aclose()
@@ -240,6 +255,9 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         train_rate=args.train_rate,
         log_dir=Path(args.log_dir),
         redis_url=os.environ.get("LEMIX_REDIS_URL") or None,  # else an embedded one
+        redis_dir=Path(args.redis_dir) if args.redis_dir else Path(args.log_dir).parent / "redis",
+        redis_fsync=args.redis_fsync,
+        redis_password=args.redis_password or os.environ.get("LEMIX_REDIS_PASSWORD") or None,
         model=args.model,
         tokenizer=args.tokenizer,
     )
@@ -264,6 +282,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                                      seed=args.seed))
     rows = [{"metric": label, "value": _lookup(metrics, key)} for key, label in REPLAY_TABLE_ROWS]
     print(format_table(rows, [("metric", "metric"), ("value", "value")]))
+    print(format_lost(metrics))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps([metrics], indent=2) + "\n")

@@ -38,6 +38,7 @@ import redis.asyncio as aioredis
 
 from lemix.redis_client import RedisClientConfig, connect
 from lemix.redis_keys import DEFAULT_NAMESPACE, RedisKeys
+from lemix.redis_server import redact_url
 
 AUTO = "auto"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -217,7 +218,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     try:
         return asyncio.run(_run_and_close(command, env, claim, args.claim_ttl_s))
     except aioredis.ConnectionError as exc:  # exit 1: the restart policy tries again
-        print(f"error: Redis at {env.get('LEMIX_REDIS_URL') or DEFAULT_REDIS_URL} is "
+        print(f"error: Redis at {redact_url(env.get('LEMIX_REDIS_URL') or DEFAULT_REDIS_URL)} is "
               f"unreachable: {exc}", file=sys.stderr)
         return 1
 

@@ -133,3 +133,30 @@ def test_compare_on_identical_workloads(tmp_path: Path, capsys: pytest.CaptureFi
     assert setup.sweep is not None
     inline = run_sweep(setup.sweep, setup.workload, setup.run, setup.profile, num_workers=1)
     assert inline == runs
+
+
+def test_up_maps_the_redis_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lemix.cli_services import stack_config
+
+    monkeypatch.delenv("LEMIX_REDIS_URL", raising=False)
+    monkeypatch.delenv("LEMIX_REDIS_PASSWORD", raising=False)
+    logs = tmp_path / "run" / "logs"
+    config = stack_config(build_parser().parse_args(["up", "--log-dir", str(logs)]))
+    assert config.redis_dir == tmp_path / "run" / "redis"  # beside the logs, kept across runs
+    assert config.redis_fsync == "everysec" and config.redis_password is None  # random
+    monkeypatch.setenv("LEMIX_REDIS_PASSWORD", "from-the-env")
+    config = stack_config(build_parser().parse_args(
+        ["up", "--redis-dir", str(tmp_path / "r"), "--redis-fsync", "always"]))
+    assert (config.redis_dir, config.redis_fsync) == (tmp_path / "r", "always")
+    assert config.redis_password == "from-the-env"
+    assert "from-the-env" not in repr(config)
+
+
+def test_up_rejects_a_bad_redis_password_or_fsync(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["up", "--redis-password", "with space"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "password" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as info:
+        main(["up", "--redis-fsync", "no"])
+    assert info.value.code == 2
+    assert "everysec" in capsys.readouterr().err

@@ -1,10 +1,12 @@
-"""lemix.redis_server: a real redis-server child process, started and stopped cleanly."""
+"""lemix.redis_server: a real redis-server child process, started, stopped and restarted
+cleanly, with AOF durability across a SIGKILL and a password."""
 
 from __future__ import annotations
 
 import gc
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
@@ -17,7 +19,10 @@ import redis
 from lemix.redis_server import (
     EmbeddedRedis,
     RedisServerError,
+    check_password,
     find_redis_server,
+    generate_password,
+    redact_url,
     redis_server_version,
 )
 
@@ -166,3 +171,109 @@ def test_rejects_bad_arguments() -> None:
         EmbeddedRedis(start_timeout_s=0)
     with pytest.raises(RedisServerError, match="not started"):
         _ = EmbeddedRedis().url
+
+
+# ------------------------------------------------------------ durability, restart, AUTH
+
+
+def _wait_dead(server: EmbeddedRedis, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while server.is_running:
+        assert time.monotonic() < deadline, "redis-server did not die"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("appendfsync", ["everysec", "always"])
+def test_acknowledged_writes_survive_a_sigkill_and_restart(tmp_path: Path,
+                                                           appendfsync: str) -> None:
+    """A write whose reply was read is in the AOF before the reply went out
+    (beforeSleep writes the AOF buffer first), so a SIGKILL loses none."""
+    with EmbeddedRedis(dir=tmp_path, appendonly=True, appendfsync=appendfsync) as server:
+        port, pid = server.port, server.pid
+        assert pid is not None
+        client = redis.Redis.from_url(server.url, decode_responses=True)
+        assert client.config_get("appendfsync") == {"appendfsync": appendfsync}
+        ids = [client.xadd("intake", {"task_id": f"t{i}"}) for i in range(200)]
+        client.hset("task:t199", mapping={"state": "queued"})  # the last reply read
+        os.kill(pid, signal.SIGKILL)
+        _wait_dead(server)
+        assert server.exit_code == -signal.SIGKILL
+        server.restart()
+        assert server.port == port and server.pid != pid and server.is_running
+        assert [entry_id for entry_id, _ in client.xrange("intake")] == ids
+        assert client.hget("task:t199", "state") == "queued"
+        client.close()
+
+
+def test_restart_keeps_a_temporary_data_dir_until_stop() -> None:
+    server = EmbeddedRedis(appendonly=True).start()
+    data_dir, port = server.data_dir, server.port
+    assert data_dir is not None
+    client = redis.Redis.from_url(server.url, decode_responses=True)
+    client.set("k", "v")
+    server.restart()  # a running server: SHUTDOWN (AOF fsynced), then start again
+    assert server.port == port and server.data_dir == data_dir
+    assert client.get("k") == "v"
+    client.close()
+    server.stop()
+    assert not data_dir.exists()
+
+
+def test_restart_on_a_taken_port_fails_clearly_and_can_be_retried(tmp_path: Path) -> None:
+    server = EmbeddedRedis(dir=tmp_path / "a", appendonly=True).start()
+    pid = server.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    _wait_dead(server)
+    with EmbeddedRedis(port=server.port, dir=tmp_path / "b"):  # took the port meanwhile
+        with pytest.raises(RedisServerError, match="already in use"):
+            server.restart()
+        assert not server.is_running
+    server.restart()  # the port is free again
+    assert _ping(server.url)
+    server.stop()
+
+
+def test_password_is_required_and_kept_out_of_the_command_line() -> None:
+    password = "s3cret-Pass_word!"
+    with EmbeddedRedis(password=password) as server:
+        assert server.url == f"redis://:s3cret-Pass_word%21@127.0.0.1:{server.port}/0"
+        assert password not in server.address
+        assert _ping(server.url)
+        anonymous = redis.Redis(host="127.0.0.1", port=server.port)
+        with pytest.raises(redis.AuthenticationError):
+            anonymous.set("k", "v")
+        anonymous.close()
+        wrong = redis.Redis(host="127.0.0.1", port=server.port, password="nope")
+        with pytest.raises(redis.AuthenticationError):
+            wrong.ping()
+        wrong.close()
+        cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes()
+        assert password.encode() not in cmdline
+        server.restart()  # the password is handed over again
+        assert _ping(server.url)
+
+
+def test_generated_passwords_are_random_and_valid() -> None:
+    first, second = generate_password(), generate_password()
+    assert first != second and len(first) >= 32
+    assert check_password(first) == first
+
+
+@pytest.mark.parametrize("password", ["", "has space", 'quo"te', "back\\slash", "é", "x" * 513])
+def test_rejects_passwords_redis_or_a_url_cannot_carry(password: str) -> None:
+    with pytest.raises(ValueError, match="password"):
+        EmbeddedRedis(password=password)
+
+
+def test_rejects_an_unknown_fsync_policy_and_restart_before_start() -> None:
+    with pytest.raises(ValueError, match="everysec, always"):
+        EmbeddedRedis(appendfsync="no")
+    with pytest.raises(RedisServerError, match="not started"):
+        EmbeddedRedis().restart()
+
+
+def test_redacted_urls_keep_everything_but_the_password() -> None:
+    assert redact_url("redis://:s3cret@10.0.0.1:6379/0") == "redis://:***@10.0.0.1:6379/0"
+    assert redact_url("redis://user:s3cret@h:1/2") == "redis://user:***@h:1/2"
+    assert redact_url("redis://h:6379/0") == "redis://h:6379/0"
