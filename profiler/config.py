@@ -19,6 +19,7 @@ seed                   ``--seed``                 ``LEMIX_PROFILER_SEED``
 shutdown_grace_s       ``--shutdown-grace-s``     ``LEMIX_SHUTDOWN_GRACE_S``
 log_level              ``--log-level``            ``LEMIX_LOG_LEVEL``
 log_format             ``--log-format``           ``LEMIX_LOG_FORMAT``
+service_token          ``--service-token``        ``LEMIX_SERVICE_TOKEN``
 =====================  =========================  ===================================
 """
 
@@ -27,13 +28,14 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lemix import settings
 from lemix.profile import default_profile_path
 from lemix.redis_keys import DEFAULT_NAMESPACE, RedisKeys
+from lemix.rpc.auth import SERVICE_TOKEN_OPTION, check_service_token
 from lemix.settings import Option, port_or_off
 from profiler.fit import FitConfig
 from profiler.runner import DEFAULT_MEASURE_DEADLINE_S
@@ -63,6 +65,8 @@ class ProfilerConfig:
     shutdown_grace_s: float = 5.0  # in-flight RunProfile calls get this long on stop
     log_level: str = "info"
     log_format: str = "console"
+    # Required on RunProfile, sent to executors (lemix.rpc.auth); "" = none.
+    service_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if not self.host or any(ch.isspace() for ch in self.host):
@@ -83,6 +87,7 @@ class ProfilerConfig:
             raise ValueError(f"shutdown_grace_s must be a finite number >= 0, "
                              f"got {self.shutdown_grace_s}")  # fmt: skip
         self.fit_config()  # checks holdout_fraction
+        check_service_token(self.service_token)
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, "
                              f"got {self.log_level!r}")  # fmt: skip
@@ -121,6 +126,7 @@ _OPTIONS: tuple[Option, ...] = (
             "on stop, in-flight RunProfile calls get this long, seconds"),
     Option("log_level", "--log-level", "LEMIX_LOG_LEVEL", str, "/".join(LOG_LEVELS)),
     Option("log_format", "--log-format", "LEMIX_LOG_FORMAT", str, "/".join(LOG_FORMATS)),
+    SERVICE_TOKEN_OPTION,
 )  # fmt: skip
 
 # `python -m profiler` serves metrics unless told not to.

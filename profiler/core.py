@@ -26,8 +26,9 @@ class ProfilerCore:
     """Profiles executors with one base profile and stores fitted profiles in Redis."""
 
     def __init__(self, store: Store, base_profile: Profile, fit_config: FitConfig,
-                 measure_deadline_s: float) -> None:
+                 measure_deadline_s: float, *, service_token: str = "") -> None:
         self._store = store
+        self._service_token = service_token  # what the executors require
         self._base = base_profile
         self._fit_config = fit_config
         self._measure_deadline_s = measure_deadline_s
@@ -44,7 +45,8 @@ class ProfilerCore:
                      num_repeats=job.num_repeats)
             run = await run_profile(job.executor_address, job.grid, job.num_repeats, self._base,
                                     job.name, fit_config=self._fit_config,
-                                    deadline_s=self._measure_deadline_s)
+                                    deadline_s=self._measure_deadline_s,
+                                    service_token=self._service_token)
         try:
             await self._store.put_profile(job.name, profile_json(run))
         except RedisError as exc:

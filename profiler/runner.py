@@ -121,15 +121,18 @@ async def run_profile(
     *,
     fit_config: FitConfig | None = None,
     deadline_s: float = DEFAULT_MEASURE_DEADLINE_S,
+    service_token: str = "",
 ) -> ProfileRun:
-    """`profile_executor`, also returning the fit report (quality, memory check, run info)."""
+    """`profile_executor`, also returning the fit report (quality, memory check, run info).
+
+    `service_token`: the stack's token, when its executors require one."""
     if not 1 <= num_repeats <= MAX_NUM_REPEATS:
         raise InvalidArgument(f"num_repeats must be in [1, {MAX_NUM_REPEATS}], got {num_repeats}")
     if not (math.isfinite(deadline_s) and deadline_s > 0):
         raise InvalidArgument(f"deadline_s must be a finite number > 0, got {deadline_s}")
     if not name:
         raise InvalidArgument("name the profile (it is stored and looked up by name)")
-    async with channel(address) as ch:
+    async with channel(address, service_token=service_token) as ch:
         stub = executor_pb2_grpc.ExecutorStub(ch)
         state = await _call(address, "GetNodeState",
                             stub.GetNodeState(executor_pb2.GetNodeStateRequest(),

@@ -75,10 +75,12 @@ class ProfilerService:
             config.redis_url, max_connections=4, socket_timeout_s=30.0))
         await self._redis.ping()
         store = Store(self._redis, RedisKeys(config.namespace))
-        core = ProfilerCore(store, base, config.fit_config(), config.measure_deadline_s)
+        core = ProfilerCore(store, base, config.fit_config(), config.measure_deadline_s,
+                            service_token=config.service_token)
         self._server, self._bound_port, self._health = await start_server(
             [(profiler_pb2_grpc.add_ProfilerServicer_to_server, ProfilerServicer(core))],
             config.host, config.port, service_names=[PROFILER_SERVICE],
+            service_token=config.service_token,
         )
         log.info("profiler.started", address=self.address, base_profile=base.name)
 

@@ -4,6 +4,8 @@
 - `lemix.rpc.errors`  — domain errors and their gRPC status codes, in one place.
 - `lemix.rpc.server`  — `start_server` / `stop_server` (health, reflection, limits).
 - `lemix.rpc.client`  — `channel`, `DEFAULT_DEADLINE_S`, `wait_for_serving`.
+- `lemix.rpc.auth`    — the shared service token on internal RPCs (option, check, client side).
+- `lemix.rpc.guard`   — server interceptors: malformed requests, the service token.
 
 Generated stubs live in `lemix._proto.lemix.v1` (`make proto` regenerates them).
 The full names of the services, for `start_server(service_names=...)`, are below.

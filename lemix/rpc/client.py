@@ -14,6 +14,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from lemix.rpc.auth import client_interceptors
 from lemix.rpc.server import MAX_MESSAGE_BYTES
 
 # Deadline for ordinary unary calls between LeMix services, seconds. Submit
@@ -49,13 +50,19 @@ def channel(
     *,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     extra_options: Sequence[tuple[str, int | str]] = (),
+    service_token: str = "",
 ) -> grpc.aio.Channel:
     """An insecure asyncio channel to `address` ("host:port"). Close it with
-    `await ch.close()` or use it as `async with channel(addr) as ch:`."""
+    `await ch.close()` or use it as `async with channel(addr) as ch:`.
+
+    `service_token`: the stack's token (`lemix.rpc.auth`), sent on every call;
+    "" sends none (the gateway's public API, or a stack left unauthenticated).
+    """
     if not address or address.startswith(":") or ":" not in address:
         raise ValueError(f"address must be host:port, got {address!r}")
     options: list[tuple[str, int | str]] = [*channel_options(max_message_bytes), *extra_options]
-    return grpc.aio.insecure_channel(address, options=options)
+    interceptors = client_interceptors(service_token) if service_token else None
+    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 
 async def wait_for_serving(address: str, service: str = "", timeout_s: float = 10.0) -> None:

@@ -3,11 +3,14 @@
 Every server gets: the service's own servicers, standard gRPC health checking
 (every named service and "" set SERVING once bound), server reflection, one
 message-size limit, keepalive settings that match `lemix.rpc.client.channel`,
-and a shutdown that flips health to NOT_SERVING before it drains.
+INVALID_ARGUMENT for a request that does not parse (`lemix.rpc.guard`), the
+service token on internal servers (`lemix.rpc.auth`), and a shutdown that
+flips health to NOT_SERVING before it drains.
 
     server, port, health = await start_server(
         [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer)],
         "0.0.0.0", 0, service_names=[SCHEDULER_SERVICE],
+        service_token=config.service_token,  # None on the public gateway
     )
     ...
     await stop_server(server, health, grace_s=5.0)
@@ -25,6 +28,9 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from lemix.rpc.auth import SERVICE_TOKEN_ENV
+from lemix.rpc.guard import MalformedRequests, RequireServiceToken
+
 log = structlog.get_logger(__name__)
 
 # Largest message either side sends or accepts. Bigger ones fail with
@@ -35,6 +41,9 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # Clients ping every `client.KEEPALIVE_TIME_MS` (30 s); the server must accept
 # pings at least that often or it answers GOAWAY "too_many_pings".
 MIN_PING_INTERVAL_MS = 10_000
+
+# Calls gRPC core holds for the application before it starts refusing them.
+MAX_PENDING_REQUESTS = 20_000
 
 # `add_FooServicer_to_server` from a generated *_pb2_grpc module.
 AddServicerFn = Callable[[Any, grpc.aio.Server], None]
@@ -54,6 +63,13 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
         # gRPC sets SO_REUSEPORT by default, so a second server on a fixed,
         # busy port would bind silently and steal half the connections.
         ("grpc.so_reuseport", 0),
+        # gRPC core itself CANCELs calls that wait, unread by the application,
+        # past 1,000 (its default): a burst of 1,500 Generates lost ~60 that
+        # way, with no status the client can act on. The services refuse
+        # excess load themselves (the gateway's in-flight bound answers
+        # RESOURCE_EXHAUSTED without I/O), so let every call reach them.
+        ("grpc.server.max_pending_requests", MAX_PENDING_REQUESTS),
+        ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_REQUESTS),
     ]
 
 
@@ -70,6 +86,7 @@ async def start_server(
     *,
     service_names: Sequence[str],
     max_message_bytes: int = MAX_MESSAGE_BYTES,
+    service_token: str | None = None,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Start an insecure gRPC server; return it, its bound port and its health servicer.
 
@@ -77,10 +94,24 @@ async def start_server(
     `service_names` are their full names (e.g. "lemix.v1.Scheduler"), set
     SERVING in health checking and listed by reflection. `port=0` picks a free
     port. Raises `OSError` if the address cannot be bound.
+
+    `service_token`: None for a public server (the gateway's API); for an
+    internal one (scheduler, executor, profiler) the stack's token, which
+    every call but health checks must then carry, or "" to leave it open,
+    which logs a warning.
     """
     if not service_names:
         raise ValueError("start_server needs service_names (e.g. ['lemix.v1.Scheduler'])")
-    server = grpc.aio.server(options=server_options(max_message_bytes))
+    interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequests()]
+    if service_token:  # outermost: an unauthenticated request is not even parsed
+        interceptors.insert(0, RequireServiceToken(service_token))
+    elif service_token == "":
+        log.warning("rpc.unauthenticated_server", services=list(service_names),
+                    hint=f"internal RPCs are unauthenticated: anyone who reaches this port "
+                    f"can call them; set {SERVICE_TOKEN_ENV} to the same token on every "
+                    f"service of the stack")
+    server = grpc.aio.server(options=server_options(max_message_bytes),
+                             interceptors=interceptors)
     for add, servicer in servicers:
         add(servicer, server)
     health_servicer = health.aio.HealthServicer()

@@ -143,9 +143,16 @@ def strip_tags(value: Any) -> Any:
     return value
 
 
+# What an operator must set before `docker compose up` (the files refuse to
+# interpolate without it); a stand-in for the tests.
+REQUIRED_ENV = {"LEMIX_SERVICE_TOKEN": "stand-in-service-token-for-deploy-tests",
+                "LEMIX_REDIS_PASSWORD": "stand-in-redis-password-for-deploy-tests"}
+
+
 def compose_config(*paths: Path, env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The project model of `docker compose -f p1 -f p2 ... config` (interpolated)."""
-    env = {} if env is None else env
+    """The project model of `docker compose -f p1 -f p2 ... config` (interpolated
+    with `env`, by default just the required variables)."""
+    env = REQUIRED_ENV if env is None else env
     docs = [interpolate(load_compose_file(p), env) for p in paths]
     model = strip_tags(docs[0])
     for doc in docs[1:]:

@@ -17,6 +17,7 @@ from deploy_support import (
     GATEWAY_PORTS,
     PARSERS,
     REPO,
+    REQUIRED_ENV,
     active_services,
     compose_config,
     duration_s,
@@ -57,7 +58,8 @@ def test_schema_check_catches_mistakes() -> None:
 
 
 def test_interpolation_reads_the_environment() -> None:
-    model = compose_config(COMPOSE, env={"LEMIX_NUM_NODES": "4", "LEMIX_PUBLISH_HTTP_PORT": "9000"})
+    model = compose_config(COMPOSE, env={**REQUIRED_ENV, "LEMIX_NUM_NODES": "4",
+                                         "LEMIX_PUBLISH_HTTP_PORT": "9000"})
     assert model["services"]["scheduler"]["environment"]["LEMIX_NUM_NODES"] == "4"
     assert "9000:8000" in model["services"]["gateway"]["ports"]
 
@@ -133,7 +135,12 @@ def test_services_agree_on_stack_wiring(name: str, model: Any,
         health_port = svc["healthcheck"]["test"][-2].rsplit(":", 1)[1]
         port_vars = [k for k in env if re.fullmatch(r"LEMIX_[A-Z]+_PORT", k)]
         assert [env[k] for k in port_vars] == [health_port], (svc_name, port_vars)
-    assert shared["LEMIX_REDIS_URL"] == "redis://redis:6379/0"
+    assert "LEMIX_REDIS_URL" not in shared  # it carries the password: x-lemix-secrets
+    password = REQUIRED_ENV["LEMIX_REDIS_PASSWORD"]
+    for svc_name, svc in services.items():
+        if svc_name != "redis":
+            assert svc["environment"]["LEMIX_REDIS_URL"] == (
+                f"redis://:{password}@redis:6379/0"), svc_name
     assert services["gateway"]["environment"]["LEMIX_SCHEDULER_ADDRESS"] == (
         f"scheduler:{services['scheduler']['environment']['LEMIX_SCHEDULER_PORT']}")
 
@@ -192,19 +199,74 @@ def test_executors_share_the_weight_sync_dir(name: str, model: Any,
 
 
 def test_both_files_share_the_same_settings() -> None:
-    base, cpu = (strip_tags(load_compose_file(p))["x-lemix-env"] for p in (COMPOSE, COMPOSE_CPU))
-    assert base == cpu
+    for block in ("x-lemix-env", "x-lemix-secrets"):
+        base, cpu = (strip_tags(load_compose_file(p))[block] for p in (COMPOSE, COMPOSE_CPU))
+        assert base == cpu, block
+
+
+# ------------------------------------------------------------------ security
+
+
+@pytest.mark.parametrize("paths", [(COMPOSE,), (COMPOSE, COMPOSE_CPU)], ids=["gpu", "cpu"])
+def test_compose_refuses_to_run_without_a_service_token(paths: tuple[Path, ...]) -> None:
+    with pytest.raises(ValueError, match="LEMIX_SERVICE_TOKEN is missing: set LEMIX_SERVICE"):
+        compose_config(*paths, env={})
+    with pytest.raises(ValueError, match="LEMIX_SERVICE_TOKEN is missing"):
+        compose_config(*paths, env={"LEMIX_SERVICE_TOKEN": ""})  # `:?` refuses empty too
+
+
+@pytest.mark.parametrize("name,model,services", CONFIGS, ids=IDS)
+def test_every_lemix_service_gets_the_same_token(name: str, model: Any,
+                                                 services: dict[str, Any]) -> None:
+    """The scheduler, executors and profiler require it; the gateway sends it."""
+    assert "LEMIX_SERVICE_TOKEN" not in model["x-lemix-env"]  # that block is the ConfigMap
+    for svc_name, svc in services.items():
+        module = lemix_module(svc)
+        if module is None:
+            assert "LEMIX_SERVICE_TOKEN" not in svc.get("environment", {}), svc_name
+            continue
+        parse, _ = PARSERS[module]
+        config = parse(service_env(svc))
+        assert config.service_token == REQUIRED_ENV["LEMIX_SERVICE_TOKEN"], svc_name
+
+
+@pytest.mark.parametrize("name,model,services", CONFIGS, ids=IDS)
+def test_metrics_are_not_published_with_the_gateway(name: str, model: Any,
+                                                    services: dict[str, Any]) -> None:
+    """Prometheus scrapes each container's 9090 inside the compose network; the
+    gateway's published HTTP port serves the API without /metrics."""
+    gateway = services["gateway"]
+    parse, _ = PARSERS["gateway"]
+    config = parse(service_env(gateway))
+    published = {int(str(p).rsplit(":", 1)[-1]) for p in gateway["ports"]}
+    assert config.is_http_metrics_enabled is False
+    assert config.metrics_port == METRICS_PORT and METRICS_PORT not in published
+    assert config.http_port in published
 
 
 # ------------------------------------------------------------------ Redis
 
 
-def test_redis_persists_with_aof() -> None:
+def test_redis_persists_with_aof_and_requires_the_password() -> None:
     redis = BASE["services"]["redis"]
     command = redis["command"]
     assert command[command.index("--appendonly") + 1] == "yes"
+    # Written before each reply, fsynced each second (lemix/redis_server.py says why).
+    assert command[command.index("--appendfsync") + 1] == "everysec"
     assert any(v.endswith(":/data") and not v.startswith(("/", ".")) for v in redis["volumes"])
+    password = REQUIRED_ENV["LEMIX_REDIS_PASSWORD"]
+    assert command[command.index("--requirepass") + 1] == password
     assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    assert redis["environment"] == {"REDISCLI_AUTH": password}  # the healthcheck's AUTH
+
+
+@pytest.mark.parametrize("paths", [(COMPOSE,), (COMPOSE, COMPOSE_CPU)], ids=["gpu", "cpu"])
+def test_compose_refuses_to_run_without_a_redis_password(paths: tuple[Path, ...]) -> None:
+    token = {"LEMIX_SERVICE_TOKEN": REQUIRED_ENV["LEMIX_SERVICE_TOKEN"]}
+    with pytest.raises(ValueError, match="LEMIX_REDIS_PASSWORD is missing: set LEMIX_REDIS"):
+        compose_config(*paths, env=token)
+    with pytest.raises(ValueError, match="LEMIX_REDIS_PASSWORD is missing"):
+        compose_config(*paths, env={**token, "LEMIX_REDIS_PASSWORD": ""})
 
 
 # ------------------------------------------------------------------ GPUs

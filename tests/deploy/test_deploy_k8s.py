@@ -29,6 +29,7 @@ MODELS: dict[tuple[str, str], type[pydantic.BaseModel]] = {
     ("apps/v1", "Deployment"): k8s.V1Deployment,
     ("apps/v1", "StatefulSet"): k8s.V1StatefulSet,
     ("v1", "PersistentVolumeClaim"): k8s.V1PersistentVolumeClaim,
+    ("networking.k8s.io/v1", "NetworkPolicy"): k8s.V1NetworkPolicy,
 }
 KUSTOMIZATION_KEYS = {"apiVersion", "kind", "namespace", "labels", "commonLabels", "resources",
                       "images", "configMapGenerator", "patches", "namePrefix"}
@@ -53,14 +54,18 @@ def container(workload: dict[str, Any]) -> dict[str, Any]:
 
 
 def container_env(workload: dict[str, Any]) -> dict[str, str]:
-    """Its LEMIX_* environment: the ConfigMap, then its own `env` (fieldRefs as a stand-in)."""
+    """Its LEMIX_* environment: the ConfigMap, then its own `env` (stand-ins for
+    a fieldRef, status.podIP, and for a secretKeyRef, the operator's secret)."""
     c = container(workload)
     env: dict[str, str] = {}
     for source in c.get("envFrom", []):
         assert source["configMapRef"]["name"] == "lemix-config"
         env.update(CONFIG)
     for var in c.get("env", []):
-        env[var["name"]] = var.get("value", "10.0.0.2")  # status.podIP
+        if "secretKeyRef" in var.get("valueFrom", {}):  # what compose's x-lemix-secrets gives
+            env[var["name"]] = COMPOSE_MODEL["x-lemix-secrets"][var["name"]]
+        else:
+            env[var["name"]] = var.get("value", "10.0.0.2")  # status.podIP
     return env
 
 
@@ -130,6 +135,7 @@ def test_redis_persists_on_a_volume_claim() -> None:
     redis = WORKLOADS["redis"]
     args = container(redis)["args"]
     assert args[args.index("--appendonly") + 1] == "yes"
+    assert args[args.index("--appendfsync") + 1] == "everysec"
     claims = {t["metadata"]["name"] for t in redis["spec"]["volumeClaimTemplates"]}
     mounts = {m["name"]: m["mountPath"] for m in container(redis)["volumeMounts"]}
     assert mounts == {name: "/data" for name in claims}
@@ -202,3 +208,129 @@ def test_same_command_ports_env_and_grace_as_compose(name: str) -> None:
     parse, grace_field = PARSERS[lemix_module(svc) or ""]
     grace_s = getattr(parse(process_env(env, c["command"])), grace_field)
     assert workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= grace_s + 10
+
+
+# ------------------------------------------------------------------ security
+
+LEMIX_WORKLOADS = sorted(n for n in WORKLOADS if n != "redis")
+PROMETHEUS = {"namespaceSelector": {},
+              "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+
+
+def _selected_names(selector: dict[str, Any]) -> set[str]:
+    """The app.kubernetes.io/name values a pod selector matches (the only key used)."""
+    names = set()
+    if "app.kubernetes.io/name" in selector.get("matchLabels", {}):
+        names.add(selector["matchLabels"]["app.kubernetes.io/name"])
+    for expr in selector.get("matchExpressions", []):
+        assert expr["key"] == "app.kubernetes.io/name" and expr["operator"] == "In", expr
+        names |= set(expr["values"])
+    assert set(selector) <= {"matchLabels", "matchExpressions"}, selector
+    return names
+
+
+def _ingress_by_workload() -> dict[str, list[dict[str, Any]]]:
+    rules: dict[str, list[dict[str, Any]]] = {}
+    for policy in objects("NetworkPolicy").values():
+        spec = policy["spec"]
+        assert spec["policyTypes"] == ["Ingress"], policy["metadata"]["name"]
+        for name in _selected_names(spec["podSelector"]):
+            rules.setdefault(name, []).extend(spec["ingress"])
+    return rules
+
+
+def test_network_policy_opens_only_the_gateway_api_to_the_outside() -> None:
+    """Every workload is selected by a policy (so isolated); a rule with no
+    `from` (anyone) exists only for the gateway's gRPC and HTTP ports; every
+    other rule admits only the stack's own pods, or Prometheus on metrics."""
+    rules = _ingress_by_workload()
+    assert set(rules) == set(WORKLOADS)
+    for name, ingress in rules.items():
+        port_names = {p["name"] for p in container(WORKLOADS[name])["ports"]}
+        for rule in ingress:
+            ports = {p["port"] for p in rule["ports"]}
+            assert ports <= port_names, (name, ports)  # named ports that exist
+            if "from" not in rule:
+                assert name == "gateway" and ports == {"grpc", "http"}, (name, rule)
+                continue
+            for peer in rule["from"]:
+                if peer == PROMETHEUS:
+                    assert ports == {"metrics"}, (name, rule)
+                else:
+                    assert set(peer) == {"podSelector"}, (name, peer)  # this namespace only
+                    assert _selected_names(peer["podSelector"]) <= set(LEMIX_WORKLOADS)
+
+
+def test_network_policy_lets_each_caller_reach_what_it_calls() -> None:
+    """The calls the stack makes: gateway -> scheduler, scheduler and profiler
+    -> executors, every service -> Redis."""
+    rules = _ingress_by_workload()
+
+    def admitted(name: str, port: str) -> set[str]:
+        return {caller for rule in rules[name] if "from" in rule
+                and port in {p["port"] for p in rule["ports"]}
+                for peer in rule["from"] if "podSelector" in peer and peer != PROMETHEUS
+                for caller in _selected_names(peer["podSelector"])}
+
+    assert "gateway" in admitted("scheduler", "grpc")
+    assert {"scheduler", "profiler"} <= admitted("executor", "grpc")
+    assert set(LEMIX_WORKLOADS) <= admitted("redis", "redis")
+    assert "executor" not in admitted("scheduler", "grpc")
+
+
+def test_redis_runs_unprivileged_on_a_read_only_root() -> None:
+    redis = WORKLOADS["redis"]
+    pod = redis["spec"]["template"]["spec"]["securityContext"]
+    assert pod["runAsNonRoot"] and pod["runAsUser"] != 0 and pod["fsGroup"]
+    assert pod["seccompProfile"]["type"] == "RuntimeDefault"
+    c = container(redis)["securityContext"]
+    assert c["readOnlyRootFilesystem"] and c["allowPrivilegeEscalation"] is False
+    assert c["capabilities"]["drop"] == ["ALL"]
+    # Read-only root: everything Redis writes (AOF, RDB) goes under its data mount.
+    assert {m["mountPath"] for m in container(redis)["volumeMounts"]} == {"/data"}
+
+
+@pytest.mark.parametrize("name", LEMIX_WORKLOADS)
+def test_lemix_pods_drop_capabilities_and_read_the_token_from_a_secret(name: str) -> None:
+    c = container(WORKLOADS[name])
+    assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    env = {v["name"]: v for v in c["env"]}
+    ref = env["LEMIX_SERVICE_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "lemix-service-token", "key": "token"}  # not optional
+    assert "LEMIX_SERVICE_TOKEN" not in CONFIG  # never in the ConfigMap
+
+
+@pytest.mark.parametrize("name", LEMIX_WORKLOADS)
+def test_services_name_the_metrics_port(name: str) -> None:
+    ports = {p["name"]: p for p in SERVICES[name]["spec"]["ports"]}
+    assert ports["metrics"]["port"] == 9090 and ports["metrics"]["targetPort"] == "metrics"
+
+
+def test_gateway_serves_metrics_only_off_its_public_ports() -> None:
+    gateway = WORKLOADS["gateway"]
+    parse, _ = PARSERS["gateway"]
+    config = parse(process_env(container_env(gateway), container(gateway)["command"]))
+    assert config.is_http_metrics_enabled is False
+    assert config.metrics_port not in (config.port, config.http_port)
+
+
+def _secret_ref(var: dict[str, Any]) -> dict[str, str]:
+    return var["valueFrom"]["secretKeyRef"]
+
+
+def test_redis_requires_the_password_from_a_secret() -> None:
+    c = container(WORKLOADS["redis"])
+    args = c["args"]
+    env = {v["name"]: v for v in c["env"]}
+    assert args[args.index("--requirepass") + 1] == "$(LEMIX_REDIS_PASSWORD)"  # k8s expands it
+    assert _secret_ref(env["LEMIX_REDIS_PASSWORD"]) == {"name": "lemix-redis", "key": "password"}
+    assert _secret_ref(env["REDISCLI_AUTH"]) == {"name": "lemix-redis", "key": "password"}
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert c[probe]["exec"]["command"] == ["redis-cli", "ping"]  # AUTH via REDISCLI_AUTH
+
+
+@pytest.mark.parametrize("name", LEMIX_WORKLOADS)
+def test_lemix_pods_read_the_redis_url_from_the_secret(name: str) -> None:
+    env = {v["name"]: v for v in container(WORKLOADS[name])["env"]}
+    assert _secret_ref(env["LEMIX_REDIS_URL"]) == {"name": "lemix-redis", "key": "url"}
+    assert "LEMIX_REDIS_URL" not in CONFIG  # it carries the password
