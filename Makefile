@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint demo compare bench clean proto proto-check
+.PHONY: setup test test-fast lint demo compare bench clean proto proto-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ test: $(STAMP)
 	$(PY) -m ruff check lemix services gateway profiler tests benchmarks scripts
 	$(PY) -m mypy lemix services gateway profiler
 	$(PY) -m pytest -q tests
+
+# The suite without the fault-injection tests (tests/faults: real processes
+# killed on purpose, a few minutes); `make test` runs everything.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not faults" tests
 
 # Regenerate the checked-in stubs in lemix/_proto/ from protos/ (users need no
 # protoc). Runs grpc_tools.protoc -I protos --python_out/--grpc_python_out/
