@@ -31,6 +31,9 @@ shutdown_grace_s               ``--shutdown-grace-s``     ``LEMIX_SHUTDOWN_GRACE
 log_level                      ``--log-level``            ``LEMIX_LOG_LEVEL``
 log_format                     ``--log-format``           ``LEMIX_LOG_FORMAT``
 service_token                  ``--service-token``        ``LEMIX_SERVICE_TOKEN``
+tls_cert_file                  ``--tls-cert-file``        ``LEMIX_GATEWAY_TLS_CERT_FILE``
+tls_key_file                   ``--tls-key-file``         ``LEMIX_GATEWAY_TLS_KEY_FILE``
+tls_client_ca_file             ``--tls-client-ca-file``   ``LEMIX_GATEWAY_TLS_CLIENT_CA_FILE``
 =============================  =========================  ==========================
 """
 
@@ -101,6 +104,19 @@ class GatewayConfig:
     log_format: str = "console"  # "console" or "json" (one object per line)
     # Sent to the scheduler (lemix.rpc.auth); the gateway's own API is public.
     service_token: str = field(default="", repr=False)
+    # TLS on the public gRPC and HTTP ports: a PEM certificate (chain) and its
+    # key, both or neither; "" = plaintext. Read and checked at start
+    # (`lemix.rpc.tls`). The metrics port stays plain HTTP: Prometheus scrapes
+    # it inside the deployment's network (compose/k8s never publish it), it
+    # carries no request data, and scrapers then need no CA.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    # mTLS: both ports then require a client certificate signed by this CA.
+    tls_client_ca_file: str = ""
+
+    @property
+    def is_tls_enabled(self) -> bool:
+        return bool(self.tls_cert_file)
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -139,6 +155,15 @@ class GatewayConfig:
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, "
                              f"got {self.log_format!r}")  # fmt: skip
         check_service_token(self.service_token)
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            given, missing = (("tls_cert_file", "tls_key_file") if self.tls_cert_file
+                              else ("tls_key_file", "tls_cert_file"))
+            raise ValueError(f"TLS needs both a certificate and its key: {given} is set but "
+                             f"{missing} is not (--tls-cert-file and --tls-key-file, both or "
+                             f"neither)")  # fmt: skip
+        if self.tls_client_ca_file and not self.is_tls_enabled:
+            raise ValueError("tls_client_ca_file (mTLS) needs TLS: set --tls-cert-file and "
+                             "--tls-key-file too")
 
 
 def _check_address(name: str, address: str) -> None:
@@ -201,6 +226,14 @@ _OPTIONS: tuple[Option, ...] = (
     Option("log_level", "--log-level", "LEMIX_LOG_LEVEL", str, "/".join(LOG_LEVELS)),
     Option("log_format", "--log-format", "LEMIX_LOG_FORMAT", str, "/".join(LOG_FORMATS)),
     SERVICE_TOKEN_OPTION,
+    Option("tls_cert_file", "--tls-cert-file", "LEMIX_GATEWAY_TLS_CERT_FILE", str,
+            "PEM certificate (chain) for TLS on the gRPC and HTTP ports, with "
+            "--tls-key-file (\"\" = plaintext; /metrics stays plain HTTP)", "FILE"),
+    Option("tls_key_file", "--tls-key-file", "LEMIX_GATEWAY_TLS_KEY_FILE", str,
+            "PEM private key of --tls-cert-file (unencrypted)", "FILE"),
+    Option("tls_client_ca_file", "--tls-client-ca-file", "LEMIX_GATEWAY_TLS_CLIENT_CA_FILE",
+            str, "mTLS: require client certificates signed by this PEM CA (\"\" = none)",
+            "FILE"),
 )  # fmt: skip
 
 _CLI_DEFAULTS: dict[str, Any] = {"port": CLI_DEFAULT_PORT, "http_port": CLI_DEFAULT_HTTP_PORT,

@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import json
 import re
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -331,16 +332,17 @@ class HttpApi:
 # ------------------------------------------------------------------ server
 
 
-async def start_http(app: web.Application, host: str, port: int, *,
-                     shutdown_timeout_s: float) -> tuple[web.AppRunner, int]:  # fmt: skip
+async def start_http(app: web.Application, host: str, port: int, *, shutdown_timeout_s: float,
+                     ssl_context: ssl.SSLContext | None = None) -> tuple[web.AppRunner, int]:
     """Serve `app` on host:port (0 = a free port); the runner and the bound port.
-    Raises OSError when the address cannot be bound."""
+    `ssl_context` (`lemix.rpc.tls.ServerTls.ssl_context`) serves HTTPS only;
+    None, plain HTTP. Raises OSError when the address cannot be bound."""
     # handler_cancellation: a client that disconnects cancels its handler (and
     # so its task); aiohttp's default since 3.9 is to let the handler run on.
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout_s)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
     except BaseException:
         await runner.cleanup()
         raise

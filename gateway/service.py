@@ -7,8 +7,9 @@ hold, started and stopped as one.
     ...
     await service.stop()           # NOT_SERVING, drain, stop, close clients
 
-`start` pings Redis first, so a wrong `redis_url` fails at start with a clear
-error instead of as UNAVAILABLE on every request. The scheduler need not be up
+`start` reads the TLS files (if any) and pings Redis first, so a wrong path or
+`redis_url` fails at start with a clear error instead of as a failed handshake
+or UNAVAILABLE on every request. The scheduler need not be up
 yet: Generate answers UNAVAILABLE until it is.
 """
 
@@ -36,6 +37,7 @@ from lemix.redis_keys import RedisKeys
 from lemix.rpc import GATEWAY_SERVICE
 from lemix.rpc.client import channel
 from lemix.rpc.server import start_server, stop_server
+from lemix.rpc.tls import ServerTls, load_server_tls
 from lemix.store import Store
 
 log = structlog.get_logger(__name__)
@@ -99,13 +101,30 @@ class GatewayService:
 
     @property
     def http_address(self) -> str:
-        """host:port of the OpenAI-compatible HTTP API (base URL http://HOST:PORT/v1)."""
+        """host:port of the OpenAI-compatible HTTP API (base URL `http_url` + /v1)."""
         return _host_port(self.config.host, self.http_port)
 
     @property
+    def http_url(self) -> str:
+        """http://HOST:PORT, or https:// when the gateway serves TLS."""
+        scheme = "https" if self.config.is_tls_enabled else "http"
+        return f"{scheme}://{self.http_address}"
+
+    @property
+    def tls_mode(self) -> str:
+        """One of "off", "tls" or "mtls" (client certificates required)."""
+        if not self.config.is_tls_enabled:
+            return "off"
+        return "mtls" if self.config.tls_client_ca_file else "tls"
+
+    @property
     def other_addresses(self) -> dict[str, str]:
-        """Listeners besides `address`, for the SERVING line (lemix.service_main)."""
-        return {"http": self.http_address}
+        """Listeners besides `address`, for the SERVING line (lemix.service_main);
+        with TLS, also `tls=tls|mtls` (both ports then speak only TLS)."""
+        others = {"http": self.http_address}
+        if self.config.is_tls_enabled:
+            others["tls"] = self.tls_mode
+        return others
 
     @property
     def servicer(self) -> GatewayServicer:
@@ -114,11 +133,16 @@ class GatewayService:
         return self._servicer
 
     async def start(self) -> None:
-        """Connect, then serve. Raises ValueError (bad tokenizer), OSError (Redis
-        unreachable, port busy)."""
+        """Connect, then serve. Raises ValueError (bad tokenizer, a TLS file
+        missing, unreadable or not a matching certificate and key), OSError
+        (Redis unreachable, port busy)."""
         if self._server is not None:
             raise RuntimeError("GatewayService is already started")
         config = self.config
+        tls: ServerTls | None = None
+        if config.is_tls_enabled:
+            tls = load_server_tls(config.tls_cert_file, config.tls_key_file,
+                                  config.tls_client_ca_file)
         tokenizer = self._tokenizer or load_tokenizer(config.tokenizer)
         try:
             # Output reads block (XREAD BLOCK) up to the stream idle timeout, so
@@ -150,11 +174,13 @@ class GatewayService:
                 config.host,
                 config.port,
                 service_names=[GATEWAY_SERVICE],
+                server_credentials=tls.grpc_credentials() if tls is not None else None,
             )
             api = HttpApi(core, config, is_serving=lambda: self._is_serving, slo=slo)
             self._http, self._http_port = await start_http(
                 api.app(), config.host, config.http_port,
                 shutdown_timeout_s=config.shutdown_grace_s,
+                ssl_context=tls.ssl_context if tls is not None else None,
             )  # fmt: skip
         except BaseException:
             if self._server is not None:
@@ -163,7 +189,8 @@ class GatewayService:
             await self._close_clients()
             raise
         self._is_serving = True
-        log.info("gateway.started", address=self.address, http=self.http_address,
+        log.info("gateway.started", address=self.address, http=self.http_url,
+                 grpc_scheme="grpcs" if tls is not None else "grpc", tls=self.tls_mode,
                  scheduler=config.scheduler_address, namespace=config.namespace,
                  max_in_flight=config.max_in_flight)  # fmt: skip
 

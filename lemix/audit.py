@@ -27,6 +27,7 @@ from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc
 from lemix.metrics import format_table
 from lemix.rpc.client import channel
 from lemix.rpc.errors import InvalidArgument, Unavailable
+from lemix.rpc.tls import client_tls
 from lemix.task_states import task_info_to_dict
 
 DEFAULT_OLDER_THAN_S = 60.0
@@ -47,6 +48,7 @@ class AuditConfig:
     limit: int = DEFAULT_LIMIT
     deadline_s: float = DEFAULT_DEADLINE_S
     json_path: Path | None = None
+    tls_ca_file: str = ""  # the CA of a gateway that serves TLS (PEM); "" = plaintext
 
     def __post_init__(self) -> None:
         host, sep, port = self.target.rpartition(":")
@@ -81,19 +83,24 @@ def add_audit_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     audit.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S, metavar="S",
                        help=f"deadline of the scan call (default {DEFAULT_DEADLINE_S:g})")
     audit.add_argument("--json", metavar="OUT", help="also write the tasks as JSON here")
+    audit.add_argument("--tls-ca-file", default="", metavar="FILE",
+                       help="connect with TLS, trusting this CA (PEM) for the gateway's "
+                       "certificate (default: plaintext)")
 
 
 def audit_config(args: argparse.Namespace) -> AuditConfig:
     return AuditConfig(target=args.target, older_than_s=args.older_than, limit=args.limit,
                        deadline_s=args.deadline,
-                       json_path=Path(args.json) if args.json else None)
+                       json_path=Path(args.json) if args.json else None,
+                       tls_ca_file=args.tls_ca_file)
 
 
 async def run_audit(config: AuditConfig, *, now_s: float | None = None) -> AuditResult:
     """Ask the gateway; raises `Unavailable` (cannot reach it, or it failed) or
     `InvalidArgument` (it refused the request)."""
     request = gateway_pb2.AuditRequest(min_age_s=config.older_than_s, limit=config.limit)
-    async with channel(config.target) as chan:
+    credentials = client_tls(config.tls_ca_file) if config.tls_ca_file else None
+    async with channel(config.target, credentials=credentials) as chan:
         try:
             reply = await gateway_pb2_grpc.GatewayStub(chan).AuditTasks(
                 request, timeout=config.deadline_s)

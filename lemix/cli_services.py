@@ -86,6 +86,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
                     help="profile for the SLO (5x unloaded latency, as `lemix sim` computes it)")
     rp.add_argument("--drain-timeout", type=float, default=120.0)
     rp.add_argument("--json", metavar="OUT", help="write the metrics JSON (a list of one run)")
+    rp.add_argument("--tls-ca-file", default="", metavar="FILE",
+                    help="connect with TLS, trusting this CA (PEM) for the gateway's "
+                    "certificate (default: plaintext)")
 
 
 def _add_profile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -276,7 +279,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile or default_profile_path())
     slo = compute_slo(profile, tasks, SloConfig())
     config = ReplayConfig(target=args.target, drain_timeout_s=args.drain_timeout,
-                          slo_ttft_s=slo.ttft_s, slo_tbt_s=slo.tbt_s)
+                          slo_ttft_s=slo.ttft_s, slo_tbt_s=slo.tbt_s,
+                          tls_ca_file=args.tls_ca_file)
     metrics = asyncio.run(run_replay(config, tasks, request_rate=workload_config.request_rate,
                                      train_rate=args.train_rate, duration_s=workload.duration_s,
                                      seed=args.seed))

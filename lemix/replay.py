@@ -38,6 +38,7 @@ import grpc.aio
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from lemix.metrics import summarize
 from lemix.rpc.client import channel
+from lemix.rpc.tls import client_tls
 from lemix.task_watch import TaskWatch, Tracked, settle
 from lemix.types import Task, TaskKind, TaskRecord, TaskStatus
 
@@ -72,6 +73,7 @@ class ReplayConfig:
     text_for: TextFor | None = None
     run_id: str | None = None  # prefix of every task id; None: `new_run_id()`
     lookup_deadline_s: float = 10.0  # one snapshot call of the final accounting
+    tls_ca_file: str = ""  # the CA of a gateway that serves TLS (PEM); "" = plaintext
 
     def __post_init__(self) -> None:
         if ":" not in self.target:
@@ -223,7 +225,8 @@ async def run_replay(config: ReplayConfig, tasks: Sequence[Task], *, request_rat
     plus `run_id` and `lost_task_ids` (every lost task's id)."""
     run_id = config.run_id or new_run_id()
     tracked = {task.task_id: _tracked(task, run_id) for task in tasks}
-    async with channel(config.target) as chan:
+    credentials = client_tls(config.tls_ca_file) if config.tls_ca_file else None
+    async with channel(config.target, credentials=credentials) as chan:
         stub = gateway_pb2_grpc.GatewayStub(chan)
         # One time origin on both clocks: the stack stamps task times in epoch s.
         t0, t0_epoch_s = time.monotonic(), time.time()

@@ -51,18 +51,25 @@ def channel(
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     extra_options: Sequence[tuple[str, int | str]] = (),
     service_token: str = "",
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> grpc.aio.Channel:
-    """An insecure asyncio channel to `address` ("host:port"). Close it with
+    """An asyncio channel to `address` ("host:port"). Close it with
     `await ch.close()` or use it as `async with channel(addr) as ch:`.
 
     `service_token`: the stack's token (`lemix.rpc.auth`), sent on every call;
     "" sends none (the gateway's public API, or a stack left unauthenticated).
+    `credentials`: None for plaintext (every internal link); TLS credentials
+    (`lemix.rpc.tls.client_tls(ca_file)`) for a gateway that serves TLS, whose
+    certificate must then name `address`'s host.
     """
     if not address or address.startswith(":") or ":" not in address:
         raise ValueError(f"address must be host:port, got {address!r}")
     options: list[tuple[str, int | str]] = [*channel_options(max_message_bytes), *extra_options]
     interceptors = client_interceptors(service_token) if service_token else None
-    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, credentials, options=options,
+                                   interceptors=interceptors)
 
 
 async def wait_for_serving(address: str, service: str = "", timeout_s: float = 10.0) -> None:

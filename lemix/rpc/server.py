@@ -11,6 +11,7 @@ flips health to NOT_SERVING before it drains.
         [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer)],
         "0.0.0.0", 0, service_names=[SCHEDULER_SERVICE],
         service_token=config.service_token,  # None on the public gateway
+        server_credentials=None,  # plaintext; TLS: lemix.rpc.tls
     )
     ...
     await stop_server(server, health, grace_s=5.0)
@@ -87,8 +88,9 @@ async def start_server(
     service_names: Sequence[str],
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     service_token: str | None = None,
+    server_credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """Start an insecure gRPC server; return it, its bound port and its health servicer.
+    """Start a gRPC server; return it, its bound port and its health servicer.
 
     `servicers` pairs each generated `add_*Servicer_to_server` with its servicer;
     `service_names` are their full names (e.g. "lemix.v1.Scheduler"), set
@@ -99,6 +101,10 @@ async def start_server(
     internal one (scheduler, executor, profiler) the stack's token, which
     every call but health checks must then carry, or "" to leave it open,
     which logs a warning.
+
+    `server_credentials`: None serves plaintext (internal services, and the
+    gateway unless given a certificate); TLS credentials
+    (`lemix.rpc.tls.ServerTls.grpc_credentials`) serve TLS only, on the same port.
     """
     if not service_names:
         raise ValueError("start_server needs service_names (e.g. ['lemix.v1.Scheduler'])")
@@ -121,7 +127,10 @@ async def start_server(
     )
     target = _bind_target(host, port)
     try:
-        bound_port = server.add_insecure_port(target)
+        if server_credentials is None:
+            bound_port = server.add_insecure_port(target)
+        else:
+            bound_port = server.add_secure_port(target, server_credentials)
     except RuntimeError as exc:  # newer grpcio raises; older ones return 0
         raise OSError(f"cannot bind gRPC server to {target}: {exc}") from exc
     if bound_port == 0:
@@ -129,7 +138,8 @@ async def start_server(
     await server.start()
     for name in ["", *service_names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("rpc.server_started", address=_bind_target(host, bound_port), services=service_names)
+    log.info("rpc.server_started", address=_bind_target(host, bound_port), services=service_names,
+             scheme="grpc" if server_credentials is None else "grpcs")
     return server, bound_port, health_servicer
 
 
