@@ -890,6 +890,31 @@ class Store:
         entries = await self.client.xrange(self.keys.events_stream, start, end, count=count)
         return [(str(entry_id), _as_fields(fields)) for entry_id, fields in entries or []]
 
+    # ================================================= scheduler restart
+    # The scheduler records a snapshot of its planner into the event log every
+    # so many events (services/scheduler/recovery.py); once one is stored,
+    # everything before it is trimmed, so the log and restarts stay bounded.
+    # A restart then reads the hashes of the tasks it still holds in batches.
+
+    async def trim_events_before(self, entry_id: str) -> int:
+        """Delete the event log entries older than `entry_id` (XTRIM MINID,
+        exact; `entry_id` itself stays). Returns how many were deleted."""
+        return int(await self.client.xtrim(self.keys.events_stream, minid=entry_id,
+                                           approximate=False))
+
+    async def events_length(self) -> int:
+        """Entries in the event log (XLEN)."""
+        return int(await self.client.xlen(self.keys.events_stream))
+
+    async def get_task_state_hashes(self, task_ids: Sequence[str]) -> list[Fields]:
+        """`get_task_state` for many tasks, in order, one pipelined round trip."""
+        if not task_ids:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for task_id in task_ids:
+            pipe.hgetall(self.keys.task(task_id))
+        return [_as_fields(reply) for reply in await pipe.execute()]
+
     # ================================================ scheduler: batched ops
     # The scheduler's per-batch round trips (issue 12): a burst of placements
     # or a node's worth of tasks costs one round trip, never one per task.

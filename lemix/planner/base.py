@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from lemix.planner.trace import NodeView, Prediction
 from lemix.types import Task
@@ -106,4 +106,12 @@ class PlacementPolicy(Protocol):
 
     def serving_nodes(self, num_nodes: int, context: PolicyContext) -> tuple[int, ...]:
         """Nodes that serve inference (all of them for co-located policies)."""
+        ...
+
+    def snapshot_state(self) -> dict[str, Any]:
+        """The policy's own mutable state (counters), JSON-able; {} when none."""
+        ...
+
+    def restore_state(self, state: Mapping[str, Any]) -> None:
+        """Take over what `snapshot_state` returned (planner restarts)."""
         ...

@@ -14,10 +14,21 @@ accounting, rejects what can never fit, and emits SEPARATE's weight syncs.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from lemix.planner.base import PlacementPolicy, PlannerConfig, PolicyContext, Ranked
 from lemix.planner.costs import CostEstimator
+from lemix.planner.snapshot import (
+    SNAPSHOT_VERSION,
+    check_snapshot,
+    config_fingerprint,
+    task_from_state,
+    task_to_state,
+    view_from_state,
+    view_to_state,
+)
 from lemix.planner.trace import NodeView, Prediction, compute_idleness
 from lemix.profile import MemoryProfile
 from lemix.types import Decision, Deferral, Placement, Rejection, Task, TaskKind, WeightSync
@@ -143,6 +154,66 @@ class Planner:
             request_rate_rps=self.request_rate_rps(now_s),
             memory_used_fraction={v.node_id: self._memory_fraction(v) for v in self.views},
         )
+
+    # ------------------------------------------------------------ snapshot
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every piece of state that affects future decisions, as JSON-able data.
+
+        `restore` on a fresh planner of the same config and policy continues
+        exactly where this one is (lemix.planner.snapshot lists what is kept).
+        """
+        return {
+            "version": SNAPSHOT_VERSION,
+            "fingerprint": config_fingerprint(self.config, self.policy.name),
+            "policy": self.policy.name,
+            "config": asdict(self.config),
+            "views": [view_to_state(view) for view in self.views],
+            "intake": [task_to_state(task) for task in self._intake],
+            "deferred": [[task_to_state(item.task), item.since_s] for item in self._deferred],
+            "task_node": dict(self._task_node),
+            "recent_arrivals": list(self._recent_arrivals),
+            "inference_len_mean": self._inference_len_mean,
+            "inference_out_mean": self._inference_out_mean,
+            "num_inference_seen": self._num_inference_seen,
+            "train_done_since_sync": self._train_done_since_sync,
+            "is_deferred_dirty": self._is_deferred_dirty,
+            "down_nodes": sorted(self._down_nodes),
+            "deferred_eval_s": self._deferred_eval_s,
+            "aged_tokens": self._aged_tokens,
+            "aged_tokens_at_s": self._aged_tokens_at_s,
+            "num_deferrals": self.num_deferrals,
+            "num_aged_releases": self.num_aged_releases,
+            "policy_state": self.policy.snapshot_state(),
+        }
+
+    def restore(self, snapshot: Mapping[str, Any]) -> None:
+        """Take over the state of `snapshot` (from `snapshot()`), replacing this
+        planner's. Raises `SnapshotMismatch` (a ValueError) when it was taken
+        from a planner with another config or policy."""
+        check_snapshot(snapshot, self.config, self.policy.name)
+        views = [view_from_state(v) for v in snapshot["views"]]
+        if [(v.node_id, v.num_stages) for v in views] != [
+                (v.node_id, v.num_stages) for v in self.views]:
+            raise ValueError("the snapshot's nodes do not match this planner's")
+        self.views = views
+        self._intake = deque(task_from_state(t) for t in snapshot["intake"])
+        self._deferred = deque(_Deferred(task_from_state(t), float(since_s))
+                               for t, since_s in snapshot["deferred"])
+        self._task_node = {str(t): int(n) for t, n in snapshot["task_node"].items()}
+        self._recent_arrivals = deque(float(t) for t in snapshot["recent_arrivals"])
+        self._inference_len_mean = float(snapshot["inference_len_mean"])
+        self._inference_out_mean = float(snapshot["inference_out_mean"])
+        self._num_inference_seen = int(snapshot["num_inference_seen"])
+        self._train_done_since_sync = int(snapshot["train_done_since_sync"])
+        self._is_deferred_dirty = bool(snapshot["is_deferred_dirty"])
+        self._down_nodes = {int(n) for n in snapshot["down_nodes"]}
+        self._deferred_eval_s = float(snapshot["deferred_eval_s"])
+        self._aged_tokens = float(snapshot["aged_tokens"])
+        self._aged_tokens_at_s = float(snapshot["aged_tokens_at_s"])
+        self.num_deferrals = int(snapshot["num_deferrals"])
+        self.num_aged_releases = int(snapshot["num_aged_releases"])
+        self.policy.restore_state(snapshot["policy_state"])
 
     # ------------------------------------------------------------ planning
 

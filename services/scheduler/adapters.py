@@ -9,6 +9,8 @@
 * `RedisEventSink` — the `RecordingPlanner` sink: buffers events in memory (the
   planner's call must not wait for Redis) and appends them, in order, from one
   background task; `flush()` waits until everything recorded so far is stored.
+  Once a snapshot event (compaction, services/scheduler/recovery.py) is
+  stored, it trims the log before it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from itertools import islice
 from pathlib import PurePosixPath
 
 import grpc
@@ -32,8 +35,9 @@ from lemix.rpc.convert import task_to_proto
 from lemix.rpc.errors import InvalidArgument, Unavailable, error_from_rpc
 from lemix.store import IS_FINAL_FIELD, STATUS_FIELD, FieldValue, Store
 from lemix.types import Placement, Task, TaskPayload, WeightSync
-from services.scheduler.codec import event_to_fields
+from services.scheduler.codec import EVENT_FIELD, event_to_fields
 from services.scheduler.ports import DispatchError, StateWrite, TaskProgress, TaskRefused
+from services.scheduler.recovery import SNAPSHOT_MARKER
 
 log = structlog.get_logger(__name__)
 
@@ -266,6 +270,7 @@ class RedisResultWriter:
 
 
 _EVENTS_PER_TRIP = 500
+_STOP_WAIT_S = 1.0  # what the sink's loop gets to finish its last round trip on stop
 
 
 class RedisEventSink:
@@ -273,7 +278,9 @@ class RedisEventSink:
 
     Call the sink itself (`sink(event)`) from the planner; it only buffers.
     A background task appends; a failed append is retried (events are never
-    dropped or reordered) after `retry_s`.
+    dropped or reordered) after `retry_s`. Once a snapshot event is stored,
+    the entries before it are trimmed (a failed trim is retried likewise; a
+    restart reads from the last snapshot either way).
     """
 
     def __init__(self, store: Store, retry_s: float = 0.2) -> None:
@@ -285,6 +292,11 @@ class RedisEventSink:
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._trim_before_id: str | None = None  # the latest stored snapshot's entry id
+        self._is_stopping = False
+        self.num_snapshots_stored = 0
+        self.num_trimmed_events = 0
+        self.last_snapshot_bytes = 0
 
     def __call__(self, event: Event) -> None:
         self._buffer.append(event)
@@ -297,6 +309,7 @@ class RedisEventSink:
 
     def start(self) -> None:
         if self._task is None:
+            self._is_stopping = False
             self._task = asyncio.create_task(self._run(), name="event-sink")
 
     async def flush(self, timeout_s: float | None = None) -> None:
@@ -321,7 +334,15 @@ class RedisEventSink:
             await self.flush(timeout_s)
         finally:
             if self._task is not None:
-                self._task.cancel()
+                # The loop finishes what it is doing (a trim after the flush)
+                # and exits on the flag; cancelled only if that takes long. The
+                # flag also ends it when redis-py swallows the cancellation
+                # (one landing mid-command can be, with redis-py 8.1).
+                self._is_stopping = True
+                self._wake.set()
+                _, running = await asyncio.wait({self._task}, timeout=_STOP_WAIT_S)
+                for task in running:
+                    task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._task
                 self._task = None
@@ -332,13 +353,29 @@ class RedisEventSink:
         # Whatever has accumulated goes in one pipelined round trip, in order;
         # events leave the buffer only once Redis has them.
         while self._buffer:
-            batch = [event_to_fields(e) for e in list(self._buffer)[:_EVENTS_PER_TRIP]]
-            await self.store.append_events(batch)
+            events = list(islice(self._buffer, _EVENTS_PER_TRIP))
+            batch = [event_to_fields(e) for e in events]
+            entry_ids = await self.store.append_events(batch)
+            for event, fields, entry_id in zip(events, batch, entry_ids, strict=True):
+                if SNAPSHOT_MARKER in event:
+                    self._on_snapshot_stored(entry_id, len(str(fields[EVENT_FIELD])))
             for _ in batch:
                 self._buffer.popleft()
             self._num_stored += len(batch)
             if self._waiters:
                 self._release_waiters()
+        if self._trim_before_id is not None:
+            # After the waiters: trimming is upkeep, nobody waits for it.
+            num_trimmed = await self.store.trim_events_before(self._trim_before_id)
+            self._trim_before_id = None
+            self.num_trimmed_events += num_trimmed
+            log.info("events_compacted", num_trimmed=num_trimmed,
+                     snapshot_bytes=self.last_snapshot_bytes)
+
+    def _on_snapshot_stored(self, entry_id: str, num_bytes: int) -> None:
+        self._trim_before_id = entry_id
+        self.num_snapshots_stored += 1
+        self.last_snapshot_bytes = num_bytes
 
     def _release_waiters(self) -> None:
         waiting = []
@@ -352,12 +389,14 @@ class RedisEventSink:
         self._waiters = waiting
 
     async def _run(self) -> None:
-        while True:
+        while not self._is_stopping:
             await self._wake.wait()
             self._wake.clear()
             try:
-                await self._drain()
+                await self._drain()  # on stop: a last pass (a pending trim)
             except (RedisError, OSError) as exc:
                 log.warning("event_append_failed", pending=len(self._buffer), error=str(exc))
+                if self._is_stopping:
+                    return
                 await asyncio.sleep(self.retry_s)
                 self._wake.set()

@@ -124,6 +124,13 @@ def event_from_fields(fields: Mapping[str, str]) -> Event:
     return event
 
 
+def event_has_key(fields: Mapping[str, str], key: str) -> bool:
+    """Whether the stored event's first key is `key`, without parsing it (a
+    snapshot event is large; recovery looks for the last one)."""
+    prefix = json.dumps({key: 0}, separators=(",", ":"))[:-2]  # '{"key":'
+    return fields.get(EVENT_FIELD, "").startswith(prefix)
+
+
 # ------------------------------------------------------------------ nodes
 
 _NODE_U32 = ("num_running", "num_waiting", "num_stages", "max_remaining_decode_tokens")

@@ -113,6 +113,10 @@ class SchedulerConfig:
     # Task hashes and output streams of tasks the scheduler saw end expire
     # this long after (0 = keep forever).
     finished_task_ttl_s: float = 24 * 3600.0
+    # Every this many planner events the scheduler records a snapshot of its
+    # planner into the event log and trims the log before it, so a restart
+    # replays at most about this many events (0 = never: the log grows).
+    snapshot_every_events: int = 10_000
     log_level: str = "info"  # debug | info | warning | error
     log_format: str = "console"  # console | json
     # Sent to executors and required from the gateway (lemix.rpc.auth); "" = none.
@@ -154,6 +158,7 @@ class SchedulerConfig:
             "redis_outage_grace_s": self.redis_outage_grace_s,
             "node_lost_after_s": self.node_lost_after_s,
             "finished_task_ttl_s": self.finished_task_ttl_s,
+            "snapshot_every_events": self.snapshot_every_events,
         }
         for name, value in non_negative.items():
             if value < 0:
@@ -286,6 +291,8 @@ _OPTIONS: tuple[Option, ...] = (
             "how often stream leases of held requests are checked"),
     _option("finished_task_ttl_s", "LEMIX_FINISHED_TASK_TTL_S", float,
             "finished tasks' state and output expire after (0 = never)"),
+    _option("snapshot_every_events", "LEMIX_SNAPSHOT_EVERY_EVENTS", int,
+            "snapshot the planner into the event log and trim it every N events (0 = never)"),
     _option("log_level", "LEMIX_LOG_LEVEL", str, "debug|info|warning|error"),
     _option("log_format", "LEMIX_LOG_FORMAT", str, "console|json"),
     SERVICE_TOKEN_OPTION,

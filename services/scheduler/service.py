@@ -1,9 +1,11 @@
 """The scheduler service: Redis intake/completions/heartbeats in, executor dispatch out.
 
 `SchedulerService` owns the plumbing around a `SchedulerCore`: it connects to
-Redis, rebuilds the planner from the event log (restart recovery), runs four
-loops and the gRPC server. Scheduling logic stays in the planner; sequencing
-in the core; this module only moves data between them and the outside.
+Redis, rebuilds the planner from the event log (restart recovery: the last
+snapshot plus the events after it; the log is compacted as it grows,
+services/scheduler/recovery.py), runs four loops and the gRPC server.
+Scheduling logic stays in the planner; sequencing in the core; this module
+only moves data between them and the outside.
 
 Loops (each survives Redis blips: it logs, backs off and goes on):
 
@@ -42,7 +44,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from lemix import telemetry
 from lemix._proto.lemix.v1 import scheduler_pb2_grpc
-from lemix.planner.recording import Event, RecordingPlanner
+from lemix.planner.recording import RecordingPlanner
 from lemix.planner.registry import build_planner
 from lemix.profile import Profile, load_profile
 from lemix.redis_client import RedisClientConfig, connect
@@ -53,10 +55,16 @@ from lemix.rpc.server import start_server, stop_server
 from lemix.store import ATTEMPT_FIELD, IS_FINAL_FIELD, Entry, Fields, Store, get_optional_int
 from lemix.types import Task, TaskKind, TaskPayload
 from services.scheduler.adapters import GrpcDispatcher, RedisEventSink, RedisResultWriter
-from services.scheduler.codec import event_from_fields, task_from_fields, task_to_fields
+from services.scheduler.codec import task_from_fields, task_to_fields
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
-from services.scheduler.recovery import check_config, recover, start_event
+from services.scheduler.recovery import (
+    SnapshottingSink,
+    check_config,
+    events_to_recover,
+    recover,
+    start_event,
+)
 from services.scheduler.servicer import SchedulerServicer
 from services.scheduler.supervision import LeaseWatch, NodeSupervisor
 
@@ -69,6 +77,7 @@ CANCELLED_BEFORE_PLACEMENT = "CANCELLED: cancelled before it was scheduled"
 GATEWAY_GONE = "the gateway streaming this request is gone"
 _LOOP_BACKOFF_S = 0.5  # after an unexpected error in a loop iteration
 _MIN_TIMER_S = 0.001  # never spin on a wake-up that is (float-)due now
+_RECOVER_BATCH = 500  # task hashes read per round trip at restart
 
 
 @dataclass(frozen=True)
@@ -138,7 +147,8 @@ class SchedulerService:
         self._health: health.aio.HealthServicer | None = None
         self.port = 0
         self.epoch_s = 0.0
-        self.num_recovered_events = 0
+        self.num_recovered_events = 0  # events replayed at start (after the snapshot)
+        self.is_recovered_from_snapshot = False
 
     # ================================================================ lifecycle
 
@@ -186,6 +196,7 @@ class SchedulerService:
         log.info("scheduler_started", address=self.address, policy=config.policy,
                  num_nodes=config.num_nodes, namespace=config.namespace,
                  recovered_events=self.num_recovered_events,
+                 from_snapshot=self.is_recovered_from_snapshot,
                  recovered_tasks=self.core.num_tasks, live_nodes=self.live_node_ids)
 
     async def _build_core(self) -> None:
@@ -195,12 +206,21 @@ class SchedulerService:
         # The gateway judges requests against the SLO the planner protects.
         await self.store.put_slo(planner_config.slo_ttft_s, planner_config.slo_tbt_s)
         planner = build_planner(config.policy, planner_config, profile, config.memory)
-        events: list[Event] = [event_from_fields(f) for _, f in await self.store.read_events()]
+        # From the last snapshot on (compaction trims the rest; a failed trim
+        # may leave older entries, which are not even parsed).
+        events = events_to_recover(await self.store.read_events())
         check_config(events, planner_config, config.policy)
         recovered = recover(events, planner)
         self.num_recovered_events = recovered.num_events
+        self.is_recovered_from_snapshot = recovered.is_from_snapshot
         self.events = RedisEventSink(self.store)
-        self.events(start_event(planner_config, config.policy, time.time()))
+        # Every event goes through the recorder: it keeps the log's tally and
+        # records a snapshot every `snapshot_every_events` (recovery.py).
+        self.recorder = SnapshottingSink(
+            self.events, planner, recovered.tally,
+            snapshot_every_events=config.snapshot_every_events, wall_clock=time.time,
+            num_events_since_snapshot=recovered.num_events)
+        self.recorder(start_event(planner_config, config.policy, time.time()))
         self.dispatcher = GrpcDispatcher(
             deadline_s=config.dispatch_deadline_s,
             weight_sync_deadline_s=config.weight_sync_deadline_s,
@@ -209,7 +229,7 @@ class SchedulerService:
         self.writer = RedisResultWriter(self.store,
                                         finished_ttl_s=config.finished_task_ttl_s or None)
         self.core = SchedulerCore(
-            RecordingPlanner(planner, self.events), self.dispatcher, self.writer, self.clock,
+            RecordingPlanner(planner, self.recorder), self.dispatcher, self.writer, self.clock,
             on_forget=self._forget_task, ledger=self.writer,
             policy=config.policy, max_concurrent_dispatches=config.max_concurrent_dispatches,
             max_task_moves=config.max_task_moves)
@@ -224,9 +244,12 @@ class SchedulerService:
         recovered tasks."""
         unconfirmed = []
         attempts: dict[str, int] = {}
-        for task in tasks:  # deferred or requeued work still needs its payload
-            state = await self.store.get_task_state(task.task_id)
-            if not state:
+        states: list[Fields] = []
+        for i in range(0, len(tasks), _RECOVER_BATCH):  # a round trip per batch, not per task
+            states += await self.store.get_task_state_hashes(
+                [t.task_id for t in tasks[i:i + _RECOVER_BATCH]])
+        for task, state in zip(tasks, states, strict=True):
+            if not state:  # deferred or requeued work still needs its payload
                 log.warning("payload_lost", task_id=task.task_id)
                 continue
             self._payloads[task.task_id] = task_from_fields(state)[1]

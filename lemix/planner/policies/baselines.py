@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from lemix.planner.base import PolicyContext, Ranked
 from lemix.planner.trace import NodeView, Prediction
@@ -40,6 +41,12 @@ class MixRoundRobinPolicy:
     def serving_nodes(self, num_nodes: int, context: PolicyContext) -> tuple[int, ...]:
         return tuple(range(num_nodes))
 
+    def snapshot_state(self) -> dict[str, Any]:
+        return {"counter": self._counter}
+
+    def restore_state(self, state: Mapping[str, Any]) -> None:
+        self._counter = int(state["counter"])
+
 
 @dataclass
 class MixLeastUtilizedPolicy:
@@ -62,6 +69,12 @@ class MixLeastUtilizedPolicy:
 
     def serving_nodes(self, num_nodes: int, context: PolicyContext) -> tuple[int, ...]:
         return tuple(range(num_nodes))
+
+    def snapshot_state(self) -> dict[str, Any]:
+        return {}  # stateless: it ranks by the planner's accounting
+
+    def restore_state(self, state: Mapping[str, Any]) -> None:
+        pass
 
 
 @dataclass
@@ -108,3 +121,9 @@ class SeparatePolicy:
         ranked = _rotate(list(group), self._counters[key])
         self._counters[key] += 1
         return ranked
+
+    def snapshot_state(self) -> dict[str, Any]:
+        return {"counters": dict(self._counters)}
+
+    def restore_state(self, state: Mapping[str, Any]) -> None:
+        self._counters = {str(k): int(v) for k, v in state["counters"].items()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from lemix.planner.base import PolicyContext, Ranked
 from lemix.planner.score import (
@@ -66,3 +67,9 @@ class LemixPolicy:
 
     def serving_nodes(self, num_nodes: int, context: PolicyContext) -> tuple[int, ...]:
         return tuple(range(num_nodes))
+
+    def snapshot_state(self) -> dict[str, Any]:
+        return {}  # stateless: every decision comes from the planner's views
+
+    def restore_state(self, state: Mapping[str, Any]) -> None:
+        pass
