@@ -84,6 +84,26 @@ async def _sample(stack: Stack, load: Load, samples: Samples, started_s: float) 
         await client.aclose()
 
 
+async def _redis_breakdown(stack: Stack) -> dict[str, int]:
+    """What Redis holds at the end: keys, and the bytes of the biggest kinds."""
+    assert stack.redis is not None
+    client = connect(RedisClientConfig(stack.redis.url, max_connections=1, socket_timeout_s=30.0))
+    namespace = stack.config.namespace
+    try:
+        counts: dict[str, int] = {"num_keys": int(await client.dbsize())}
+        events = f"{namespace}:events"
+        counts["events_stream_len"] = int(await client.xlen(events))
+        counts["events_stream_bytes"] = int(await client.memory_usage(events) or 0)
+        for kind in ("task", "dedupe", "out", "lease"):
+            num = 0
+            async for _ in client.scan_iter(match=f"{namespace}:{kind}:*", count=1000):
+                num += 1
+            counts[f"num_{kind}_keys"] = num
+        return counts
+    finally:
+        await client.aclose()
+
+
 async def _fault(stack: Stack, kind: str) -> None:
     if kind == "executor-kill":
         stack.kill(f"executor-{random.randrange(stack.config.num_nodes)}")
@@ -136,7 +156,9 @@ async def main_async(args: argparse.Namespace) -> int:
     samples = Samples()
     faults: list[tuple[float, str]] = []
     with tempfile.TemporaryDirectory(prefix="lemix-soak-") as tmp:
-        async with fault_stack(Path(tmp), time_scale=args.time_scale,
+        env = ({"LEMIX_FINISHED_TASK_TTL_S": repr(args.finished_task_ttl_s)}
+               if args.finished_task_ttl_s else {})
+        async with fault_stack(Path(tmp), time_scale=args.time_scale, extra_env=env,
                                is_fast=False) as (stack, stub):
             await wait_ready(stub)
             load = Load(stub)
@@ -163,17 +185,20 @@ async def main_async(args: argparse.Namespace) -> int:
             await _sample(stack, load, samples, started_s)
             result = await account(stub, load, timeout_s=600)
             ghosts = await audit_clean(stub)
+            redis_keys = await _redis_breakdown(stack)
     found = sum(1 for info in result.states.values() if info is not None)
     redis_mib = [b / 2**20 for b in samples.redis_bytes]
     out = {
         "date": time.strftime("%Y-%m-%d"), "duration_s": args.duration_s,
         "rate_rps": args.rate_rps, "train_sps": args.train_sps, "time_scale": args.time_scale,
-        "seed": args.seed, "faults": faults, "num_task_ids": len(result.states),
+        "seed": args.seed, "finished_task_ttl_s": args.finished_task_ttl_s, "faults": faults,
+        "num_task_ids": len(result.states),
         "num_acked": found, "num_lost": len(result.lost), "lost_ids": result.lost[:20],
         "num_ghosts": len(ghosts), "num_no_reason": len(result.no_reason),
         "by_state": result.by_state(),
         "mean_busy_fraction": round(statistics.fmean(samples.busy), 3) if samples.busy else None,
         "rss": _rss_report(samples),
+        "redis_at_end": redis_keys,
         "redis_mib": {"first": round(redis_mib[0], 1), "peak": round(max(redis_mib), 1),
                       "last": round(redis_mib[-1], 1)} if redis_mib else None,
     }
@@ -193,6 +218,8 @@ def main() -> int:
     parser.add_argument("--fault-every-s", type=float, default=60.0)
     parser.add_argument("--sample-s", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--finished-task-ttl-s", type=float, default=0.0,
+                        help="the scheduler's finished_task_ttl_s (0 = its default, 24 h)")
     parser.add_argument("--json", type=Path)
     return asyncio.run(main_async(parser.parse_args()))
 
