@@ -439,6 +439,7 @@ def _control_client(host: str, port: int, password: str | None) -> redis.Redis:
         socket_connect_timeout=1.0,
         socket_timeout=2.0,
         retry=Retry(NoBackoff(), 0),
+        max_connections=1,  # one command at a time, from one thread
     )
 
 
