@@ -12,7 +12,10 @@ back (GetTask) and the stack's own non-final list (AuditTasks) is taken.
 
 Reported: ids acknowledged / lost / ghosts; per process the RSS at the first
 sample after warm-up and at the end, over the spans it was not restarted;
-Redis memory first / peak / last; mean busy fraction (the load level).
+Redis memory first / peak / last and per minute; mean busy fraction (the
+load level). With --finished-task-ttl-s the stack expires finished records
+after that long; a `FinalWatcher` takes every id's final state while the run
+goes on, so the accounting still covers every id.
 
     .venv/bin/python benchmarks/soak.py --duration-s 1200 --json runs/bench/soak.json
 """
@@ -36,7 +39,14 @@ from typing import Any
 import grpc
 
 from lemix._proto.lemix.v1 import gateway_pb2
-from lemix.fault_harness import Load, account, audit_clean, fault_stack, wait_ready
+from lemix.fault_harness import (
+    FinalWatcher,
+    Load,
+    account,
+    audit_clean,
+    fault_stack,
+    wait_ready,
+)
 from lemix.launcher import Stack
 from lemix.redis_client import RedisClientConfig, connect
 
@@ -48,7 +58,7 @@ _WARMUP_S = 60.0
 @dataclass
 class Samples:
     rss_bytes: dict[str, list[tuple[float, int, int]]] = field(default_factory=dict)
-    redis_bytes: list[int] = field(default_factory=list)
+    redis_bytes: list[tuple[float, int]] = field(default_factory=list)
     busy: list[float] = field(default_factory=list)
 
 
@@ -74,7 +84,7 @@ async def _sample(stack: Stack, load: Load, samples: Samples, started_s: float) 
                 samples.rss_bytes.setdefault(child.name, []).append((now_s, pid, rss))
         try:
             info = await client.info("memory")
-            samples.redis_bytes.append(int(info["used_memory"]))
+            samples.redis_bytes.append((now_s, int(info["used_memory"])))
             stats = await load.stub.GetStats(gateway_pb2.GetStatsRequest(), timeout=5)
             if stats.nodes:
                 samples.busy.append(statistics.fmean(n.busy_fraction for n in stats.nodes))
@@ -164,8 +174,10 @@ async def main_async(args: argparse.Namespace) -> int:
             load = Load(stub)
             started_s = time.monotonic()
             until_s = started_s + args.duration_s
+            watcher = FinalWatcher(stub, load)
             drivers = [asyncio.create_task(_poisson(load, args.rate_rps, until_s, rng)),
-                       asyncio.create_task(_training(load, args.train_sps, until_s))]
+                       asyncio.create_task(_training(load, args.train_sps, until_s)),
+                       asyncio.create_task(watcher.run(until_s))]
             next_fault_s = started_s + args.fault_every_s
             next_sample_s = started_s
             while time.monotonic() < until_s:
@@ -183,17 +195,25 @@ async def main_async(args: argparse.Namespace) -> int:
             await asyncio.gather(*drivers)
             await load.finish_streams(timeout_s=600)
             await _sample(stack, load, samples, started_s)
-            result = await account(stub, load, timeout_s=600)
+            await watcher.sweep()
+            result = await account(stub, load, timeout_s=600, recorded=watcher.final)
             ghosts = await audit_clean(stub)
             redis_keys = await _redis_breakdown(stack)
     found = sum(1 for info in result.states.values() if info is not None)
-    redis_mib = [b / 2**20 for b in samples.redis_bytes]
+    lost = sorted({*result.lost, *result.missing_training, *result.inconsistent,
+                   *watcher.expired})
+    redis_mib = [b / 2**20 for _, b in samples.redis_bytes]
+    # Redis memory at the end of each minute: flat once finished records expire.
+    by_minute: dict[int, float] = {}
+    for t_s, b in samples.redis_bytes:
+        by_minute[int(t_s // 60)] = round(b / 2**20, 1)
     out = {
         "date": time.strftime("%Y-%m-%d"), "duration_s": args.duration_s,
         "rate_rps": args.rate_rps, "train_sps": args.train_sps, "time_scale": args.time_scale,
         "seed": args.seed, "finished_task_ttl_s": args.finished_task_ttl_s, "faults": faults,
         "num_task_ids": len(result.states),
-        "num_acked": found, "num_lost": len(result.lost), "lost_ids": result.lost[:20],
+        "num_acked": found, "num_lost": len(lost), "lost_ids": lost[:20],
+        "num_recorded_while_running": len(watcher.final),
         "num_ghosts": len(ghosts), "num_no_reason": len(result.no_reason),
         "by_state": result.by_state(),
         "mean_busy_fraction": round(statistics.fmean(samples.busy), 3) if samples.busy else None,
@@ -201,6 +221,7 @@ async def main_async(args: argparse.Namespace) -> int:
         "redis_at_end": redis_keys,
         "redis_mib": {"first": round(redis_mib[0], 1), "peak": round(max(redis_mib), 1),
                       "last": round(redis_mib[-1], 1)} if redis_mib else None,
+        "redis_mib_by_minute": by_minute,
     }
     print(json.dumps(out, indent=2))
     if args.json:
@@ -212,13 +233,13 @@ async def main_async(args: argparse.Namespace) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration-s", type=float, default=1200.0)
-    parser.add_argument("--rate-rps", type=float, default=4.0)
-    parser.add_argument("--train-sps", type=float, default=2.0)
+    parser.add_argument("--rate-rps", type=float, default=14.0)
+    parser.add_argument("--train-sps", type=float, default=7.0)
     parser.add_argument("--time-scale", type=float, default=1.0)
     parser.add_argument("--fault-every-s", type=float, default=60.0)
     parser.add_argument("--sample-s", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--finished-task-ttl-s", type=float, default=0.0,
+    parser.add_argument("--finished-task-ttl-s", type=float, default=300.0,
                         help="the scheduler's finished_task_ttl_s (0 = its default, 24 h)")
     parser.add_argument("--json", type=Path)
     return asyncio.run(main_async(parser.parse_args()))

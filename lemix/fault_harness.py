@@ -48,6 +48,7 @@ STATUS_PREFIXES = ("INVALID_ARGUMENT:", "RESOURCE_EXHAUSTED:", "UNAVAILABLE:", "
                    "DEADLINE_EXCEEDED:", "INTERNAL:", "FAILED_PRECONDITION:", "NOT_FOUND:")
 _TOKEN_ID = 100
 _RETRY_PAUSE_S = 0.2
+_WATCH_BATCH = 5000  # WatchTasks takes at most 10,000 ids a call
 
 
 @contextlib.asynccontextmanager
@@ -227,9 +228,15 @@ class Accounting:
 
 
 async def account(stub: gateway_pb2_grpc.GatewayStub, load: Load,
-                  timeout_s: float = 90.0) -> Accounting:
-    """Read every task id's final state and judge it."""
-    states = await final_states(stub, load.inference_ids | load.training_ids, timeout_s)
+                  timeout_s: float = 90.0,
+                  recorded: dict[str, gateway_pb2.TaskInfo] | None = None) -> Accounting:
+    """Read every task id's final state and judge it. `recorded`: final states
+    a watcher already took while the run went on (`FinalWatcher`); those ids
+    are not read again (their records may have expired since)."""
+    recorded = recorded or {}
+    unread = (load.inference_ids | load.training_ids) - recorded.keys()
+    states: dict[str, gateway_pb2.TaskInfo | None] = {
+        **recorded, **await final_states(stub, unread, timeout_s)}
     lost = sorted(i for i, info in states.items()
                   if info is not None and info.state not in FINAL_STATES)
     missing = sorted(i for i in load.training_ids if states[i] is None)
@@ -243,6 +250,47 @@ async def account(stub: gateway_pb2_grpc.GatewayStub, load: Load,
         if seen.is_completed and (states[i] is None
                                   or states[i].state != gateway_pb2.TASK_STATE_COMPLETED))  # type: ignore[union-attr]
     return Accounting(states, lost, missing, no_reason, inconsistent)
+
+
+@dataclass
+class FinalWatcher:
+    """Takes each task id's final state while a long run goes on (WatchTasks
+    over the ids not yet final, every `sweep_s`), so the stack may expire
+    finished records (a short `finished_task_ttl_s`, bounded Redis memory)
+    without the end-of-run accounting reading them as unknown. `sweep_s`
+    must be well under that TTL; `expired` lists ids the watcher saw known
+    and then not found, never final: lost."""
+
+    stub: gateway_pb2_grpc.GatewayStub
+    load: Load
+    sweep_s: float = 10.0
+    final: dict[str, gateway_pb2.TaskInfo] = field(default_factory=dict)
+    known: set[str] = field(default_factory=set)  # seen in a state other than UNKNOWN
+    expired: set[str] = field(default_factory=set)
+
+    async def run(self, until_s: float) -> None:
+        while time.monotonic() < until_s:
+            await self.sweep()
+            await asyncio.sleep(self.sweep_s)
+
+    async def sweep(self) -> None:
+        pending = sorted((self.load.inference_ids | self.load.training_ids) - self.final.keys())
+        for start in range(0, len(pending), _WATCH_BATCH):
+            batch = pending[start:start + _WATCH_BATCH]
+            request = gateway_pb2.WatchTasksRequest(task_ids=batch, timeout_s=1.0)
+            latest: dict[str, gateway_pb2.TaskInfo] = {}
+            try:
+                async for info in self.stub.WatchTasks(request, timeout=30):
+                    latest[info.task_id] = info
+            except grpc.aio.AioRpcError:
+                continue  # mid-fault; the next sweep takes these ids again
+            for task_id, info in latest.items():
+                if info.state in FINAL_STATES:
+                    self.final[task_id] = info
+                elif info.state != gateway_pb2.TASK_STATE_UNKNOWN:
+                    self.known.add(task_id)
+                elif task_id in self.known:
+                    self.expired.add(task_id)
 
 
 async def audit_clean(stub: gateway_pb2_grpc.GatewayStub) -> list[str]:
