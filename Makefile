@@ -22,6 +22,7 @@ test: $(STAMP)
 	$(PY) scripts/gen_protos.py --check
 	$(PY) -m ruff check lemix services gateway profiler tests benchmarks scripts
 	$(PY) -m mypy lemix services gateway profiler
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests
 
 # The suite without the fault-injection tests (tests/faults: real processes
@@ -42,6 +43,7 @@ proto-check: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check lemix services gateway profiler tests benchmarks scripts
 	$(PY) -m mypy lemix services gateway profiler
+	$(VENV)/bin/lint-imports
 
 # The main job: the live stack (embedded Redis, scheduler, 2 emulated executors,
 # gateway; real gRPC) replaying a short mixed workload, then LeMix vs the

@@ -5,7 +5,7 @@ optimizer step 0, memory kept) makes compute free, so a Generate of one token,
 timed at the client from send to its final message, measures only the plumbing:
 two gRPC hops in, the intake stream, the planner, Dispatch, the executor's
 Redis sink and the gateway's blocking XREAD back out. The stack runs as real
-processes (`lemix.launcher.Stack`) with embedded Redis; the client is a lean
+processes (`lemix.stack.launcher.Stack`) with embedded Redis; the client is a lean
 open-loop Poisson loop on one channel (no metrics objects per request).
 
 Each level also reads the tasks' state hashes back from Redis and splits E2E
@@ -41,13 +41,13 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from lemix.infra.rpc.client import channel
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.server import EmbeddedRedis
 from lemix.latency import DecodeCoeffs, QuadCoeffs
-from lemix.launcher import Stack, StackConfig
-from lemix.metrics import format_table
 from lemix.profile import Profile, default_profile_path, load_profile, save_profile
-from lemix.redis_keys import RedisKeys
-from lemix.redis_server import EmbeddedRedis
-from lemix.rpc.client import channel
+from lemix.report.metrics import format_table
+from lemix.stack.launcher import Stack, StackConfig
 
 TARGET_RATE = 200.0
 TARGET_P50_MS = 2.0

@@ -50,10 +50,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lemix.metrics import format_table  # noqa: E402
 from lemix.model.presets import ModelSpec, build_model  # noqa: E402
 from lemix.model.runner import GenRequest, InferenceRunner  # noqa: E402
 from lemix.model.staged import StagedModel  # noqa: E402
+from lemix.report.metrics import format_table  # noqa: E402
 
 NUM_STAGES = 2
 TARGET_BATCH1_RATIO = 0.8  # (A) ours / generate at batch 1

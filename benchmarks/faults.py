@@ -1,6 +1,6 @@
 """Reliability: the faults of issue 12's table, redone, every task judged by id.
 
-Each row starts a fresh supervised stack (`lemix.launcher.Stack`: real
+Each row starts a fresh supervised stack (`lemix.stack.launcher.Stack`: real
 processes, embedded redis-server with AOF, real gRPC; the shipped A100 profile
 at --time-scale, 2 emulated nodes) with the PRODUCTION detection defaults
 (5 s heartbeat TTL, 15 s stream leases, 10 s Redis-outage grace), runs a
@@ -31,8 +31,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from lemix.fault_harness import Load, account, audit_clean, fault_stack, wait_ready
-from lemix.launcher import Stack
+from lemix.harness.faults import Load, account, audit_clean, fault_stack, wait_ready
+from lemix.stack.launcher import Stack
 
 
 @dataclass

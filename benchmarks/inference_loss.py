@@ -1,6 +1,6 @@
 """Inference loss of co-located LeMix vs SEPARATE on a real model, over seeds.
 
-Each seed runs `lemix.torch_demo` live (torch executors, tiny Llama, CPU) for
+Each seed runs `lemix.cli.torch_demo` live (torch executors, tiny Llama, CPU) for
 both policies on the same workload: inference requests whose prompt and
 reference come from an eval split of HH-RLHF (query, reference) pairs and
 training samples from the rest. SEPARATE syncs weights every K = 100 training
@@ -22,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lemix.torch_demo import (  # noqa: E402
+from lemix.cli.torch_demo import (  # noqa: E402
     TorchDemoConfig,
     assign_texts,
     load_pairs,

@@ -34,13 +34,13 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from lemix.metrics import format_table
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.server import EmbeddedRedis
+from lemix.infra.store.store import Store
 from lemix.planner.recording import RecordingPlanner
 from lemix.planner.registry import build_planner
 from lemix.profile import Profile, default_profile_path, load_profile
-from lemix.redis_keys import RedisKeys
-from lemix.redis_server import EmbeddedRedis
-from lemix.store import Store
+from lemix.report.metrics import format_table
 from lemix.types import Placement, TaskPayload
 from lemix.workload import WorkloadConfig, build_workload
 from services.scheduler.adapters import RedisEventSink

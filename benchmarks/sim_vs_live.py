@@ -32,12 +32,13 @@ from typing import Any
 
 import numpy as np
 
-import lemix.replay
-from lemix.launcher import Stack, StackConfig
-from lemix.metrics import format_table
+import lemix.harness.replay
+from lemix.harness.replay import ReplayConfig, run_replay
 from lemix.profile import Profile, default_profile_path, load_profile
-from lemix.replay import ReplayConfig, run_replay
-from lemix.sim.run import SimRunConfig, Slo, SloConfig, compute_slo, run_simulation
+from lemix.report.metrics import format_table
+from lemix.sim.run import SimRunConfig, run_simulation
+from lemix.slo import Slo, SloConfig, compute_slo
+from lemix.stack.launcher import Stack, StackConfig
 from lemix.types import Task, TaskKind, TaskRecord, TaskStatus
 from lemix.workload import Workload, WorkloadConfig, build_workload
 
@@ -93,7 +94,7 @@ async def run_live(args: argparse.Namespace, tasks: list[Task], wl: Workload, sl
                    ) -> tuple[dict[str, Any], list[TaskRecord], TaskRecord, dict[str, float]]:
     """The live run; also replays ALONE first (a warm-up that isolates per-step overhead)."""
     captured: list[list[TaskRecord]] = []
-    summarize = lemix.replay.summarize
+    summarize = lemix.harness.replay.summarize
 
     def keep_records(records: list[TaskRecord], **kw: Any) -> dict[str, Any]:
         captured.append(list(records))  # run_replay returns only the summary; keep records
@@ -107,7 +108,7 @@ async def run_live(args: argparse.Namespace, tasks: list[Task], wl: Workload, sl
             log_dir=Path(tmp) / "logs",
             extra_env={"LEMIX_SLO_TTFT_S": repr(slo.ttft_s), "LEMIX_SLO_TBT_S": repr(slo.tbt_s),
                        "LEMIX_SEED": str(args.seed)})
-        lemix.replay.summarize = keep_records  # type: ignore[assignment]
+        lemix.harness.replay.summarize = keep_records  # type: ignore[assignment]
         try:
             async with Stack(config) as stack:
                 replay = ReplayConfig(target=stack.gateway_address, slo_ttft_s=slo.ttft_s,
@@ -129,7 +130,7 @@ async def run_live(args: argparse.Namespace, tasks: list[Task], wl: Workload, sl
                 if stack.failed_child():
                     print(f"warning: {stack.failed_child()} exited during the run")
         finally:
-            lemix.replay.summarize = summarize  # type: ignore[assignment]
+            lemix.harness.replay.summarize = summarize  # type: ignore[assignment]
     return metrics, captured[1], captured[0][0], cores
 
 

@@ -1,6 +1,6 @@
 """Soak: a long run at a steady load with a random fault every minute.
 
-A supervised stack (`lemix.launcher.Stack`, real processes, embedded Redis
+A supervised stack (`lemix.stack.launcher.Stack`, real processes, embedded Redis
 with AOF, 2 emulated nodes, the shipped A100 profile at --time-scale, the
 production detection defaults) takes Poisson inference and a steady training
 stream for --duration-s; every --fault-every-s one fault is drawn (seeded)
@@ -39,7 +39,7 @@ from typing import Any
 import grpc
 
 from lemix._proto.lemix.v1 import gateway_pb2
-from lemix.fault_harness import (
+from lemix.harness.faults import (
     FinalWatcher,
     Load,
     account,
@@ -47,8 +47,8 @@ from lemix.fault_harness import (
     fault_stack,
     wait_ready,
 )
-from lemix.launcher import Stack
-from lemix.redis_client import RedisClientConfig, connect
+from lemix.infra.store.client import RedisClientConfig, connect
+from lemix.stack.launcher import Stack
 
 FAULTS = ("executor-kill", "executor-stop", "scheduler-kill", "redis-kill", "gateway-kill")
 _STOP_S = 10.0

@@ -2,7 +2,7 @@
 OpenAI-compatible HTTP API, one request path behind both.
 
 - `gateway.config`           — `GatewayConfig` and the one env/flag mapping.
-- `gateway.tokenizer`        — the `Tokenizer` protocol and the emulation stand-in.
+- `lemix.tokenizer`        — the `Tokenizer` protocol and the emulation stand-in.
 - `gateway.validate`         — requests -> domain tasks, or `InvalidArgument`.
 - `gateway.convert`          — output-stream messages and Redis state -> responses.
 - `gateway.core`             — `GatewayCore`: admission, Submit, output streams, cancel.

@@ -46,10 +46,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.validate import DEFAULT_MAX_TRAIN_BATCH_SIZE, DEFAULT_MAX_TRAIN_SAMPLES
-from lemix import settings
-from lemix.redis_keys import DEFAULT_NAMESPACE, STREAM_LEASE_TTL_S, RedisKeys
-from lemix.rpc.auth import SERVICE_TOKEN_OPTION, check_service_token
-from lemix.settings import Option, boolean, port_or_off
+from lemix.infra import settings
+from lemix.infra.rpc.auth import SERVICE_TOKEN_OPTION, check_service_token
+from lemix.infra.settings import Option, boolean, port_or_off
+from lemix.infra.store.keys import DEFAULT_NAMESPACE, STREAM_LEASE_TTL_S, RedisKeys
 
 # The public port in DESIGN.md; `GatewayConfig()` itself defaults to 0 (a free
 # port), which is what tests and `lemix up` with many stacks want.
@@ -92,7 +92,7 @@ class GatewayConfig:
     stream_idle_timeout_s: float = 60.0
     # This gateway's lease on each stream it reads lives this long and is
     # renewed every third of it; if the gateway dies, the leases lapse and the
-    # scheduler cancels the orphaned tasks (`lemix.redis_keys.stream_lease`).
+    # scheduler cancels the orphaned tasks (`lemix.infra.store.keys.stream_lease`).
     stream_lease_ttl_s: float = STREAM_LEASE_TTL_S
     # Request counters are summed in memory and written to Redis this often (one
     # round trip), never once per request on the admission path.
@@ -102,11 +102,11 @@ class GatewayConfig:
     shutdown_grace_s: float = 5.0  # in-flight streams get this long to finish on stop
     log_level: str = "info"  # for `python -m gateway`'s logging
     log_format: str = "console"  # "console" or "json" (one object per line)
-    # Sent to the scheduler (lemix.rpc.auth); the gateway's own API is public.
+    # Sent to the scheduler (lemix.infra.rpc.auth); the gateway's own API is public.
     service_token: str = field(default="", repr=False)
     # TLS on the public gRPC and HTTP ports: a PEM certificate (chain) and its
     # key, both or neither; "" = plaintext. Read and checked at start
-    # (`lemix.rpc.tls`). The metrics port stays plain HTTP: Prometheus scrapes
+    # (`lemix.infra.rpc.tls`). The metrics port stays plain HTTP: Prometheus scrapes
     # it inside the deployment's network (compose/k8s never publish it), it
     # carries no request data, and scrapers then need no CA.
     tls_cert_file: str = ""
@@ -251,6 +251,6 @@ def build_parser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
 def from_env_and_args(
     argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 ) -> GatewayConfig:
-    """Build the config from `argv` and `env` (see lemix.settings)."""
+    """Build the config from `argv` and `env` (see lemix.infra.settings)."""
     return settings.parse_settings(GatewayConfig, build_parser(), _OPTIONS, argv, env,
                                    _CLI_DEFAULTS)

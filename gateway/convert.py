@@ -14,8 +14,17 @@ from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 
-from gateway.tokenizer import Tokenizer, emulated_token_id
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
+from lemix.infra.rpc import convert
+from lemix.infra.store.store import (
+    IS_FINAL_FIELD,
+    REASON_FIELD,
+    STATUS_FIELD,
+    get_bool,
+    get_float,
+    get_int,
+    get_optional_float,
+)
 from lemix.model.tokenizer import detokenize_new
 from lemix.outputs import (
     FINISH_LENGTH,
@@ -25,16 +34,7 @@ from lemix.outputs import (
     TOKEN_IDS_FIELD,
     parse_token_ids,
 )
-from lemix.rpc import convert
-from lemix.store import (
-    IS_FINAL_FIELD,
-    REASON_FIELD,
-    STATUS_FIELD,
-    get_bool,
-    get_float,
-    get_int,
-    get_optional_float,
-)
+from lemix.tokenizer import Tokenizer, emulated_token_id
 from lemix.types import NodeSnapshot, TaskStatus
 
 # Output-stream message fields (PROTOCOL.md, "Flow of one inference request").

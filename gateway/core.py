@@ -19,7 +19,7 @@ in every case. A transient Redis error while reading does not end the stream:
 the read resumes from the last entry seen, with backoff, within the idle
 timeout.
 
-Errors are domain errors (`lemix.rpc.errors`), plus `TaskEnded` for a task that
+Errors are domain errors (`lemix.infra.rpc.errors`), plus `TaskEnded` for a task that
 ended failed or rejected; each protocol maps them to its own status codes.
 """
 
@@ -43,19 +43,19 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.config import GatewayConfig
 from gateway.convert import OutputStream, TaskEnded, node_state_from_fields, stats_to_proto
-from gateway.tokenizer import Tokenizer
 from gateway.upkeep import BatchedCounters, StreamLeases, Upkeep
 from gateway.validate import ANONYMOUS_SCOPE, validate_generate, validate_train
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, scheduler_pb2, scheduler_pb2_grpc
-from lemix.rpc import convert as rpc_convert
-from lemix.rpc.errors import (
+from lemix.infra.rpc import convert as rpc_convert
+from lemix.infra.rpc.errors import (
     InvalidArgument,
     ResourceExhausted,
     ServiceError,
     Unavailable,
     error_from_rpc,
 )
-from lemix.store import Store, TaskIdConflict
+from lemix.infra.store.store import Store, TaskIdConflict
+from lemix.tokenizer import Tokenizer
 from lemix.types import Task, TaskPayload
 
 log = structlog.get_logger(__name__)

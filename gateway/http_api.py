@@ -8,7 +8,7 @@ Routes (README "API" shows them in use):
   ``data: [DONE]``; ``stream_options.include_usage`` adds a usage chunk).
 - ``GET /v1/models`` (and ``/v1/models/{model}``): the served model.
 - ``POST /v1/lemix/train``: training samples -> task ids (LeMix's extension).
-- ``GET /v1/lemix/tasks/{id}``: one task's state (`lemix.task_states`), as
+- ``GET /v1/lemix/tasks/{id}``: one task's state (`lemix.infra.task_states`), as
   gRPC's GetTask: 404 for an unknown id, 400 for a malformed one.
 - ``GET /health``: 200 while serving with a live executor, else 503.
 - ``GET /metrics``: Prometheus' default registry (unless
@@ -67,9 +67,9 @@ from gateway.openai_responses import (
 from gateway.tasks import TaskReader
 from gateway.validate import scope_from_headers
 from lemix._proto.lemix.v1 import gateway_pb2
-from lemix.rpc.errors import ServiceError
-from lemix.rpc.server import MAX_MESSAGE_BYTES
-from lemix.task_states import task_info_to_dict
+from lemix.infra.rpc.errors import ServiceError
+from lemix.infra.rpc.server import MAX_MESSAGE_BYTES
+from lemix.infra.task_states import task_info_to_dict
 
 log = structlog.get_logger(__name__)
 
@@ -335,7 +335,7 @@ class HttpApi:
 async def start_http(app: web.Application, host: str, port: int, *, shutdown_timeout_s: float,
                      ssl_context: ssl.SSLContext | None = None) -> tuple[web.AppRunner, int]:
     """Serve `app` on host:port (0 = a free port); the runner and the bound port.
-    `ssl_context` (`lemix.rpc.tls.ServerTls.ssl_context`) serves HTTPS only;
+    `ssl_context` (`lemix.infra.rpc.tls.ServerTls.ssl_context`) serves HTTPS only;
     None, plain HTTP. Raises OSError when the address cannot be bound."""
     # handler_cancellation: a client that disconnects cancels its handler (and
     # so its task); aiohttp's default since 3.9 is to let the handler run on.

@@ -1,4 +1,4 @@
-"""The gateway's Prometheus instrumentation (`lemix.telemetry`), kept out of
+"""The gateway's Prometheus instrumentation (`lemix.infra.telemetry`), kept out of
 the handlers and shared by both protocols: `GenerateObservation` and
 `observe_training` count a request whichever API it came in by (the gRPC
 servicer through `@observe_generate` / `@observe_train`, the HTTP API
@@ -28,10 +28,10 @@ import structlog
 from redis.exceptions import RedisError
 
 from gateway.convert import TaskEnded
-from lemix import telemetry
 from lemix._proto.lemix.v1 import gateway_pb2
-from lemix.rpc.errors import status_code_for
-from lemix.store import Store
+from lemix.infra import telemetry
+from lemix.infra.rpc.errors import status_code_for
+from lemix.infra.store.store import Store
 
 log = structlog.get_logger(__name__)
 
@@ -68,7 +68,7 @@ class SloCache:
 
 def code_of(exc: BaseException) -> str:
     """The status name of a request `exc` ended: CANCELLED when its caller went
-    away, a failed task's code, else what `lemix.rpc.errors` maps `exc` to."""
+    away, a failed task's code, else what `lemix.infra.rpc.errors` maps `exc` to."""
     if isinstance(exc, asyncio.CancelledError | GeneratorExit):
         return "CANCELLED"
     if isinstance(exc, TaskEnded):

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
-from lemix.rpc.errors import InvalidArgument, NotFound
+from lemix.infra.rpc.errors import InvalidArgument, NotFound
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; we use it for chat too
 CHAT_ROLES = ("system", "developer", "user", "assistant")

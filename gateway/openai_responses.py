@@ -20,10 +20,10 @@ import grpc
 import structlog
 
 from gateway.convert import TaskEnded
-from gateway.tokenizer import Tokenizer
 from lemix._proto.lemix.v1 import gateway_pb2
+from lemix.infra.rpc.errors import ServiceError
 from lemix.model.tokenizer import detokenize_new
-from lemix.rpc.errors import ServiceError
+from lemix.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 

@@ -30,15 +30,15 @@ from gateway.core import GatewayCore
 from gateway.http_api import HttpApi, start_http
 from gateway.observe import SloCache
 from gateway.servicer import GatewayServicer
-from gateway.tokenizer import Tokenizer, load_tokenizer
 from lemix._proto.lemix.v1 import gateway_pb2_grpc, scheduler_pb2_grpc
-from lemix.redis_client import RedisClientConfig, connect
-from lemix.redis_keys import RedisKeys
-from lemix.rpc import GATEWAY_SERVICE
-from lemix.rpc.client import channel
-from lemix.rpc.server import start_server, stop_server
-from lemix.rpc.tls import ServerTls, load_server_tls
-from lemix.store import Store
+from lemix.infra.rpc import GATEWAY_SERVICE
+from lemix.infra.rpc.client import channel
+from lemix.infra.rpc.server import start_server, stop_server
+from lemix.infra.rpc.tls import ServerTls, load_server_tls
+from lemix.infra.store.client import RedisClientConfig, connect
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.store import Store
+from lemix.tokenizer import ApproxTokenizer, Tokenizer
 
 log = structlog.get_logger(__name__)
 
@@ -59,6 +59,17 @@ def _host_port(host: str, port: int) -> str:
         host = f"[{host}]"
     return f"{host}:{port}"
 
+
+
+def load_tokenizer(name: str) -> Tokenizer:
+    """The tokenizer a config names: "approx" (the emulated stand-in),
+    "bpe:<vocab_size>", a tokenizer.json file or a model directory
+    (`lemix.model.tokenizer.load_tokenizer`). Raises ValueError otherwise."""
+    if name == "approx":
+        return ApproxTokenizer()  # without importing the tokenizers library
+    from lemix.model.tokenizer import load_tokenizer as load_real_tokenizer
+
+    return load_real_tokenizer(name)
 
 class GatewayService:
     """The gateway process's parts: gRPC server (Gateway + health + reflection),
@@ -119,7 +130,7 @@ class GatewayService:
 
     @property
     def other_addresses(self) -> dict[str, str]:
-        """Listeners besides `address`, for the SERVING line (lemix.service_main);
+        """Listeners besides `address`, for the SERVING line (lemix.infra.service_main);
         with TLS, also `tls=tls|mtls` (both ports then speak only TLS)."""
         others = {"http": self.http_address}
         if self.config.is_tls_enabled:

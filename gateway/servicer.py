@@ -2,7 +2,7 @@
 every request goes to `gateway.core.GatewayCore` (validation, admission,
 Submit, the Redis output stream, cancellation), which the OpenAI-compatible
 HTTP API (`gateway.http_api`) shares. Domain errors become status codes in
-`lemix.rpc.errors` via `@handle_errors`; a task's failure arrives as
+`lemix.infra.rpc.errors` via `@handle_errors`; a task's failure arrives as
 `TaskEnded`, whose code `gateway.convert.status_for_reason` chose. Task
 lookups (GetTask, WatchTasks, AuditTasks) go to `gateway.tasks.TaskReader`.
 """
@@ -19,9 +19,9 @@ from gateway.core import GatewayCore
 from gateway.observe import SloCache, observe_generate, observe_train
 from gateway.tasks import TaskReader
 from gateway.validate import scope_from_headers
-from lemix import telemetry
 from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc
-from lemix.rpc.errors import handle_errors
+from lemix.infra import telemetry
+from lemix.infra.rpc.errors import handle_errors
 
 # A context with less than this left has passed its deadline.
 _DEADLINE_SLACK_S = 0.01

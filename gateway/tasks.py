@@ -43,9 +43,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
-from lemix.rpc.errors import InvalidArgument, NotFound, Unavailable
-from lemix.store import Fields, Store, StoredTask, get_optional_float, get_optional_int
-from lemix.task_states import FINAL_STATES
+from lemix.infra.rpc.errors import InvalidArgument, NotFound, Unavailable
+from lemix.infra.store.store import Fields, Store, StoredTask, get_optional_float, get_optional_int
+from lemix.infra.task_states import FINAL_STATES
 
 T = TypeVar("T")
 

@@ -27,7 +27,7 @@ from collections import Counter
 import structlog
 from redis.exceptions import RedisError
 
-from lemix.store import Store
+from lemix.infra.store.store import Store
 
 log = structlog.get_logger(__name__)
 

@@ -1,6 +1,6 @@
 """Pure validation of the public requests: protobuf in, domain tasks out.
 
-Every check raises `lemix.rpc.errors.InvalidArgument` with a message that says
+Every check raises `lemix.infra.rpc.errors.InvalidArgument` with a message that says
 what to change; the servicer's `@handle_errors` turns it into
 INVALID_ARGUMENT. No I/O here: the tokenizer and the limits are arguments.
 
@@ -10,7 +10,7 @@ all carry a `sample_id` get an id derived from them, so resubmitting the same
 batch is idempotent too.
 
 proto3 cannot tell unset from zero: `max_tokens` 0 is an error, `batch_size`
-0 means 1 and `sampling.top_p` 0 means off (1.0), as in `lemix.rpc.convert`.
+0 means 1 and `sampling.top_p` 0 means off (1.0), as in `lemix.infra.rpc.convert`.
 
 Degenerate sampling values are refused here, not in the middle of a batch:
 `temperature` is 0 (greedy) or in [`MIN_TEMPERATURE`, `MAX_TEMPERATURE`]
@@ -33,9 +33,9 @@ import math
 import uuid
 from collections.abc import Mapping, Sequence
 
-from gateway.tokenizer import Tokenizer, encode_prompt
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
-from lemix.rpc.errors import InvalidArgument
+from lemix.infra.rpc.errors import InvalidArgument
+from lemix.tokenizer import Tokenizer, encode_prompt
 from lemix.types import Task, TaskKind, TaskPayload
 
 INFERENCE_ID_PREFIX = "inf-"

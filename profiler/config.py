@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lemix import settings
+from lemix.infra import settings
+from lemix.infra.rpc.auth import SERVICE_TOKEN_OPTION, check_service_token
+from lemix.infra.settings import Option, port_or_off
+from lemix.infra.store.keys import DEFAULT_NAMESPACE, RedisKeys
 from lemix.profile import default_profile_path
-from lemix.redis_keys import DEFAULT_NAMESPACE, RedisKeys
-from lemix.rpc.auth import SERVICE_TOKEN_OPTION, check_service_token
-from lemix.settings import Option, port_or_off
 from profiler.fit import FitConfig
 from profiler.runner import DEFAULT_MEASURE_DEADLINE_S
 
@@ -65,7 +65,7 @@ class ProfilerConfig:
     shutdown_grace_s: float = 5.0  # in-flight RunProfile calls get this long on stop
     log_level: str = "info"
     log_format: str = "console"
-    # Required on RunProfile, sent to executors (lemix.rpc.auth); "" = none.
+    # Required on RunProfile, sent to executors (lemix.infra.rpc.auth); "" = none.
     service_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
@@ -144,6 +144,6 @@ def build_parser(prog: str = "python -m profiler") -> argparse.ArgumentParser:
 def from_env_and_args(
     argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 ) -> ProfilerConfig:
-    """Build the config from `argv` and `env` (see lemix.settings)."""
+    """Build the config from `argv` and `env` (see lemix.infra.settings)."""
     return settings.parse_settings(ProfilerConfig, build_parser(), _OPTIONS, argv, env,
                                    _CLI_DEFAULTS)

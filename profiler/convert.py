@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass
 
 from lemix._proto.lemix.v1 import profiler_pb2
-from lemix.redis_keys import RedisKeys
-from lemix.rpc.errors import InvalidArgument
+from lemix.infra.rpc.errors import InvalidArgument
+from lemix.infra.store.keys import RedisKeys
 from profiler.runner import (
     DEFAULT_BATCH_SIZES,
     DEFAULT_NUM_REPEATS,

@@ -12,9 +12,9 @@ import asyncio
 import structlog
 from redis.exceptions import RedisError
 
+from lemix.infra.rpc.errors import Unavailable
+from lemix.infra.store.store import Store
 from lemix.profile import Profile
-from lemix.rpc.errors import Unavailable
-from lemix.store import Store
 from profiler.convert import ProfileJob, profile_json
 from profiler.fit import FitConfig
 from profiler.runner import ProfileRun, run_profile

@@ -9,7 +9,7 @@ point's latency is their median (robust to a stray slow run). Calls go one at
 a time, never concurrently: on a real GPU two measurements at once would time
 each other. Every call carries a deadline.
 
-Errors are the domain errors of `lemix.rpc.errors`: `InvalidArgument` for a
+Errors are the domain errors of `lemix.infra.rpc.errors`: `InvalidArgument` for a
 bad grid (or one the executor refuses), `Unavailable` when the executor cannot
 be reached, fails a call, or answers with no usable samples.
 """
@@ -25,10 +25,10 @@ from typing import Any, TypeVar
 import grpc.aio
 
 from lemix._proto.lemix.v1 import executor_pb2, executor_pb2_grpc
+from lemix.infra.rpc.client import DEFAULT_DEADLINE_S, channel
+from lemix.infra.rpc.errors import InvalidArgument, ServiceError, Unavailable, error_from_rpc
 from lemix.latency import DecodePoint, PhasePoint
 from lemix.profile import Profile
-from lemix.rpc.client import DEFAULT_DEADLINE_S, channel
-from lemix.rpc.errors import InvalidArgument, ServiceError, Unavailable, error_from_rpc
 from profiler.fit import FitConfig, MemoryPoint, StageMeasurements, fit_profile
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)

@@ -17,12 +17,12 @@ import structlog
 from grpc_health.v1 import health
 
 from lemix._proto.lemix.v1 import profiler_pb2_grpc
+from lemix.infra.rpc import PROFILER_SERVICE
+from lemix.infra.rpc.server import start_server, stop_server
+from lemix.infra.store.client import RedisClientConfig, connect
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.store import Store
 from lemix.profile import Profile, load_profile
-from lemix.redis_client import RedisClientConfig, connect
-from lemix.redis_keys import RedisKeys
-from lemix.rpc import PROFILER_SERVICE
-from lemix.rpc.server import start_server, stop_server
-from lemix.store import Store
 from profiler.config import ProfilerConfig
 from profiler.core import ProfilerCore
 from profiler.servicer import ProfilerServicer

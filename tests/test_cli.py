@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from lemix.cli import build_parser, configs_from_args, main
-from lemix.compare import run_sweep
+from lemix.cli.main import build_parser, configs_from_args, main
 from lemix.planner.registry import POLICIES
+from lemix.report.compare import run_sweep
 
 # DESIGN.md "Metrics JSON", spelled out so a silent rename fails here.
 DESIGN_KEYS = [
@@ -136,7 +136,7 @@ def test_compare_on_identical_workloads(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_up_maps_the_redis_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from lemix.cli_services import stack_config
+    from lemix.cli.services import stack_config
 
     monkeypatch.delenv("LEMIX_REDIS_URL", raising=False)
     monkeypatch.delenv("LEMIX_REDIS_PASSWORD", raising=False)

@@ -1,4 +1,4 @@
-"""deploy/grafana/lemix-dashboard.json only queries metrics lemix.telemetry defines."""
+"""deploy/grafana/lemix-dashboard.json only queries metrics lemix.infra.telemetry defines."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from lemix import telemetry
+from lemix.infra import telemetry
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "lemix-dashboard.json"
 _METRIC = re.compile(r"\blemix_[a-z0-9_]+")

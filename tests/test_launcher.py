@@ -1,4 +1,4 @@
-"""lemix.launcher under faults: real service processes, a real embedded Redis
+"""lemix.stack.launcher under faults: real service processes, a real embedded Redis
 (AOF, password), real gRPC. A SIGKILLed child comes back on the same address
 and the stack keeps serving; a crash loop fails the stack with a clear message."""
 
@@ -15,11 +15,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc
-from lemix.launcher import Stack, StackConfig
-from lemix.redis_client import RedisClientConfig, connect
-from lemix.rpc.client import channel
-from lemix.stack_process import pick_free_ports
-from lemix.supervisor import RestartPolicy
+from lemix.infra.rpc.client import channel
+from lemix.infra.store.client import RedisClientConfig, connect
+from lemix.stack.launcher import Stack, StackConfig
+from lemix.stack.process import pick_free_ports
+from lemix.stack.supervisor import RestartPolicy
 
 TIME_SCALE = 0.05
 GENERATE_DEADLINE_S = 60.0

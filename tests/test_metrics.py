@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from lemix.metrics import (
+from lemix.report.metrics import (
     EXTRA_KEYS,
     METRIC_KEYS,
     format_table,

@@ -1,4 +1,4 @@
-"""lemix.redis_server: a real redis-server child process, started, stopped and restarted
+"""lemix.infra.store.server: a real redis-server child process, started, stopped and restarted
 cleanly, with AOF durability across a SIGKILL and a password."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from lemix.redis_server import (
+from lemix.infra.store.server import (
     EmbeddedRedis,
     RedisServerError,
     check_password,
@@ -135,7 +135,7 @@ def test_forgotten_server_is_terminated_when_collected() -> None:
 
 def test_server_does_not_outlive_an_interpreter_that_forgot_to_stop_it() -> None:
     code = (
-        "from lemix.redis_server import EmbeddedRedis\n"
+        "from lemix.infra.store.server import EmbeddedRedis\n"
         "server = EmbeddedRedis().start()\n"
         "print(server.pid, flush=True)\n"
         "import sys; sys.modules['__main__'].keep = server\n"  # alive until exit

@@ -19,10 +19,10 @@ import redis.asyncio as aioredis
 from task_stack import TaskStack, start_stack
 
 from gateway.tasks import INFO_FIELDS
-from lemix.redis_keys import RedisKeys
-from lemix.redis_server import EmbeddedRedis
-from lemix.replay import ReplayConfig, format_lost, run_replay
-from lemix.store import Fields, Store
+from lemix.harness.replay import ReplayConfig, format_lost, run_replay
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.server import EmbeddedRedis
+from lemix.infra.store.store import Fields, Store
 from lemix.types import Task, TaskKind, TaskRecord, TaskStatus
 from lemix.workload import WorkloadConfig, build_workload
 

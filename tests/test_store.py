@@ -1,4 +1,4 @@
-"""lemix.store against a real Redis (the session's `redis_server`, flushed per test)."""
+"""lemix.infra.store.store against a real Redis (the session's `redis_server`, flushed per test)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from lemix.redis_keys import RedisKeys
-from lemix.store import (
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.store import (
     IS_FINAL_FIELD,
     Store,
     TaskIdConflict,

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from lemix.redis_keys import RedisKeys
-from lemix.store import ATTEMPT_FIELD, FencedProgress, FinishOutcome, Store
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.store import ATTEMPT_FIELD, FencedProgress, FinishOutcome, Store
 
 
 @pytest.fixture

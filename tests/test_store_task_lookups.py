@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from lemix.redis_keys import RedisKeys
-from lemix.store import Store, StoredTask
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.store import Store, StoredTask
 
 
 async def _scan_all(store: Store, count: int = 2) -> dict[str, dict[str, str]]:

@@ -1,4 +1,4 @@
-"""lemix.supervisor: the backoff and give-up bookkeeping (pure, explicit times),
+"""lemix.stack.supervisor: the backoff and give-up bookkeeping (pure, explicit times),
 and `supervise` driving a stand-in child (real processes: tests/test_launcher.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lemix.supervisor import CrashHistory, RestartPolicy, describe_exit, supervise
+from lemix.stack.supervisor import CrashHistory, RestartPolicy, describe_exit, supervise
 
 POLICY = RestartPolicy(initial_backoff_s=0.5, max_backoff_s=4.0, reset_after_s=30.0,
                        max_crashes=5, crash_window_s=60.0)

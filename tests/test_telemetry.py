@@ -1,4 +1,4 @@
-"""lemix.telemetry's recording rules and lemix.metrics_http's endpoint."""
+"""lemix.infra.telemetry's recording rules and lemix.infra.metrics_http's endpoint."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from lemix import telemetry
-from lemix.metrics_http import MetricsServer
+from lemix.infra import telemetry
+from lemix.infra.metrics_http import MetricsServer
 
 
 def _value(name: str, **labels: str) -> float:

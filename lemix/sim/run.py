@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,45 +10,13 @@ from typing import Any
 from lemix.batching import BatchingConfig
 from lemix.engine import EngineConfig, NodeEngine
 from lemix.memory import MemoryConfig
+from lemix.noise import NoisyLatency
 from lemix.planner.base import PlannerConfig
 from lemix.planner.registry import build_planner, get_spec
 from lemix.profile import Profile
-from lemix.sim.simulator import NoisyLatency, SimResult, Simulator
-from lemix.types import Task, TaskKind
-
-
-@dataclass(frozen=True)
-class SloConfig:
-    """One SLO for every policy in a comparison, computed the same way."""
-
-    multiplier: float = 5.0  # × the standalone (unloaded) latency
-
-    def __post_init__(self) -> None:
-        if self.multiplier <= 0:
-            raise ValueError("SLO multiplier must be > 0")
-
-
-@dataclass(frozen=True)
-class Slo:
-    ttft_s: float
-    tbt_s: float
-
-
-def compute_slo(profile: Profile, tasks: Sequence[Task], config: SloConfig) -> Slo:
-    """TTFT SLO = k × unloaded prefill of the median prompt; TBT SLO = k × unloaded
-    decode step at the median mid-decode context. Depends on the workload and the
-    profile only, never on the policy."""
-    inference = [t for t in tasks if t.kind is TaskKind.INFERENCE]
-    if inference:
-        prompt = int(statistics.median(t.num_prompt_tokens for t in inference))
-        context = int(statistics.median(t.num_prompt_tokens + t.max_output_tokens // 2
-                                        for t in inference))
-    else:
-        prompt, context = 512, 512
-    return Slo(
-        ttft_s=config.multiplier * profile.standalone_prefill_s(prompt),
-        tbt_s=config.multiplier * profile.standalone_decode_step_s(context),
-    )
+from lemix.sim.simulator import SimResult, Simulator
+from lemix.slo import Slo, SloConfig, compute_slo
+from lemix.types import Task
 
 
 @dataclass(frozen=True)
@@ -118,7 +85,7 @@ def run_simulation(config: SimRunConfig, profile: Profile, tasks: Sequence[Task]
                    request_rate: float, duration_s: float,
                    slo: Slo | None = None) -> tuple[dict[str, Any], SimResult]:
     """Run one simulation; return (metrics JSON object, raw result)."""
-    from lemix.metrics import summarize
+    from lemix.report.metrics import summarize
 
     slo = slo or compute_slo(profile, tasks, config.slo)
     sim = build_simulator(config, profile, tasks, slo)

@@ -10,8 +10,6 @@ with that reason and counted, never silently dropped.
 from __future__ import annotations
 
 import heapq
-import math
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,7 +24,6 @@ from lemix.engine import (
     Requeued,
     StageStart,
 )
-from lemix.latency import LatencyModel
 from lemix.planner.planner import Planner
 from lemix.profile import Profile
 from lemix.sim.events import (
@@ -47,35 +44,6 @@ from lemix.types import (
     TaskStatus,
     WeightSync,
 )
-
-
-@dataclass(frozen=True)
-class NoisyLatency:
-    """Ground truth = model × lognormal(σ) noise with mean 1, from a seeded RNG."""
-
-    base: LatencyModel
-    cv: float
-    rng: random.Random
-    name: str = "noisy"
-
-    @property
-    def num_stages(self) -> int:
-        return self.base.num_stages
-
-    def _factor(self) -> float:
-        if self.cv <= 0:
-            return 1.0
-        sigma = math.sqrt(math.log1p(self.cv * self.cv))
-        return self.rng.lognormvariate(-0.5 * sigma * sigma, sigma)
-
-    def forward_s(self, stage: int, batch_size: int, num_tokens: int) -> float:
-        return self.base.forward_s(stage, batch_size, num_tokens) * self._factor()
-
-    def backward_s(self, stage: int, batch_size: int, num_tokens: int) -> float:
-        return self.base.backward_s(stage, batch_size, num_tokens) * self._factor()
-
-    def decode_step_s(self, stage: int, batch_size: int, sum_context_tokens: int) -> float:
-        return self.base.decode_step_s(stage, batch_size, sum_context_tokens) * self._factor()
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from lemix.service_main import run_service
+from lemix.infra.service_main import run_service
 from services.executor.config import ExecutorConfig
 from services.executor.service import ExecutorService
 

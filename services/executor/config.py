@@ -2,7 +2,7 @@
 maps ``LEMIX_*`` environment variables and command-line flags onto it.
 
 Precedence: a flag given on the command line, else its environment variable,
-else the default (lemix.settings is the mechanism). Nothing is read at import
+else the default (lemix.infra.settings is the mechanism). Nothing is read at import
 time; `from_env_and_args` reads `os.environ` when called (or the mapping it is
 given, for tests). `scripts/config_table.py` prints the README table from
 `_OPTIONS`.
@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lemix import settings
 from lemix.batching import BatchingConfig
 from lemix.engine import EngineConfig
+from lemix.infra import settings
+from lemix.infra.rpc.auth import SERVICE_TOKEN_OPTION, check_service_token
+from lemix.infra.settings import Option, boolean, port_or_off
+from lemix.infra.store.keys import DEFAULT_NAMESPACE, RedisKeys
 from lemix.memory import MemoryConfig
-from lemix.redis_keys import DEFAULT_NAMESPACE, RedisKeys
-from lemix.rpc.auth import SERVICE_TOKEN_OPTION, check_service_token
-from lemix.settings import Option, boolean, port_or_off
 
 if TYPE_CHECKING:
     from services.executor.torch_setup import TorchBackendConfig
@@ -67,7 +67,7 @@ class ExecutorConfig:
     # SyncWeights reads and writes only under this directory (the scheduler's
     # weight_sync_dir, the same LEMIX_WEIGHT_SYNC_DIR): any other location is refused.
     weight_sync_dir: str = "/tmp/lemix-weights"
-    # Calls but health checks must carry it (lemix.rpc.auth); "" = unauthenticated.
+    # Calls but health checks must carry it (lemix.infra.rpc.auth); "" = unauthenticated.
     service_token: str = field(default="", repr=False)
     log_format: str = "console"
     log_level: str = "info"
@@ -165,7 +165,7 @@ class ExecutorConfig:
         cls, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     ) -> ExecutorConfig:
         """Build the config from `env` (default `os.environ`) and `argv` (default
-        `sys.argv[1:]`), through lemix.settings. Bad flags exit via argparse
+        `sys.argv[1:]`), through lemix.infra.settings. Bad flags exit via argparse
         (status 2); a bad environment value or an out-of-range setting raises
         `ValueError`."""
         return settings.parse_settings(cls, build_parser(), _OPTIONS, argv, env, _CLI_DEFAULTS)

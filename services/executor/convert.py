@@ -1,8 +1,8 @@
 """Protobuf <-> domain for the executor-only messages (Dispatch, Measure, SyncWeights).
 
-Tasks and node states convert in `lemix.rpc.convert`, shared by every service;
+Tasks and node states convert in `lemix.infra.rpc.convert`, shared by every service;
 this module adds what only the executor speaks. Bad values raise
-`InvalidArgument`. As in `lemix.rpc.convert`, a proto3 zero that can only mean
+`InvalidArgument`. As in `lemix.infra.rpc.convert`, a proto3 zero that can only mean
 "unset" reads as the default: `batch_size` 0 -> 1, `num_repeats` 0 -> 1.
 """
 
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from lemix._proto.lemix.v1 import executor_pb2
-from lemix.rpc.convert import task_from_proto
-from lemix.rpc.errors import InvalidArgument
+from lemix.infra.rpc.convert import task_from_proto
+from lemix.infra.rpc.errors import InvalidArgument
 from lemix.types import Task, TaskPayload
 
 MAX_MEASURE_REPEATS = 10_000  # one Measure call; the profiler loops for more

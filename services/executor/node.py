@@ -31,7 +31,6 @@ from collections.abc import Iterable
 
 import structlog
 
-from lemix import telemetry
 from lemix.engine import (
     BlockingDone,
     Failed,
@@ -42,9 +41,10 @@ from lemix.engine import (
     Requeued,
     TokensEmitted,
 )
+from lemix.infra import telemetry
+from lemix.infra.rpc.errors import InvalidArgument, ResourceExhausted, Unavailable
 from lemix.memory import activation_bytes, kv_bytes
 from lemix.profile import Profile
-from lemix.rpc.errors import InvalidArgument, ResourceExhausted, Unavailable
 from lemix.types import NodeSnapshot, Task, TaskPayload
 from services.executor.convert import (
     MeasurePhase,
@@ -92,7 +92,7 @@ class BusyMeter:
 
 class _ObservedSink:
     """Passes batches to the real sink, tells the node what ended and counts
-    it in `lemix.telemetry` (once per batch written: a failed write is retried
+    it in `lemix.infra.telemetry` (once per batch written: a failed write is retried
     by the driver and counted when it succeeds)."""
 
     def __init__(self, node: ExecutorNode, inner: OutcomeSink) -> None:

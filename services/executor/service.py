@@ -25,16 +25,16 @@ import redis.asyncio as aioredis
 import structlog
 from grpc_health.v1 import health
 
-from lemix import telemetry
 from lemix._proto.lemix.v1 import executor_pb2_grpc
 from lemix.engine import NodeEngine
+from lemix.infra import telemetry
+from lemix.infra.rpc import EXECUTOR_SERVICE
+from lemix.infra.rpc.server import start_server, stop_server
+from lemix.infra.store.client import RedisClientConfig, connect
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.store import FieldValue, Store
+from lemix.noise import NoisyLatency
 from lemix.profile import Profile, default_profile_path, load_profile
-from lemix.redis_client import RedisClientConfig, connect
-from lemix.redis_keys import RedisKeys
-from lemix.rpc import EXECUTOR_SERVICE
-from lemix.rpc.server import start_server, stop_server
-from lemix.sim.simulator import NoisyLatency
-from lemix.store import FieldValue, Store
 from services.executor.config import ExecutorConfig
 from services.executor.driver import EmulatedBackend, ModelBackend, StageBackend
 from services.executor.node import ExecutorNode

@@ -1,7 +1,7 @@
 """The executor's gRPC servicer: validate -> convert -> delegate to `ExecutorNode`.
 
 No logic lives here. Domain errors (`InvalidArgument`, `ResourceExhausted`,
-`Unavailable`) become status codes in `lemix.rpc.errors.handle_errors`, the
+`Unavailable`) become status codes in `lemix.infra.rpc.errors.handle_errors`, the
 one place that maps them. SyncWeights' location is checked here, before the
 node sees it: it must lie under the weight-sync directory.
 """
@@ -15,8 +15,8 @@ import grpc.aio
 import structlog
 
 from lemix._proto.lemix.v1 import common_pb2, executor_pb2, executor_pb2_grpc
-from lemix.rpc.convert import node_state_to_proto
-from lemix.rpc.errors import InvalidArgument, handle_errors
+from lemix.infra.rpc.convert import node_state_to_proto
+from lemix.infra.rpc.errors import InvalidArgument, handle_errors
 from services.executor.convert import (
     dispatch_from_proto,
     measure_from_proto,

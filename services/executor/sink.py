@@ -31,7 +31,6 @@ from typing import Protocol, runtime_checkable
 
 import structlog
 
-from lemix import telemetry
 from lemix.engine import (
     BlockingDone,
     Failed,
@@ -41,8 +40,9 @@ from lemix.engine import (
     Requeued,
     TokensEmitted,
 )
+from lemix.infra import telemetry
+from lemix.infra.store.store import ATTEMPT_FIELD, FieldValue, FinishOutcome, Store
 from lemix.outputs import TOKEN_IDS_FIELD, format_token_ids
-from lemix.store import ATTEMPT_FIELD, FieldValue, FinishOutcome, Store
 from services.executor.driver import ModelBackend
 
 log = structlog.get_logger(__name__)

@@ -30,12 +30,12 @@ import structlog
 import torch
 
 from lemix.engine import NodeEngine, StageStart
+from lemix.infra.rpc.errors import InvalidArgument
 from lemix.model.device_memory import stage_used_bytes
 from lemix.model.runner import GenRequest, InferenceRunner
 from lemix.model.staged import StagedModel
 from lemix.model.training import PipelineTrainer, Sample
 from lemix.outputs import FINISH_LENGTH
-from lemix.rpc.errors import InvalidArgument
 from lemix.types import Task, TaskPayload
 from services.executor import weights
 from services.executor.convert import MeasureResult, MeasureSpec, SyncDirection

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lemix.rpc.errors import InvalidArgument
+from lemix.infra.rpc.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from lemix.model.staged import Stage

@@ -29,11 +29,11 @@ import structlog
 from redis.exceptions import RedisError
 
 from lemix._proto.lemix.v1 import common_pb2, executor_pb2, executor_pb2_grpc
+from lemix.infra.rpc.client import channel
+from lemix.infra.rpc.convert import task_to_proto
+from lemix.infra.rpc.errors import InvalidArgument, Unavailable, error_from_rpc
+from lemix.infra.store.store import IS_FINAL_FIELD, STATUS_FIELD, FieldValue, Store
 from lemix.planner.recording import Event
-from lemix.rpc.client import channel
-from lemix.rpc.convert import task_to_proto
-from lemix.rpc.errors import InvalidArgument, Unavailable, error_from_rpc
-from lemix.store import IS_FINAL_FIELD, STATUS_FIELD, FieldValue, Store
 from lemix.types import Placement, Task, TaskPayload, WeightSync
 from services.scheduler.codec import EVENT_FIELD, event_to_fields
 from services.scheduler.ports import DispatchError, StateWrite, TaskProgress, TaskRefused

@@ -8,7 +8,7 @@
 * A node's heartbeat hash (written by executors with the `NodeState` field
   names) as a `NodeState` message, for GetState.
 
-Task fields (all strings, numbers via `lemix.store.encode_value`):
+Task fields (all strings, numbers via `lemix.infra.store.store.encode_value`):
 
 =====================  ===========================================================
 field                  value
@@ -40,8 +40,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from lemix._proto.lemix.v1 import common_pb2
+from lemix.infra.store.store import Fields, FieldValue, get_bool, get_float, get_int
 from lemix.planner.recording import Event
-from lemix.store import Fields, FieldValue, get_bool, get_float, get_int
 from lemix.types import Task, TaskKind, TaskPayload
 
 SUBMIT_T_FIELD = "submit_t"

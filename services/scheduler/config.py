@@ -1,7 +1,7 @@
 """The scheduler's configuration, and the ONE place that maps env vars and flags to it.
 
 Precedence: a command-line flag, else its ``LEMIX_*`` environment variable,
-else the default (lemix.settings is the mechanism). Nothing is read at import
+else the default (lemix.infra.settings is the mechanism). Nothing is read at import
 time: `from_env_and_args` reads `os.environ` (or the mapping it is given) when
 called. `scripts/config_table.py` prints the README table from `_OPTIONS`.
 """
@@ -15,21 +15,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lemix import settings
 from lemix.batching import BatchingConfig
-from lemix.memory import MemoryConfig
-from lemix.planner.base import PlannerConfig
-from lemix.planner.registry import POLICIES, get_spec
-from lemix.profile import Profile, default_profile_path
-from lemix.redis_keys import (
+from lemix.infra import settings
+from lemix.infra.rpc.auth import SERVICE_TOKEN_OPTION, check_service_token
+from lemix.infra.settings import Option, port_or_off
+from lemix.infra.store.keys import (
     DEFAULT_NAMESPACE,
     NODE_HEARTBEAT_TTL_S,
     STREAM_LEASE_TTL_S,
     RedisKeys,
 )
-from lemix.rpc.auth import SERVICE_TOKEN_OPTION, check_service_token
-from lemix.settings import Option, port_or_off
-from lemix.sim.run import Slo, SloConfig, compute_slo
+from lemix.memory import MemoryConfig
+from lemix.planner.base import PlannerConfig
+from lemix.planner.registry import POLICIES, get_spec
+from lemix.profile import Profile, default_profile_path
+from lemix.slo import Slo, SloConfig, compute_slo
 from lemix.types import Task, TaskKind
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -119,7 +119,7 @@ class SchedulerConfig:
     snapshot_every_events: int = 10_000
     log_level: str = "info"  # debug | info | warning | error
     log_format: str = "console"  # console | json
-    # Sent to executors and required from the gateway (lemix.rpc.auth); "" = none.
+    # Sent to executors and required from the gateway (lemix.infra.rpc.auth); "" = none.
     service_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:

@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import structlog
 
-from lemix import telemetry
+from lemix.infra import telemetry
 from lemix.planner.recording import RecordingPlanner
 from lemix.types import Decision, Deferral, Placement, Rejection, Task, WeightSync
 from services.scheduler.ports import (
@@ -81,7 +81,7 @@ class SchedulerCore:
     docstring; None: no fencing, every attempt 0); its one round trip before
     a batch's Dispatches also asks which training was cancelled while it
     waited: that is dropped instead (its end was written by the canceller).
-    `policy` labels the Prometheus counters (`lemix.telemetry`).
+    `policy` labels the Prometheus counters (`lemix.infra.telemetry`).
     At most `max_concurrent_dispatches` Dispatch calls are in flight at once.
     """
 

@@ -26,11 +26,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lemix.infra.store.store import Entry
 from lemix.planner.base import PlannerConfig
 from lemix.planner.planner import Planner
 from lemix.planner.recording import Event, replay, task_from_event
 from lemix.planner.snapshot import task_from_state, task_to_state
-from lemix.store import Entry
 from lemix.types import Task
 from services.scheduler.codec import event_from_fields, event_has_key
 

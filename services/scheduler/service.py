@@ -42,17 +42,24 @@ from grpc_health.v1 import health
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from lemix import telemetry
 from lemix._proto.lemix.v1 import scheduler_pb2_grpc
+from lemix.infra import telemetry
+from lemix.infra.rpc import SCHEDULER_SERVICE
+from lemix.infra.rpc.errors import InvalidArgument, Unavailable
+from lemix.infra.rpc.server import start_server, stop_server
+from lemix.infra.store.client import RedisClientConfig, connect
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.store import (
+    ATTEMPT_FIELD,
+    IS_FINAL_FIELD,
+    Entry,
+    Fields,
+    Store,
+    get_optional_int,
+)
 from lemix.planner.recording import RecordingPlanner
 from lemix.planner.registry import build_planner
 from lemix.profile import Profile, load_profile
-from lemix.redis_client import RedisClientConfig, connect
-from lemix.redis_keys import RedisKeys
-from lemix.rpc import SCHEDULER_SERVICE
-from lemix.rpc.errors import InvalidArgument, Unavailable
-from lemix.rpc.server import start_server, stop_server
-from lemix.store import ATTEMPT_FIELD, IS_FINAL_FIELD, Entry, Fields, Store, get_optional_int
 from lemix.types import Task, TaskKind, TaskPayload
 from services.scheduler.adapters import GrpcDispatcher, RedisEventSink, RedisResultWriter
 from services.scheduler.codec import task_from_fields, task_to_fields

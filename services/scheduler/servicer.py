@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import grpc.aio
 
 from lemix._proto.lemix.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from lemix.rpc.convert import task_from_proto
-from lemix.rpc.errors import InvalidArgument, handle_errors
+from lemix.infra.rpc.convert import task_from_proto
+from lemix.infra.rpc.errors import InvalidArgument, handle_errors
 from services.scheduler.codec import node_state_from_fields
 
 if TYPE_CHECKING:

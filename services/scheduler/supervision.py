@@ -37,8 +37,8 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
-from lemix.rpc.errors import Unavailable
-from lemix.store import Fields, Store, get_bool, get_optional_float
+from lemix.infra.rpc.errors import Unavailable
+from lemix.infra.store.store import Fields, Store, get_bool, get_optional_float
 from services.scheduler.adapters import GrpcDispatcher
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore

@@ -230,7 +230,7 @@ def process_env(environment: Mapping[str, Any], command: list[str]) -> dict[str,
     if env.get("LEMIX_PROFILE", "").startswith(IMAGE_PROFILES_DIR):
         env["LEMIX_PROFILE"] = str(REPO / "profiles" / env["LEMIX_PROFILE"].removeprefix(
             IMAGE_PROFILES_DIR))
-    if "lemix.node_identity" in python_modules(command):
+    if "lemix.infra.store.node_identity" in python_modules(command):
         # What the wrapper hands the executor in place of "auto".
         stand_ins = {"LEMIX_NODE_ID": "0", "LEMIX_ADVERTISE_HOST": "10.0.0.2"}
         env.update({k: v for k, v in stand_ins.items() if env.get(k) == "auto"})

@@ -155,7 +155,7 @@ def test_every_variable_is_read_by_its_service(name: str, model: Any,
         if module is None:
             continue
         own = set(svc["environment"]) - set(model["x-lemix-env"])
-        if "lemix.node_identity" in python_modules(svc["command"]):
+        if "lemix.infra.store.node_identity" in python_modules(svc["command"]):
             own -= {"LEMIX_NUM_NODES"}  # the wrapper reads it too
         assert own <= known_env(module), (svc_name, own - known_env(module))
         assert service_ports(service_env(svc)) <= known_ports(svc), svc_name
@@ -251,7 +251,7 @@ def test_redis_persists_with_aof_and_requires_the_password() -> None:
     redis = BASE["services"]["redis"]
     command = redis["command"]
     assert command[command.index("--appendonly") + 1] == "yes"
-    # Written before each reply, fsynced each second (lemix/redis_server.py says why).
+    # Written before each reply, fsynced each second (lemix/infra/store/server.py says why).
     assert command[command.index("--appendfsync") + 1] == "everysec"
     assert any(v.endswith(":/data") and not v.startswith(("/", ".")) for v in redis["volumes"])
     password = REQUIRED_ENV["LEMIX_REDIS_PASSWORD"]
@@ -323,7 +323,7 @@ def test_cpu_override_has_no_gpus_and_scales() -> None:
     # `--scale executor=N` needs replicas that differ in nothing fixed per container.
     for key in ("container_name", "hostname", "ports"):
         assert key not in executor, key
-    assert executor["command"][:4] == ["python", "-m", "lemix.node_identity", "--from"]
+    assert executor["command"][:4] == ["python", "-m", "lemix.infra.store.node_identity", "--from"]
     assert executor["environment"]["LEMIX_NODE_ID"] == "auto"
     assert executor["deploy"]["replicas"] == CPU["x-lemix-env"]["LEMIX_NUM_NODES"]
 

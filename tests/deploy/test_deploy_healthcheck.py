@@ -1,4 +1,4 @@
-"""`python -m lemix.healthcheck`: the probe the compose healthchecks run."""
+"""`python -m lemix.infra.healthcheck`: the probe the compose healthchecks run."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from lemix import healthcheck
-from lemix.redis_server import find_free_port
-from lemix.rpc import SCHEDULER_SERVICE
+from lemix.infra import healthcheck
+from lemix.infra.rpc import SCHEDULER_SERVICE
+from lemix.infra.store.server import find_free_port
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def test_main_exit_codes_and_messages(server: tuple[str, health.HealthServicer],
 
 def test_module_entry_point(server: tuple[str, health.HealthServicer]) -> None:
     address, _ = server
-    done = subprocess.run([sys.executable, "-m", "lemix.healthcheck", address],
+    done = subprocess.run([sys.executable, "-m", "lemix.infra.healthcheck", address],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "SERVING" in done.stdout

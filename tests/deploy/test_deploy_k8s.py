@@ -152,7 +152,7 @@ def test_executors_one_pod_per_node_with_its_gpus() -> None:
     assert container(executor)["resources"]["limits"]["nvidia.com/gpu"] == str(len(compose_gpus))
     assert executor["spec"]["replicas"] == int(CONFIG["LEMIX_NUM_NODES"])
     command = container(executor)["command"]
-    assert command[:5] == ["python", "-m", "lemix.node_identity", "--from", "hostname"]
+    assert command[:5] == ["python", "-m", "lemix.infra.store.node_identity", "--from", "hostname"]
     env = {v["name"]: v for v in container(executor)["env"]}
     assert env["LEMIX_NODE_ID"]["value"] == "auto"
     assert env["LEMIX_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"

@@ -1,4 +1,4 @@
-"""lemix.node_identity: distinct node ids for identical executor replicas."""
+"""lemix.infra.store.node_identity: distinct node ids for identical executor replicas."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from lemix import node_identity
-from lemix.node_identity import NodeClaim, ordinal_from_hostname
-from lemix.redis_keys import RedisKeys
-from lemix.redis_server import EmbeddedRedis
+from lemix.infra.store import node_identity
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.node_identity import NodeClaim, ordinal_from_hostname
+from lemix.infra.store.server import EmbeddedRedis
 
 KEYS = RedisKeys("test")
 PRINT_ID = [sys.executable, "-c", "import os; print(os.environ['LEMIX_NODE_ID'], flush=True)"]
@@ -79,7 +79,7 @@ async def test_run_with_claim_sets_the_id_and_releases(redis_client: aioredis.Re
 
 
 def _run_module(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "lemix.node_identity", *args],
+    return subprocess.run([sys.executable, "-m", "lemix.infra.store.node_identity", *args],
                           env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
 
 
@@ -128,8 +128,10 @@ def test_module_passes_sigterm_on_and_releases(redis_server: EmbeddedRedis) -> N
            "LEMIX_NUM_NODES": "1"}
     child = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); "
              "print('up', flush=True); time.sleep(60)")
-    proc = subprocess.Popen([sys.executable, "-m", "lemix.node_identity", "--", sys.executable,
-                             "-c", child], env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lemix.infra.store.node_identity", "--",
+         sys.executable, "-c", child],
+        env=env, stdout=subprocess.PIPE, text=True)
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "up"

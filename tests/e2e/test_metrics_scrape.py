@@ -1,8 +1,8 @@
 """End to end: every service's Prometheus endpoint agrees with the load harness.
 
-`lemix.launcher.Stack` starts Redis, two emulated executors, the profiler, the
+`lemix.stack.launcher.Stack` starts Redis, two emulated executors, the profiler, the
 scheduler and the gateway as processes, each serving ``/metrics`` on a free
-port; `lemix.replay` fires a short mixed workload; then each endpoint is
+port; `lemix.harness.replay` fires a short mixed workload; then each endpoint is
 scraped over HTTP and parsed with prometheus_client's own parser. Counters must
 match what the client saw: completions, tokens, training, placements.
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from lemix.launcher import Stack, StackConfig
-from lemix.replay import ReplayConfig, run_replay
+from lemix.harness.replay import ReplayConfig, run_replay
+from lemix.stack.launcher import Stack, StackConfig
 from lemix.workload import WorkloadConfig, build_workload
 
 TIME_SCALE = 0.05  # 20x faster than the A100 profile, so the test stays short

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import openai
 
-from lemix.launcher import Stack, StackConfig
+from lemix.stack.launcher import Stack, StackConfig
 
 
 async def test_stack_serves_chat_completions_over_http(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """End to end: real Redis, real service processes on free ports, real gRPC.
 
-`lemix.launcher.Stack` starts an embedded redis-server, two emulated executors,
-the scheduler and the gateway as subprocesses; `lemix.replay` fires a few
+`lemix.stack.launcher.Stack` starts an embedded redis-server, two emulated executors,
+the scheduler and the gateway as subprocesses; `lemix.harness.replay` fires a few
 hundred mixed requests and training samples at the gateway. Every task must be
 accounted for, and the gateway's counters must agree with the client's.
 """
@@ -13,16 +13,16 @@ from pathlib import Path
 import grpc
 
 from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc
-from lemix.launcher import Stack, StackConfig
+from lemix.harness.replay import ReplayConfig, run_replay
+from lemix.infra.rpc.client import channel
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.store import Store
 from lemix.memory import MemoryConfig
 from lemix.planner.base import PlannerConfig
 from lemix.planner.recording import decision_key, recorded_decision_keys, replay
 from lemix.planner.registry import build_planner
 from lemix.profile import default_profile_path, load_profile
-from lemix.redis_keys import RedisKeys
-from lemix.replay import ReplayConfig, run_replay
-from lemix.rpc.client import channel
-from lemix.store import Store
+from lemix.stack.launcher import Stack, StackConfig
 from lemix.workload import WorkloadConfig, build_workload
 from services.scheduler.codec import event_from_fields
 from services.scheduler.recovery import START_MARKER

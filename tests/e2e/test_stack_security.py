@@ -1,4 +1,4 @@
-"""End to end with a service token: real processes from `lemix.launcher.Stack`,
+"""End to end with a service token: real processes from `lemix.stack.launcher.Stack`,
 every one given the same LEMIX_SERVICE_TOKEN. Work flows gateway -> scheduler
 -> executor, and profiler -> executor, while a caller without the token is
 refused by every internal service."""
@@ -22,9 +22,9 @@ from lemix._proto.lemix.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from lemix.launcher import Stack, StackConfig
-from lemix.rpc.client import channel
-from lemix.stack_process import ServiceProcess
+from lemix.infra.rpc.client import channel
+from lemix.stack.launcher import Stack, StackConfig
+from lemix.stack.process import ServiceProcess
 
 TIME_SCALE = 0.05
 TOKEN = "e2e-stack-service-token-0123456789"

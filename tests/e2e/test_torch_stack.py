@@ -15,9 +15,9 @@ from pathlib import Path
 import openai
 
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from lemix.launcher import Stack, StackConfig
+from lemix.infra.rpc.client import channel
 from lemix.profile import torch_cpu_profile_path
-from lemix.rpc.client import channel
+from lemix.stack.launcher import Stack, StackConfig
 
 TOKENIZER = "bpe:2048"
 

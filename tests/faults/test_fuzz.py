@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 from task_stack import TaskStack, eventually, start_stack
 
 from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc
-from lemix.redis_server import EmbeddedRedis
-from lemix.rpc.client import channel
+from lemix.infra.rpc.client import channel
+from lemix.infra.store.server import EmbeddedRedis
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from lemix._proto.lemix.v1 import gateway_pb2
-from lemix.fault_harness import (
+from lemix.harness.faults import (
     Load,
     account,
     audit_clean,

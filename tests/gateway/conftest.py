@@ -27,12 +27,12 @@ from gateway_fakes import FAKE_NODE_ID, FakeScheduler, GatewayFactory  # noqa: E
 from gateway.config import GatewayConfig  # noqa: E402
 from gateway.service import GatewayService  # noqa: E402
 from lemix._proto.lemix.v1 import gateway_pb2_grpc, scheduler_pb2_grpc  # noqa: E402
-from lemix.redis_keys import RedisKeys  # noqa: E402
-from lemix.redis_server import EmbeddedRedis  # noqa: E402
-from lemix.rpc import SCHEDULER_SERVICE  # noqa: E402
-from lemix.rpc.client import channel  # noqa: E402
-from lemix.rpc.server import start_server  # noqa: E402
-from lemix.store import Store  # noqa: E402
+from lemix.infra.rpc import SCHEDULER_SERVICE  # noqa: E402
+from lemix.infra.rpc.client import channel  # noqa: E402
+from lemix.infra.rpc.server import start_server  # noqa: E402
+from lemix.infra.store.keys import RedisKeys  # noqa: E402
+from lemix.infra.store.server import EmbeddedRedis  # noqa: E402
+from lemix.infra.store.store import Store  # noqa: E402
 
 
 @pytest.fixture

@@ -22,8 +22,8 @@ import grpc
 import grpc.aio
 
 from lemix._proto.lemix.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from lemix.rpc import convert
-from lemix.store import Store, TaskIdConflict
+from lemix.infra.rpc import convert
+from lemix.infra.store.store import Store, TaskIdConflict
 from lemix.types import Task, TaskKind, TaskPayload
 from services.scheduler.codec import task_to_fields
 

@@ -12,9 +12,9 @@ from gateway.convert import (
     stats_to_proto,
     status_for_reason,
 )
-from gateway.tokenizer import ApproxTokenizer, emulated_token_id
 from lemix.model.tokenizer import BPETokenizer, corpus_fingerprint, train_bpe
 from lemix.outputs import format_token_ids, parse_token_ids
+from lemix.tokenizer import ApproxTokenizer, emulated_token_id
 
 
 class FakeClock:

@@ -24,9 +24,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from gateway.service import GatewayService
 from gateway.upkeep import BatchedCounters
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from lemix.redis_server import EmbeddedRedis, find_free_port
-from lemix.rpc.client import channel
-from lemix.store import Store, TaskIdConflict
+from lemix.infra.rpc.client import channel
+from lemix.infra.store.server import EmbeddedRedis, find_free_port
+from lemix.infra.store.store import Store, TaskIdConflict
 from lemix.types import Task, TaskKind, TaskPayload
 from services.scheduler.codec import task_to_fields
 

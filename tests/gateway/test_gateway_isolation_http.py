@@ -19,8 +19,8 @@ from test_http_api import HttpStack, stack  # noqa: F401 - the real stack's fixt
 
 from gateway.http_api import MAX_JSON_DEPTH
 from gateway.service import GatewayService
-from lemix.rpc.server import MAX_MESSAGE_BYTES
-from lemix.store import Store
+from lemix.infra.rpc.server import MAX_MESSAGE_BYTES
+from lemix.infra.store.store import Store
 
 Json = dict[str, Any]
 

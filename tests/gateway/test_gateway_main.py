@@ -11,9 +11,9 @@ from pathlib import Path
 
 from gateway_fakes import FakeScheduler
 
-from lemix.redis_server import EmbeddedRedis
-from lemix.rpc import GATEWAY_SERVICE
-from lemix.rpc.client import wait_for_serving
+from lemix.infra.rpc import GATEWAY_SERVICE
+from lemix.infra.rpc.client import wait_for_serving
+from lemix.infra.store.server import EmbeddedRedis
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "SERVING gateway address="

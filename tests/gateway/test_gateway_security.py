@@ -14,10 +14,10 @@ from gateway_fakes import FakeScheduler, GatewayFactory
 
 from gateway.service import GatewayService
 from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2_grpc
-from lemix.rpc import SCHEDULER_SERVICE
-from lemix.rpc.client import DEFAULT_DEADLINE_S, channel
-from lemix.rpc.server import start_server
-from lemix.store import Store
+from lemix.infra.rpc import SCHEDULER_SERVICE
+from lemix.infra.rpc.client import DEFAULT_DEADLINE_S, channel
+from lemix.infra.rpc.server import start_server
+from lemix.infra.store.store import Store
 
 TOKEN = "gateway-test-service-token-0123456789"
 

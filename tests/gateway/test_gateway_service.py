@@ -25,13 +25,13 @@ from gateway_fakes import (
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.service import GatewayService
-from gateway.tokenizer import ApproxTokenizer, emulated_token_id
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from lemix.redis_server import find_free_port
-from lemix.rpc import GATEWAY_SERVICE
-from lemix.rpc.client import channel
-from lemix.rpc.server import MAX_MESSAGE_BYTES
-from lemix.store import Store
+from lemix.infra.rpc import GATEWAY_SERVICE
+from lemix.infra.rpc.client import channel
+from lemix.infra.rpc.server import MAX_MESSAGE_BYTES
+from lemix.infra.store.server import find_free_port
+from lemix.infra.store.store import Store
+from lemix.tokenizer import ApproxTokenizer, emulated_token_id
 from lemix.types import TaskKind
 
 pytestmark = pytest.mark.usefixtures("live_node")

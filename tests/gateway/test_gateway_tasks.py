@@ -23,9 +23,9 @@ from gateway.service import GatewayService
 from gateway.tasks import IN_INTAKE_REASON, MAX_WATCH_TASKS
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from lemix.engine import Failed, Finished, FirstToken
-from lemix.redis_server import EmbeddedRedis
-from lemix.rpc.client import channel
-from lemix.store import Store
+from lemix.infra.rpc.client import channel
+from lemix.infra.store.server import EmbeddedRedis
+from lemix.infra.store.store import Store
 from lemix.types import Task, TaskKind, TaskPayload
 from services.executor.sink import RedisOutcomeSink
 from services.scheduler.adapters import RedisResultWriter

@@ -23,8 +23,8 @@ from gateway_fakes import GatewayFactory
 from gateway.config import GatewayConfig, from_env_and_args
 from gateway.service import GatewayService
 from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc
-from lemix.rpc.client import channel
-from lemix.rpc.tls import client_tls, load_server_tls
+from lemix.infra.rpc.client import channel
+from lemix.infra.rpc.tls import client_tls, load_server_tls
 
 DEADLINE_S = 10.0
 REFUSED_DEADLINE_S = 3.0  # a refused handshake fails fast; this only bounds a hang

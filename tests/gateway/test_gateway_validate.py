@@ -1,4 +1,4 @@
-"""gateway.tokenizer and gateway.validate: pure functions, no servers."""
+"""lemix.tokenizer and gateway.validate: pure functions, no servers."""
 
 from __future__ import annotations
 
@@ -7,13 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.tokenizer import (
-    APPROX_EOS_ID,
-    APPROX_VOCAB_SIZE,
-    ApproxTokenizer,
-    emulated_token_id,
-    load_tokenizer,
-)
+from gateway.service import load_tokenizer
 from gateway.validate import (
     ANONYMOUS_SCOPE,
     MAX_TEMPERATURE,
@@ -25,8 +19,14 @@ from gateway.validate import (
     validate_train,
 )
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
+from lemix.infra.rpc.errors import InvalidArgument
 from lemix.model.tokenizer import train_bpe
-from lemix.rpc.errors import InvalidArgument
+from lemix.tokenizer import (
+    APPROX_EOS_ID,
+    APPROX_VOCAB_SIZE,
+    ApproxTokenizer,
+    emulated_token_id,
+)
 from lemix.types import Task, TaskKind, TaskPayload
 
 TOKENIZER = ApproxTokenizer()

@@ -28,11 +28,11 @@ from gateway import service as gateway_service
 from gateway.config import GatewayConfig
 from gateway.openai_convert import chat_prompt
 from gateway.service import GatewayService
-from gateway.tokenizer import ApproxTokenizer
 from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc
+from lemix.infra.store.server import EmbeddedRedis
+from lemix.infra.store.store import Store
 from lemix.profile import save_profile
-from lemix.redis_server import EmbeddedRedis
-from lemix.store import Store
+from lemix.tokenizer import ApproxTokenizer
 from services.executor.config import ExecutorConfig
 from services.executor.service import ExecutorService
 from services.scheduler.config import SchedulerConfig

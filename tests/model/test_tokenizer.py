@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from gateway.tokenizer import ApproxTokenizer, encode_prompt
 from lemix.model.tokenizer import (
     BPE_BOS_ID,
     BPE_EOS_ID,
@@ -23,6 +22,7 @@ from lemix.model.tokenizer import (
     load_tokenizer,
     train_bpe,
 )
+from lemix.tokenizer import ApproxTokenizer, encode_prompt
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 from known_profile import NOISE_CV, StartExecutor, true_profile
 
-from lemix.redis_server import EmbeddedRedis
+from lemix.infra.store.server import EmbeddedRedis
 from services.executor.config import ExecutorConfig
 from services.executor.service import ExecutorService
 

@@ -1,4 +1,4 @@
-"""`lemix profile`, run in-process (lemix.cli.main) against an in-process
+"""`lemix profile`, run in-process (lemix.cli.main.main) against an in-process
 emulated executor. `main` runs its own event loop, so it runs in a worker
 thread while the executor keeps serving on the test's loop."""
 
@@ -12,11 +12,11 @@ import pytest
 import redis.asyncio as aioredis
 from known_profile import GRID, TRUE_OURS, true_profile
 
-from lemix.cli import main
+from lemix.cli.main import main
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.server import EmbeddedRedis
+from lemix.infra.store.store import Store
 from lemix.profile import load_profile, save_profile
-from lemix.redis_keys import RedisKeys
-from lemix.redis_server import EmbeddedRedis
-from lemix.store import Store
 from services.executor.service import ExecutorService
 
 

@@ -16,8 +16,8 @@ from known_profile import (
 )
 
 from lemix.latency import DecodePoint, PhasePoint
-from lemix.metrics import format_table
 from lemix.profile import Profile
+from lemix.report.metrics import format_table
 from profiler.fit import (
     FIT_TABLE_COLUMNS,
     FitConfig,

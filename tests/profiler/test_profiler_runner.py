@@ -8,8 +8,8 @@ import socket
 import pytest
 from known_profile import GRID, NOISE_CV, TRUE_OURS, StartExecutor, true_profile
 
+from lemix.infra.rpc.errors import InvalidArgument, Unavailable
 from lemix.profile import Profile
-from lemix.rpc.errors import InvalidArgument, Unavailable
 from profiler.runner import ProfileGrid, profile_executor, run_profile
 from services.executor.service import ExecutorService
 

@@ -20,12 +20,12 @@ import redis.asyncio as aioredis
 from known_profile import GRID, true_profile
 
 from lemix._proto.lemix.v1 import profiler_pb2, profiler_pb2_grpc
+from lemix.infra.rpc import PROFILER_SERVICE
+from lemix.infra.rpc.client import channel, wait_for_serving
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.server import EmbeddedRedis
+from lemix.infra.store.store import Store
 from lemix.profile import Profile, save_profile
-from lemix.redis_keys import RedisKeys
-from lemix.redis_server import EmbeddedRedis
-from lemix.rpc import PROFILER_SERVICE
-from lemix.rpc.client import channel, wait_for_serving
-from lemix.store import Store
 from profiler.config import ProfilerConfig, from_env_and_args
 from profiler.runner import DEFAULT_BATCH_SIZES, DEFAULT_NUM_REPEATS, DEFAULT_NUM_TOKENS
 from profiler.service import ProfilerService

@@ -1,4 +1,4 @@
-"""lemix.rpc.convert: lossless round trips, and bad wire values -> ValueError."""
+"""lemix.infra.rpc.convert: lossless round trips, and bad wire values -> ValueError."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import math
 import pytest
 
 from lemix._proto.lemix.v1 import common_pb2, executor_pb2, gateway_pb2, scheduler_pb2
-from lemix.rpc import (
+from lemix.infra.rpc import (
     EXECUTOR_SERVICE,
     GATEWAY_SERVICE,
     PROFILER_SERVICE,
     SCHEDULER_SERVICE,
     convert,
 )
-from lemix.rpc.errors import InvalidArgument
+from lemix.infra.rpc.errors import InvalidArgument
 from lemix.types import NodeSnapshot, Task, TaskKind, TaskPayload, TaskStatus
 
 

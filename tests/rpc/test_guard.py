@@ -1,4 +1,4 @@
-"""lemix.rpc.guard and lemix.rpc.auth over real gRPC: malformed requests and the
+"""lemix.infra.rpc.guard and lemix.infra.rpc.auth over real gRPC: malformed requests and the
 service token, for every call shape, sent as raw bytes or through `channel`."""
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from lemix._proto.lemix.v1 import (
     gateway_pb2_grpc,
     scheduler_pb2_grpc,
 )
-from lemix.rpc import GATEWAY_SERVICE, SCHEDULER_SERVICE
-from lemix.rpc.auth import TokenCheck, bearer, check_service_token, generate_token
-from lemix.rpc.client import DEFAULT_DEADLINE_S, channel
-from lemix.rpc.errors import handle_errors
-from lemix.rpc.server import start_server
+from lemix.infra.rpc import GATEWAY_SERVICE, SCHEDULER_SERVICE
+from lemix.infra.rpc.auth import TokenCheck, bearer, check_service_token, generate_token
+from lemix.infra.rpc.client import DEFAULT_DEADLINE_S, channel
+from lemix.infra.rpc.errors import handle_errors
+from lemix.infra.rpc.server import start_server
 
 TOKEN = "t0ken-of-this-test-stack-0123456789"
 # Not a protobuf message: field 1 as a length-delimited value running past the end.

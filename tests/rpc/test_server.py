@@ -1,4 +1,4 @@
-"""lemix.rpc.server/errors/client against a real gRPC server on a free port."""
+"""lemix.infra.rpc.server/errors/client against a real gRPC server on a free port."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from lemix._proto.lemix.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from lemix.rpc import GATEWAY_SERVICE, SCHEDULER_SERVICE, convert
-from lemix.rpc.client import DEFAULT_DEADLINE_S, channel, wait_for_serving
-from lemix.rpc.errors import (
+from lemix.infra.rpc import GATEWAY_SERVICE, SCHEDULER_SERVICE, convert
+from lemix.infra.rpc.client import DEFAULT_DEADLINE_S, channel, wait_for_serving
+from lemix.infra.rpc.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -31,7 +31,7 @@ from lemix.rpc.errors import (
     error_from_rpc,
     handle_errors,
 )
-from lemix.rpc.server import MAX_MESSAGE_BYTES, start_server, stop_server
+from lemix.infra.rpc.server import MAX_MESSAGE_BYTES, start_server, stop_server
 from lemix.types import NodeSnapshot, Task, TaskKind
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

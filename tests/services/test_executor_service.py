@@ -23,13 +23,13 @@ from factories import make_profile, make_request, make_tiny_memory_profile, make
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lemix._proto.lemix.v1 import common_pb2, executor_pb2, executor_pb2_grpc
+from lemix.infra.rpc import EXECUTOR_SERVICE
+from lemix.infra.rpc.client import DEFAULT_DEADLINE_S, channel
+from lemix.infra.rpc.convert import task_to_proto
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.server import EmbeddedRedis
+from lemix.infra.store.store import Entry, Fields, Store
 from lemix.profile import Profile, save_profile
-from lemix.redis_keys import RedisKeys
-from lemix.redis_server import EmbeddedRedis
-from lemix.rpc import EXECUTOR_SERVICE
-from lemix.rpc.client import DEFAULT_DEADLINE_S, channel
-from lemix.rpc.convert import task_to_proto
-from lemix.store import Entry, Fields, Store
 from lemix.types import Task
 from services.executor.config import ExecutorConfig
 from services.executor.service import ExecutorService

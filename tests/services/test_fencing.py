@@ -19,12 +19,12 @@ from prometheus_client import REGISTRY
 
 from lemix._proto.lemix.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from lemix.engine import Outcome
+from lemix.infra.rpc.client import DEFAULT_DEADLINE_S, channel
+from lemix.infra.rpc.convert import task_to_proto
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.server import EmbeddedRedis
+from lemix.infra.store.store import ATTEMPT_FIELD, Entry, Fields, Store
 from lemix.profile import save_profile
-from lemix.redis_keys import RedisKeys
-from lemix.redis_server import EmbeddedRedis
-from lemix.rpc.client import DEFAULT_DEADLINE_S, channel
-from lemix.rpc.convert import task_to_proto
-from lemix.store import ATTEMPT_FIELD, Entry, Fields, Store
 from lemix.types import Task
 from services.executor.config import ExecutorConfig
 from services.executor.service import ExecutorService

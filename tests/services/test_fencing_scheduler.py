@@ -25,12 +25,12 @@ from test_scheduler_service import PROFILE, end_message, inference, submit, trai
 
 from lemix._proto.lemix.v1 import scheduler_pb2_grpc
 from lemix.engine import Outcome
+from lemix.infra.rpc.client import channel
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.server import EmbeddedRedis
+from lemix.infra.store.store import ATTEMPT_FIELD, FinishOutcome, Store
 from lemix.planner.recording import RecordingPlanner
 from lemix.profile import save_profile
-from lemix.redis_keys import RedisKeys
-from lemix.redis_server import EmbeddedRedis
-from lemix.rpc.client import channel
-from lemix.store import ATTEMPT_FIELD, FinishOutcome, Store
 from lemix.types import Placement, Task
 from services.executor.config import ExecutorConfig
 from services.executor.service import ExecutorService

@@ -25,6 +25,9 @@ from test_scheduler_service import (
     wait_until,
 )
 
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.server import EmbeddedRedis
+from lemix.infra.store.store import Entry, Store, encode_fields
 from lemix.planner.recording import (
     Event,
     RecordingPlanner,
@@ -32,9 +35,6 @@ from lemix.planner.recording import (
     recorded_decision_keys,
     replay,
 )
-from lemix.redis_keys import RedisKeys
-from lemix.redis_server import EmbeddedRedis
-from lemix.store import Entry, Store, encode_fields
 from lemix.types import Task, TaskKind, TaskPayload
 from services.scheduler.adapters import RedisEventSink
 from services.scheduler.codec import event_to_fields, task_to_fields

@@ -31,12 +31,12 @@ from test_scheduler_service import (
 )
 
 from lemix._proto.lemix.v1 import executor_pb2, executor_pb2_grpc
-from lemix.redis_client import RedisClientConfig, connect
-from lemix.redis_keys import RedisKeys
-from lemix.redis_server import EmbeddedRedis, find_free_port
-from lemix.rpc import EXECUTOR_SERVICE
-from lemix.rpc.server import start_server
-from lemix.store import Store
+from lemix.infra.rpc import EXECUTOR_SERVICE
+from lemix.infra.rpc.server import start_server
+from lemix.infra.store.client import RedisClientConfig, connect
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.server import EmbeddedRedis, find_free_port
+from lemix.infra.store.store import Store
 from lemix.types import Task, TaskKind, TaskPayload
 from services.scheduler.codec import task_to_fields
 from services.scheduler.service import GATEWAY_GONE, SchedulerService, describe_redis_error

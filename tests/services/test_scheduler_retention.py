@@ -22,9 +22,9 @@ from test_scheduler_service import (
 )
 
 from lemix._proto.lemix.v1 import common_pb2, executor_pb2
-from lemix.redis_keys import RedisKeys
-from lemix.redis_server import EmbeddedRedis
-from lemix.store import Store
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.server import EmbeddedRedis
+from lemix.infra.store.store import Store
 
 TTL_S = 3600.0
 

@@ -33,6 +33,13 @@ from lemix._proto.lemix.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from lemix.infra.rpc import EXECUTOR_SERVICE
+from lemix.infra.rpc.client import channel
+from lemix.infra.rpc.convert import task_to_proto
+from lemix.infra.rpc.server import start_server, stop_server
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.server import EmbeddedRedis
+from lemix.infra.store.store import Store, encode_fields
 from lemix.planner.planner import Planner
 from lemix.planner.recording import (
     decision_key,
@@ -41,13 +48,6 @@ from lemix.planner.recording import (
     task_from_event,
 )
 from lemix.planner.registry import build_planner
-from lemix.redis_keys import RedisKeys
-from lemix.redis_server import EmbeddedRedis
-from lemix.rpc import EXECUTOR_SERVICE
-from lemix.rpc.client import channel
-from lemix.rpc.convert import task_to_proto
-from lemix.rpc.server import start_server, stop_server
-from lemix.store import Store, encode_fields
 from lemix.types import Placement, Task, TaskKind, TaskPayload
 from services.scheduler.codec import event_from_fields, task_from_fields, task_to_fields
 from services.scheduler.config import SchedulerConfig, env_table, from_env_and_args
@@ -244,7 +244,7 @@ def test_config_flags_override_env_and_env_overrides_defaults() -> None:
 
 
 def test_derived_slo_uses_compute_slo() -> None:
-    from lemix.sim.run import SloConfig, compute_slo
+    from lemix.slo import SloConfig, compute_slo
 
     config = SchedulerConfig(slo_multiplier=3.0, slo_prompt_tokens=100, slo_output_tokens=40)
     reference = [Task("r", TaskKind.INFERENCE, 0.0, 100, 40)]
@@ -339,7 +339,7 @@ async def test_no_live_executor_ends_the_task_unavailable(stack: Stack) -> None:
 
 
 async def test_unreachable_executor_fails_the_task_unavailable(stack: Stack) -> None:
-    from lemix.redis_server import find_free_port
+    from lemix.infra.store.server import find_free_port
 
     await stack.heartbeat(0, f"127.0.0.1:{find_free_port()}")  # nobody listens there
     service = await stack.start_service(num_nodes=1, dispatch_deadline_s=0.5,

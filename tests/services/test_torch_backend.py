@@ -11,12 +11,12 @@ import torch
 from factories import make_profile, make_request, make_training
 
 from lemix.engine import EngineConfig, Failed, Finished, NodeEngine
+from lemix.infra.rpc.errors import InvalidArgument
 from lemix.model.device_memory import stage_used_bytes
 from lemix.model.presets import ModelSpec, build_model
 from lemix.model.runner import GenRequest, InferenceRunner
 from lemix.model.staged import StagedModel
 from lemix.model.training import PipelineTrainer, TrainingConfig
-from lemix.rpc.errors import InvalidArgument
 from lemix.types import TaskPayload
 from services.executor.convert import (
     MeasurePhase,

@@ -21,8 +21,9 @@ from lemix.engine import Outcome, StageStart
 from lemix.memory import MemoryConfig
 from lemix.planner.registry import POLICIES
 from lemix.profile import Profile
-from lemix.sim.run import SimRunConfig, build_simulator, compute_slo, run_simulation
+from lemix.sim.run import SimRunConfig, build_simulator, run_simulation
 from lemix.sim.simulator import SimResult, Simulator
+from lemix.slo import compute_slo
 from lemix.types import Task, TaskKind, TaskStatus
 
 ENDED = {TaskStatus.COMPLETED, TaskStatus.REJECTED, TaskStatus.FAILED}
