@@ -21,6 +21,7 @@ setup: $(STAMP)
 test: $(STAMP)
 	$(PY) scripts/gen_protos.py --check
 	$(PY) -m ruff check lemix services gateway profiler tests benchmarks scripts
+	$(PY) -m ruff format --check lemix services gateway profiler tests benchmarks scripts
 	$(PY) -m mypy lemix services gateway profiler
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests
@@ -42,6 +43,7 @@ proto-check: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check lemix services gateway profiler tests benchmarks scripts
+	$(PY) -m ruff format --check lemix services gateway profiler tests benchmarks scripts
 	$(PY) -m mypy lemix services gateway profiler
 	$(VENV)/bin/lint-imports
 

@@ -124,11 +124,14 @@ class GatewayConfig:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535] (0 = any free port), got {self.port}")
         if not 0 <= self.http_port <= 65535:
-            raise ValueError(f"http_port must be in [0, 65535] (0 = any free port), "
-                             f"got {self.http_port}")  # fmt: skip
+            raise ValueError(
+                f"http_port must be in [0, 65535] (0 = any free port), got {self.http_port}"
+            )
         if not self.served_model_name or any(ch.isspace() for ch in self.served_model_name):
-            raise ValueError(f"served_model_name must be a non-empty name without spaces, "
-                             f"got {self.served_model_name!r}")  # fmt: skip
+            raise ValueError(
+                f"served_model_name must be a non-empty name without spaces, "
+                f"got {self.served_model_name!r}"
+            )
         settings.check_port_or_off("metrics_port", self.metrics_port)
         _check_address("scheduler_address", self.scheduler_address)
         if not self.redis_url.startswith(_REDIS_SCHEMES):
@@ -137,33 +140,50 @@ class GatewayConfig:
                 f"got {self.redis_url!r}"
             )
         RedisKeys(self.namespace)  # raises ValueError naming the problem
-        for name in ("max_context_tokens", "max_in_flight", "max_train_samples",
-                     "max_train_batch_size"):
+        for name in (
+            "max_context_tokens",
+            "max_in_flight",
+            "max_train_samples",
+            "max_train_batch_size",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("submit_deadline_s", "cancel_deadline_s", "stream_idle_timeout_s",
-                     "stream_lease_ttl_s", "stats_flush_s"):
+        for name in (
+            "submit_deadline_s",
+            "cancel_deadline_s",
+            "stream_idle_timeout_s",
+            "stream_lease_ttl_s",
+            "stats_flush_s",
+        ):
             _check_seconds(name, getattr(self, name), allow_zero=False)
         for name in ("node_check_s", "shutdown_grace_s"):
             _check_seconds(name, getattr(self, name), allow_zero=True)
         if not self.tokenizer:
             raise ValueError("tokenizer must be non-empty ('approx' for the emulated backend)")
         if self.log_level not in LOG_LEVELS:
-            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, "
-                             f"got {self.log_level!r}")  # fmt: skip
+            raise ValueError(
+                f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
+            )
         if self.log_format not in LOG_FORMATS:
-            raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, "
-                             f"got {self.log_format!r}")  # fmt: skip
+            raise ValueError(
+                f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}"
+            )
         check_service_token(self.service_token)
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            given, missing = (("tls_cert_file", "tls_key_file") if self.tls_cert_file
-                              else ("tls_key_file", "tls_cert_file"))
-            raise ValueError(f"TLS needs both a certificate and its key: {given} is set but "
-                             f"{missing} is not (--tls-cert-file and --tls-key-file, both or "
-                             f"neither)")  # fmt: skip
+            given, missing = (
+                ("tls_cert_file", "tls_key_file")
+                if self.tls_cert_file
+                else ("tls_key_file", "tls_cert_file")
+            )
+            raise ValueError(
+                f"TLS needs both a certificate and its key: {given} is set but "
+                f"{missing} is not (--tls-cert-file and --tls-key-file, both or "
+                f"neither)"
+            )
         if self.tls_client_ca_file and not self.is_tls_enabled:
-            raise ValueError("tls_client_ca_file (mTLS) needs TLS: set --tls-cert-file and "
-                             "--tls-key-file too")
+            raise ValueError(
+                "tls_client_ca_file (mTLS) needs TLS: set --tls-cert-file and --tls-key-file too"
+            )
 
 
 def _check_address(name: str, address: str) -> None:
@@ -184,73 +204,187 @@ def _check_seconds(name: str, value: float, *, allow_zero: bool) -> None:
 _OPTIONS: tuple[Option, ...] = (
     Option("host", "--host", "LEMIX_GATEWAY_HOST", str, "address to bind"),
     Option("port", "--port", "LEMIX_GATEWAY_PORT", int, "port to bind (0 = any free port)"),
-    Option("http_port", "--http-port", "LEMIX_GATEWAY_HTTP_PORT", int,
-            "OpenAI-compatible HTTP API port (0 = any free port)"),
-    Option("served_model_name", "--served-model-name", "LEMIX_SERVED_MODEL_NAME", str,
-            "model name the HTTP API serves (GET /v1/models)"),
-    Option("metrics_port", "--metrics-port", "LEMIX_GATEWAY_METRICS_PORT", port_or_off,
-            "Prometheus /metrics port (0 = any free port, -1 = off)"),
-    Option("is_http_metrics_enabled", "--http-metrics", "LEMIX_GATEWAY_HTTP_METRICS", boolean,
-            "also serve GET /metrics on the HTTP API port (--no-http-metrics: only on "
-            "--metrics-port)"),
-    Option("scheduler_address", "--scheduler", "LEMIX_SCHEDULER_ADDRESS", str,
-            "the scheduler's host:port"),
+    Option(
+        "http_port",
+        "--http-port",
+        "LEMIX_GATEWAY_HTTP_PORT",
+        int,
+        "OpenAI-compatible HTTP API port (0 = any free port)",
+    ),
+    Option(
+        "served_model_name",
+        "--served-model-name",
+        "LEMIX_SERVED_MODEL_NAME",
+        str,
+        "model name the HTTP API serves (GET /v1/models)",
+    ),
+    Option(
+        "metrics_port",
+        "--metrics-port",
+        "LEMIX_GATEWAY_METRICS_PORT",
+        port_or_off,
+        "Prometheus /metrics port (0 = any free port, -1 = off)",
+    ),
+    Option(
+        "is_http_metrics_enabled",
+        "--http-metrics",
+        "LEMIX_GATEWAY_HTTP_METRICS",
+        boolean,
+        "also serve GET /metrics on the HTTP API port (--no-http-metrics: only on --metrics-port)",
+    ),
+    Option(
+        "scheduler_address",
+        "--scheduler",
+        "LEMIX_SCHEDULER_ADDRESS",
+        str,
+        "the scheduler's host:port",
+    ),
     Option("redis_url", "--redis-url", "LEMIX_REDIS_URL", str, "Redis holding queues/state"),
-    Option("namespace", "--namespace", "LEMIX_NAMESPACE", str,
-            "Redis key prefix shared by the stack's services"),
-    Option("max_context_tokens", "--max-context-tokens", "LEMIX_MAX_CONTEXT_TOKENS", int,
-            "prompt + max_tokens must fit in this many tokens"),
-    Option("max_in_flight", "--max-in-flight", "LEMIX_MAX_IN_FLIGHT", int,
-            "concurrent Generate streams before RESOURCE_EXHAUSTED"),
-    Option("max_train_samples", "--max-train-samples", "LEMIX_MAX_TRAIN_SAMPLES", int,
-            "samples one Train call may carry (split larger sets)"),
-    Option("max_train_batch_size", "--max-train-batch-size", "LEMIX_MAX_TRAIN_BATCH_SIZE", int,
-            "samples per training task (Train's batch_size)"),
-    Option("submit_deadline_s", "--submit-deadline-s", "LEMIX_SUBMIT_DEADLINE_S", float,
-            "deadline of Scheduler.Submit, seconds"),
-    Option("cancel_deadline_s", "--cancel-deadline-s", "LEMIX_CANCEL_DEADLINE_S", float,
-            "deadline of Scheduler.Cancel, seconds"),
-    Option("stream_idle_timeout_s", "--stream-idle-timeout-s", "LEMIX_STREAM_IDLE_TIMEOUT_S",
-            float, "end a stream UNAVAILABLE after this long without output, seconds"),
-    Option("stream_lease_ttl_s", "--stream-lease-ttl-s", "LEMIX_STREAM_LEASE_TTL_S", float,
-            "lease on each stream this gateway reads (renewed every third), seconds"),
-    Option("stats_flush_s", "--stats-flush-s", "LEMIX_STATS_FLUSH_S", float,
-            "write the request counters to Redis this often, seconds"),
-    Option("tokenizer", "--tokenizer", "LEMIX_TOKENIZER", str,
-            "'approx' (emulated backend), 'bpe:<vocab_size>' (trained on the default "
-            "corpus, cached), a tokenizer.json file or a model directory"),
-    Option("node_check_s", "--node-check-s", "LEMIX_NODE_CHECK_S", float,
-            "cache the live-executor check this long, seconds (0 = every request)"),
-    Option("shutdown_grace_s", "--shutdown-grace-s", "LEMIX_SHUTDOWN_GRACE_S", float,
-            "on stop, in-flight streams get this long to finish, seconds"),
+    Option(
+        "namespace",
+        "--namespace",
+        "LEMIX_NAMESPACE",
+        str,
+        "Redis key prefix shared by the stack's services",
+    ),
+    Option(
+        "max_context_tokens",
+        "--max-context-tokens",
+        "LEMIX_MAX_CONTEXT_TOKENS",
+        int,
+        "prompt + max_tokens must fit in this many tokens",
+    ),
+    Option(
+        "max_in_flight",
+        "--max-in-flight",
+        "LEMIX_MAX_IN_FLIGHT",
+        int,
+        "concurrent Generate streams before RESOURCE_EXHAUSTED",
+    ),
+    Option(
+        "max_train_samples",
+        "--max-train-samples",
+        "LEMIX_MAX_TRAIN_SAMPLES",
+        int,
+        "samples one Train call may carry (split larger sets)",
+    ),
+    Option(
+        "max_train_batch_size",
+        "--max-train-batch-size",
+        "LEMIX_MAX_TRAIN_BATCH_SIZE",
+        int,
+        "samples per training task (Train's batch_size)",
+    ),
+    Option(
+        "submit_deadline_s",
+        "--submit-deadline-s",
+        "LEMIX_SUBMIT_DEADLINE_S",
+        float,
+        "deadline of Scheduler.Submit, seconds",
+    ),
+    Option(
+        "cancel_deadline_s",
+        "--cancel-deadline-s",
+        "LEMIX_CANCEL_DEADLINE_S",
+        float,
+        "deadline of Scheduler.Cancel, seconds",
+    ),
+    Option(
+        "stream_idle_timeout_s",
+        "--stream-idle-timeout-s",
+        "LEMIX_STREAM_IDLE_TIMEOUT_S",
+        float,
+        "end a stream UNAVAILABLE after this long without output, seconds",
+    ),
+    Option(
+        "stream_lease_ttl_s",
+        "--stream-lease-ttl-s",
+        "LEMIX_STREAM_LEASE_TTL_S",
+        float,
+        "lease on each stream this gateway reads (renewed every third), seconds",
+    ),
+    Option(
+        "stats_flush_s",
+        "--stats-flush-s",
+        "LEMIX_STATS_FLUSH_S",
+        float,
+        "write the request counters to Redis this often, seconds",
+    ),
+    Option(
+        "tokenizer",
+        "--tokenizer",
+        "LEMIX_TOKENIZER",
+        str,
+        "'approx' (emulated backend), 'bpe:<vocab_size>' (trained on the default "
+        "corpus, cached), a tokenizer.json file or a model directory",
+    ),
+    Option(
+        "node_check_s",
+        "--node-check-s",
+        "LEMIX_NODE_CHECK_S",
+        float,
+        "cache the live-executor check this long, seconds (0 = every request)",
+    ),
+    Option(
+        "shutdown_grace_s",
+        "--shutdown-grace-s",
+        "LEMIX_SHUTDOWN_GRACE_S",
+        float,
+        "on stop, in-flight streams get this long to finish, seconds",
+    ),
     Option("log_level", "--log-level", "LEMIX_LOG_LEVEL", str, "/".join(LOG_LEVELS)),
     Option("log_format", "--log-format", "LEMIX_LOG_FORMAT", str, "/".join(LOG_FORMATS)),
     SERVICE_TOKEN_OPTION,
-    Option("tls_cert_file", "--tls-cert-file", "LEMIX_GATEWAY_TLS_CERT_FILE", str,
-            "PEM certificate (chain) for TLS on the gRPC and HTTP ports, with "
-            "--tls-key-file (\"\" = plaintext; /metrics stays plain HTTP)", "FILE"),
-    Option("tls_key_file", "--tls-key-file", "LEMIX_GATEWAY_TLS_KEY_FILE", str,
-            "PEM private key of --tls-cert-file (unencrypted)", "FILE"),
-    Option("tls_client_ca_file", "--tls-client-ca-file", "LEMIX_GATEWAY_TLS_CLIENT_CA_FILE",
-            str, "mTLS: require client certificates signed by this PEM CA (\"\" = none)",
-            "FILE"),
-)  # fmt: skip
+    Option(
+        "tls_cert_file",
+        "--tls-cert-file",
+        "LEMIX_GATEWAY_TLS_CERT_FILE",
+        str,
+        "PEM certificate (chain) for TLS on the gRPC and HTTP ports, with "
+        '--tls-key-file ("" = plaintext; /metrics stays plain HTTP)',
+        "FILE",
+    ),
+    Option(
+        "tls_key_file",
+        "--tls-key-file",
+        "LEMIX_GATEWAY_TLS_KEY_FILE",
+        str,
+        "PEM private key of --tls-cert-file (unencrypted)",
+        "FILE",
+    ),
+    Option(
+        "tls_client_ca_file",
+        "--tls-client-ca-file",
+        "LEMIX_GATEWAY_TLS_CLIENT_CA_FILE",
+        str,
+        'mTLS: require client certificates signed by this PEM CA ("" = none)',
+        "FILE",
+    ),
+)
 
-_CLI_DEFAULTS: dict[str, Any] = {"port": CLI_DEFAULT_PORT, "http_port": CLI_DEFAULT_HTTP_PORT,
-                                 "metrics_port": 0}
+_CLI_DEFAULTS: dict[str, Any] = {
+    "port": CLI_DEFAULT_PORT,
+    "http_port": CLI_DEFAULT_HTTP_PORT,
+    "metrics_port": 0,
+}
 
 
 def build_parser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
     """The gateway's flags; every default is None so env and defaults can apply."""
     return settings.build_parser(
-        GatewayConfig, _OPTIONS, prog=prog, cli_defaults=_CLI_DEFAULTS,
+        GatewayConfig,
+        _OPTIONS,
+        prog=prog,
+        cli_defaults=_CLI_DEFAULTS,
         description="LeMix gateway: the public gRPC API (Generate, Train, GetStats) and "
-        "the OpenAI-compatible HTTP API.")
+        "the OpenAI-compatible HTTP API.",
+    )
 
 
 def from_env_and_args(
     argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 ) -> GatewayConfig:
     """Build the config from `argv` and `env` (see lemix.infra.settings)."""
-    return settings.parse_settings(GatewayConfig, build_parser(), _OPTIONS, argv, env,
-                                   _CLI_DEFAULTS)
+    return settings.parse_settings(
+        GatewayConfig, build_parser(), _OPTIONS, argv, env, _CLI_DEFAULTS
+    )

@@ -129,8 +129,7 @@ class GatewayCore:
         self.tokenizer = tokenizer
         self.clock = clock
         self.counters = BatchedCounters(store)
-        self.leases = StreamLeases(store, gateway_id or new_gateway_id(),
-                                   config.stream_lease_ttl_s)
+        self.leases = StreamLeases(store, gateway_id or new_gateway_id(), config.stream_lease_ttl_s)
         self._upkeep = Upkeep(self.counters, self.leases, flush_s=config.stats_flush_s)
         self._num_in_flight = 0
         self._idle = asyncio.Event()
@@ -162,16 +161,19 @@ class GatewayCore:
 
     # ============================================================ operations
 
-    async def admit(self, request: gateway_pb2.GenerateRequest, *,
-                    scope: str = ANONYMOUS_SCOPE) -> tuple[Task, TaskPayload]:  # fmt: skip
+    async def admit(
+        self, request: gateway_pb2.GenerateRequest, *, scope: str = ANONYMOUS_SCOPE
+    ) -> tuple[Task, TaskPayload]:
         """Count and validate a Generate request from a caller in `scope`
         (`gateway.validate.client_scope`); raises `InvalidArgument`. No I/O."""
         self.counters.add(REQUESTS_RECEIVED)
         try:
             return validate_generate(
-                request, tokenizer=self.tokenizer,
-                max_context_tokens=self.config.max_context_tokens, scope=scope,
-            )  # fmt: skip
+                request,
+                tokenizer=self.tokenizer,
+                max_context_tokens=self.config.max_context_tokens,
+                scope=scope,
+            )
         except InvalidArgument:
             self.counters.add(REQUESTS_REJECTED_INVALID)
             raise
@@ -226,19 +228,22 @@ class GatewayCore:
                     self.leases.release(task.task_id, drop=is_submitted)
                 self._release_slot()
 
-    async def train(self, request: gateway_pb2.TrainRequest, *,
-                    scope: str = ANONYMOUS_SCOPE) -> list[str]:  # fmt: skip
+    async def train(
+        self, request: gateway_pb2.TrainRequest, *, scope: str = ANONYMOUS_SCOPE
+    ) -> list[str]:
         """Validate and submit training samples; the task ids once every one is
         durable. Raises domain errors."""
         self.counters.add(TRAIN_REQUESTS_RECEIVED)
         config = self.config
         try:
             tasks = validate_train(
-                request, tokenizer=self.tokenizer, max_context_tokens=config.max_context_tokens,
+                request,
+                tokenizer=self.tokenizer,
+                max_context_tokens=config.max_context_tokens,
                 max_samples=config.max_train_samples,
                 max_train_batch_size=config.max_train_batch_size,
                 scope=scope,
-            )  # fmt: skip
+            )
         except InvalidArgument:
             self.counters.add(REQUESTS_REJECTED_INVALID)
             raise
@@ -385,7 +390,8 @@ class GatewayCore:
             left_s = deadline_s - self.clock()
             try:
                 entries = await self.store.read_output(
-                    task_id, last_id, block_ms=max(1, round(left_s * 1000)))
+                    task_id, last_id, block_ms=max(1, round(left_s * 1000))
+                )
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 left_s = deadline_s - self.clock()
                 if left_s <= 0:
@@ -393,8 +399,13 @@ class GatewayCore:
                         f"state store (Redis) unavailable for {timeout_s:g} s while "
                         f"streaming task {task_id} ({exc}); it was cancelled, retry it"
                     ) from exc
-                log.warning("gateway.stream_read_retry", task_id=task_id, last_id=last_id,
-                            retry_s=retry_s, error=str(exc))  # fmt: skip
+                log.warning(
+                    "gateway.stream_read_retry",
+                    task_id=task_id,
+                    last_id=last_id,
+                    retry_s=retry_s,
+                    error=str(exc),
+                )
                 await asyncio.sleep(min(retry_s, left_s))
                 retry_s = min(2 * retry_s, READ_RETRY_CAP_S)
                 continue
@@ -413,12 +424,21 @@ class GatewayCore:
         try:
             await self.scheduler.Cancel(request, timeout=self.config.cancel_deadline_s)
         except grpc.aio.AioRpcError as err:
-            log.warning("gateway.cancel_failed", task_id=task_id, reason=reason,
-                        code=err.code().name, error=err.details())  # fmt: skip
+            log.warning(
+                "gateway.cancel_failed",
+                task_id=task_id,
+                reason=reason,
+                code=err.code().name,
+                error=err.details(),
+            )
         except Exception as exc:  # e.g. the channel closed under us at shutdown
             # Best effort by design: the caller is already failing or gone.
-            log.warning("gateway.cancel_failed", task_id=task_id, reason=reason,
-                        error=f"{type(exc).__name__}: {exc}")  # fmt: skip
+            log.warning(
+                "gateway.cancel_failed",
+                task_id=task_id,
+                reason=reason,
+                error=f"{type(exc).__name__}: {exc}",
+            )
         else:
             log.info("gateway.cancelled", task_id=task_id, reason=reason)
 

@@ -45,8 +45,13 @@ CodeOf = Callable[[BaseException], str]
 class SloCache:
     """The SLO the scheduler published in Redis, re-read at most every `refresh_s`."""
 
-    def __init__(self, store: Store, *, refresh_s: float = SLO_REFRESH_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        refresh_s: float = SLO_REFRESH_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._store = store
         self._refresh_s = refresh_s
         self._clock = clock
@@ -119,19 +124,27 @@ class GenerateObservation:
                 self._code = self._code_of(exc)
                 raise
 
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         code = self._code if exc is None else self._code_of(exc)
         outcome = telemetry.request_outcome(code, self._ttft_s is not None)
         telemetry.observe_request("inference", outcome, code)
         is_completed = outcome == telemetry.COMPLETED
-        telemetry.observe_inference(self._ttft_s if is_completed else None,
-                                    self._e2e_s if is_completed else None, self._num_tokens,
-                                    self._slo.current)  # fmt: skip
+        telemetry.observe_inference(
+            self._ttft_s if is_completed else None,
+            self._e2e_s if is_completed else None,
+            self._num_tokens,
+            self._slo.current,
+        )
 
 
-async def observe_training(call: Awaitable[T], num_tasks: Callable[[T], int],
-                           code_of: CodeOf = code_of) -> T:  # fmt: skip
+async def observe_training(
+    call: Awaitable[T], num_tasks: Callable[[T], int], code_of: CodeOf = code_of
+) -> T:
     """Await one Train call and count it: its `num_tasks(result)` tasks
     `accepted`, or the call rejected/failed/cancelled."""
     try:
@@ -169,8 +182,9 @@ def observe_generate(
     statuses."""
 
     @functools.wraps(method)
-    async def wrapper(self: _Observed, request: Any,
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def wrapper(
+        self: _Observed, request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
         async with GenerateObservation(self.slo, _grpc_code_of(context)) as observation:
             responses = observation.watch(method(self, request, context))
             async with contextlib.aclosing(responses):
@@ -187,8 +201,10 @@ def observe_train(
 
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await observe_training(method(self, request, context),
-                                      lambda response: len(response.task_ids),
-                                      _grpc_code_of(context))  # fmt: skip
+        return await observe_training(
+            method(self, request, context),
+            lambda response: len(response.task_ids),
+            _grpc_code_of(context),
+        )
 
     return wrapper

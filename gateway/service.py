@@ -60,7 +60,6 @@ def _host_port(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-
 def load_tokenizer(name: str) -> Tokenizer:
     """The tokenizer a config names: "approx" (the emulated stand-in),
     "bpe:<vocab_size>", a tokenizer.json file or a model directory
@@ -70,6 +69,7 @@ def load_tokenizer(name: str) -> Tokenizer:
     from lemix.model.tokenizer import load_tokenizer as load_real_tokenizer
 
     return load_real_tokenizer(name)
+
 
 class GatewayService:
     """The gateway process's parts: gRPC server (Gateway + health + reflection),
@@ -152,27 +152,29 @@ class GatewayService:
         config = self.config
         tls: ServerTls | None = None
         if config.is_tls_enabled:
-            tls = load_server_tls(config.tls_cert_file, config.tls_key_file,
-                                  config.tls_client_ca_file)
+            tls = load_server_tls(
+                config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file
+            )
         tokenizer = self._tokenizer or load_tokenizer(config.tokenizer)
         try:
             # Output reads block (XREAD BLOCK) up to the stream idle timeout, so
             # the socket timeout must outlast it; every in-flight stream holds a
             # connection while it waits, so the (blocking) pool is sized from
             # the in-flight bound.
-            self._redis = connect(RedisClientConfig(
-                url=config.redis_url,
-                max_connections=config.max_in_flight + REDIS_SPARE_CONNECTIONS,
-                socket_timeout_s=config.stream_idle_timeout_s + REDIS_READ_SLACK_S,
-                connect_timeout_s=REDIS_CONNECT_TIMEOUT_S,
-            ))  # fmt: skip
+            self._redis = connect(
+                RedisClientConfig(
+                    url=config.redis_url,
+                    max_connections=config.max_in_flight + REDIS_SPARE_CONNECTIONS,
+                    socket_timeout_s=config.stream_idle_timeout_s + REDIS_READ_SLACK_S,
+                    connect_timeout_s=REDIS_CONNECT_TIMEOUT_S,
+                )
+            )
             try:
                 await self._redis.ping()
             except RedisError as exc:
                 raise OSError(f"cannot reach Redis at {config.redis_url}: {exc}") from exc
             store = Store(self._redis, RedisKeys(config.namespace))
-            self._channel = channel(config.scheduler_address,
-                                    service_token=config.service_token)
+            self._channel = channel(config.scheduler_address, service_token=config.service_token)
             core = GatewayCore(
                 config, store, scheduler_pb2_grpc.SchedulerStub(self._channel), tokenizer
             )
@@ -189,10 +191,12 @@ class GatewayService:
             )
             api = HttpApi(core, config, is_serving=lambda: self._is_serving, slo=slo)
             self._http, self._http_port = await start_http(
-                api.app(), config.host, config.http_port,
+                api.app(),
+                config.host,
+                config.http_port,
                 shutdown_timeout_s=config.shutdown_grace_s,
                 ssl_context=tls.ssl_context if tls is not None else None,
-            )  # fmt: skip
+            )
         except BaseException:
             if self._server is not None:
                 server, self._server = self._server, None
@@ -200,10 +204,16 @@ class GatewayService:
             await self._close_clients()
             raise
         self._is_serving = True
-        log.info("gateway.started", address=self.address, http=self.http_url,
-                 grpc_scheme="grpcs" if tls is not None else "grpc", tls=self.tls_mode,
-                 scheduler=config.scheduler_address, namespace=config.namespace,
-                 max_in_flight=config.max_in_flight)  # fmt: skip
+        log.info(
+            "gateway.started",
+            address=self.address,
+            http=self.http_url,
+            grpc_scheme="grpcs" if tls is not None else "grpc",
+            tls=self.tls_mode,
+            scheduler=config.scheduler_address,
+            namespace=config.namespace,
+            max_in_flight=config.max_in_flight,
+        )
 
     async def stop(self) -> None:
         """NOT_SERVING, then in-flight streams (gRPC and HTTP) get

@@ -37,8 +37,9 @@ def _gone_reason(context: grpc.aio.ServicerContext) -> str:
 
 def _scope(context: grpc.aio.ServicerContext) -> str:
     """The caller's idempotency scope, from its metadata (`gateway.validate`)."""
-    return scope_from_headers({str(key): str(value)
-                               for key, value in context.invocation_metadata() or ()})
+    return scope_from_headers(
+        {str(key): str(value) for key, value in context.invocation_metadata() or ()}
+    )
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):

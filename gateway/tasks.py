@@ -66,9 +66,20 @@ CANCELLED_PREFIX = "CANCELLED:"
 IN_INTAKE_REASON = "in the intake stream: no scheduler has taken it yet"
 # The state-hash fields a TaskInfo is built from (never the payload).
 INFO_FIELDS = (
-    "kind", "status", "reason", "is_final", "node_id", "submit_t", "queued_t", "placed_t",
-    "finish_t", "num_output_tokens", "training_loss", "weight_version", "inference_loss",
-)  # fmt: skip
+    "kind",
+    "status",
+    "reason",
+    "is_final",
+    "node_id",
+    "submit_t",
+    "queued_t",
+    "placed_t",
+    "finish_t",
+    "num_output_tokens",
+    "training_loss",
+    "weight_version",
+    "inference_loss",
+)
 
 _STATUS_STATES: dict[str, gateway_pb2.TaskState] = {
     "queued": gateway_pb2.TASK_STATE_QUEUED,
@@ -105,8 +116,9 @@ def task_info(task_id: str, stored: StoredTask) -> gateway_pb2.TaskInfo | None:
     if not fields:
         if not stored.is_submitted:
             return None
-        return gateway_pb2.TaskInfo(task_id=task_id, state=gateway_pb2.TASK_STATE_QUEUED,
-                                    reason=IN_INTAKE_REASON)
+        return gateway_pb2.TaskInfo(
+            task_id=task_id, state=gateway_pb2.TASK_STATE_QUEUED, reason=IN_INTAKE_REASON
+        )
     state = _state_of(fields, stored.has_output)
     info = gateway_pb2.TaskInfo(
         task_id=task_id,
@@ -149,11 +161,13 @@ def check_task_id(what: str, task_id: str) -> str:
     if not task_id:
         raise InvalidArgument(f"{what} is empty: pass a task id (from Train or Generate)")
     if len(task_id) > MAX_TASK_ID_CHARS:
-        raise InvalidArgument(f"{what} is {len(task_id)} characters; task ids have at most "
-                              f"{MAX_TASK_ID_CHARS}")  # fmt: skip
+        raise InvalidArgument(
+            f"{what} is {len(task_id)} characters; task ids have at most {MAX_TASK_ID_CHARS}"
+        )
     if any(ch.isspace() or not ch.isprintable() for ch in task_id):
-        raise InvalidArgument(f"{what} must not contain whitespace or control characters: "
-                              f"{task_id!r}")  # fmt: skip
+        raise InvalidArgument(
+            f"{what} must not contain whitespace or control characters: {task_id!r}"
+        )
     return task_id
 
 
@@ -161,8 +175,13 @@ class TaskReader:
     """Reads task states from a `Store`. `clock` is wall-clock epoch seconds
     (the services stamp task times with it); `sleep` waits between polls."""
 
-    def __init__(self, store: Store, *, clock: Callable[[], float] = time.time,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
         self.store = store
         self.clock = clock
         self.sleep = sleep
@@ -173,15 +192,19 @@ class TaskReader:
         (stored,) = await self._redis(self.store.get_task_states([task_id], INFO_FIELDS))
         info = task_info(task_id, stored)
         if info is None:
-            raise NotFound(f"task {task_id!r} is unknown: this stack never acknowledged it, "
-                           "or its record expired")  # fmt: skip
+            raise NotFound(
+                f"task {task_id!r} is unknown: this stack never acknowledged it, "
+                "or its record expired"
+            )
         return info
 
     async def get_many(self, task_ids: Sequence[str]) -> list[gateway_pb2.TaskInfo]:
         """States in order (UNKNOWN for an unknown id), one round trip."""
         stored = await self._redis(self.store.get_task_states(task_ids, INFO_FIELDS))
-        return [task_info(task_id, s) or unknown_info(task_id)
-                for task_id, s in zip(task_ids, stored, strict=True)]
+        return [
+            task_info(task_id, s) or unknown_info(task_id)
+            for task_id, s in zip(task_ids, stored, strict=True)
+        ]
 
     async def watch(
         self, request: gateway_pb2.WatchTasksRequest, time_remaining_s: Callable[[], float | None]
@@ -192,8 +215,9 @@ class TaskReader:
         task_ids = check_watch_ids(request.task_ids)
         poll_s = _poll_interval_s(request.poll_interval_s)
         if not math.isfinite(request.timeout_s) or request.timeout_s < 0:
-            raise InvalidArgument(f"timeout_s must be >= 0 (0 = the call's deadline), "
-                                  f"got {request.timeout_s}")  # fmt: skip
+            raise InvalidArgument(
+                f"timeout_s must be >= 0 (0 = the call's deadline), got {request.timeout_s}"
+            )
         end_s = time.monotonic() + request.timeout_s if request.timeout_s else math.inf
         last: dict[str, gateway_pb2.TaskInfo] = {}
         pending = list(task_ids)
@@ -225,7 +249,8 @@ class TaskReader:
         cursor = 0
         while True:
             cursor, batch = await self._redis(
-                self.store.scan_task_states(cursor, INFO_FIELDS, AUDIT_SCAN_COUNT))
+                self.store.scan_task_states(cursor, INFO_FIELDS, AUDIT_SCAN_COUNT)
+            )
             num_scanned += len(batch)
             for task_id, fields in batch:
                 if task_id in oldest.task_ids:
@@ -247,16 +272,23 @@ class TaskReader:
             task_id = fields.get("task_id", "")
             at_s = get_optional_float(fields, "submit_t") or _entry_time_s(entry_id)
             if task_id and task_id not in oldest.task_ids and at_s <= cutoff_s:
-                oldest.add(at_s, gateway_pb2.TaskInfo(
-                    task_id=task_id,
-                    kind=_KINDS.get(fields.get("kind", ""), common_pb2.TASK_KIND_UNSPECIFIED),
-                    state=gateway_pb2.TASK_STATE_QUEUED, reason=IN_INTAKE_REASON,
-                    submitted_at_s=at_s))
+                oldest.add(
+                    at_s,
+                    gateway_pb2.TaskInfo(
+                        task_id=task_id,
+                        kind=_KINDS.get(fields.get("kind", ""), common_pb2.TASK_KIND_UNSPECIFIED),
+                        state=gateway_pb2.TASK_STATE_QUEUED,
+                        reason=IN_INTAKE_REASON,
+                        submitted_at_s=at_s,
+                    ),
+                )
         tasks = oldest.take()
         return gateway_pb2.AuditReply(
-            tasks=tasks, num_scanned=num_scanned,
+            tasks=tasks,
+            num_scanned=num_scanned,
             # limit+1 intake entries read: if all matched, num_matched says so.
-            is_truncated=oldest.num_matched > len(tasks))
+            is_truncated=oldest.num_matched > len(tasks),
+        )
 
     async def _redis(self, awaitable: Awaitable[T]) -> T:
         try:
@@ -270,8 +302,10 @@ def check_watch_ids(task_ids: Sequence[str]) -> list[str]:
     if not task_ids:
         raise InvalidArgument("task_ids is empty: pass the ids to watch")
     if len(task_ids) > MAX_WATCH_TASKS:
-        raise InvalidArgument(f"{len(task_ids)} task ids; at most {MAX_WATCH_TASKS} per call "
-                              "(split them over several calls)")  # fmt: skip
+        raise InvalidArgument(
+            f"{len(task_ids)} task ids; at most {MAX_WATCH_TASKS} per call "
+            "(split them over several calls)"
+        )
     seen: set[str] = set()
     for i, task_id in enumerate(task_ids):
         check_task_id(f"task_ids[{i}]", task_id)
@@ -308,8 +342,10 @@ def _poll_interval_s(value: float) -> float:
     if not value:
         return DEFAULT_POLL_INTERVAL_S
     if not math.isfinite(value) or value < MIN_POLL_INTERVAL_S:
-        raise InvalidArgument(f"poll_interval_s must be >= {MIN_POLL_INTERVAL_S} "
-                              f"(0 = {DEFAULT_POLL_INTERVAL_S}), got {value}")  # fmt: skip
+        raise InvalidArgument(
+            f"poll_interval_s must be >= {MIN_POLL_INTERVAL_S} "
+            f"(0 = {DEFAULT_POLL_INTERVAL_S}), got {value}"
+        )
     return value
 
 

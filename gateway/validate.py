@@ -69,8 +69,10 @@ def scope_from_headers(headers: Mapping[str, str]) -> str:
     or a case-insensitive mapping): ``authorization: Bearer <key>`` and
     ``x-client-id``."""
     scheme, _, api_key = (headers.get(AUTHORIZATION_HEADER) or "").partition(" ")
-    return client_scope(api_key=api_key.strip() if scheme.lower() == "bearer" else "",
-                        client_id=(headers.get(CLIENT_ID_HEADER) or "").strip())
+    return client_scope(
+        api_key=api_key.strip() if scheme.lower() == "bearer" else "",
+        client_id=(headers.get(CLIENT_ID_HEADER) or "").strip(),
+    )
 
 
 def scoped_task_id(request_id: str, scope: str) -> str:
@@ -90,8 +92,9 @@ def _check_id(what: str, value: str) -> str:
             f"{what} is {len(value)} characters; the limit is {MAX_REQUEST_ID_CHARS}"
         )
     if any(ch.isspace() or not ch.isprintable() for ch in value):
-        raise InvalidArgument(f"{what} must not contain whitespace or control characters: "
-                              f"{value!r}")  # fmt: skip
+        raise InvalidArgument(
+            f"{what} must not contain whitespace or control characters: {value!r}"
+        )
     return value
 
 
@@ -122,7 +125,10 @@ def _text_ids(tokenizer: Tokenizer, text: str) -> tuple[int, ...]:
 
 
 def validate_generate(
-    request: gateway_pb2.GenerateRequest, *, tokenizer: Tokenizer, max_context_tokens: int,
+    request: gateway_pb2.GenerateRequest,
+    *,
+    tokenizer: Tokenizer,
+    max_context_tokens: int,
     scope: str = ANONYMOUS_SCOPE,
 ) -> tuple[Task, TaskPayload]:
     """A `GenerateRequest` as the inference `Task` (arrival_s 0: the scheduler
@@ -202,9 +208,7 @@ def _sample_tokens(
         ids = () if tokenizer.is_emulated else (*query_ids, *reference_ids)
         reference = () if tokenizer.is_emulated else tuple(reference_ids)
     else:
-        raise InvalidArgument(
-            f"{where} is empty: send query and/or reference text, or token_ids"
-        )
+        raise InvalidArgument(f"{where} is empty: send query and/or reference text, or token_ids")
     if num_tokens > max_context_tokens:
         raise InvalidArgument(
             f"{where} has {num_tokens} tokens; the context limit is {max_context_tokens} "
@@ -237,7 +241,10 @@ def _check_sample_ids(samples: Sequence[gateway_pb2.TrainSample]) -> None:
 
 
 def validate_train(
-    request: gateway_pb2.TrainRequest, *, tokenizer: Tokenizer, max_context_tokens: int,
+    request: gateway_pb2.TrainRequest,
+    *,
+    tokenizer: Tokenizer,
+    max_context_tokens: int,
     max_samples: int = DEFAULT_MAX_TRAIN_SAMPLES,
     max_train_batch_size: int = DEFAULT_MAX_TRAIN_BATCH_SIZE,
     scope: str = ANONYMOUS_SCOPE,
@@ -273,8 +280,9 @@ def validate_train(
     for start in range(0, len(samples), batch_size):
         batch = sizes[start : start + batch_size]
         task = Task(
-            task_id=_training_task_id([s.sample_id for s in samples[start : start + batch_size]],
-                                      scope),
+            task_id=_training_task_id(
+                [s.sample_id for s in samples[start : start + batch_size]], scope
+            ),
             kind=TaskKind.TRAINING,
             arrival_s=0.0,
             num_prompt_tokens=max(num_tokens for num_tokens, _, _ in batch),
@@ -289,6 +297,7 @@ def validate_train(
             payload = TaskPayload(
                 prompt_token_ids=tuple(i for _, ids, _ in batch for i in ids),
                 sample_lengths=tuple(len(ids) for _, ids, _ in batch),
-                reference_lengths=tuple(len(reference) for _, _, reference in batch))
+                reference_lengths=tuple(len(reference) for _, _, reference in batch),
+            )
         tasks.append((task, payload))
     return tasks

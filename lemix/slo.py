@@ -36,8 +36,9 @@ def compute_slo(profile: Profile, tasks: Sequence[Task], config: SloConfig) -> S
     inference = [t for t in tasks if t.kind is TaskKind.INFERENCE]
     if inference:
         prompt = int(statistics.median(t.num_prompt_tokens for t in inference))
-        context = int(statistics.median(t.num_prompt_tokens + t.max_output_tokens // 2
-                                        for t in inference))
+        context = int(
+            statistics.median(t.num_prompt_tokens + t.max_output_tokens // 2 for t in inference)
+        )
     else:
         prompt, context = 512, 512
     return Slo(

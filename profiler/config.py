@@ -81,19 +81,23 @@ class ProfilerConfig:
             )
         RedisKeys(self.namespace)  # raises ValueError naming the problem
         if not (math.isfinite(self.measure_deadline_s) and self.measure_deadline_s > 0):
-            raise ValueError(f"measure_deadline_s must be a finite number > 0, "
-                             f"got {self.measure_deadline_s}")  # fmt: skip
+            raise ValueError(
+                f"measure_deadline_s must be a finite number > 0, got {self.measure_deadline_s}"
+            )
         if not (math.isfinite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0):
-            raise ValueError(f"shutdown_grace_s must be a finite number >= 0, "
-                             f"got {self.shutdown_grace_s}")  # fmt: skip
+            raise ValueError(
+                f"shutdown_grace_s must be a finite number >= 0, got {self.shutdown_grace_s}"
+            )
         self.fit_config()  # checks holdout_fraction
         check_service_token(self.service_token)
         if self.log_level not in LOG_LEVELS:
-            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, "
-                             f"got {self.log_level!r}")  # fmt: skip
+            raise ValueError(
+                f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
+            )
         if self.log_format not in LOG_FORMATS:
-            raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, "
-                             f"got {self.log_format!r}")  # fmt: skip
+            raise ValueError(
+                f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}"
+            )
 
     def fit_config(self) -> FitConfig:
         return FitConfig(holdout_fraction=self.holdout_fraction, seed=self.seed)
@@ -109,25 +113,55 @@ class ProfilerConfig:
 _OPTIONS: tuple[Option, ...] = (
     Option("host", "--host", "LEMIX_PROFILER_HOST", str, "address to bind"),
     Option("port", "--port", "LEMIX_PROFILER_PORT", int, "port to bind (0 = any free port)"),
-    Option("metrics_port", "--metrics-port", "LEMIX_PROFILER_METRICS_PORT", port_or_off,
-            "Prometheus /metrics port (0 = any free port, -1 = off)"),
+    Option(
+        "metrics_port",
+        "--metrics-port",
+        "LEMIX_PROFILER_METRICS_PORT",
+        port_or_off,
+        "Prometheus /metrics port (0 = any free port, -1 = off)",
+    ),
     Option("redis_url", "--redis-url", "LEMIX_REDIS_URL", str, "Redis where profiles are stored"),
-    Option("namespace", "--namespace", "LEMIX_NAMESPACE", str,
-            "Redis key prefix shared by the stack's services"),
-    Option("base_profile_path", "--base-profile", "LEMIX_PROFILE", str,
-            "profile JSON whose memory/transfer/optimizer figures fitted profiles keep "
-            "(default: the shipped A100 one)"),
-    Option("measure_deadline_s", "--measure-deadline-s", "LEMIX_PROFILER_MEASURE_DEADLINE_S",
-            float, "deadline of one executor Measure call, seconds"),
-    Option("holdout_fraction", "--holdout-fraction", "LEMIX_PROFILER_HOLDOUT_FRACTION", float,
-            "share of grid points held out to score the fits"),
+    Option(
+        "namespace",
+        "--namespace",
+        "LEMIX_NAMESPACE",
+        str,
+        "Redis key prefix shared by the stack's services",
+    ),
+    Option(
+        "base_profile_path",
+        "--base-profile",
+        "LEMIX_PROFILE",
+        str,
+        "profile JSON whose memory/transfer/optimizer figures fitted profiles keep "
+        "(default: the shipped A100 one)",
+    ),
+    Option(
+        "measure_deadline_s",
+        "--measure-deadline-s",
+        "LEMIX_PROFILER_MEASURE_DEADLINE_S",
+        float,
+        "deadline of one executor Measure call, seconds",
+    ),
+    Option(
+        "holdout_fraction",
+        "--holdout-fraction",
+        "LEMIX_PROFILER_HOLDOUT_FRACTION",
+        float,
+        "share of grid points held out to score the fits",
+    ),
     Option("seed", "--seed", "LEMIX_PROFILER_SEED", int, "seed of the held-out split"),
-    Option("shutdown_grace_s", "--shutdown-grace-s", "LEMIX_SHUTDOWN_GRACE_S", float,
-            "on stop, in-flight RunProfile calls get this long, seconds"),
+    Option(
+        "shutdown_grace_s",
+        "--shutdown-grace-s",
+        "LEMIX_SHUTDOWN_GRACE_S",
+        float,
+        "on stop, in-flight RunProfile calls get this long, seconds",
+    ),
     Option("log_level", "--log-level", "LEMIX_LOG_LEVEL", str, "/".join(LOG_LEVELS)),
     Option("log_format", "--log-format", "LEMIX_LOG_FORMAT", str, "/".join(LOG_FORMATS)),
     SERVICE_TOKEN_OPTION,
-)  # fmt: skip
+)
 
 # `python -m profiler` serves metrics unless told not to.
 _CLI_DEFAULTS: dict[str, Any] = {"metrics_port": 0}
@@ -136,14 +170,19 @@ _CLI_DEFAULTS: dict[str, Any] = {"metrics_port": 0}
 def build_parser(prog: str = "python -m profiler") -> argparse.ArgumentParser:
     """The profiler's flags; every default is None so env and defaults can apply."""
     return settings.build_parser(
-        ProfilerConfig, _OPTIONS, prog=prog, cli_defaults=_CLI_DEFAULTS,
+        ProfilerConfig,
+        _OPTIONS,
+        prog=prog,
+        cli_defaults=_CLI_DEFAULTS,
         description="LeMix profiler: measures executors over a (C, l) grid and fits the "
-        "latency models.")
+        "latency models.",
+    )
 
 
 def from_env_and_args(
     argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 ) -> ProfilerConfig:
     """Build the config from `argv` and `env` (see lemix.infra.settings)."""
-    return settings.parse_settings(ProfilerConfig, build_parser(), _OPTIONS, argv, env,
-                                   _CLI_DEFAULTS)
+    return settings.parse_settings(
+        ProfilerConfig, build_parser(), _OPTIONS, argv, env, _CLI_DEFAULTS
+    )

@@ -62,5 +62,6 @@ def profile_json(run: ProfileRun) -> str:
 
 
 def run_to_proto(run: ProfileRun) -> profiler_pb2.RunProfileResponse:
-    return profiler_pb2.RunProfileResponse(profile_json=profile_json(run),
-                                           fit_report_json=json.dumps(run.report))
+    return profiler_pb2.RunProfileResponse(
+        profile_json=profile_json(run), fit_report_json=json.dumps(run.report)
+    )

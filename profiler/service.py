@@ -71,15 +71,23 @@ class ProfilerService:
         config = self.config
         base = self._base or load_profile(config.resolved_base_profile_path)
         # Profile writes and reads, one RPC at a time; writes only (no blocking read).
-        self._redis = connect(RedisClientConfig(
-            config.redis_url, max_connections=4, socket_timeout_s=30.0))
+        self._redis = connect(
+            RedisClientConfig(config.redis_url, max_connections=4, socket_timeout_s=30.0)
+        )
         await self._redis.ping()
         store = Store(self._redis, RedisKeys(config.namespace))
-        core = ProfilerCore(store, base, config.fit_config(), config.measure_deadline_s,
-                            service_token=config.service_token)
+        core = ProfilerCore(
+            store,
+            base,
+            config.fit_config(),
+            config.measure_deadline_s,
+            service_token=config.service_token,
+        )
         self._server, self._bound_port, self._health = await start_server(
             [(profiler_pb2_grpc.add_ProfilerServicer_to_server, ProfilerServicer(core))],
-            config.host, config.port, service_names=[PROFILER_SERVICE],
+            config.host,
+            config.port,
+            service_names=[PROFILER_SERVICE],
             service_token=config.service_token,
         )
         log.info("profiler.started", address=self.address, base_profile=base.name)

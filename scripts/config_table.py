@@ -27,8 +27,7 @@ END = "<!-- config-table:end -->"
 # (service, entry point, config module, config class)
 SERVICES = (
     ("gateway", "python -m gateway", "gateway.config", "GatewayConfig"),
-    ("scheduler", "python -m services.scheduler", "services.scheduler.config",
-     "SchedulerConfig"),
+    ("scheduler", "python -m services.scheduler", "services.scheduler.config", "SchedulerConfig"),
     ("executor", "python -m services.executor", "services.executor.config", "ExecutorConfig"),
     ("profiler", "python -m profiler", "profiler.config", "ProfilerConfig"),
 )
@@ -57,8 +56,10 @@ def service_table(module_name: str, class_name: str) -> list[str]:
         flag = f"`{opt.flag}`"
         if opt.parse.__name__ == "boolean":
             flag = f"`{opt.flag}` / `--no-{opt.flag[2:]}`"
-        rows.append(f"| `{opt.field}` | {flag} | `{opt.env}` | "
-                    f"{_cell(_default_text(defaults[opt.field]))} | {_cell(opt.help)} |")
+        rows.append(
+            f"| `{opt.field}` | {flag} | `{opt.env}` | "
+            f"{_cell(_default_text(defaults[opt.field]))} | {_cell(opt.help)} |"
+        )
     return rows
 
 

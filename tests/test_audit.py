@@ -25,8 +25,15 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 async def _audit(*args: str) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of `lemix audit ARGS`."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "lemix.cli", "audit", *args, cwd=REPO_ROOT,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "lemix.cli",
+        "audit",
+        *args,
+        cwd=REPO_ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(process.communicate(), 60)
     assert process.returncode is not None
     return process.returncode, out.decode(), err.decode()
@@ -35,16 +42,18 @@ async def _audit(*args: str) -> tuple[int, str, str]:
 @pytest.fixture
 async def slow_stack(redis_server: EmbeddedRedis, tmp_path: Path) -> AsyncIterator[TaskStack]:
     """One node 1,000x slower than the profile: training stays placed on it."""
-    stack = await start_stack(redis_server.url, f"audit-{uuid.uuid4().hex[:8]}", tmp_path,
-                              time_scale=100.0)
+    stack = await start_stack(
+        redis_server.url, f"audit-{uuid.uuid4().hex[:8]}", tmp_path, time_scale=100.0
+    )
     try:
         yield stack
     finally:
         await stack.close()
 
 
-async def test_audit_exit_status_follows_what_it_finds(slow_stack: TaskStack,
-                                                       tmp_path: Path) -> None:
+async def test_audit_exit_status_follows_what_it_finds(
+    slow_stack: TaskStack, tmp_path: Path
+) -> None:
     target = slow_stack.gateways[0].address
     status, out, err = await _audit("--target", target, "--older-than", "0")
     assert (status, err) == (0, "") and "no non-final task older than 0 s" in out
@@ -52,8 +61,9 @@ async def test_audit_exit_status_follows_what_it_finds(slow_stack: TaskStack,
     async with channel(target) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
         sample = gateway_pb2.TrainSample(sample_id="audit-0", token_ids=[7] * 200)
-        (task_id,) = (await stub.Train(gateway_pb2.TrainRequest(samples=[sample]),
-                                       timeout=10)).task_ids
+        (task_id,) = (
+            await stub.Train(gateway_pb2.TrainRequest(samples=[sample]), timeout=10)
+        ).task_ids
 
         async def is_placed() -> bool:
             info = await stub.GetTask(gateway_pb2.GetTaskRequest(task_id=task_id), timeout=5)
@@ -62,8 +72,7 @@ async def test_audit_exit_status_follows_what_it_finds(slow_stack: TaskStack,
         await eventually(is_placed, what=f"{task_id} placed")
 
     out_json = tmp_path / "audit" / "stuck.json"
-    status, out, _ = await _audit("--target", target, "--older-than", "0", "--json",
-                                  str(out_json))
+    status, out, _ = await _audit("--target", target, "--older-than", "0", "--json", str(out_json))
     assert status == 1
     assert task_id in out and "placed" in out and "1 non-final task(s) older than 0 s" in out
     body = json.loads(out_json.read_text())

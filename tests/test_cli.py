@@ -16,15 +16,45 @@ from lemix.report.compare import run_sweep
 
 # DESIGN.md "Metrics JSON", spelled out so a silent rename fails here.
 DESIGN_KEYS = [
-    "policy", "seed", "request_rate", "train_rate", "duration_s", "num_inference",
-    "num_training", "num_completed_inference", "num_completed_training", "num_rejected",
-    "num_lost", "throughput_tasks_s", "throughput_tokens_s", "goodput_rps", "slo_attainment",
-    "ttft_s", "tbt_s", "e2e_s", "utilization", "inference_loss", "decision_latency_us",
-    "serving_staleness_updates", "throughput_tasks_s_paper",
-]  # fmt: skip
+    "policy",
+    "seed",
+    "request_rate",
+    "train_rate",
+    "duration_s",
+    "num_inference",
+    "num_training",
+    "num_completed_inference",
+    "num_completed_training",
+    "num_rejected",
+    "num_lost",
+    "throughput_tasks_s",
+    "throughput_tokens_s",
+    "goodput_rps",
+    "slo_attainment",
+    "ttft_s",
+    "tbt_s",
+    "e2e_s",
+    "utilization",
+    "inference_loss",
+    "decision_latency_us",
+    "serving_staleness_updates",
+    "throughput_tasks_s_paper",
+]
 SIM = ["sim", "--policy", "lemix", "--poisson", "2", "--duration", "20", "--train-rate", "0.3"]
-COMPARE = ["compare", "--policies", "mix-rr,lemix", "--seeds", "2", "--rates", "2",
-           "--train-rates", "0.3", "--duration", "20", "--deterministic"]  # fmt: skip
+COMPARE = [
+    "compare",
+    "--policies",
+    "mix-rr,lemix",
+    "--seeds",
+    "2",
+    "--rates",
+    "2",
+    "--train-rates",
+    "0.3",
+    "--duration",
+    "20",
+    "--deterministic",
+]
 
 
 def run_sim(tmp_path: Path, name: str, *extra: str) -> Path:
@@ -91,8 +121,10 @@ def test_profile_command_rejects_a_malformed_target(
 
 def test_console_entry_point_runs_as_a_module() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "lemix.cli", "up", "--nodes", "0"], capture_output=True,
-        text=True, timeout=60
+        [sys.executable, "-m", "lemix.cli", "up", "--nodes", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 2
     assert "--nodes must be >= 1" in done.stderr
@@ -145,8 +177,11 @@ def test_up_maps_the_redis_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert config.redis_dir == tmp_path / "run" / "redis"  # beside the logs, kept across runs
     assert config.redis_fsync == "everysec" and config.redis_password is None  # random
     monkeypatch.setenv("LEMIX_REDIS_PASSWORD", "from-the-env")
-    config = stack_config(build_parser().parse_args(
-        ["up", "--redis-dir", str(tmp_path / "r"), "--redis-fsync", "always"]))
+    config = stack_config(
+        build_parser().parse_args(
+            ["up", "--redis-dir", str(tmp_path / "r"), "--redis-fsync", "always"]
+        )
+    )
     assert (config.redis_dir, config.redis_fsync) == (tmp_path / "r", "always")
     assert config.redis_password == "from-the-env"
     assert "from-the-env" not in repr(config)

@@ -11,8 +11,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("config_table",
-                                                  REPO / "scripts" / "config_table.py")
+    spec = importlib.util.spec_from_file_location(
+        "config_table", REPO / "scripts" / "config_table.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("config_table", module)
@@ -24,13 +25,16 @@ def test_readme_configuration_matches_the_option_tables() -> None:
     script = _script()
     readme = (REPO / "README.md").read_text()
     assert script.readme_block(readme) == script.render(), (
-        "README.md's configuration tables are stale: run `python scripts/config_table.py "
-        "--write`")
+        "README.md's configuration tables are stale: run `python scripts/config_table.py --write`"
+    )
 
 
 def test_every_service_option_is_listed_with_its_env_variable() -> None:
     block = _script().render()
-    for flag, env in (("--metrics-port", "LEMIX_SCHEDULER_METRICS_PORT"),
-                      ("--metrics-port", "LEMIX_EXECUTOR_METRICS_PORT"),
-                      ("--offload", "LEMIX_OFFLOAD"), ("--policy", "LEMIX_POLICY")):
+    for flag, env in (
+        ("--metrics-port", "LEMIX_SCHEDULER_METRICS_PORT"),
+        ("--metrics-port", "LEMIX_EXECUTOR_METRICS_PORT"),
+        ("--offload", "LEMIX_OFFLOAD"),
+        ("--policy", "LEMIX_POLICY"),
+    ):
         assert f"`{flag}`" in block and f"`{env}`" in block

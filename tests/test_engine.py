@@ -88,13 +88,22 @@ class EngineDriver:
             self._push(timer, _TIMER, timer)
 
     def of(self, kind: type, task_id: str | None = None) -> list[tuple[float, Outcome]]:
-        return [(t, o) for t, o in self.outcomes
-                if isinstance(o, kind) and (task_id is None or o.task_id == task_id)]  # type: ignore[attr-defined]
+        return [
+            (t, o)
+            for t, o in self.outcomes
+            if isinstance(o, kind) and (task_id is None or o.task_id == task_id)
+        ]  # type: ignore[attr-defined]
 
 
-def make_engine(profile: Profile, *, max_wait_s: float = 2.0, is_offload_enabled: bool = True,
-                stage_order: str = "inference-first", max_batch_size: int = 8,
-                join_window_s: float | None = None) -> NodeEngine:
+def make_engine(
+    profile: Profile,
+    *,
+    max_wait_s: float = 2.0,
+    is_offload_enabled: bool = True,
+    stage_order: str = "inference-first",
+    max_batch_size: int = 8,
+    join_window_s: float | None = None,
+) -> NodeEngine:
     config = EngineConfig(
         BatchingConfig(max_batch_size=max_batch_size, join_window_s=join_window_s),
         MemoryConfig(kappa=0.9, max_wait_s=max_wait_s, is_offload_enabled=is_offload_enabled),
@@ -108,8 +117,9 @@ def make_engine(profile: Profile, *, max_wait_s: float = 2.0, is_offload_enabled
 
 def test_single_request_prefill_then_decode_with_hand_computed_timings() -> None:
     # forward = a_s + 0.001·ℓ with a = (0.01, 0.02); decode = 0.01 + 0.002·C + 0.0001·Σctx
-    profile = make_profile(forward_a_s=(0.01, 0.02), decode_d0_s=0.01, decode_d1_s=0.002,
-                           decode_d2_s=0.0001)
+    profile = make_profile(
+        forward_a_s=(0.01, 0.02), decode_d0_s=0.01, decode_d1_s=0.002, decode_d2_s=0.0001
+    )
     engine = make_engine(profile)
     driver = EngineDriver(engine)
     driver.add(make_request("r", 0.0, num_prompt_tokens=100, max_output_tokens=4))
@@ -126,7 +136,8 @@ def test_single_request_prefill_then_decode_with_hand_computed_timings() -> None
     # Stage order: every iteration visits stage 0 then stage 1.
     assert [s.stage for _, s in driver.starts] == [0, 1] * 4
     assert [t for t, _ in driver.starts] == approx(
-        [0.0, 0.11, 0.23, 0.2521, 0.2742, 0.2964, 0.3186, 0.3409])
+        [0.0, 0.11, 0.23, 0.2521, 0.2742, 0.2964, 0.3186, 0.3409]
+    )
     assert engine.is_idle
     assert engine.memory.used_bytes(0) == 1_000  # only the weights are left
     assert engine.busy_s == approx([0.11 + 0.0666, 0.12 + 0.0666])
@@ -141,11 +152,15 @@ def test_requests_join_the_running_batch_at_iteration_boundaries() -> None:
     driver.run()
     # a prefills [0, 0.2]; b arrives mid-iteration and joins the next one, which
     # prefills b (0.1 per stage) and decodes a (0.01 per stage): [0.2, 0.42].
-    assert driver.of(FirstToken) == [(approx(0.2), FirstToken("a", 0)),
-                                     (approx(0.42), FirstToken("b", 0))]
+    assert driver.of(FirstToken) == [
+        (approx(0.2), FirstToken("a", 0)),
+        (approx(0.42), FirstToken("b", 0)),
+    ]
     # b wanted one token: done at its prefill. a's third token: [0.42, 0.44].
-    assert driver.of(Finished) == [(approx(0.42), Finished("b", 1)),
-                                   (approx(0.44), Finished("a", 3))]
+    assert driver.of(Finished) == [
+        (approx(0.42), Finished("b", 1)),
+        (approx(0.44), Finished("a", 3)),
+    ]
 
 
 # ------------------------------------------------------------------ training
@@ -191,8 +206,13 @@ def test_inference_iteration_goes_before_ready_training_on_a_stage() -> None:
     # At 0.1 stage 0 frees: both t2's forward and r's iteration are ready; the
     # iteration (0.05) goes first. At 0.2 stage 1 frees with t1's backward and r's
     # iteration ready: the iteration goes first again.
-    assert starts[:5] == [(0.0, 0, 0.1), (0.1, 1, 0.1), (0.1, 0, 0.05), (0.15, 0, 0.1),
-                          (0.2, 1, 0.05)]
+    assert starts[:5] == [
+        (0.0, 0, 0.1),
+        (0.1, 1, 0.1),
+        (0.1, 0, 0.05),
+        (0.15, 0, 0.1),
+        (0.2, 1, 0.05),
+    ]
     assert driver.of(FirstToken) == [(approx(0.25), FirstToken("r", 0))]
     assert len(driver.of(Finished)) == 3
 
@@ -269,7 +289,8 @@ def test_without_offload_training_without_memory_is_requeued_not_lost() -> None:
     driver.add(make_training("t", 1.0, 400, seq=10))
     driver.run()
     assert driver.of(Requeued) == [
-        (approx(1.51), Requeued("t", "no activation memory within T_max"))]
+        (approx(1.51), Requeued("t", "no activation memory within T_max"))
+    ]
     assert engine.num_training_updates == 0
     assert engine.is_idle  # handed back to the planner, not held
     assert len(driver.of(Finished)) == 3
@@ -291,8 +312,7 @@ def test_memory_never_exceeds_the_threshold_under_mixed_pressure() -> None:
     engine = make_engine(make_tiny_memory_profile(), max_wait_s=0.3, max_batch_size=4)
     driver = EngineDriver(engine)
     for i in range(8):
-        driver.add(make_request(f"r{i}", 0.1 * i, 100 + 20 * (i % 3), 10 + 5 * (i % 4),
-                                seq=i))
+        driver.add(make_request(f"r{i}", 0.1 * i, 100 + 20 * (i % 3), 10 + 5 * (i % 4), seq=i))
         if i % 3 == 0:
             driver.add(make_training(f"t{i}", 0.1 * i + 0.05, 150 + 50 * (i % 2), seq=100 + i))
     driver.run()  # EngineDriver asserts used ≤ threshold after every step
@@ -328,9 +348,9 @@ def test_on_timer_at_next_timer_s_drops_and_requeues_after_exactly_t_max(since_s
     assert deadline == since_s + 2.0
     driver.run()
     assert driver.of(Failed) == [
-        (deadline, Failed("r", "RESOURCE_EXHAUSTED: no KV memory within T_max"))]
-    assert driver.of(Requeued) == [
-        (deadline, Requeued("t2", "no activation memory within T_max"))]
+        (deadline, Failed("r", "RESOURCE_EXHAUSTED: no KV memory within T_max"))
+    ]
+    assert driver.of(Requeued) == [(deadline, Requeued("t2", "no activation memory within T_max"))]
     assert driver.of(Finished) == [(approx(3.6), Finished("t", 0))]
 
 
@@ -342,4 +362,5 @@ def test_on_timer_with_offload_requeues_training_when_nothing_can_be_offloaded()
     driver.add(make_training("t2", 0.8, 300))
     driver.run()
     assert driver.of(Requeued) == [
-        (0.8 + 2.0, Requeued("t2", "no activation memory even after KV offload"))]
+        (0.8 + 2.0, Requeued("t2", "no activation memory even after KV offload"))
+    ]

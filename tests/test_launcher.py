@@ -39,8 +39,12 @@ async def _generate(stub: gateway_pb2_grpc.GatewayStub) -> None:
     deadline = time.monotonic() + GENERATE_DEADLINE_S
     while True:
         try:
-            messages = [m async for m in stub.Generate(
-                gateway_pb2.GenerateRequest(prompt_token_ids=[1] * 20, max_tokens=4), timeout=30)]
+            messages = [
+                m
+                async for m in stub.Generate(
+                    gateway_pb2.GenerateRequest(prompt_token_ids=[1] * 20, max_tokens=4), timeout=30
+                )
+            ]
         except grpc.aio.AioRpcError as err:
             if err.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
                 raise
@@ -55,17 +59,27 @@ def _addresses(stack: Stack) -> dict[str, tuple[str, str, str]]:
 
 
 async def test_killed_children_come_back_on_their_addresses_and_the_stack_serves(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     reports: list[str] = []
-    config = StackConfig(num_nodes=1, gateway_port=0, time_scale=TIME_SCALE,
-                         log_dir=tmp_path / "logs", namespace="sup", redis_dir=tmp_path / "redis")
-    async with Stack(config, report=reports.append) as stack, \
-            channel(stack.gateway_address) as chan:
+    config = StackConfig(
+        num_nodes=1,
+        gateway_port=0,
+        time_scale=TIME_SCALE,
+        log_dir=tmp_path / "logs",
+        namespace="sup",
+        redis_dir=tmp_path / "redis",
+    )
+    async with (
+        Stack(config, report=reports.append) as stack,
+        channel(stack.gateway_address) as chan,
+    ):
         stub = gateway_pb2_grpc.GatewayStub(chan)
         await _generate(stub)
         before = _addresses(stack)
-        assert all(address for address, metrics, _ in before.values() for address in
-                   (address, metrics))
+        assert all(
+            address for address, metrics, _ in before.values() for address in (address, metrics)
+        )
         for name in ("executor-0", "scheduler", "gateway"):
             pid = stack.pid(name)
             stack.kill(name)
@@ -76,8 +90,9 @@ async def test_killed_children_come_back_on_their_addresses_and_the_stack_serves
 
         assert stack.redis is not None
         # The client's one retry of a connection error rides over the restart.
-        client = connect(RedisClientConfig(stack.redis.url, max_connections=1,
-                                           socket_timeout_s=5.0))
+        client = connect(
+            RedisClientConfig(stack.redis.url, max_connections=1, socket_timeout_s=5.0)
+        )
         try:
             await client.set("acknowledged", "yes")
             redis_pid, redis_port = stack.redis_pid, stack.redis.port
@@ -93,17 +108,26 @@ async def test_killed_children_come_back_on_their_addresses_and_the_stack_serves
         num_reports = len(reports)
     assert not any(pid is not None and _alive(pid) for pid in pids)
     assert len(reports) == num_reports  # stopping restarted nothing
-    assert reports[0] == ("executor-0 exited (killed by SIGKILL); restarting in 0.5 s; "
-                          f"log: {tmp_path / 'logs' / 'executor-0.log'}")
+    assert reports[0] == (
+        "executor-0 exited (killed by SIGKILL); restarting in 0.5 s; "
+        f"log: {tmp_path / 'logs' / 'executor-0.log'}"
+    )
     assert "redis restarted" in reports
     assert (tmp_path / "redis" / "appendonly.aof").exists() or (
-        tmp_path / "redis" / "appendonlydir").is_dir()
+        tmp_path / "redis" / "appendonlydir"
+    ).is_dir()
 
 
 async def test_embedded_redis_requires_the_password_the_services_get(tmp_path: Path) -> None:
-    config = StackConfig(num_nodes=1, gateway_port=0, time_scale=TIME_SCALE,
-                         log_dir=tmp_path / "logs", namespace="auth", redis_fsync="always",
-                         redis_password="given-password-123")
+    config = StackConfig(
+        num_nodes=1,
+        gateway_port=0,
+        time_scale=TIME_SCALE,
+        log_dir=tmp_path / "logs",
+        namespace="auth",
+        redis_fsync="always",
+        redis_password="given-password-123",
+    )
     async with Stack(config) as stack:
         assert stack.redis is not None
         assert stack.redis.url.startswith("redis://:given-password-123@127.0.0.1:")
@@ -122,11 +146,18 @@ async def test_embedded_redis_requires_the_password_the_services_get(tmp_path: P
 
 
 async def test_a_crash_loop_fails_the_stack_with_a_clear_message(tmp_path: Path) -> None:
-    policy = RestartPolicy(initial_backoff_s=0.05, max_backoff_s=0.2, max_crashes=3,
-                           crash_window_s=60.0)
+    policy = RestartPolicy(
+        initial_backoff_s=0.05, max_backoff_s=0.2, max_crashes=3, crash_window_s=60.0
+    )
     reports: list[str] = []
-    config = StackConfig(num_nodes=1, gateway_port=0, time_scale=TIME_SCALE,
-                         log_dir=tmp_path / "logs", namespace="loop", restart_policy=policy)
+    config = StackConfig(
+        num_nodes=1,
+        gateway_port=0,
+        time_scale=TIME_SCALE,
+        log_dir=tmp_path / "logs",
+        namespace="loop",
+        restart_policy=policy,
+    )
     async with Stack(config, report=reports.append) as stack:
         executor = stack.child("executor-0")
         assert hasattr(executor, "env")

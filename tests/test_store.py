@@ -31,8 +31,14 @@ def store(redis_client: aioredis.Redis) -> Store:
 
 
 def _task(task_id: str, **extra: Any) -> dict[str, Any]:
-    return {"task_id": task_id, "kind": TaskKind.INFERENCE, "num_prompt_tokens": 12,
-            "max_output_tokens": 4, "arrival_s": 1.5, **extra}  # fmt: skip
+    return {
+        "task_id": task_id,
+        "kind": TaskKind.INFERENCE,
+        "num_prompt_tokens": 12,
+        "max_output_tokens": 4,
+        "arrival_s": 1.5,
+        **extra,
+    }
 
 
 # ------------------------------------------------------------------ codec
@@ -175,21 +181,33 @@ async def test_finish_task_is_atomic_and_happens_once(store: Store) -> None:
     watcher = asyncio.create_task(watch())
     await asyncio.sleep(0.01)
     assert await store.finish_task(
-        "t1", TaskStatus.COMPLETED, "", {"num_output_tokens": 1, "loss": 2.5},
+        "t1",
+        TaskStatus.COMPLETED,
+        "",
+        {"num_output_tokens": 1, "loss": 2.5},
         state_fields={"finish_s": 9.0},
-    )  # fmt: skip
+    )
     state, num_out = await asyncio.wait_for(watcher, 3.0)
     assert state[IS_FINAL_FIELD] == "1" and num_out == 2
 
     assert await store.get_task_state("t1") == {
-        "status": "completed", "reason": "", "node_id": "0", "finish_s": "9.0", "is_final": "1",
-    }  # fmt: skip
+        "status": "completed",
+        "reason": "",
+        "node_id": "0",
+        "finish_s": "9.0",
+        "is_final": "1",
+    }
     messages = await store.read_output("t1")
     assert [m for _, m in messages] == [
         {"token": "hello"},
-        {"num_output_tokens": "1", "loss": "2.5", "status": "completed", "reason": "",
-         "is_final": "1"},
-    ]  # fmt: skip
+        {
+            "num_output_tokens": "1",
+            "loss": "2.5",
+            "status": "completed",
+            "reason": "",
+            "is_final": "1",
+        },
+    ]
 
     # A redelivered task finishing again changes nothing, nor can a late update.
     assert not await store.finish_task("t1", TaskStatus.FAILED, "node died")
@@ -231,8 +249,9 @@ async def test_outputs_batch_is_one_round_trip(
     monkeypatch.setattr(store.client, "pipeline", counting_pipeline)
     num_requests, num_steps = 64, 8
     for step in range(num_steps):  # one executor iteration: a token per request
-        items = [(f"r{i}", {"token_id": 100 + step, "t_s": step * 0.01})
-                 for i in range(num_requests)]  # fmt: skip
+        items = [
+            (f"r{i}", {"token_id": 100 + step, "t_s": step * 0.01}) for i in range(num_requests)
+        ]
         entry_ids = await store.append_outputs_batch(items)
         assert len(entry_ids) == num_requests
     assert num_executes == num_steps
@@ -302,8 +321,9 @@ async def test_no_nodes(store: Store) -> None:
 
 
 async def test_events_round_trip_in_order(store: Store) -> None:
-    events = [{"kind": "place", "task_id": f"t{i}", "node_id": i % 2, "now_s": i * 0.5}
-              for i in range(5)]  # fmt: skip
+    events = [
+        {"kind": "place", "task_id": f"t{i}", "node_id": i % 2, "now_s": i * 0.5} for i in range(5)
+    ]
     ids = [await store.append_event(e) for e in events]
     logged = await store.read_events()
     assert [entry_id for entry_id, _ in logged] == ids
@@ -367,8 +387,9 @@ async def test_batched_intake_lookup_and_state_updates(redis_client) -> None:
     await store.mark_cancelled("gone")
     lookup = await store.intake_lookup(["done", "gone", "new"])
     assert lookup == [(True, False), (False, True), (False, False)]
-    assert await store.set_task_states([("new", {"status": "queued"}),
-                                        ("done", {"status": "queued"})]) == [True, False]
+    assert await store.set_task_states(
+        [("new", {"status": "queued"}), ("done", {"status": "queued"})]
+    ) == [True, False]
     assert (await store.get_task_state("new"))["status"] == "queued"
     assert (await store.get_task_state("done"))["status"] == "completed"
     assert await store.intake_lookup([]) == [] and await store.set_task_states([]) == []

@@ -30,7 +30,8 @@ async def test_begin_attempts_numbers_each_placement_and_checks_cancels(store: S
 
 
 async def test_tokens_of_a_stale_attempt_are_dropped_in_one_round_trip(
-        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
     await store.set_task_state("moved", {ATTEMPT_FIELD: 2})
     await store.set_task_state("mine", {ATTEMPT_FIELD: 1})
     await store.append_outputs_fenced([("warm-up", 0, {"n": 0})])  # loads the script
@@ -44,10 +45,14 @@ async def test_tokens_of_a_stale_attempt_are_dropped_in_one_round_trip(
 
     monkeypatch.setattr(store.client, "execute_command", counted)
     for n in (1, 2):
-        written = await store.append_outputs_fenced([
-            ("mine", 1, {"n": n}), ("moved", 1, {"n": n}), ("moved", 2, {"n": n}),
-            ("unfenced", 0, {"n": n}),  # no hash at all: a direct dispatch
-        ])
+        written = await store.append_outputs_fenced(
+            [
+                ("mine", 1, {"n": n}),
+                ("moved", 1, {"n": n}),
+                ("moved", 2, {"n": n}),
+                ("unfenced", 0, {"n": n}),  # no hash at all: a direct dispatch
+            ]
+        )
         assert [w is not None for w in written] == [True, False, True, True]
     assert num_calls == 2  # one EVALSHA per iteration, nothing else
     assert await tokens_of(store, "mine") == ["1", "2"]
@@ -66,12 +71,17 @@ async def test_a_fenced_token_after_a_written_one_in_the_same_batch(store: Store
 
 async def test_finish_is_written_only_for_the_current_attempt(store: Store) -> None:
     await store.set_task_state("t", {"status": "placed", ATTEMPT_FIELD: 2})
-    assert await store.finish_task_fenced("t", 1, "failed", "CANCELLED: moved") \
-        is FinishOutcome.FENCED
+    assert (
+        await store.finish_task_fenced("t", 1, "failed", "CANCELLED: moved") is FinishOutcome.FENCED
+    )
     assert await store.read_output("t") == []
     assert (await store.get_task_state("t"))["status"] == "placed"
-    assert await store.finish_task_fenced("t", 2, "completed", output_fields={"n": 4},
-                                          state_fields={"node_id": 1}) is FinishOutcome.ENDED
+    assert (
+        await store.finish_task_fenced(
+            "t", 2, "completed", output_fields={"n": 4}, state_fields={"node_id": 1}
+        )
+        is FinishOutcome.ENDED
+    )
     assert await store.finish_task_fenced("t", 2, "failed") is FinishOutcome.ALREADY_FINAL
     state = await store.get_task_state("t")
     assert (state["status"], state["node_id"], state["is_final"]) == ("completed", "1", "1")
@@ -94,12 +104,15 @@ async def test_fence_makes_an_attempt_stale_and_reads_progress_atomically(store:
     await store.append_output("streaming", {"type": "token", "n": 1})
     await store.set_task_state("newer", {"status": "placed", ATTEMPT_FIELD: 3})
     await store.finish_task("done", "completed")
-    progress = await store.fence_attempts([("streaming", 1), ("newer", 2), ("done", 1),
-                                           ("gone", 1)])
-    assert progress == [FencedProgress(False, "placed", True),
-                        FencedProgress(False, "placed", False),
-                        FencedProgress(True, "completed", True),  # its end message
-                        FencedProgress(False, "", False)]
+    progress = await store.fence_attempts(
+        [("streaming", 1), ("newer", 2), ("done", 1), ("gone", 1)]
+    )
+    assert progress == [
+        FencedProgress(False, "placed", True),
+        FencedProgress(False, "placed", False),
+        FencedProgress(True, "completed", True),  # its end message
+        FencedProgress(False, "", False),
+    ]
     assert (await store.get_task_state("streaming"))[ATTEMPT_FIELD] == "2"
     assert (await store.get_task_state("newer"))[ATTEMPT_FIELD] == "3"  # placed again: kept
     assert not await store.client.exists(store.keys.task("gone"))  # not created

@@ -19,8 +19,7 @@ async def _scan_all(store: Store, count: int = 2) -> dict[str, dict[str, str]]:
             return found
 
 
-async def test_get_task_states_reads_hash_marker_and_output(
-        redis_client: aioredis.Redis) -> None:
+async def test_get_task_states_reads_hash_marker_and_output(redis_client: aioredis.Redis) -> None:
     store = Store(redis_client, RedisKeys("lk"))
     assert await store.submit_task({"task_id": "a", "kind": "training"})
     await store.set_task_state("b", {"status": "placed", "node_id": 2, "payload": "x" * 100})
@@ -35,7 +34,8 @@ async def test_get_task_states_reads_hash_marker_and_output(
 
 
 async def test_scan_finds_every_task_hash_of_its_namespace_only(
-        redis_client: aioredis.Redis) -> None:
+    redis_client: aioredis.Redis,
+) -> None:
     # Glob characters in a namespace are matched literally.
     store = Store(redis_client, RedisKeys("ns*[1]"))
     other = Store(redis_client, RedisKeys("nsX1"))  # unescaped, the pattern would match it

@@ -11,8 +11,9 @@ import pytest
 
 from lemix.stack.supervisor import CrashHistory, RestartPolicy, describe_exit, supervise
 
-POLICY = RestartPolicy(initial_backoff_s=0.5, max_backoff_s=4.0, reset_after_s=30.0,
-                       max_crashes=5, crash_window_s=60.0)
+POLICY = RestartPolicy(
+    initial_backoff_s=0.5, max_backoff_s=4.0, reset_after_s=30.0, max_crashes=5, crash_window_s=60.0
+)
 
 
 def test_backoff_doubles_per_crash_in_a_row_up_to_the_cap() -> None:
@@ -40,8 +41,9 @@ def test_a_long_uptime_starts_a_new_series() -> None:
 
 
 def test_crashes_outside_the_window_do_not_count_toward_giving_up() -> None:
-    policy = RestartPolicy(initial_backoff_s=0.1, max_backoff_s=0.1, max_crashes=3,
-                           crash_window_s=60.0)
+    policy = RestartPolicy(
+        initial_backoff_s=0.1, max_backoff_s=0.1, max_crashes=3, crash_window_s=60.0
+    )
     history = CrashHistory(policy)
     for at_s in (0.0, 50.0, 100.0, 150.0, 200.0):  # never 3 within 60 s
         assert history.on_crash(at_s) == 0.1
@@ -56,10 +58,16 @@ def test_a_failed_restart_is_not_uptime() -> None:
     assert history.on_crash(200.0) == 1.0  # the restart never came up: still in a row
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"initial_backoff_s": 0.0}, {"initial_backoff_s": 2.0, "max_backoff_s": 1.0},
-    {"max_crashes": 0}, {"crash_window_s": 0.0}, {"reset_after_s": -1.0},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"initial_backoff_s": 0.0},
+        {"initial_backoff_s": 2.0, "max_backoff_s": 1.0},
+        {"max_crashes": 0},
+        {"crash_window_s": 0.0},
+        {"reset_after_s": -1.0},
+    ],
+)
 def test_policy_rejects_bad_values(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         RestartPolicy(**kwargs)  # type: ignore[arg-type]
@@ -95,16 +103,20 @@ class _Child:
 
 
 async def test_supervise_restarts_until_the_crash_loop_then_gives_up() -> None:
-    policy = RestartPolicy(initial_backoff_s=0.001, max_backoff_s=0.002, max_crashes=3,
-                           crash_window_s=60.0)
+    policy = RestartPolicy(
+        initial_backoff_s=0.001, max_backoff_s=0.002, max_crashes=3, crash_window_s=60.0
+    )
     child = _Child([1, -signal.SIGKILL, 2, 0], failing_restarts=frozenset({2}))
     reports: list[str] = []
     message = await asyncio.wait_for(supervise(child, policy, reports.append), 10)
-    assert message == ("worker crashed 3 times within 60 s (last: exit code 2); giving up; "
-                       "see its log /logs/worker.log")
+    assert message == (
+        "worker crashed 3 times within 60 s (last: exit code 2); giving up; "
+        "see its log /logs/worker.log"
+    )
     assert child.num_restart_calls == 2 and child.codes == [0]
-    assert reports[0] == ("worker exited (exit code 1); restarting in 0.001 s; "
-                          "log: /logs/worker.log")
+    assert reports[0] == (
+        "worker exited (exit code 1); restarting in 0.001 s; log: /logs/worker.log"
+    )
     assert "worker did not restart: port taken" in reports
     assert reports[-1] == message
 

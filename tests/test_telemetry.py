@@ -17,11 +17,17 @@ def _value(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
-@pytest.mark.parametrize(("code", "has_token", "outcome"), [
-    ("OK", True, "completed"), ("CANCELLED", True, "cancelled"),
-    ("UNAVAILABLE", False, "rejected"), ("UNAVAILABLE", True, "failed"),
-    ("RESOURCE_EXHAUSTED", False, "rejected"), ("INTERNAL", False, "failed"),
-])
+@pytest.mark.parametrize(
+    ("code", "has_token", "outcome"),
+    [
+        ("OK", True, "completed"),
+        ("CANCELLED", True, "cancelled"),
+        ("UNAVAILABLE", False, "rejected"),
+        ("UNAVAILABLE", True, "failed"),
+        ("RESOURCE_EXHAUSTED", False, "rejected"),
+        ("INTERNAL", False, "failed"),
+    ],
+)
 def test_outcomes_follow_the_replay_rule(code: str, has_token: bool, outcome: str) -> None:
     assert telemetry.request_outcome(code, has_token) == outcome
 
@@ -46,8 +52,10 @@ async def test_the_endpoint_serves_the_default_registry() -> None:
         text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())
     finally:
         await server.stop()
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(text.decode())
-               for s in family.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text.decode())
+        for s in family.samples
+    }
     assert samples[("lemix_executor_tokens_generated_total", (("node", "7"),))] >= 3
     assert await MetricsServer.start_optional("127.0.0.1", -1) is None

@@ -39,22 +39,33 @@ DEMO_TRAIN_RATE = 0.5
 
 # (dotted key, label) of the one-run table `lemix sim` prints.
 SIM_TABLE_ROWS: tuple[tuple[str, str], ...] = (
-    ("policy", "policy"), ("seed", "seed"), ("request_rate", "request rate (req/s)"),
-    ("train_rate", "train rate"), ("num_inference", "inference requests"),
-    ("num_training", "training tasks"), ("num_completed", "completed"),
-    ("num_rejected", "rejected"), ("num_failed", "failed"), ("num_lost", "lost"),
-    ("slo_attainment", "SLO attainment"), ("goodput_rps", "goodput (req/s)"),
+    ("policy", "policy"),
+    ("seed", "seed"),
+    ("request_rate", "request rate (req/s)"),
+    ("train_rate", "train rate"),
+    ("num_inference", "inference requests"),
+    ("num_training", "training tasks"),
+    ("num_completed", "completed"),
+    ("num_rejected", "rejected"),
+    ("num_failed", "failed"),
+    ("num_lost", "lost"),
+    ("slo_attainment", "SLO attainment"),
+    ("goodput_rps", "goodput (req/s)"),
     ("throughput_tasks_s", "throughput (tasks/s)"),
     ("throughput_tokens_s", "throughput (tokens/s)"),
     ("throughput_tasks_s_paper", "throughput, prototype def. (tasks/s)"),
-    ("ttft_s.p50", "TTFT p50 (s)"), ("ttft_s.p99", "TTFT p99 (s)"),
-    ("tbt_s.p50", "TBT p50 (s)"), ("e2e_s.p50", "E2E p50 (s)"),
+    ("ttft_s.p50", "TTFT p50 (s)"),
+    ("ttft_s.p99", "TTFT p99 (s)"),
+    ("tbt_s.p50", "TBT p50 (s)"),
+    ("e2e_s.p50", "E2E p50 (s)"),
     ("training_samples_s", "training samples/s"),
     ("serving_staleness_updates", "serving staleness (updates)"),
-    ("utilization", "utilization"), ("slo_ttft_s", "SLO TTFT (s)"), ("slo_tbt_s", "SLO TBT (s)"),
+    ("utilization", "utilization"),
+    ("slo_ttft_s", "SLO TTFT (s)"),
+    ("slo_tbt_s", "SLO TBT (s)"),
     ("decision_latency_us.p50", "decision p50 (us)"),
     ("decision_latency_us.p99", "decision p99 (us)"),
-)  # fmt: skip
+)
 
 
 @dataclass(frozen=True)
@@ -274,8 +285,10 @@ def cmd_compare(setup: CliSetup, out_dir: str, *, is_demo: bool = False) -> int:
         from lemix.cli.services import run_live_demo
         from lemix.cli.torch_demo import TorchDemoConfig, run_demo, side_by_side
 
-        print("== 1/3: a real model (torch, tiny Llama, 2 nodes x 2 stages on the CPU): "
-              "co-located LeMix vs SEPARATE, live ==")
+        print(
+            "== 1/3: a real model (torch, tiny Llama, 2 nodes x 2 stages on the CPU): "
+            "co-located LeMix vs SEPARATE, live =="
+        )
         torch_runs, png = run_demo(TorchDemoConfig(duration_s=45.0), Path(out_dir))
         print(side_by_side(torch_runs))
         print(f"plot:    {png}")

@@ -31,14 +31,23 @@ if TYPE_CHECKING:  # the profiler is imported only when `lemix profile` runs
     from profiler.runner import ProfileGrid, ProfileRun
 
 REPLAY_TABLE_ROWS: tuple[tuple[str, str], ...] = (
-    ("num_inference", "inference requests"), ("num_training", "training tasks"),
-    ("num_completed", "completed"), ("num_rejected", "rejected"), ("num_failed", "failed"),
-    ("num_lost", "lost"), ("slo_attainment", "SLO attainment"),
-    ("goodput_rps", "goodput (req/s)"), ("throughput_tasks_s", "throughput (tasks/s)"),
-    ("throughput_tokens_s", "throughput (tokens/s)"), ("ttft_s.p50", "TTFT p50 (s)"),
-    ("ttft_s.p99", "TTFT p99 (s)"), ("tbt_s.p50", "TBT p50 (s)"), ("e2e_s.p50", "E2E p50 (s)"),
-    ("slo_ttft_s", "SLO TTFT (s)"), ("slo_tbt_s", "SLO TBT (s)"),
-)  # fmt: skip
+    ("num_inference", "inference requests"),
+    ("num_training", "training tasks"),
+    ("num_completed", "completed"),
+    ("num_rejected", "rejected"),
+    ("num_failed", "failed"),
+    ("num_lost", "lost"),
+    ("slo_attainment", "SLO attainment"),
+    ("goodput_rps", "goodput (req/s)"),
+    ("throughput_tasks_s", "throughput (tasks/s)"),
+    ("throughput_tokens_s", "throughput (tokens/s)"),
+    ("ttft_s.p50", "TTFT p50 (s)"),
+    ("ttft_s.p99", "TTFT p99 (s)"),
+    ("tbt_s.p50", "TBT p50 (s)"),
+    ("e2e_s.p50", "E2E p50 (s)"),
+    ("slo_ttft_s", "SLO TTFT (s)"),
+    ("slo_tbt_s", "SLO TBT (s)"),
+)
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -49,47 +58,80 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     up.add_argument("--profile", metavar="FILE", help="profile JSON (default: shipped A100 one)")
     up.add_argument("--policy", default="lemix", help=f"one of: {', '.join(POLICIES)}")
     up.add_argument("--gateway-port", type=int, default=50051)
-    up.add_argument("--http-port", type=int, default=8000,
-                    help="the gateway's OpenAI-compatible HTTP API (default 8000; 0 = free)")
+    up.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="the gateway's OpenAI-compatible HTTP API (default 8000; 0 = free)",
+    )
     up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--time-scale", type=float, default=1.0,
-                    help="emulated stage time multiplier (<1 runs faster than the profile)")
+    up.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="emulated stage time multiplier (<1 runs faster than the profile)",
+    )
     up.add_argument("--train-rate", type=float, default=0.0, help="SEPARATE's training share")
     up.add_argument("--log-dir", default="runs/stack-logs")
-    up.add_argument("--model", default="tiny-llama",
-                    help="torch: model preset or local checkpoint directory")
-    up.add_argument("--tokenizer", default="bpe:8192",
-                    help="torch: tokenizer spec shared by the gateway and the executors")
-    up.add_argument("--redis-dir", metavar="DIR",
-                    help="the embedded Redis's data dir, its AOF kept across restarts "
-                    "(default: redis/ beside --log-dir, e.g. runs/redis)")
-    up.add_argument("--redis-fsync", default="everysec", choices=APPENDFSYNC_POLICIES,
-                    help="the embedded Redis's appendfsync: everysec (a Redis crash loses no "
-                    "acknowledged write, a power loss up to ~1 s) or always (fsync before "
-                    "every reply)")
-    up.add_argument("--redis-password", metavar="PASS",
-                    help="the embedded Redis's password [env LEMIX_REDIS_PASSWORD; default: "
-                    "random per start]; the env var keeps it out of `ps`")
+    up.add_argument(
+        "--model", default="tiny-llama", help="torch: model preset or local checkpoint directory"
+    )
+    up.add_argument(
+        "--tokenizer",
+        default="bpe:8192",
+        help="torch: tokenizer spec shared by the gateway and the executors",
+    )
+    up.add_argument(
+        "--redis-dir",
+        metavar="DIR",
+        help="the embedded Redis's data dir, its AOF kept across restarts "
+        "(default: redis/ beside --log-dir, e.g. runs/redis)",
+    )
+    up.add_argument(
+        "--redis-fsync",
+        default="everysec",
+        choices=APPENDFSYNC_POLICIES,
+        help="the embedded Redis's appendfsync: everysec (a Redis crash loses no "
+        "acknowledged write, a power loss up to ~1 s) or always (fsync before "
+        "every reply)",
+    )
+    up.add_argument(
+        "--redis-password",
+        metavar="PASS",
+        help="the embedded Redis's password [env LEMIX_REDIS_PASSWORD; default: "
+        "random per start]; the env var keeps it out of `ps`",
+    )
 
     _add_profile_parser(sub)
 
     rp = sub.add_parser("replay", help="open-loop load against a running gateway")
     rp.add_argument("--target", required=True, metavar="HOST:PORT")
-    rp.add_argument("--poisson", type=float, metavar="RATE",
-                    help="Poisson arrivals at RATE req/s (with --trace: time-scale it to RATE)")
+    rp.add_argument(
+        "--poisson",
+        type=float,
+        metavar="RATE",
+        help="Poisson arrivals at RATE req/s (with --trace: time-scale it to RATE)",
+    )
     rp.add_argument("--trace", metavar="FILE", help="Azure-format CSV to replay")
     rp.add_argument("--lengths-from", metavar="FILE", help="resample lengths from an Azure CSV")
     rp.add_argument("--train-data", metavar="FILE", help="hh-rlhf JSON lines: training lengths")
     rp.add_argument("--train-rate", type=float, default=0.0)
     rp.add_argument("--duration", type=float, help="arrival window in s (default 60)")
     rp.add_argument("--seed", type=int, default=0)
-    rp.add_argument("--profile", metavar="FILE",
-                    help="profile for the SLO (5x unloaded latency, as `lemix sim` computes it)")
+    rp.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="profile for the SLO (5x unloaded latency, as `lemix sim` computes it)",
+    )
     rp.add_argument("--drain-timeout", type=float, default=120.0)
     rp.add_argument("--json", metavar="OUT", help="write the metrics JSON (a list of one run)")
-    rp.add_argument("--tls-ca-file", default="", metavar="FILE",
-                    help="connect with TLS, trusting this CA (PEM) for the gateway's "
-                    "certificate (default: plaintext)")
+    rp.add_argument(
+        "--tls-ca-file",
+        default="",
+        metavar="FILE",
+        help="connect with TLS, trusting this CA (PEM) for the gateway's "
+        "certificate (default: plaintext)",
+    )
 
 
 def _add_profile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -108,25 +150,55 @@ def _add_profile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignor
     pr.add_argument("--target", required=True, metavar="HOST:PORT", help="the executor")
     pr.add_argument("--out", required=True, metavar="FILE", help="write the profile JSON here")
     pr.add_argument("--name", help="profile name (default: the --out file's stem)")
-    pr.add_argument("--batch-sizes", default=csv(DEFAULT_BATCH_SIZES), metavar="C,...",
-                    help="C of the forward/backward and decode grids")
-    pr.add_argument("--tokens", default=csv(DEFAULT_NUM_TOKENS), metavar="L,...",
-                    help="tokens per sequence of the forward/backward grid")
-    pr.add_argument("--contexts", default=csv(DEFAULT_SUM_CONTEXT_TOKENS), metavar="N,...",
-                    help="KV tokens summed over the batch, decode grid")
-    pr.add_argument("--repeats", type=int, default=DEFAULT_NUM_REPEATS,
-                    help="runs per point; the point's latency is their median")
-    pr.add_argument("--base-profile", metavar="FILE",
-                    help="profile the executor runs: memory, transfer and optimizer figures are "
-                    "copied from it (default: the shipped A100 one)")
-    pr.add_argument("--holdout-fraction", type=float, default=0.25,
-                    help="share of points held out to score the fits")
+    pr.add_argument(
+        "--batch-sizes",
+        default=csv(DEFAULT_BATCH_SIZES),
+        metavar="C,...",
+        help="C of the forward/backward and decode grids",
+    )
+    pr.add_argument(
+        "--tokens",
+        default=csv(DEFAULT_NUM_TOKENS),
+        metavar="L,...",
+        help="tokens per sequence of the forward/backward grid",
+    )
+    pr.add_argument(
+        "--contexts",
+        default=csv(DEFAULT_SUM_CONTEXT_TOKENS),
+        metavar="N,...",
+        help="KV tokens summed over the batch, decode grid",
+    )
+    pr.add_argument(
+        "--repeats",
+        type=int,
+        default=DEFAULT_NUM_REPEATS,
+        help="runs per point; the point's latency is their median",
+    )
+    pr.add_argument(
+        "--base-profile",
+        metavar="FILE",
+        help="profile the executor runs: memory, transfer and optimizer figures are "
+        "copied from it (default: the shipped A100 one)",
+    )
+    pr.add_argument(
+        "--holdout-fraction",
+        type=float,
+        default=0.25,
+        help="share of points held out to score the fits",
+    )
     pr.add_argument("--seed", type=int, default=0, help="seed of the held-out split")
-    pr.add_argument("--deadline", type=float, default=DEFAULT_MEASURE_DEADLINE_S, metavar="S",
-                    help="deadline of one Measure call, seconds")
+    pr.add_argument(
+        "--deadline",
+        type=float,
+        default=DEFAULT_MEASURE_DEADLINE_S,
+        metavar="S",
+        help="deadline of one Measure call, seconds",
+    )
     pr.add_argument("--redis-url", metavar="URL", help="also store the profile in this Redis")
-    pr.add_argument("--namespace", help="Redis key namespace, with --redis-url "
-                    "[env LEMIX_NAMESPACE; default lemix]")
+    pr.add_argument(
+        "--namespace",
+        help="Redis key namespace, with --redis-url [env LEMIX_NAMESPACE; default lemix]",
+    )
 
 
 def _ints(flag: str, text: str) -> tuple[int, ...]:
@@ -164,8 +236,11 @@ def profile_command_config(args: argparse.Namespace) -> ProfileCommandConfig:
         target=args.target,
         out=out,
         name=name,
-        grid=ProfileGrid(_ints("--batch-sizes", args.batch_sizes),
-                         _ints("--tokens", args.tokens), _ints("--contexts", args.contexts)),
+        grid=ProfileGrid(
+            _ints("--batch-sizes", args.batch_sizes),
+            _ints("--tokens", args.tokens),
+            _ints("--contexts", args.contexts),
+        ),
         num_repeats=args.repeats,
         base_profile=load_profile(args.base_profile or default_profile_path()),
         fit=FitConfig(args.holdout_fraction, args.seed),
@@ -184,8 +259,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     print(format_table(fit_quality_rows(run.profile), FIT_TABLE_COLUMNS))
     for check in run.report["memory_check"]:
         if check["is_consistent"] is False:
-            print(f"warning: stage {check['stage']}: peak memory measured {check['measured']} "
-                  f"differs from base profile {config.base_profile.name!r}'s {check['base']}")
+            print(
+                f"warning: stage {check['stage']}: peak memory measured {check['measured']} "
+                f"differs from base profile {config.base_profile.name!r}'s {check['base']}"
+            )
     print(f"wrote {config.out}")
     if config.redis_url:
         print(f"stored in Redis as {config.keys.profile(config.name)}")
@@ -205,31 +282,38 @@ async def _profile_and_store(config: ProfileCommandConfig) -> ProfileRun:
 
     client = None
     if config.redis_url:
-        client = connect(RedisClientConfig(config.redis_url, max_connections=2,
-                                           socket_timeout_s=30.0))
+        client = connect(
+            RedisClientConfig(config.redis_url, max_connections=2, socket_timeout_s=30.0)
+        )
     try:
         if client is not None:  # fail before the measurements, not after
             await client.ping()
-        run = await run_profile(config.target, config.grid, config.num_repeats,
-                                config.base_profile, config.name, fit_config=config.fit,
-                                deadline_s=config.deadline_s,
-                                # The stack's internal token, when its executors require one.
-                                service_token=os.environ.get("LEMIX_SERVICE_TOKEN", ""))
+        run = await run_profile(
+            config.target,
+            config.grid,
+            config.num_repeats,
+            config.base_profile,
+            config.name,
+            fit_config=config.fit,
+            deadline_s=config.deadline_s,
+            # The stack's internal token, when its executors require one.
+            service_token=os.environ.get("LEMIX_SERVICE_TOKEN", ""),
+        )
         config.out.parent.mkdir(parents=True, exist_ok=True)
         save_profile(run.profile, config.out)
         if client is not None:
             await Store(client, config.keys).put_profile(config.name, profile_json(run))
         return run
     except RedisError as exc:
-        raise Unavailable(f"Redis at {redact_url(config.redis_url or '')}: {type(exc).__name__}: "
-                          f"{exc}") from exc
+        raise Unavailable(
+            f"Redis at {redact_url(config.redis_url or '')}: {type(exc).__name__}: {exc}"
+        ) from exc
     finally:
         if client is not None:
             await client.aclose()
 
 
-def _profile_path(profile: str | None, num_stages: int | None,
-                  backend: str = "emulated") -> Path:
+def _profile_path(profile: str | None, num_stages: int | None, backend: str = "emulated") -> Path:
     if profile:
         return Path(profile)
     if backend == "torch":
@@ -277,12 +361,23 @@ def cmd_replay(args: argparse.Namespace) -> int:
     tasks = list(workload.tasks)
     profile = load_profile(args.profile or default_profile_path())
     slo = compute_slo(profile, tasks, SloConfig())
-    config = ReplayConfig(target=args.target, drain_timeout_s=args.drain_timeout,
-                          slo_ttft_s=slo.ttft_s, slo_tbt_s=slo.tbt_s,
-                          tls_ca_file=args.tls_ca_file)
-    metrics = asyncio.run(run_replay(config, tasks, request_rate=workload_config.request_rate,
-                                     train_rate=args.train_rate, duration_s=workload.duration_s,
-                                     seed=args.seed))
+    config = ReplayConfig(
+        target=args.target,
+        drain_timeout_s=args.drain_timeout,
+        slo_ttft_s=slo.ttft_s,
+        slo_tbt_s=slo.tbt_s,
+        tls_ca_file=args.tls_ca_file,
+    )
+    metrics = asyncio.run(
+        run_replay(
+            config,
+            tasks,
+            request_rate=workload_config.request_rate,
+            train_rate=args.train_rate,
+            duration_s=workload.duration_s,
+            seed=args.seed,
+        )
+    )
     rows = [{"metric": label, "value": _lookup(metrics, key)} for key, label in REPLAY_TABLE_ROWS]
     print(format_table(rows, [("metric", "metric"), ("value", "value")]))
     print(format_lost(metrics))
@@ -304,23 +399,41 @@ DEMO_LIVE_DURATION_S = 20.0
 async def _live_demo(out_dir: Path) -> dict:
     from lemix.workload import WorkloadConfig
 
-    workload = build_workload(WorkloadConfig(request_rate=DEMO_LIVE_RATE,
-                                             train_rate=DEMO_LIVE_TRAIN_RATE,
-                                             duration_s=DEMO_LIVE_DURATION_S, seed=0))
+    workload = build_workload(
+        WorkloadConfig(
+            request_rate=DEMO_LIVE_RATE,
+            train_rate=DEMO_LIVE_TRAIN_RATE,
+            duration_s=DEMO_LIVE_DURATION_S,
+            seed=0,
+        )
+    )
     tasks = list(workload.tasks)
     slo = compute_slo(load_profile(default_profile_path()), tasks, SloConfig())
-    config = StackConfig(num_nodes=DEMO_LIVE_NODES, gateway_port=0,
-                         log_dir=out_dir / "stack-logs", namespace="demo")
+    config = StackConfig(
+        num_nodes=DEMO_LIVE_NODES, gateway_port=0, log_dir=out_dir / "stack-logs", namespace="demo"
+    )
     from lemix.stack.launcher import Stack
 
     async with Stack(config) as stack:
-        print(f"stack up: gateway {stack.gateway_address}, {DEMO_LIVE_NODES} emulated nodes; "
-              f"replaying {len(tasks)} tasks over {DEMO_LIVE_DURATION_S:g} s ...", flush=True)
+        print(
+            f"stack up: gateway {stack.gateway_address}, {DEMO_LIVE_NODES} emulated nodes; "
+            f"replaying {len(tasks)} tasks over {DEMO_LIVE_DURATION_S:g} s ...",
+            flush=True,
+        )
         return await run_replay(
-            ReplayConfig(target=stack.gateway_address, slo_ttft_s=slo.ttft_s,
-                         slo_tbt_s=slo.tbt_s, drain_timeout_s=120.0),
-            tasks, request_rate=DEMO_LIVE_RATE, train_rate=DEMO_LIVE_TRAIN_RATE,
-            duration_s=workload.duration_s, seed=0, label="lemix (live stack)")
+            ReplayConfig(
+                target=stack.gateway_address,
+                slo_ttft_s=slo.ttft_s,
+                slo_tbt_s=slo.tbt_s,
+                drain_timeout_s=120.0,
+            ),
+            tasks,
+            request_rate=DEMO_LIVE_RATE,
+            train_rate=DEMO_LIVE_TRAIN_RATE,
+            duration_s=workload.duration_s,
+            seed=0,
+            label="lemix (live stack)",
+        )
 
 
 def run_live_demo(out_dir: Path) -> dict:

@@ -56,8 +56,10 @@ def poisson_tasks(config: TorchDemoConfig) -> list[Task]:
     """Inference and training arrivals over `duration_s`, seeded."""
     rng = np.random.default_rng(config.seed)
     tasks: list[Task] = []
-    for kind, rate in ((TaskKind.INFERENCE, config.request_rate),
-                       (TaskKind.TRAINING, config.training_rate)):
+    for kind, rate in (
+        (TaskKind.INFERENCE, config.request_rate),
+        (TaskKind.TRAINING, config.training_rate),
+    ):
         if rate <= 0:
             continue
         t = 0.0
@@ -66,14 +68,22 @@ def poisson_tasks(config: TorchDemoConfig) -> list[Task]:
             if t >= config.duration_s:
                 break
             is_inf = kind is TaskKind.INFERENCE
-            tasks.append(Task(f"{kind.value[:3]}-{len(tasks)}", kind, t, 64,
-                              config.max_tokens if is_inf else 0))
+            tasks.append(
+                Task(
+                    f"{kind.value[:3]}-{len(tasks)}",
+                    kind,
+                    t,
+                    64,
+                    config.max_tokens if is_inf else 0,
+                )
+            )
     tasks.sort(key=lambda task: task.arrival_s)
     return [dataclasses.replace(task, seq=i) for i, task in enumerate(tasks)]
 
 
-def assign_texts(tasks: Sequence[Task], eval_pairs: Sequence[Pair],
-                 train_pairs: Sequence[Pair]) -> dict[str, Pair]:
+def assign_texts(
+    tasks: Sequence[Task], eval_pairs: Sequence[Pair], train_pairs: Sequence[Pair]
+) -> dict[str, Pair]:
     """Task id -> (query, reference): inference from the eval split, training
     from the training split, cycling in order (the same for every policy)."""
     texts: dict[str, Pair] = {}
@@ -88,39 +98,67 @@ def assign_texts(tasks: Sequence[Task], eval_pairs: Sequence[Pair],
     return texts
 
 
-async def run_policy(config: TorchDemoConfig, policy: str, tasks: Sequence[Task],
-                     texts: dict[str, Pair], out_dir: Path,
-                     profile_path: Path | None = None) -> tuple[dict[str, Any], list[TaskRecord]]:
+async def run_policy(
+    config: TorchDemoConfig,
+    policy: str,
+    tasks: Sequence[Task],
+    texts: dict[str, Pair],
+    out_dir: Path,
+    profile_path: Path | None = None,
+) -> tuple[dict[str, Any], list[TaskRecord]]:
     """One live run of `policy`; its metrics object and per-task records."""
     stack_config = StackConfig(
-        num_nodes=config.num_nodes, profile_path=profile_path or torch_cpu_profile_path(),
-        backend="torch", policy=policy, gateway_port=0, latency_noise_cv=0.0,
+        num_nodes=config.num_nodes,
+        profile_path=profile_path or torch_cpu_profile_path(),
+        backend="torch",
+        policy=policy,
+        gateway_port=0,
+        latency_noise_cv=0.0,
         train_rate=0.5 if policy.startswith("separate") else 0.0,
-        log_dir=out_dir / f"stack-logs-{policy}", namespace=f"demo-{policy}",
-        model=config.model, tokenizer=config.tokenizer,
-        extra_env={"LEMIX_SYNC_EVERY_TASKS": str(config.sync_every_tasks),
-                   "LEMIX_WEIGHT_SYNC_DIR": str((out_dir / f"weights-{policy}").resolve()),
-                   "LEMIX_MODEL_SEED": str(config.seed)})
+        log_dir=out_dir / f"stack-logs-{policy}",
+        namespace=f"demo-{policy}",
+        model=config.model,
+        tokenizer=config.tokenizer,
+        extra_env={
+            "LEMIX_SYNC_EVERY_TASKS": str(config.sync_every_tasks),
+            "LEMIX_WEIGHT_SYNC_DIR": str((out_dir / f"weights-{policy}").resolve()),
+            "LEMIX_MODEL_SEED": str(config.seed),
+        },
+    )
     records: list[TaskRecord] = []
     async with Stack(stack_config) as stack:
-        print(f"[{policy}] stack up: gateway {stack.gateway_address}, {config.num_nodes} torch "
-              f"nodes ({config.model}); replaying {len(tasks)} tasks over "
-              f"{config.duration_s:g} s ...", flush=True)
+        print(
+            f"[{policy}] stack up: gateway {stack.gateway_address}, {config.num_nodes} torch "
+            f"nodes ({config.model}); replaying {len(tasks)} tasks over "
+            f"{config.duration_s:g} s ...",
+            flush=True,
+        )
         metrics = await run_replay(
-            ReplayConfig(target=stack.gateway_address, slo_ttft_s=config.slo_ttft_s,
-                         slo_tbt_s=config.slo_tbt_s, drain_timeout_s=120.0,
-                         text_for=lambda task: texts.get(task.task_id)),
-            tasks, request_rate=config.request_rate,
+            ReplayConfig(
+                target=stack.gateway_address,
+                slo_ttft_s=config.slo_ttft_s,
+                slo_tbt_s=config.slo_tbt_s,
+                drain_timeout_s=120.0,
+                text_for=lambda task: texts.get(task.task_id),
+            ),
+            tasks,
+            request_rate=config.request_rate,
             train_rate=config.training_rate / config.request_rate,
-            duration_s=config.duration_s, seed=config.seed, label=f"{policy} (torch, live)",
-            records_out=records)
+            duration_s=config.duration_s,
+            seed=config.seed,
+            label=f"{policy} (torch, live)",
+            records_out=records,
+        )
     return metrics, records
 
 
 def loss_series(records: Sequence[TaskRecord]) -> list[tuple[float, float]]:
     """(finish time s, inference loss) of every completed request with a loss."""
-    return sorted((r.finish_s, r.inference_loss) for r in records
-                  if r.finish_s is not None and r.inference_loss is not None)
+    return sorted(
+        (r.finish_s, r.inference_loss)
+        for r in records
+        if r.finish_s is not None and r.inference_loss is not None
+    )
 
 
 def plot_loss(series: dict[str, list[tuple[float, float]]], path: Path) -> Path:
@@ -138,7 +176,7 @@ def plot_loss(series: dict[str, list[tuple[float, float]]], path: Path) -> Path:
         ax.scatter(t, loss, s=8, alpha=0.35)
         window = max(1, len(loss) // 10)
         smooth = np.convolve(loss, np.ones(window) / window, mode="valid")
-        ax.plot(t[window - 1:], smooth, label=f"{label} (moving mean of {window})")
+        ax.plot(t[window - 1 :], smooth, label=f"{label} (moving mean of {window})")
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("inference loss (reference cross-entropy, nats)")
     ax.set_title("Inference loss of served requests: co-located LeMix vs SEPARATE")
@@ -169,8 +207,9 @@ def load_pairs(config: TorchDemoConfig, hh_path: Path | None) -> tuple[list[Pair
     return pairs[:num_eval], pairs[num_eval:]
 
 
-def run_demo(config: TorchDemoConfig, out_dir: Path,
-             hh_path: Path | None = None) -> tuple[list[dict[str, Any]], Path]:
+def run_demo(
+    config: TorchDemoConfig, out_dir: Path, hh_path: Path | None = None
+) -> tuple[list[dict[str, Any]], Path]:
     """Every policy live on one workload; returns the metrics and the PNG path."""
     eval_pairs, train_pairs = load_pairs(config, hh_path)
     tasks = poisson_tasks(config)
@@ -189,13 +228,17 @@ def run_demo(config: TorchDemoConfig, out_dir: Path,
 
 
 TABLE_ROWS = (
-    ("inference_loss", "inference loss (nats)"), ("slo_attainment", "SLO attainment"),
-    ("ttft_s.p50", "TTFT p50 (s)"), ("ttft_s.p99", "TTFT p99 (s)"),
-    ("e2e_s.p50", "E2E p50 (s)"), ("e2e_s.p99", "E2E p99 (s)"),
+    ("inference_loss", "inference loss (nats)"),
+    ("slo_attainment", "SLO attainment"),
+    ("ttft_s.p50", "TTFT p50 (s)"),
+    ("ttft_s.p99", "TTFT p99 (s)"),
+    ("e2e_s.p50", "E2E p50 (s)"),
+    ("e2e_s.p99", "E2E p99 (s)"),
     ("throughput_tokens_s", "throughput (tokens/s)"),
     ("num_completed_inference", "inference completed"),
-    ("num_completed_training", "training completed"), ("num_lost", "lost"),
-)  # fmt: skip
+    ("num_completed_training", "training completed"),
+    ("num_lost", "lost"),
+)
 
 
 def side_by_side(runs: Sequence[dict[str, Any]]) -> str:
@@ -207,8 +250,12 @@ def side_by_side(runs: Sequence[dict[str, Any]]) -> str:
         for part in key.split("."):
             value = value.get(part) if isinstance(value, dict) else None
         return value
-    rows = [{"metric": label, **{f"run{i}": lookup(run, key) for i, run in enumerate(runs)}}
-            for key, label in TABLE_ROWS]
-    columns = [("metric", "metric")] + [(f"run{i}", str(run["policy"]))
-                                        for i, run in enumerate(runs)]
+
+    rows = [
+        {"metric": label, **{f"run{i}": lookup(run, key) for i, run in enumerate(runs)}}
+        for key, label in TABLE_ROWS
+    ]
+    columns = [("metric", "metric")] + [
+        (f"run{i}", str(run["policy"])) for i, run in enumerate(runs)
+    ]
     return format_table(rows, columns)

@@ -37,8 +37,13 @@ MAX_REASON_CHARS = 80  # in the printed table; the JSON has the whole reason
 
 EXIT_NONE, EXIT_FOUND = 0, 1
 
-AUDIT_COLUMNS = [("task_id", "task id"), ("state", "state"), ("age_s", "age (s)"),
-                 ("node_id", "node"), ("reason", "reason")]
+AUDIT_COLUMNS = [
+    ("task_id", "task id"),
+    ("state", "state"),
+    ("age_s", "age (s)"),
+    ("node_id", "node"),
+    ("reason", "reason"),
+]
 
 
 @dataclass(frozen=True)
@@ -55,8 +60,9 @@ class AuditConfig:
         if not sep or not host or not port.isdigit():
             raise ValueError(f"--target must be HOST:PORT, got {self.target!r}")
         if not math.isfinite(self.older_than_s) or self.older_than_s < 0:
-            raise ValueError(f"--older-than must be a number of seconds >= 0, "
-                             f"got {self.older_than_s}")  # fmt: skip
+            raise ValueError(
+                f"--older-than must be a number of seconds >= 0, got {self.older_than_s}"
+            )
         if self.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {self.limit}")
         if self.deadline_s <= 0:
@@ -71,28 +77,50 @@ class AuditResult:
 
 
 def add_audit_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    audit = sub.add_parser("audit", help="list non-final tasks older than a bound "
-                           "(exit 1 if any)")  # fmt: skip
-    audit.add_argument("--target", required=True, metavar="HOST:PORT",
-                       help="the gateway's gRPC address")
-    audit.add_argument("--older-than", type=float, default=DEFAULT_OLDER_THAN_S, metavar="S",
-                       help=f"only tasks submitted at least S s ago "
-                       f"(default {DEFAULT_OLDER_THAN_S:g})")
-    audit.add_argument("--limit", type=int, default=DEFAULT_LIMIT, metavar="N",
-                       help=f"list at most N tasks, oldest first (default {DEFAULT_LIMIT})")
-    audit.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S, metavar="S",
-                       help=f"deadline of the scan call (default {DEFAULT_DEADLINE_S:g})")
+    audit = sub.add_parser("audit", help="list non-final tasks older than a bound (exit 1 if any)")
+    audit.add_argument(
+        "--target", required=True, metavar="HOST:PORT", help="the gateway's gRPC address"
+    )
+    audit.add_argument(
+        "--older-than",
+        type=float,
+        default=DEFAULT_OLDER_THAN_S,
+        metavar="S",
+        help=f"only tasks submitted at least S s ago (default {DEFAULT_OLDER_THAN_S:g})",
+    )
+    audit.add_argument(
+        "--limit",
+        type=int,
+        default=DEFAULT_LIMIT,
+        metavar="N",
+        help=f"list at most N tasks, oldest first (default {DEFAULT_LIMIT})",
+    )
+    audit.add_argument(
+        "--deadline",
+        type=float,
+        default=DEFAULT_DEADLINE_S,
+        metavar="S",
+        help=f"deadline of the scan call (default {DEFAULT_DEADLINE_S:g})",
+    )
     audit.add_argument("--json", metavar="OUT", help="also write the tasks as JSON here")
-    audit.add_argument("--tls-ca-file", default="", metavar="FILE",
-                       help="connect with TLS, trusting this CA (PEM) for the gateway's "
-                       "certificate (default: plaintext)")
+    audit.add_argument(
+        "--tls-ca-file",
+        default="",
+        metavar="FILE",
+        help="connect with TLS, trusting this CA (PEM) for the gateway's "
+        "certificate (default: plaintext)",
+    )
 
 
 def audit_config(args: argparse.Namespace) -> AuditConfig:
-    return AuditConfig(target=args.target, older_than_s=args.older_than, limit=args.limit,
-                       deadline_s=args.deadline,
-                       json_path=Path(args.json) if args.json else None,
-                       tls_ca_file=args.tls_ca_file)
+    return AuditConfig(
+        target=args.target,
+        older_than_s=args.older_than,
+        limit=args.limit,
+        deadline_s=args.deadline,
+        json_path=Path(args.json) if args.json else None,
+        tls_ca_file=args.tls_ca_file,
+    )
 
 
 async def run_audit(config: AuditConfig, *, now_s: float | None = None) -> AuditResult:
@@ -103,13 +131,13 @@ async def run_audit(config: AuditConfig, *, now_s: float | None = None) -> Audit
     async with channel(config.target, credentials=credentials) as chan:
         try:
             reply = await gateway_pb2_grpc.GatewayStub(chan).AuditTasks(
-                request, timeout=config.deadline_s)
+                request, timeout=config.deadline_s
+            )
         except grpc.aio.AioRpcError as err:
             details = f"{err.code().name}: {err.details()}"
             if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgument(f"the gateway refused the audit: {details}") from None
-            raise Unavailable(f"cannot audit the gateway at {config.target}: {details}"
-                              ) from None  # fmt: skip
+            raise Unavailable(f"cannot audit the gateway at {config.target}: {details}") from None
     now_s = time.time() if now_s is None else now_s
     tasks = []
     for info in reply.tasks:
@@ -123,12 +151,13 @@ async def run_audit(config: AuditConfig, *, now_s: float | None = None) -> Audit
 def format_audit(result: AuditResult, config: AuditConfig) -> str:
     bound = f"older than {config.older_than_s:g} s"
     if not result.tasks:
-        return (f"no non-final task {bound} ({result.num_scanned} task records and intake "
-                "entries scanned)")
+        return (
+            f"no non-final task {bound} ({result.num_scanned} task records and intake "
+            "entries scanned)"
+        )
     rows = [{**row, "reason": _short(row["reason"])} for row in result.tasks]
     more = f" (the oldest {len(rows)}; more exist)" if result.is_truncated else ""
-    return (format_table(rows, AUDIT_COLUMNS)
-            + f"\n{len(rows)} non-final task(s) {bound}{more}")
+    return format_table(rows, AUDIT_COLUMNS) + f"\n{len(rows)} non-final task(s) {bound}{more}"
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -139,9 +168,13 @@ def cmd_audit(args: argparse.Namespace) -> int:
     print(format_audit(result, config))
     if config.json_path is not None:
         config.json_path.parent.mkdir(parents=True, exist_ok=True)
-        body = {"target": config.target, "older_than_s": config.older_than_s,
-                "num_scanned": result.num_scanned, "is_truncated": result.is_truncated,
-                "tasks": result.tasks}  # fmt: skip
+        body = {
+            "target": config.target,
+            "older_than_s": config.older_than_s,
+            "num_scanned": result.num_scanned,
+            "is_truncated": result.is_truncated,
+            "tasks": result.tasks,
+        }
         config.json_path.write_text(json.dumps(body, indent=2) + "\n")
         print(f"audit JSON: {config.json_path}")
     return EXIT_FOUND if result.tasks else EXIT_NONE

@@ -41,20 +41,35 @@ FAST_ENV = {
     "LEMIX_DISPATCH_RETRY_S": "1",
 }
 FINAL_STATES = {
-    gateway_pb2.TASK_STATE_COMPLETED, gateway_pb2.TASK_STATE_FAILED,
-    gateway_pb2.TASK_STATE_REJECTED, gateway_pb2.TASK_STATE_CANCELLED,
+    gateway_pb2.TASK_STATE_COMPLETED,
+    gateway_pb2.TASK_STATE_FAILED,
+    gateway_pb2.TASK_STATE_REJECTED,
+    gateway_pb2.TASK_STATE_CANCELLED,
 }
-STATUS_PREFIXES = ("INVALID_ARGUMENT:", "RESOURCE_EXHAUSTED:", "UNAVAILABLE:", "CANCELLED:",
-                   "DEADLINE_EXCEEDED:", "INTERNAL:", "FAILED_PRECONDITION:", "NOT_FOUND:")
+STATUS_PREFIXES = (
+    "INVALID_ARGUMENT:",
+    "RESOURCE_EXHAUSTED:",
+    "UNAVAILABLE:",
+    "CANCELLED:",
+    "DEADLINE_EXCEEDED:",
+    "INTERNAL:",
+    "FAILED_PRECONDITION:",
+    "NOT_FOUND:",
+)
 _TOKEN_ID = 100
 _RETRY_PAUSE_S = 0.2
 _WATCH_BATCH = 5000  # WatchTasks takes at most 10,000 ids a call
 
 
 @contextlib.asynccontextmanager
-async def fault_stack(tmp_path: Path, *, num_nodes: int = 2, time_scale: float = 0.2,
-                      extra_env: dict[str, str] | None = None, is_fast: bool = True
-                      ) -> AsyncIterator[tuple[Stack, gateway_pb2_grpc.GatewayStub]]:
+async def fault_stack(
+    tmp_path: Path,
+    *,
+    num_nodes: int = 2,
+    time_scale: float = 0.2,
+    extra_env: dict[str, str] | None = None,
+    is_fast: bool = True,
+) -> AsyncIterator[tuple[Stack, gateway_pb2_grpc.GatewayStub]]:
     """A supervised stack and a gateway stub on its fixed address.
 
     `is_fast`: the seconds-scale detection settings of `FAST_ENV`; False
@@ -62,11 +77,18 @@ async def fault_stack(tmp_path: Path, *, num_nodes: int = 2, time_scale: float =
     """
     env = {**(FAST_ENV if is_fast else {}), **(extra_env or {})}
     config = StackConfig(
-        num_nodes=num_nodes, gateway_port=0, time_scale=time_scale,
-        log_dir=tmp_path / "logs", redis_dir=tmp_path / "redis",
-        namespace=f"faults{os.getpid()}", extra_env=env)
-    async with Stack(config, report=lambda line: None) as stack, \
-            channel(stack.gateway_address) as chan:
+        num_nodes=num_nodes,
+        gateway_port=0,
+        time_scale=time_scale,
+        log_dir=tmp_path / "logs",
+        redis_dir=tmp_path / "redis",
+        namespace=f"faults{os.getpid()}",
+        extra_env=env,
+    )
+    async with (
+        Stack(config, report=lambda line: None) as stack,
+        channel(stack.gateway_address) as chan,
+    ):
         yield stack, gateway_pb2_grpc.GatewayStub(chan)
 
 
@@ -103,9 +125,11 @@ class Load:
         task_id = f"{self.run_id}-inf-{next(self._seq)}"
         seen = self.seen[task_id] = Seen()
         request = gateway_pb2.GenerateRequest(
-            request_id=task_id, prompt_token_ids=[_TOKEN_ID] * self.prompt_tokens,
+            request_id=task_id,
+            prompt_token_ids=[_TOKEN_ID] * self.prompt_tokens,
             max_tokens=max_tokens or self.max_tokens,
-            sampling=common_pb2.SamplingParams(ignore_eos=True))
+            sampling=common_pb2.SamplingParams(ignore_eos=True),
+        )
         self._streams.append(asyncio.create_task(self._stream(request, seen)))
         return task_id
 
@@ -123,30 +147,37 @@ class Load:
             self.generate()
             await asyncio.sleep(interval_s)
 
-    async def train(self, num_samples: int, *, per_call: int = 20,
-                    deadline_s: float = 60.0) -> None:
+    async def train(
+        self, num_samples: int, *, per_call: int = 20, deadline_s: float = 60.0
+    ) -> None:
         """Train in calls of `per_call` samples; a call refused UNAVAILABLE is
         retried with the same sample ids (idempotent: the same task ids), as a
         client that wants its samples trained would."""
         for start in range(0, num_samples, per_call):
-            samples = [gateway_pb2.TrainSample(
-                sample_id=f"{self.run_id}-s{next(self._sample_seq)}",
-                token_ids=[_TOKEN_ID] * self.prompt_tokens, num_reference_tokens=8)
-                for _ in range(min(per_call, num_samples - start))]
+            samples = [
+                gateway_pb2.TrainSample(
+                    sample_id=f"{self.run_id}-s{next(self._sample_seq)}",
+                    token_ids=[_TOKEN_ID] * self.prompt_tokens,
+                    num_reference_tokens=8,
+                )
+                for _ in range(min(per_call, num_samples - start))
+            ]
             self.training_ids.update(await self._train_call(samples, deadline_s))
 
-    async def _train_call(self, samples: list[gateway_pb2.TrainSample],
-                          deadline_s: float) -> list[str]:
+    async def _train_call(
+        self, samples: list[gateway_pb2.TrainSample], deadline_s: float
+    ) -> list[str]:
         give_up_s = time.monotonic() + deadline_s
         while True:
             try:
-                reply = await self.stub.Train(gateway_pb2.TrainRequest(samples=samples),
-                                              timeout=30)
+                reply = await self.stub.Train(gateway_pb2.TrainRequest(samples=samples), timeout=30)
                 return list(reply.task_ids)
             except grpc.aio.AioRpcError as err:
-                if (err.code() not in (grpc.StatusCode.UNAVAILABLE,
-                                       grpc.StatusCode.DEADLINE_EXCEEDED)
-                        or time.monotonic() > give_up_s):
+                if (
+                    err.code()
+                    not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                    or time.monotonic() > give_up_s
+                ):
                     raise
                 await asyncio.sleep(_RETRY_PAUSE_S)
 
@@ -170,8 +201,9 @@ async def wait_ready(stub: gateway_pb2_grpc.GatewayStub, timeout_s: float = 60.0
         await asyncio.sleep(_RETRY_PAUSE_S)
 
 
-async def get_task(stub: gateway_pb2_grpc.GatewayStub, task_id: str,
-                   timeout_s: float = 30.0) -> gateway_pb2.TaskInfo | None:
+async def get_task(
+    stub: gateway_pb2_grpc.GatewayStub, task_id: str, timeout_s: float = 30.0
+) -> gateway_pb2.TaskInfo | None:
     """The task's state, or None for NOT_FOUND; rides over a gateway restart."""
     give_up_s = time.monotonic() + timeout_s
     while True:
@@ -185,8 +217,9 @@ async def get_task(stub: gateway_pb2_grpc.GatewayStub, task_id: str,
             await asyncio.sleep(_RETRY_PAUSE_S)
 
 
-async def final_states(stub: gateway_pb2_grpc.GatewayStub, task_ids: set[str],
-                       timeout_s: float) -> dict[str, gateway_pb2.TaskInfo | None]:
+async def final_states(
+    stub: gateway_pb2_grpc.GatewayStub, task_ids: set[str], timeout_s: float
+) -> dict[str, gateway_pb2.TaskInfo | None]:
     """Each id's state once all are final or `timeout_s` passed (None: NOT_FOUND)."""
     give_up_s = time.monotonic() + timeout_s
     states: dict[str, gateway_pb2.TaskInfo | None] = {}
@@ -194,8 +227,9 @@ async def final_states(stub: gateway_pb2_grpc.GatewayStub, task_ids: set[str],
     while True:
         for task_id in sorted(pending):
             states[task_id] = await get_task(stub, task_id)
-        pending = {i for i, info in states.items()
-                   if info is not None and info.state not in FINAL_STATES}
+        pending = {
+            i for i, info in states.items() if info is not None and info.state not in FINAL_STATES
+        }
         if not pending or time.monotonic() > give_up_s:
             return states
         await asyncio.sleep(0.5)
@@ -219,36 +253,48 @@ class Accounting:
         return names
 
     def assert_nothing_lost(self) -> None:
-        problems = {"lost (acknowledged, not final)": self.lost,
-                    "training acknowledged but unknown": self.missing_training,
-                    "ended without a reason": self.no_reason,
-                    "client saw completion, record disagrees": self.inconsistent}
+        problems = {
+            "lost (acknowledged, not final)": self.lost,
+            "training acknowledged but unknown": self.missing_training,
+            "ended without a reason": self.no_reason,
+            "client saw completion, record disagrees": self.inconsistent,
+        }
         bad = {what: ids[:10] for what, ids in problems.items() if ids}
         assert not bad, f"{bad}; states: {self.by_state()}"
 
 
-async def account(stub: gateway_pb2_grpc.GatewayStub, load: Load,
-                  timeout_s: float = 90.0,
-                  recorded: dict[str, gateway_pb2.TaskInfo] | None = None) -> Accounting:
+async def account(
+    stub: gateway_pb2_grpc.GatewayStub,
+    load: Load,
+    timeout_s: float = 90.0,
+    recorded: dict[str, gateway_pb2.TaskInfo] | None = None,
+) -> Accounting:
     """Read every task id's final state and judge it. `recorded`: final states
     a watcher already took while the run went on (`FinalWatcher`); those ids
     are not read again (their records may have expired since)."""
     recorded = recorded or {}
     unread = (load.inference_ids | load.training_ids) - recorded.keys()
     states: dict[str, gateway_pb2.TaskInfo | None] = {
-        **recorded, **await final_states(stub, unread, timeout_s)}
-    lost = sorted(i for i, info in states.items()
-                  if info is not None and info.state not in FINAL_STATES)
+        **recorded,
+        **await final_states(stub, unread, timeout_s),
+    }
+    lost = sorted(
+        i for i, info in states.items() if info is not None and info.state not in FINAL_STATES
+    )
     missing = sorted(i for i in load.training_ids if states[i] is None)
     no_reason = sorted(
-        i for i, info in states.items()
-        if info is not None and info.state in FINAL_STATES
+        i
+        for i, info in states.items()
+        if info is not None
+        and info.state in FINAL_STATES
         and info.state != gateway_pb2.TASK_STATE_COMPLETED
-        and not info.reason.startswith(STATUS_PREFIXES))
+        and not info.reason.startswith(STATUS_PREFIXES)
+    )
     inconsistent = sorted(
-        i for i, seen in load.seen.items()
-        if seen.is_completed and (states[i] is None
-                                  or states[i].state != gateway_pb2.TASK_STATE_COMPLETED))  # type: ignore[union-attr]
+        i
+        for i, seen in load.seen.items()
+        if seen.is_completed and _state_of(states[i]) != gateway_pb2.TASK_STATE_COMPLETED
+    )
     return Accounting(states, lost, missing, no_reason, inconsistent)
 
 
@@ -276,7 +322,7 @@ class FinalWatcher:
     async def sweep(self) -> None:
         pending = sorted((self.load.inference_ids | self.load.training_ids) - self.final.keys())
         for start in range(0, len(pending), _WATCH_BATCH):
-            batch = pending[start:start + _WATCH_BATCH]
+            batch = pending[start : start + _WATCH_BATCH]
             request = gateway_pb2.WatchTasksRequest(task_ids=batch, timeout_s=1.0)
             latest: dict[str, gateway_pb2.TaskInfo] = {}
             try:
@@ -293,6 +339,10 @@ class FinalWatcher:
                     self.expired.add(task_id)
 
 
+def _state_of(info: gateway_pb2.TaskInfo | None) -> int | None:
+    return None if info is None else info.state
+
+
 async def audit_clean(stub: gateway_pb2_grpc.GatewayStub) -> list[str]:
     """Ids of non-final tasks the stack itself reports (AuditTasks): ghosts."""
     reply = await stub.AuditTasks(gateway_pb2.AuditRequest(min_age_s=0.0), timeout=30)
@@ -305,8 +355,9 @@ async def held_on_node(stub: gateway_pb2_grpc.GatewayStub, node_id: int) -> list
     return [t.task_id for t in reply.tasks if t.HasField("node_id") and t.node_id == node_id]
 
 
-async def wait_until_held(stub: gateway_pb2_grpc.GatewayStub, node_id: int,
-                          timeout_s: float = 30.0) -> list[str]:
+async def wait_until_held(
+    stub: gateway_pb2_grpc.GatewayStub, node_id: int, timeout_s: float = 30.0
+) -> list[str]:
     give_up_s = time.monotonic() + timeout_s
     while True:
         held = await held_on_node(stub, node_id)

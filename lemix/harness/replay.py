@@ -43,8 +43,11 @@ from lemix.report.metrics import summarize
 from lemix.types import Task, TaskKind, TaskRecord, TaskStatus
 
 # Refusals decided before any work ran count as rejections, not failures.
-_REJECT_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                 grpc.StatusCode.UNAVAILABLE}
+_REJECT_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAVAILABLE,
+}
 _DUMMY_TOKEN_ID = 100  # the emulated backend only needs the prompt's length
 RUN_ID_BYTES = 4  # 8 hex characters
 MAX_RUN_ID_CHARS = 32
@@ -81,11 +84,14 @@ class ReplayConfig:
         if self.request_deadline_s <= 0 or self.drain_timeout_s < 0 or self.lookup_deadline_s <= 0:
             raise ValueError("deadlines must be positive")
         if self.run_id is not None and (
-            not self.run_id or len(self.run_id) > MAX_RUN_ID_CHARS
+            not self.run_id
+            or len(self.run_id) > MAX_RUN_ID_CHARS
             or any(ch.isspace() or not ch.isprintable() for ch in self.run_id)
-        ):  # fmt: skip
-            raise ValueError(f"run_id must be 1..{MAX_RUN_ID_CHARS} printable characters "
-                             f"without whitespace, got {self.run_id!r}")  # fmt: skip
+        ):
+            raise ValueError(
+                f"run_id must be 1..{MAX_RUN_ID_CHARS} printable characters "
+                f"without whitespace, got {self.run_id!r}"
+            )
 
 
 class _Progress:
@@ -112,8 +118,13 @@ def _rpc_reason(err: grpc.aio.AioRpcError) -> str:
     return f"{err.code().name}: {err.details()}"
 
 
-async def _generate(stub: gateway_pb2_grpc.GatewayStub, task: Task, tracked: Tracked,
-                    t0: float, config: ReplayConfig) -> None:
+async def _generate(
+    stub: gateway_pb2_grpc.GatewayStub,
+    task: Task,
+    tracked: Tracked,
+    t0: float,
+    config: ReplayConfig,
+) -> None:
     record = tracked.record
     request = gateway_pb2.GenerateRequest(
         request_id=record.task_id,
@@ -152,17 +163,29 @@ async def _generate(stub: gateway_pb2_grpc.GatewayStub, task: Task, tracked: Tra
         record.finish_s = time.monotonic() - t0
 
 
-async def _train(stub: gateway_pb2_grpc.GatewayStub, task: Task, tracked: Tracked,
-                 t0: float, config: ReplayConfig) -> None:
+async def _train(
+    stub: gateway_pb2_grpc.GatewayStub,
+    task: Task,
+    tracked: Tracked,
+    t0: float,
+    config: ReplayConfig,
+) -> None:
     record = tracked.record
     text = config.text_for(task) if config.text_for is not None else None
     if text is None:
-        samples = [gateway_pb2.TrainSample(sample_id=f"{record.task_id}-{i}",
-                                           token_ids=[_DUMMY_TOKEN_ID] * task.num_prompt_tokens)
-                   for i in range(task.batch_size)]
+        samples = [
+            gateway_pb2.TrainSample(
+                sample_id=f"{record.task_id}-{i}",
+                token_ids=[_DUMMY_TOKEN_ID] * task.num_prompt_tokens,
+            )
+            for i in range(task.batch_size)
+        ]
     else:  # a real model trains on one text sample per task
-        samples = [gateway_pb2.TrainSample(sample_id=f"{record.task_id}-0", query=text[0],
-                                           reference=text[1])]
+        samples = [
+            gateway_pb2.TrainSample(
+                sample_id=f"{record.task_id}-0", query=text[0], reference=text[1]
+            )
+        ]
     request = gateway_pb2.TrainRequest(samples=samples, batch_size=len(samples))
     try:
         reply = await stub.Train(request, timeout=config.request_deadline_s)
@@ -177,8 +200,13 @@ async def _train(stub: gateway_pb2_grpc.GatewayStub, task: Task, tracked: Tracke
     tracked.is_acknowledged = True
 
 
-async def _fire(stub: gateway_pb2_grpc.GatewayStub, task: Task, tracked: Tracked, t0: float,
-                config: ReplayConfig) -> None:
+async def _fire(
+    stub: gateway_pb2_grpc.GatewayStub,
+    task: Task,
+    tracked: Tracked,
+    t0: float,
+    config: ReplayConfig,
+) -> None:
     """One task's call; an unexpected client-side error is recorded, not raised,
     so one broken call never stops the run (the accounting then looks it up)."""
     call = _train if task.is_training else _generate
@@ -188,8 +216,13 @@ async def _fire(stub: gateway_pb2_grpc.GatewayStub, task: Task, tracked: Tracked
         tracked.client_error = f"{type(exc).__name__}: {exc}"
 
 
-async def _fire_all(stub: gateway_pb2_grpc.GatewayStub, tasks: Sequence[Task],
-                    tracked: dict[str, Tracked], config: ReplayConfig, t0: float) -> None:
+async def _fire_all(
+    stub: gateway_pb2_grpc.GatewayStub,
+    tasks: Sequence[Task],
+    tracked: dict[str, Tracked],
+    config: ReplayConfig,
+    t0: float,
+) -> None:
     """Fire every task at `t0` (monotonic) + its arrival time; wait for the
     calls up to the request deadline."""
     progress = _Progress(len(tasks), config.show_progress)
@@ -210,17 +243,30 @@ async def _fire_all(stub: gateway_pb2_grpc.GatewayStub, tasks: Sequence[Task],
 
 def _tracked(task: Task, run_id: str) -> Tracked:
     task_id = f"{run_id}-{task.task_id}"
-    record = TaskRecord(task_id, task.kind, task.arrival_s, task.num_prompt_tokens,
-                        task.max_output_tokens, task.batch_size)
+    record = TaskRecord(
+        task_id,
+        task.kind,
+        task.arrival_s,
+        task.num_prompt_tokens,
+        task.max_output_tokens,
+        task.batch_size,
+    )
     # Inference is known by its request id; training by the ids Train returns.
     stack_ids = [task_id] if task.kind is TaskKind.INFERENCE else []
     return Tracked(record, stack_ids)
 
 
-async def run_replay(config: ReplayConfig, tasks: Sequence[Task], *, request_rate: float,
-                     train_rate: float, duration_s: float, seed: int,
-                     label: str = "live",
-                     records_out: list[TaskRecord] | None = None) -> dict[str, Any]:
+async def run_replay(
+    config: ReplayConfig,
+    tasks: Sequence[Task],
+    *,
+    request_rate: float,
+    train_rate: float,
+    duration_s: float,
+    seed: int,
+    label: str = "live",
+    records_out: list[TaskRecord] | None = None,
+) -> dict[str, Any]:
     """Replay `tasks` against the gateway; return the DESIGN.md metrics object,
     plus `run_id` and `lost_task_ids` (every lost task's id)."""
     run_id = config.run_id or new_run_id()
@@ -232,8 +278,9 @@ async def run_replay(config: ReplayConfig, tasks: Sequence[Task], *, request_rat
         t0, t0_epoch_s = time.monotonic(), time.time()
         await _fire_all(stub, tasks, tracked, config, t0)
         watch = TaskWatch(stub, lookup_deadline_s=config.lookup_deadline_s)
-        await watch.run(list(tracked.values()),
-                        deadline_s=time.monotonic() + config.drain_timeout_s)
+        await watch.run(
+            list(tracked.values()), deadline_s=time.monotonic() + config.drain_timeout_s
+        )
     end_s = time.monotonic() - t0
     lost_ids: list[str] = []
     for item in tracked.values():
@@ -243,10 +290,18 @@ async def run_replay(config: ReplayConfig, tasks: Sequence[Task], *, request_rat
     if records_out is not None:
         records_out.extend(records)
     metrics = summarize(
-        records, policy=label, seed=seed, request_rate=request_rate,
-        train_rate=train_rate, duration_s=duration_s, makespan_s=max(finished, default=0.0),
-        slo_ttft_s=config.slo_ttft_s, slo_tbt_s=config.slo_tbt_s, utilization=0.0,
-        decision_latency_us=[], node_active_spans_s=[],
+        records,
+        policy=label,
+        seed=seed,
+        request_rate=request_rate,
+        train_rate=train_rate,
+        duration_s=duration_s,
+        makespan_s=max(finished, default=0.0),
+        slo_ttft_s=config.slo_ttft_s,
+        slo_tbt_s=config.slo_tbt_s,
+        utilization=0.0,
+        decision_latency_us=[],
+        node_active_spans_s=[],
     )
     metrics["run_id"] = run_id
     metrics["lost_task_ids"] = lost_ids

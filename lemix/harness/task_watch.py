@@ -56,8 +56,9 @@ class Tracked:
     @property
     def needs_lookup(self) -> bool:
         """False only for a completed inference stream (final by construction)."""
-        return not (self.record.kind is TaskKind.INFERENCE
-                    and self.record.status is TaskStatus.COMPLETED)
+        return not (
+            self.record.kind is TaskKind.INFERENCE and self.record.status is TaskStatus.COMPLETED
+        )
 
     @property
     def is_unknown_an_answer(self) -> bool:
@@ -69,8 +70,13 @@ class Tracked:
 class TaskWatch:
     """Looks ids up through a Gateway stub; `infos` holds the last state seen."""
 
-    def __init__(self, stub: gateway_pb2_grpc.GatewayStub, *, lookup_deadline_s: float,
-                 max_ids_per_call: int = MAX_IDS_PER_CALL) -> None:
+    def __init__(
+        self,
+        stub: gateway_pb2_grpc.GatewayStub,
+        *,
+        lookup_deadline_s: float,
+        max_ids_per_call: int = MAX_IDS_PER_CALL,
+    ) -> None:
         self.stub = stub
         self.lookup_deadline_s = lookup_deadline_s
         self.max_ids_per_call = max_ids_per_call
@@ -114,8 +120,10 @@ class TaskWatch:
         if not task_ids:
             return True
         limit = asyncio.Semaphore(MAX_CONCURRENT_CALLS)
-        chunks = [task_ids[i:i + self.max_ids_per_call]
-                  for i in range(0, len(task_ids), self.max_ids_per_call)]
+        chunks = [
+            task_ids[i : i + self.max_ids_per_call]
+            for i in range(0, len(task_ids), self.max_ids_per_call)
+        ]
 
         async def call(chunk: list[str]) -> bool:
             async with limit:
@@ -127,7 +135,8 @@ class TaskWatch:
         request = gateway_pb2.WatchTasksRequest(task_ids=task_ids, timeout_s=timeout_s)
         try:
             async for info in self.stub.WatchTasks(
-                    request, timeout=timeout_s + self.lookup_deadline_s):
+                request, timeout=timeout_s + self.lookup_deadline_s
+            ):
                 self.infos[info.task_id] = info
         except grpc.aio.AioRpcError as err:
             self.last_error = f"{err.code().name}: {err.details()}"
@@ -153,28 +162,34 @@ def settle(item: Tracked, watch: TaskWatch, *, t0_epoch_s: float, end_s: float) 
             record.reason = item.client_error or "Train got no answer within the deadline"
         return item.lost_ids
     infos = [watch.infos.get(task_id) for task_id in item.stack_ids]
-    lost = [(task_id, info) for task_id, info in zip(item.stack_ids, infos, strict=True)
-            if watch.is_open(task_id)]
+    lost = [
+        (task_id, info)
+        for task_id, info in zip(item.stack_ids, infos, strict=True)
+        if watch.is_open(task_id)
+    ]
     if lost:
         item.lost_ids = [task_id for task_id, _ in lost]
         record.status = None
         record.reason = "no final state: " + "; ".join(
-            _why_open(task_id, info, watch.last_error) for task_id, info in lost)
+            _why_open(task_id, info, watch.last_error) for task_id, info in lost
+        )
         return item.lost_ids
     if record.kind is TaskKind.INFERENCE:
         (info,) = infos
         if record.status is None and info is not None:  # the stack ended it; we got no answer
             record.status = TaskStatus.FAILED
             record.reason = (item.client_error or "no answer reached the client") + (
-                f"; the stack recorded it {state_name(info.state)}: {info.reason}")
+                f"; the stack recorded it {state_name(info.state)}: {info.reason}"
+            )
             record.finish_s = end_s
         return []
     _settle_training(record, [info for info in infos if info is not None], t0_epoch_s, end_s)
     return []
 
 
-def _settle_training(record: TaskRecord, infos: list[gateway_pb2.TaskInfo], t0_epoch_s: float,
-                     end_s: float) -> None:
+def _settle_training(
+    record: TaskRecord, infos: list[gateway_pb2.TaskInfo], t0_epoch_s: float, end_s: float
+) -> None:
     failed = [info for info in infos if info.state != gateway_pb2.TASK_STATE_COMPLETED]
     if failed:
         record.status = _STATUS_OF_STATE.get(failed[0].state, TaskStatus.FAILED)

@@ -26,21 +26,20 @@ DEFAULT_DEADLINE_S = 3.0
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-def check(address: str, service: str = "",
-          deadline_s: float = DEFAULT_DEADLINE_S) -> tuple[bool, str]:
+def check(
+    address: str, service: str = "", deadline_s: float = DEFAULT_DEADLINE_S
+) -> tuple[bool, str]:
     """Ask `address` for `service`'s health once; return (is_serving, what was seen)."""
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=service),
-                               timeout=deadline_s)
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=deadline_s)
         except grpc.RpcError as err:
             code = err.code() if isinstance(err, grpc.Call) else None
             details = err.details() if isinstance(err, grpc.Call) else str(err)
             name = code.name if code is not None else "ERROR"
             return False, f"{name}: {details}"
-    return reply.status == _SERVING, health_pb2.HealthCheckResponse.ServingStatus.Name(
-        reply.status)
+    return reply.status == _SERVING, health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
 def _address(text: str) -> str:
@@ -60,12 +59,21 @@ def _deadline(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m lemix.infra.healthcheck",
-        description="One gRPC health check: exit 0 when SERVING, 1 otherwise.")
+        description="One gRPC health check: exit 0 when SERVING, 1 otherwise.",
+    )
     parser.add_argument("address", type=_address, help="HOST:PORT of the gRPC server")
-    parser.add_argument("service", nargs="?", default="",
-                        help="full service name, e.g. lemix.v1.Scheduler (default: the server)")
-    parser.add_argument("--deadline-s", type=_deadline, default=DEFAULT_DEADLINE_S,
-                        help=f"deadline of the Check call, seconds [{DEFAULT_DEADLINE_S}]")
+    parser.add_argument(
+        "service",
+        nargs="?",
+        default="",
+        help="full service name, e.g. lemix.v1.Scheduler (default: the server)",
+    )
+    parser.add_argument(
+        "--deadline-s",
+        type=_deadline,
+        default=DEFAULT_DEADLINE_S,
+        help=f"deadline of the Check call, seconds [{DEFAULT_DEADLINE_S}]",
+    )
     return parser
 
 

@@ -37,8 +37,9 @@ class MetricsServer:
     @property
     def address(self) -> str:
         """host:port to scrape (an IPv6 host in brackets)."""
-        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else (
-            self.host)
+        host = (
+            f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else (self.host)
+        )
         return f"{host}:{self.port}"
 
     @classmethod
@@ -68,4 +69,3 @@ class MetricsServer:
 
     async def stop(self) -> None:
         await self._runner.cleanup()
-

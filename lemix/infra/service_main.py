@@ -54,8 +54,9 @@ class _ServiceConfig(Protocol):
 C = TypeVar("C", bound=_ServiceConfig)
 
 
-async def serve(service: Service, label: str, *, metrics_host: str = "127.0.0.1",
-                metrics_port: int = -1) -> int:
+async def serve(
+    service: Service, label: str, *, metrics_host: str = "127.0.0.1", metrics_port: int = -1
+) -> int:
     """Start, announce, wait for SIGINT/SIGTERM, stop. Returns the exit status."""
     metrics: MetricsServer | None = None
     try:
@@ -88,8 +89,12 @@ async def serve(service: Service, label: str, *, metrics_host: str = "127.0.0.1"
     return 0
 
 
-def run_service(argv: Sequence[str] | None, parse: Callable[[Sequence[str] | None], C],
-                make: Callable[[C], Service], label: Callable[[C], str]) -> int:
+def run_service(
+    argv: Sequence[str] | None,
+    parse: Callable[[Sequence[str] | None], C],
+    make: Callable[[C], Service],
+    label: Callable[[C], str],
+) -> int:
     """`main()` of a service: config → logging → serve; returns the exit status."""
     try:
         config = parse(argv)
@@ -101,8 +106,14 @@ def run_service(argv: Sequence[str] | None, parse: Callable[[Sequence[str] | Non
     # leaves every thread's Python stack in the service's log.
     faulthandler.enable(all_threads=True)
     try:
-        return asyncio.run(serve(make(config), label(config), metrics_host=config.host,
-                                 metrics_port=config.metrics_port))
+        return asyncio.run(
+            serve(
+                make(config),
+                label(config),
+                metrics_host=config.host,
+                metrics_port=config.metrics_port,
+            )
+        )
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

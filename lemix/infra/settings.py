@@ -46,30 +46,52 @@ def port_or_off(text: str) -> int:
     return max(int(text), -1)
 
 
-def build_parser(config_cls: type, options: Sequence[Option], *, prog: str, description: str,
-                 cli_defaults: Mapping[str, Any] | None = None) -> argparse.ArgumentParser:
+def build_parser(
+    config_cls: type,
+    options: Sequence[Option],
+    *,
+    prog: str,
+    description: str,
+    cli_defaults: Mapping[str, Any] | None = None,
+) -> argparse.ArgumentParser:
     """Every flag defaults to None, so variables and defaults can apply."""
     parser = argparse.ArgumentParser(
         prog=prog,
         description=f"{description} Flags override LEMIX_* environment variables, which "
-        "override the defaults.")
+        "override the defaults.",
+    )
     defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}
     defaults.update(cli_defaults or {})
     for opt in options:
         text = f"{opt.help} [env {opt.env}; default {defaults[opt.field]!r}]"
         if opt.parse is boolean:
-            parser.add_argument(opt.flag, dest=opt.field, default=None, help=text,
-                                action=argparse.BooleanOptionalAction)
+            parser.add_argument(
+                opt.flag,
+                dest=opt.field,
+                default=None,
+                help=text,
+                action=argparse.BooleanOptionalAction,
+            )
         else:
-            parser.add_argument(opt.flag, dest=opt.field, type=opt.parse, default=None,
-                                metavar=opt.metavar, help=text)
+            parser.add_argument(
+                opt.flag,
+                dest=opt.field,
+                type=opt.parse,
+                default=None,
+                metavar=opt.metavar,
+                help=text,
+            )
     return parser
 
 
-def parse_settings(config_cls: Callable[..., T], parser: argparse.ArgumentParser,
-                   options: Sequence[Option], argv: Sequence[str] | None,
-                   env: Mapping[str, str] | None,
-                   cli_defaults: Mapping[str, Any] | None = None) -> T:
+def parse_settings(
+    config_cls: Callable[..., T],
+    parser: argparse.ArgumentParser,
+    options: Sequence[Option],
+    argv: Sequence[str] | None,
+    env: Mapping[str, str] | None,
+    cli_defaults: Mapping[str, Any] | None = None,
+) -> T:
     """The config from `argv` (default `sys.argv[1:]`) and `env` (default
     `os.environ`). ValueError on a bad variable or config; `--help` and bad flags
     exit through argparse."""
@@ -86,13 +108,15 @@ def parse_settings(config_cls: Callable[..., T], parser: argparse.ArgumentParser
                 values[opt.field] = opt.parse(text)
             except ValueError:
                 kind = getattr(opt.parse, "__name__", "value")
-                raise ValueError(f"{opt.env}={text!r} is not a valid {kind} "
-                                 f"(for {opt.flag})") from None
+                raise ValueError(
+                    f"{opt.env}={text!r} is not a valid {kind} (for {opt.flag})"
+                ) from None
     return config_cls(**values)
 
 
 def check_port_or_off(name: str, port: int) -> None:
     """ValueError unless `port` is -1 (off), 0 (any free port) or a port number."""
     if not -1 <= port <= 65535:
-        raise ValueError(f"{name} must be in [0, 65535] (0 = any free port) or -1 (off), "
-                         f"got {port}")
+        raise ValueError(
+            f"{name} must be in [0, 65535] (0 = any free port) or -1 (off), got {port}"
+        )

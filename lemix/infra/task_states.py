@@ -18,10 +18,14 @@ STATE_NAMES: dict[int, str] = {
     for name, number in gateway_pb2.TaskState.items()
 }
 # Every task id ends in exactly one of these (DESIGN.md).
-FINAL_STATES = frozenset({
-    gateway_pb2.TASK_STATE_COMPLETED, gateway_pb2.TASK_STATE_FAILED,
-    gateway_pb2.TASK_STATE_REJECTED, gateway_pb2.TASK_STATE_CANCELLED,
-})  # fmt: skip
+FINAL_STATES = frozenset(
+    {
+        gateway_pb2.TASK_STATE_COMPLETED,
+        gateway_pb2.TASK_STATE_FAILED,
+        gateway_pb2.TASK_STATE_REJECTED,
+        gateway_pb2.TASK_STATE_CANCELLED,
+    }
+)
 _KIND_NAMES = {
     common_pb2.TASK_KIND_INFERENCE: "inference",
     common_pb2.TASK_KIND_TRAINING: "training",
@@ -29,7 +33,7 @@ _KIND_NAMES = {
 
 
 def state_name(state: int) -> str:
-    """"queued", "completed", ...; "unknown" for a number this build does not know."""
+    """ "queued", "completed", ...; "unknown" for a number this build does not know."""
     return STATE_NAMES.get(state, "unknown")
 
 

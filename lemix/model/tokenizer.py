@@ -143,9 +143,11 @@ class HFTokenizer:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return str(self._tokenizer.decode(
-            list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
-        ))  # fmt: skip
+        return str(
+            self._tokenizer.decode(
+                list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
+            )
+        )
 
 
 # ------------------------------------------------------------------ training

@@ -31,27 +31,78 @@ from lemix.types import TaskKind, TaskRecord, TaskStatus
 
 # The DESIGN.md contract, in order, then our extra keys.
 METRIC_KEYS: tuple[str, ...] = (
-    "policy", "seed", "request_rate", "train_rate", "duration_s",
-    "num_inference", "num_training", "num_completed_inference", "num_completed_training",
-    "num_rejected", "num_lost", "throughput_tasks_s", "throughput_tokens_s", "goodput_rps",
-    "slo_attainment", "ttft_s", "tbt_s", "e2e_s", "utilization", "inference_loss",
-    "decision_latency_us", "serving_staleness_updates", "throughput_tasks_s_paper",
-)  # fmt: skip
+    "policy",
+    "seed",
+    "request_rate",
+    "train_rate",
+    "duration_s",
+    "num_inference",
+    "num_training",
+    "num_completed_inference",
+    "num_completed_training",
+    "num_rejected",
+    "num_lost",
+    "throughput_tasks_s",
+    "throughput_tokens_s",
+    "goodput_rps",
+    "slo_attainment",
+    "ttft_s",
+    "tbt_s",
+    "e2e_s",
+    "utilization",
+    "inference_loss",
+    "decision_latency_us",
+    "serving_staleness_updates",
+    "throughput_tasks_s_paper",
+)
 EXTRA_KEYS: tuple[str, ...] = (
-    "num_failed", "num_completed", "training_samples_s", "slo_ttft_s", "slo_tbt_s", "makespan_s",
-)  # fmt: skip
+    "num_failed",
+    "num_completed",
+    "training_samples_s",
+    "slo_ttft_s",
+    "slo_tbt_s",
+    "makespan_s",
+)
 
 # Two-sided 95% critical values of Student's t (the standard t table, e.g.
 # NIST/SEMATECH e-Handbook of Statistical Methods, table 1.3.6.7.2), df 1..30,
 # then 40, 60, 120. Between tabulated df the next lower df is used (slightly
 # conservative); beyond 120 the normal value 1.96.
 _T95 = {
-    1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
-    9: 2.262, 10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131,
-    16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086, 21: 2.080, 22: 2.074,
-    23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045,
-    30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980,
-}  # fmt: skip
+    1: 12.706,
+    2: 4.303,
+    3: 3.182,
+    4: 2.776,
+    5: 2.571,
+    6: 2.447,
+    7: 2.365,
+    8: 2.306,
+    9: 2.262,
+    10: 2.228,
+    11: 2.201,
+    12: 2.179,
+    13: 2.160,
+    14: 2.145,
+    15: 2.131,
+    16: 2.120,
+    17: 2.110,
+    18: 2.101,
+    19: 2.093,
+    20: 2.086,
+    21: 2.080,
+    22: 2.074,
+    23: 2.069,
+    24: 2.064,
+    25: 2.060,
+    26: 2.056,
+    27: 2.052,
+    28: 2.048,
+    29: 2.045,
+    30: 2.042,
+    40: 2.021,
+    60: 2.000,
+    120: 1.980,
+}
 _Z95 = 1.96
 
 

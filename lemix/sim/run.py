@@ -46,8 +46,9 @@ class SimRunConfig:
             raise ValueError("latency_noise_cv must be >= 0")
 
 
-def build_simulator(config: SimRunConfig, profile: Profile, tasks: Sequence[Task],
-                    slo: Slo) -> Simulator:
+def build_simulator(
+    config: SimRunConfig, profile: Profile, tasks: Sequence[Task], slo: Slo
+) -> Simulator:
     spec = get_spec(config.policy)
     planner_config = PlannerConfig(
         num_nodes=config.num_nodes,
@@ -62,28 +63,46 @@ def build_simulator(config: SimRunConfig, profile: Profile, tasks: Sequence[Task
     )
     memory = config.memory
     if not spec.is_memory_aware:
-        memory = MemoryConfig(kappa=memory.kappa, max_wait_s=memory.max_wait_s,
-                              is_offload_enabled=False)
+        memory = MemoryConfig(
+            kappa=memory.kappa, max_wait_s=memory.max_wait_s, is_offload_enabled=False
+        )
     planner = build_planner(config.policy, planner_config, profile, memory)
-    engine_config = EngineConfig(config.batching, memory, config.stage_order,
-                                 config.max_training_in_flight)
+    engine_config = EngineConfig(
+        config.batching, memory, config.stage_order, config.max_training_in_flight
+    )
     # Noise streams derive from the run seed, so every policy sees the same draws
     # per node for the same sequence of work.
     engines = [
-        NodeEngine(i, profile,
-                   NoisyLatency(profile.ours, config.latency_noise_cv,
-                                random.Random(config.seed * 1_000_003 + i)),
-                   engine_config)
+        NodeEngine(
+            i,
+            profile,
+            NoisyLatency(
+                profile.ours, config.latency_noise_cv, random.Random(config.seed * 1_000_003 + i)
+            ),
+            engine_config,
+        )
         for i in range(config.num_nodes)
     ]
-    return Simulator(planner, engines, tasks, profile, drain_limit_s=config.drain_limit_s,
-                     measure_decision_latency=config.measure_decision_latency,
-                     keep_decisions=config.keep_decisions)
+    return Simulator(
+        planner,
+        engines,
+        tasks,
+        profile,
+        drain_limit_s=config.drain_limit_s,
+        measure_decision_latency=config.measure_decision_latency,
+        keep_decisions=config.keep_decisions,
+    )
 
 
-def run_simulation(config: SimRunConfig, profile: Profile, tasks: Sequence[Task], *,
-                   request_rate: float, duration_s: float,
-                   slo: Slo | None = None) -> tuple[dict[str, Any], SimResult]:
+def run_simulation(
+    config: SimRunConfig,
+    profile: Profile,
+    tasks: Sequence[Task],
+    *,
+    request_rate: float,
+    duration_s: float,
+    slo: Slo | None = None,
+) -> tuple[dict[str, Any], SimResult]:
     """Run one simulation; return (metrics JSON object, raw result)."""
     from lemix.report.metrics import summarize
 

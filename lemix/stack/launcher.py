@@ -102,8 +102,10 @@ class StackConfig:
         if self.backend == "torch" and self.time_scale != 1.0:
             raise ValueError("--time-scale is for the emulated backend; torch runs in real time")
         if self.redis_fsync not in APPENDFSYNC_POLICIES:
-            raise ValueError(f"--redis-fsync must be one of {', '.join(APPENDFSYNC_POLICIES)}, "
-                             f"got {self.redis_fsync!r}")
+            raise ValueError(
+                f"--redis-fsync must be one of {', '.join(APPENDFSYNC_POLICIES)}, "
+                f"got {self.redis_fsync!r}"
+            )
         if self.redis_password is not None:
             check_password(self.redis_password)
         for name in ("gateway_port", "http_port"):
@@ -123,8 +125,7 @@ class Stack:
     "scheduler", "gateway" and "redis".
     """
 
-    def __init__(self, config: StackConfig,
-                 report: Callable[[str], None] = _print_report) -> None:
+    def __init__(self, config: StackConfig, report: Callable[[str], None] = _print_report) -> None:
         self.config = config
         self.report = report  # one line per crash, restart and give-up
         self.redis: EmbeddedRedis | None = None
@@ -147,32 +148,46 @@ class Stack:
     def _env(self, redis_url: str) -> dict[str, str]:
         c = self.config
         env = dict(os.environ)
-        env.update({
-            "LEMIX_REDIS_URL": redis_url,
-            "LEMIX_NAMESPACE": c.namespace,
-            "LEMIX_POLICY": c.policy,
-            "LEMIX_NUM_NODES": str(c.num_nodes),
-            "LEMIX_TIME_SCALE": repr(c.time_scale),
-            "LEMIX_LATENCY_NOISE_CV": repr(c.latency_noise_cv),
-            "LEMIX_MAX_BATCH_SIZE": str(c.max_batch_size),
-            "LEMIX_TRAIN_RATE": repr(c.train_rate),
-            "LEMIX_LOG_FORMAT": "json",
-            # Internal RPCs require this token; one per stack (kept across
-            # restarts of a child: `_env` runs once per start).
-            "LEMIX_SERVICE_TOKEN": os.environ.get("LEMIX_SERVICE_TOKEN") or self._service_token,
-            "PYTHONUNBUFFERED": "1",
-        })
+        env.update(
+            {
+                "LEMIX_REDIS_URL": redis_url,
+                "LEMIX_NAMESPACE": c.namespace,
+                "LEMIX_POLICY": c.policy,
+                "LEMIX_NUM_NODES": str(c.num_nodes),
+                "LEMIX_TIME_SCALE": repr(c.time_scale),
+                "LEMIX_LATENCY_NOISE_CV": repr(c.latency_noise_cv),
+                "LEMIX_MAX_BATCH_SIZE": str(c.max_batch_size),
+                "LEMIX_TRAIN_RATE": repr(c.train_rate),
+                "LEMIX_LOG_FORMAT": "json",
+                # Internal RPCs require this token; one per stack (kept across
+                # restarts of a child: `_env` runs once per start).
+                "LEMIX_SERVICE_TOKEN": os.environ.get("LEMIX_SERVICE_TOKEN") or self._service_token,
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         if c.profile_path is not None:
             env["LEMIX_PROFILE"] = str(c.profile_path)
         if c.backend == "torch":
-            env.update({"LEMIX_EXECUTOR_BACKEND": "torch", "LEMIX_MODEL": c.model,
-                        "LEMIX_TOKENIZER": c.tokenizer,
-                        "LEMIX_TORCH_THREADS": str(c.torch_threads)})
+            env.update(
+                {
+                    "LEMIX_EXECUTOR_BACKEND": "torch",
+                    "LEMIX_MODEL": c.model,
+                    "LEMIX_TOKENIZER": c.tokenizer,
+                    "LEMIX_TORCH_THREADS": str(c.torch_threads),
+                }
+            )
         env.update(c.extra_env)
         return env
 
-    def _child(self, name: str, module: str, service: str, env: dict[str, str],
-               prefix: str, ports: dict[str, int]) -> tuple[ServiceProcess, list[str]]:
+    def _child(
+        self,
+        name: str,
+        module: str,
+        service: str,
+        env: dict[str, str],
+        prefix: str,
+        ports: dict[str, int],
+    ) -> tuple[ServiceProcess, list[str]]:
         """A service on fixed ports, and the variables of those picked here.
 
         `ports` maps its port variables (the part after LEMIX_<PREFIX>_) to a
@@ -180,11 +195,16 @@ class Stack:
         """
         picked = [f"LEMIX_{prefix}_{var}" for var, port in ports.items() if port == 0]
         fixed = {f"LEMIX_{prefix}_{var}": str(port) for var, port in ports.items() if port}
-        fixed.update(zip(picked, map(str, pick_free_ports(self.config.host, len(picked))),
-                         strict=True))
-        child = ServiceProcess(name, module, service,
-                               {**env, f"LEMIX_{prefix}_HOST": self.config.host, **fixed},
-                               self.config.log_dir / f"{name}.log")
+        fixed.update(
+            zip(picked, map(str, pick_free_ports(self.config.host, len(picked))), strict=True)
+        )
+        child = ServiceProcess(
+            name,
+            module,
+            service,
+            {**env, f"LEMIX_{prefix}_HOST": self.config.host, **fixed},
+            self.config.log_dir / f"{name}.log",
+        )
         return child, picked
 
     async def start(self) -> str:
@@ -201,21 +221,47 @@ class Stack:
             if c.backend == "torch":
                 await asyncio.to_thread(_prepare_tokenizer, c.tokenizer)
             executors = [
-                self._child(f"executor-{i}", "services.executor", EXECUTOR_SERVICE,
-                            {**env, "LEMIX_NODE_ID": str(i)}, "EXECUTOR",
-                            {"PORT": 0, "METRICS_PORT": 0})
+                self._child(
+                    f"executor-{i}",
+                    "services.executor",
+                    EXECUTOR_SERVICE,
+                    {**env, "LEMIX_NODE_ID": str(i)},
+                    "EXECUTOR",
+                    {"PORT": 0, "METRICS_PORT": 0},
+                )
                 for i in range(c.num_nodes)
             ]
             await asyncio.gather(*(self._start_child(child) for child in executors))
-            await self._start_child(self._child("profiler", "profiler", PROFILER_SERVICE, env,
-                                                "PROFILER", {"PORT": 0, "METRICS_PORT": 0}))
-            scheduler = await self._start_child(self._child(
-                "scheduler", "services.scheduler", SCHEDULER_SERVICE, env, "SCHEDULER",
-                {"PORT": 0, "METRICS_PORT": 0}))
-            gateway = await self._start_child(self._child(
-                "gateway", "gateway", GATEWAY_SERVICE,
-                {**env, "LEMIX_SCHEDULER_ADDRESS": scheduler.address}, "GATEWAY",
-                {"PORT": c.gateway_port, "HTTP_PORT": c.http_port, "METRICS_PORT": 0}))
+            await self._start_child(
+                self._child(
+                    "profiler",
+                    "profiler",
+                    PROFILER_SERVICE,
+                    env,
+                    "PROFILER",
+                    {"PORT": 0, "METRICS_PORT": 0},
+                )
+            )
+            scheduler = await self._start_child(
+                self._child(
+                    "scheduler",
+                    "services.scheduler",
+                    SCHEDULER_SERVICE,
+                    env,
+                    "SCHEDULER",
+                    {"PORT": 0, "METRICS_PORT": 0},
+                )
+            )
+            gateway = await self._start_child(
+                self._child(
+                    "gateway",
+                    "gateway",
+                    GATEWAY_SERVICE,
+                    {**env, "LEMIX_SCHEDULER_ADDRESS": scheduler.address},
+                    "GATEWAY",
+                    {"PORT": c.gateway_port, "HTTP_PORT": c.http_port, "METRICS_PORT": 0},
+                )
+            )
         except BaseException:
             await self.stop()
             raise
@@ -226,7 +272,8 @@ class Stack:
             supervised.append(self._redis_child)
         self._supervisors = [
             asyncio.create_task(self._supervise(child), name=f"supervise-{child.name}")
-            for child in supervised]
+            for child in supervised
+        ]
         return gateway.address
 
     def _start_redis(self) -> EmbeddedRedis:
@@ -235,8 +282,9 @@ class Stack:
         password = c.redis_password or generate_password()
         for attempt in range(_NUM_PORT_ATTEMPTS):
             (port,) = pick_free_ports("127.0.0.1", 1)
-            server = EmbeddedRedis(port, dir=c.redis_dir, appendonly=True,
-                                   appendfsync=c.redis_fsync, password=password)
+            server = EmbeddedRedis(
+                port, dir=c.redis_dir, appendonly=True, appendfsync=c.redis_fsync, password=password
+            )
             try:
                 return server.start()
             except RedisServerError as exc:  # the picked port was taken meanwhile
@@ -258,8 +306,13 @@ class Stack:
                 is_port_taken = "in use" in text or "cannot bind" in text
                 if not (picked and is_port_taken) or attempt == _NUM_PORT_ATTEMPTS - 1:
                     raise
-                child.env.update(zip(picked, map(str, pick_free_ports(self.config.host,
-                                                                      len(picked))), strict=True))
+                child.env.update(
+                    zip(
+                        picked,
+                        map(str, pick_free_ports(self.config.host, len(picked))),
+                        strict=True,
+                    )
+                )
         raise AssertionError("unreachable")
 
     async def _supervise(self, child: ServiceProcess | RedisProcess) -> None:
@@ -318,8 +371,9 @@ class Stack:
         """Send `sig` to a child (fault injection); the supervisor restarts it."""
         self.child(name).send_signal(sig)
 
-    async def wait_restarted(self, name: str, num_restarts: int = 1,
-                             timeout_s: float = 60.0) -> None:
+    async def wait_restarted(
+        self, name: str, num_restarts: int = 1, timeout_s: float = 60.0
+    ) -> None:
         """Return once `name` has been restarted `num_restarts` times in all
         and serves again; RuntimeError if the stack gave up, TimeoutError
         after `timeout_s`."""
@@ -329,8 +383,10 @@ class Stack:
             if self.failure is not None:
                 raise RuntimeError(f"the stack gave up: {self.failure}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} was not restarted {num_restarts} time(s) within "
-                                   f"{timeout_s:g} s (restarts so far: {child.num_restarts})")
+                raise TimeoutError(
+                    f"{name} was not restarted {num_restarts} time(s) within "
+                    f"{timeout_s:g} s (restarts so far: {child.num_restarts})"
+                )
             await asyncio.sleep(_WAIT_POLL_S)
 
     async def wait_failed(self) -> str:
@@ -381,8 +437,11 @@ async def run_until_signalled(config: StackConfig) -> int:
         print(f"metrics {name}: http://{metrics}/metrics", flush=True)
     if stack.redis is not None:
         url_file = _write_redis_url(stack.redis)
-        print(f"redis {stack.redis.address}: AOF appendfsync={config.redis_fsync} in "
-              f"{stack.redis.data_dir}; password required (URL in {url_file})", flush=True)
+        print(
+            f"redis {stack.redis.address}: AOF appendfsync={config.redis_fsync} in "
+            f"{stack.redis.data_dir}; password required (URL in {url_file})",
+            flush=True,
+        )
     waits = [asyncio.create_task(stop.wait()), asyncio.create_task(stack.wait_failed())]
     try:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)

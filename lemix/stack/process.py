@@ -23,8 +23,14 @@ START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 15.0
 _REDIS_POLL_S = 0.05  # how often a Redis watcher looks at its (non-asyncio) process
 # Signals a fault-injecting caller sends to end a child (SIGSTOP/SIGCONT do not).
-_ENDING_SIGNALS = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGQUIT,
-                   signal.SIGABRT, signal.SIGSEGV}
+_ENDING_SIGNALS = {
+    signal.SIGKILL,
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGQUIT,
+    signal.SIGABRT,
+    signal.SIGSEGV,
+}
 # Ports are picked below the kernel's ephemeral range when it is known: a
 # port there is never handed to an outgoing connection, so it stays free
 # between a child's crash and its restart on the same port.
@@ -74,8 +80,9 @@ class ServiceProcess:
     a restart appends to the same log.
     """
 
-    def __init__(self, name: str, module: str, service: str, env: dict[str, str],
-                 log_path: Path) -> None:
+    def __init__(
+        self, name: str, module: str, service: str, env: dict[str, str], log_path: Path
+    ) -> None:
         self.name = name
         self.module = module
         self.service = service
@@ -108,13 +115,20 @@ class ServiceProcess:
                 log_file.flush()
             # The child holds its own descriptor of the log once spawned.
             self.process = process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", self.module, env=self.env, stdout=asyncio.subprocess.PIPE,
-                stderr=log_file, start_new_session=True)
+                sys.executable,
+                "-m",
+                self.module,
+                env=self.env,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log_file,
+                start_new_session=True,
+            )
         self._is_exit_expected = False
         try:
             try:
-                address, metrics, http = await asyncio.wait_for(_read_address(process),
-                                                                START_TIMEOUT_S)
+                address, metrics, http = await asyncio.wait_for(
+                    _read_address(process), START_TIMEOUT_S
+                )
             except (TimeoutError, EOFError) as exc:
                 if isinstance(exc, EOFError):
                     # It is exiting: let it, rather than signal it. (Signalling
@@ -122,8 +136,10 @@ class ServiceProcess:
                     # then reports 255 instead of its own exit status.)
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(process.wait(), STOP_TIMEOUT_S)
-                raise RuntimeError(f"{self.name} did not start ({exc}); its log "
-                                   f"({self.log_path}) ends:\n{_tail(self.log_path)}") from None
+                raise RuntimeError(
+                    f"{self.name} did not start ({exc}); its log "
+                    f"({self.log_path}) ends:\n{_tail(self.log_path)}"
+                ) from None
             self._copier = asyncio.create_task(_copy_rest(process, self.log_path))
             self.address, self.metrics_address, self.http_address = address, metrics, http
             await wait_for_serving(address, self.service, timeout_s=START_TIMEOUT_S)

@@ -35,8 +35,10 @@ class RestartPolicy:
 
     def __post_init__(self) -> None:
         if self.initial_backoff_s <= 0 or self.max_backoff_s < self.initial_backoff_s:
-            raise ValueError("restart backoff needs 0 < initial_backoff_s <= max_backoff_s, got "
-                             f"{self.initial_backoff_s} and {self.max_backoff_s}")
+            raise ValueError(
+                "restart backoff needs 0 < initial_backoff_s <= max_backoff_s, got "
+                f"{self.initial_backoff_s} and {self.max_backoff_s}"
+            )
         if self.reset_after_s <= 0 or self.crash_window_s <= 0:
             raise ValueError("reset_after_s and crash_window_s must be > 0")
         if self.max_crashes < 1:
@@ -109,10 +111,13 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-async def supervise(child: Restartable, policy: RestartPolicy,
-                    report: Callable[[str], None],
-                    on_restarted: Callable[[], None] = lambda: None,
-                    clock: Callable[[], float] = time.monotonic) -> str:
+async def supervise(
+    child: Restartable,
+    policy: RestartPolicy,
+    report: Callable[[str], None],
+    on_restarted: Callable[[], None] = lambda: None,
+    clock: Callable[[], float] = time.monotonic,
+) -> str:
     """Restart `child` each time it exits, until cancelled (the stack stops).
 
     Returns the give-up message once `child` crashed `policy.max_crashes`
@@ -126,13 +131,17 @@ async def supervise(child: Restartable, policy: RestartPolicy,
         code = await child.wait_exit()
         delay_s = history.on_crash(clock())
         if delay_s is None:
-            message = (f"{child.name} crashed {history.num_recent_crashes} times within "
-                       f"{policy.crash_window_s:g} s (last: {describe_exit(code)}); giving up; "
-                       f"see its log {child.log_path}")
+            message = (
+                f"{child.name} crashed {history.num_recent_crashes} times within "
+                f"{policy.crash_window_s:g} s (last: {describe_exit(code)}); giving up; "
+                f"see its log {child.log_path}"
+            )
             report(message)
             return message
-        report(f"{child.name} exited ({describe_exit(code)}); restarting in {delay_s:g} s; "
-               f"log: {child.log_path}")
+        report(
+            f"{child.name} exited ({describe_exit(code)}); restarting in {delay_s:g} s; "
+            f"log: {child.log_path}"
+        )
         await asyncio.sleep(delay_s)
         try:
             await child.restart()

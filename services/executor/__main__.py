@@ -19,8 +19,12 @@ from services.executor.service import ExecutorService
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_service(argv, ExecutorConfig.from_env_and_args, ExecutorService,
-                       lambda c: f"executor node={c.node_id}")
+    return run_service(
+        argv,
+        ExecutorConfig.from_env_and_args,
+        ExecutorService,
+        lambda c: f"executor node={c.node_id}",
+    )
 
 
 if __name__ == "__main__":

@@ -122,26 +122,37 @@ class ExecutorConfig:
         self.engine_config()  # batching/memory ranges are checked by their own configs
         if self.backend == "torch":
             if self.time_scale != 1.0:
-                raise ValueError("time_scale applies to the emulated backend only; the torch "
-                                 "backend runs in real time (leave it at 1)")
+                raise ValueError(
+                    "time_scale applies to the emulated backend only; the torch "
+                    "backend runs in real time (leave it at 1)"
+                )
             self.torch_config()
 
     def torch_config(self) -> TorchBackendConfig:
         from services.executor.torch_setup import TorchBackendConfig
 
         return TorchBackendConfig(
-            model=self.model, tokenizer=self.tokenizer, devices=self.devices, dtype=self.dtype,
-            seed=self.model_seed, learning_rate=self.learning_rate,
-            max_grad_norm=self.max_grad_norm, memory_budget_bytes=self.memory_budget_bytes,
-            num_threads=self.torch_threads)
+            model=self.model,
+            tokenizer=self.tokenizer,
+            devices=self.devices,
+            dtype=self.dtype,
+            seed=self.model_seed,
+            learning_rate=self.learning_rate,
+            max_grad_norm=self.max_grad_norm,
+            memory_budget_bytes=self.memory_budget_bytes,
+            num_threads=self.torch_threads,
+        )
 
     # ------------------------------------------------------------ derived
 
     @property
     def heartbeat_ttl_s(self) -> float:
         """TTL of each node-state write: `node_ttl_s`, or 3 x `heartbeat_s`."""
-        return self.node_ttl_s if self.node_ttl_s is not None else (
-            _TTL_PER_HEARTBEAT * self.heartbeat_s)
+        return (
+            self.node_ttl_s
+            if self.node_ttl_s is not None
+            else (_TTL_PER_HEARTBEAT * self.heartbeat_s)
+        )
 
     def engine_config(self) -> EngineConfig:
         """The node engine's config (streaming executors need every token)."""
@@ -184,66 +195,214 @@ def _non_negative(name: str, value: float) -> None:
 _OPTIONS: tuple[Option, ...] = (
     Option("node_id", "--node-id", "LEMIX_NODE_ID", int, "this node's id", "N"),
     Option("host", "--host", "LEMIX_EXECUTOR_HOST", str, "gRPC bind address", "HOST"),
-    Option("port", "--port", "LEMIX_EXECUTOR_PORT", int, "gRPC port (0 = any free port)",
-           "PORT"),
-    Option("metrics_port", "--metrics-port", "LEMIX_EXECUTOR_METRICS_PORT", port_or_off,
-           "Prometheus /metrics port (0 = any free port, -1 = off)", "PORT"),
+    Option("port", "--port", "LEMIX_EXECUTOR_PORT", int, "gRPC port (0 = any free port)", "PORT"),
+    Option(
+        "metrics_port",
+        "--metrics-port",
+        "LEMIX_EXECUTOR_METRICS_PORT",
+        port_or_off,
+        "Prometheus /metrics port (0 = any free port, -1 = off)",
+        "PORT",
+    ),
     Option("redis_url", "--redis-url", "LEMIX_REDIS_URL", str, "Redis URL", "URL"),
     Option("namespace", "--namespace", "LEMIX_NAMESPACE", str, "Redis key prefix", "NS"),
-    Option("profile_path", "--profile", "LEMIX_PROFILE", Path,
-           "profile JSON (default: the shipped A100 profile)", "FILE"),
-    Option("backend", "--backend", "LEMIX_EXECUTOR_BACKEND", str,
-           f"stage backend: {', '.join(BACKENDS)}", "NAME"),
-    Option("time_scale", "--time-scale", "LEMIX_TIME_SCALE", float,
-           "wall seconds per profile second (emulated)", "X"),
-    Option("latency_noise_cv", "--latency-noise-cv", "LEMIX_LATENCY_NOISE_CV", float,
-           "CV of the emulated latency noise (0 = exact profile)", "CV"),
+    Option(
+        "profile_path",
+        "--profile",
+        "LEMIX_PROFILE",
+        Path,
+        "profile JSON (default: the shipped A100 profile)",
+        "FILE",
+    ),
+    Option(
+        "backend",
+        "--backend",
+        "LEMIX_EXECUTOR_BACKEND",
+        str,
+        f"stage backend: {', '.join(BACKENDS)}",
+        "NAME",
+    ),
+    Option(
+        "time_scale",
+        "--time-scale",
+        "LEMIX_TIME_SCALE",
+        float,
+        "wall seconds per profile second (emulated)",
+        "X",
+    ),
+    Option(
+        "latency_noise_cv",
+        "--latency-noise-cv",
+        "LEMIX_LATENCY_NOISE_CV",
+        float,
+        "CV of the emulated latency noise (0 = exact profile)",
+        "CV",
+    ),
     Option("seed", "--seed", "LEMIX_SEED", int, "noise RNG seed (plus node id)", "N"),
-    Option("heartbeat_s", "--heartbeat-s", "LEMIX_HEARTBEAT_S", float,
-           "node-state write period, s", "S"),
-    Option("node_ttl_s", "--node-ttl-s", "LEMIX_NODE_TTL_S", float,
-           "node-state TTL, s (default 3x heartbeat)", "S"),
-    Option("max_batch_size", "--max-batch-size", "LEMIX_MAX_BATCH_SIZE", int,
-           "C, the running-batch cap", "C"),
-    Option("join_window_s", "--join-window-s", "LEMIX_JOIN_WINDOW_S", float,
-           "T_w, profile s (default: join at any iteration)", "S"),
+    Option(
+        "heartbeat_s",
+        "--heartbeat-s",
+        "LEMIX_HEARTBEAT_S",
+        float,
+        "node-state write period, s",
+        "S",
+    ),
+    Option(
+        "node_ttl_s",
+        "--node-ttl-s",
+        "LEMIX_NODE_TTL_S",
+        float,
+        "node-state TTL, s (default 3x heartbeat)",
+        "S",
+    ),
+    Option(
+        "max_batch_size",
+        "--max-batch-size",
+        "LEMIX_MAX_BATCH_SIZE",
+        int,
+        "C, the running-batch cap",
+        "C",
+    ),
+    Option(
+        "join_window_s",
+        "--join-window-s",
+        "LEMIX_JOIN_WINDOW_S",
+        float,
+        "T_w, profile s (default: join at any iteration)",
+        "S",
+    ),
     Option("kappa", "--kappa", "LEMIX_KAPPA", float, "usable fraction of GPU memory", "K"),
-    Option("max_wait_s", "--max-wait-s", "LEMIX_MAX_WAIT_S", float,
-           "T_max, profile s a task may wait for memory", "S"),
-    Option("is_offload_enabled", "--offload", "LEMIX_OFFLOAD", boolean,
-           "offload KV to host after T_max (--no-offload: wait, then drop)"),
-    Option("advertise_host", "--advertise-host", "LEMIX_ADVERTISE_HOST", str,
-           "host others dial (default: --host, or this machine's name for a wildcard)",
-           "HOST"),
-    Option("shutdown_grace_s", "--shutdown-grace-s", "LEMIX_SHUTDOWN_GRACE_S", float,
-           "how long shutdown lets running work finish, s", "S"),
-    Option("stage_timeout_s", "--stage-timeout-s", "LEMIX_STAGE_TIMEOUT_S", float,
-           "a stage item running longer (wall s) marks the node unhealthy", "S"),
-    Option("weight_sync_dir", "--weight-sync-dir", "LEMIX_WEIGHT_SYNC_DIR", str,
-           "SyncWeights reads and writes only under this directory", "DIR"),
+    Option(
+        "max_wait_s",
+        "--max-wait-s",
+        "LEMIX_MAX_WAIT_S",
+        float,
+        "T_max, profile s a task may wait for memory",
+        "S",
+    ),
+    Option(
+        "is_offload_enabled",
+        "--offload",
+        "LEMIX_OFFLOAD",
+        boolean,
+        "offload KV to host after T_max (--no-offload: wait, then drop)",
+    ),
+    Option(
+        "advertise_host",
+        "--advertise-host",
+        "LEMIX_ADVERTISE_HOST",
+        str,
+        "host others dial (default: --host, or this machine's name for a wildcard)",
+        "HOST",
+    ),
+    Option(
+        "shutdown_grace_s",
+        "--shutdown-grace-s",
+        "LEMIX_SHUTDOWN_GRACE_S",
+        float,
+        "how long shutdown lets running work finish, s",
+        "S",
+    ),
+    Option(
+        "stage_timeout_s",
+        "--stage-timeout-s",
+        "LEMIX_STAGE_TIMEOUT_S",
+        float,
+        "a stage item running longer (wall s) marks the node unhealthy",
+        "S",
+    ),
+    Option(
+        "weight_sync_dir",
+        "--weight-sync-dir",
+        "LEMIX_WEIGHT_SYNC_DIR",
+        str,
+        "SyncWeights reads and writes only under this directory",
+        "DIR",
+    ),
     SERVICE_TOKEN_OPTION,
-    Option("log_format", "--log-format", "LEMIX_LOG_FORMAT", str,
-           f"log format: {', '.join(LOG_FORMATS)}", "FMT"),
-    Option("log_level", "--log-level", "LEMIX_LOG_LEVEL", str,
-           f"log level: {', '.join(LOG_LEVELS)}", "LEVEL"),
-    Option("model", "--model", "LEMIX_MODEL", str,
-           "torch: model preset or local checkpoint directory", "NAME|DIR"),
-    Option("tokenizer", "--tokenizer", "LEMIX_TOKENIZER", str,
-           "torch: tokenizer spec (bpe:N, tokenizer.json, model dir)", "SPEC"),
-    Option("devices", "--devices", "LEMIX_DEVICES", str,
-           "torch: per-stage devices, comma-separated (default cuda:0.. or cpu)", "LIST"),
-    Option("dtype", "--dtype", "LEMIX_DTYPE", str,
-           "torch: float32 | bfloat16 | float16 (default by device)", "DTYPE"),
-    Option("model_seed", "--model-seed", "LEMIX_MODEL_SEED", int,
-           "torch: preset weight-init seed", "N"),
-    Option("learning_rate", "--learning-rate", "LEMIX_LEARNING_RATE", float,
-           "torch: AdamW learning rate", "LR"),
-    Option("max_grad_norm", "--max-grad-norm", "LEMIX_MAX_GRAD_NORM", float,
-           "torch: per-stage gradient clipping (0 = off)", "N"),
-    Option("memory_budget_bytes", "--memory-budget-bytes", "LEMIX_MEMORY_BUDGET_BYTES", int,
-           "torch on CPU: memory per stage, bytes (0 = 4 GiB)", "B"),
-    Option("torch_threads", "--torch-threads", "LEMIX_TORCH_THREADS", int,
-           "torch: intra-op threads (0 = default)", "N"),
+    Option(
+        "log_format",
+        "--log-format",
+        "LEMIX_LOG_FORMAT",
+        str,
+        f"log format: {', '.join(LOG_FORMATS)}",
+        "FMT",
+    ),
+    Option(
+        "log_level",
+        "--log-level",
+        "LEMIX_LOG_LEVEL",
+        str,
+        f"log level: {', '.join(LOG_LEVELS)}",
+        "LEVEL",
+    ),
+    Option(
+        "model",
+        "--model",
+        "LEMIX_MODEL",
+        str,
+        "torch: model preset or local checkpoint directory",
+        "NAME|DIR",
+    ),
+    Option(
+        "tokenizer",
+        "--tokenizer",
+        "LEMIX_TOKENIZER",
+        str,
+        "torch: tokenizer spec (bpe:N, tokenizer.json, model dir)",
+        "SPEC",
+    ),
+    Option(
+        "devices",
+        "--devices",
+        "LEMIX_DEVICES",
+        str,
+        "torch: per-stage devices, comma-separated (default cuda:0.. or cpu)",
+        "LIST",
+    ),
+    Option(
+        "dtype",
+        "--dtype",
+        "LEMIX_DTYPE",
+        str,
+        "torch: float32 | bfloat16 | float16 (default by device)",
+        "DTYPE",
+    ),
+    Option(
+        "model_seed", "--model-seed", "LEMIX_MODEL_SEED", int, "torch: preset weight-init seed", "N"
+    ),
+    Option(
+        "learning_rate",
+        "--learning-rate",
+        "LEMIX_LEARNING_RATE",
+        float,
+        "torch: AdamW learning rate",
+        "LR",
+    ),
+    Option(
+        "max_grad_norm",
+        "--max-grad-norm",
+        "LEMIX_MAX_GRAD_NORM",
+        float,
+        "torch: per-stage gradient clipping (0 = off)",
+        "N",
+    ),
+    Option(
+        "memory_budget_bytes",
+        "--memory-budget-bytes",
+        "LEMIX_MEMORY_BUDGET_BYTES",
+        int,
+        "torch on CPU: memory per stage, bytes (0 = 4 GiB)",
+        "B",
+    ),
+    Option(
+        "torch_threads",
+        "--torch-threads",
+        "LEMIX_TORCH_THREADS",
+        int,
+        "torch: intra-op threads (0 = default)",
+        "N",
+    ),
 )
 
 # `python -m services.executor` serves metrics unless told not to.
@@ -253,5 +412,9 @@ _CLI_DEFAULTS: dict[str, Any] = {"metrics_port": 0}
 def build_parser(prog: str = "python -m services.executor") -> argparse.ArgumentParser:
     """The executor's flags; each names its environment variable."""
     return settings.build_parser(
-        ExecutorConfig, _OPTIONS, prog=prog, cli_defaults=_CLI_DEFAULTS,
-        description="LeMix executor: one process per node (torch or emulated stage backend).")
+        ExecutorConfig,
+        _OPTIONS,
+        prog=prog,
+        cli_defaults=_CLI_DEFAULTS,
+        description="LeMix executor: one process per node (torch or emulated stage backend).",
+    )

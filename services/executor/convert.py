@@ -101,13 +101,15 @@ def measure_from_proto(msg: executor_pb2.MeasureRequest) -> MeasureSpec:
         raise InvalidArgument(
             f"num_repeats must be <= {MAX_MEASURE_REPEATS}, got {num_repeats}; call again for more"
         )
-    return MeasureSpec(phase, msg.stage, msg.batch_size or 1, msg.num_tokens,
-                       msg.sum_context_tokens, num_repeats)
+    return MeasureSpec(
+        phase, msg.stage, msg.batch_size or 1, msg.num_tokens, msg.sum_context_tokens, num_repeats
+    )
 
 
 def measure_to_proto(result: MeasureResult) -> executor_pb2.MeasureResponse:
-    return executor_pb2.MeasureResponse(latency_s=result.latency_s,
-                                        peak_memory_bytes=result.peak_memory_bytes)
+    return executor_pb2.MeasureResponse(
+        latency_s=result.latency_s, peak_memory_bytes=result.peak_memory_bytes
+    )
 
 
 def sync_from_proto(msg: executor_pb2.SyncWeightsRequest) -> WeightSyncSpec:
@@ -121,5 +123,6 @@ def sync_from_proto(msg: executor_pb2.SyncWeightsRequest) -> WeightSyncSpec:
 
 
 def sync_to_proto(result: WeightSyncResult) -> executor_pb2.SyncWeightsResponse:
-    return executor_pb2.SyncWeightsResponse(duration_s=result.duration_s,
-                                            num_bytes=result.num_bytes)
+    return executor_pb2.SyncWeightsResponse(
+        duration_s=result.duration_s, num_bytes=result.num_bytes
+    )

@@ -39,8 +39,7 @@ class RequestsFailed(Exception):  # noqa: N818 - it is an outcome, not a misuse
     sequence): one bad request must not take its batch-mates down with it.
     """
 
-    def __init__(self, task_ids: Sequence[str], reason: str,
-                 stopped: Sequence[str] = ()) -> None:
+    def __init__(self, task_ids: Sequence[str], reason: str, stopped: Sequence[str] = ()) -> None:
         super().__init__(reason)
         self.task_ids = tuple(task_ids)
         self.reason = reason
@@ -99,9 +98,15 @@ class OutcomeSink(Protocol):
 class NodeDriver:
     """Runs one node's engine against a backend and a sink."""
 
-    def __init__(self, engine: NodeEngine, backend: StageBackend, sink: OutcomeSink, *,
-                 time_scale: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        engine: NodeEngine,
+        backend: StageBackend,
+        sink: OutcomeSink,
+        *,
+        time_scale: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.engine = engine
         self.backend = backend
         self.sink = sink
@@ -169,8 +174,9 @@ class NodeDriver:
         self._after(starts, outcomes, now_s)
         return is_found
 
-    def add_blocking(self, tag: str, durations_s: tuple[float, ...],
-                     apply_updates: int | None) -> None:
+    def add_blocking(
+        self, tag: str, durations_s: tuple[float, ...], apply_updates: int | None
+    ) -> None:
         now_s = self._tick()
         starts = self.engine.add_blocking(tag, durations_s, apply_updates, now_s)
         self._after(starts, [], now_s)
@@ -223,8 +229,9 @@ class NodeDriver:
                     self.engine.stop_requests(exc.stopped)
             except Exception:  # a backend failure must not wedge the node: log, count, go on
                 self.num_errors += 1
-                log.exception("stage_failed", node=self.engine.node_id, stage=start.stage,
-                              kind=start.kind)
+                log.exception(
+                    "stage_failed", node=self.engine.node_id, stage=start.stage, kind=start.kind
+                )
             done_at_s = self._tick()
         starts, outcomes = self.engine.on_stage_done(start.stage, done_at_s)
         self._after(starts, outcomes, done_at_s)

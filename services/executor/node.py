@@ -107,8 +107,9 @@ class _ObservedSink:
         self._observe(batch)  # before on_ended: it needs the tasks still held
         self._node.on_ended(o.task_id for _, o in batch if isinstance(o, Finished | Failed))
         # Requeued training comes back under the same id: do not treat it as a duplicate.
-        self._node.on_ended((o.task_id for _, o in batch if isinstance(o, Requeued)),
-                            is_final=False)
+        self._node.on_ended(
+            (o.task_id for _, o in batch if isinstance(o, Requeued)), is_final=False
+        )
 
     def _observe(self, batch: list[tuple[float, Outcome]]) -> None:
         node_id = self._node.node_id
@@ -123,13 +124,19 @@ class _ObservedSink:
                 if isinstance(outcome, Finished):
                     self._count_tokens(outcome.task_id, outcome.num_output_tokens)
                 is_training = task.is_training if task else isinstance(outcome, Requeued)
-                outcome_name = {Finished: telemetry.COMPLETED, Failed: telemetry.FAILED,
-                                Requeued: "requeued"}[type(outcome)]
+                outcome_name = {
+                    Finished: telemetry.COMPLETED,
+                    Failed: telemetry.FAILED,
+                    Requeued: "requeued",
+                }[type(outcome)]
                 if self._node.is_fenced(outcome.task_id):
                     outcome_name = "fenced"  # it ended elsewhere, not here
                 telemetry.observe_task_ended(
-                    node_id, "training" if is_training else "inference", outcome_name,
-                    num_samples=task.batch_size if task else 0)
+                    node_id,
+                    "training" if is_training else "inference",
+                    outcome_name,
+                    num_samples=task.batch_size if task else 0,
+                )
                 self._num_tokens.pop(outcome.task_id, None)
 
     def _count_tokens(self, task_id: str, num_so_far: int) -> None:
@@ -142,8 +149,15 @@ class _ObservedSink:
 class ExecutorNode:
     """One node: dispatch, cancel, report, sync weights, measure."""
 
-    def __init__(self, engine: NodeEngine, backend: StageBackend, sink: OutcomeSink, *,
-                 time_scale: float = 1.0, stage_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        engine: NodeEngine,
+        backend: StageBackend,
+        sink: OutcomeSink,
+        *,
+        time_scale: float = 1.0,
+        stage_timeout_s: float = 300.0,
+    ) -> None:
         self.engine = engine
         # A stage item running longer than this (wall s) means a hung stage:
         # the node reports itself unhealthy so the scheduler stops placing on it.
@@ -151,8 +165,7 @@ class ExecutorNode:
         self.profile: Profile = engine.profile
         self.node_id = engine.node_id
         self.sink = sink
-        self.driver = NodeDriver(engine, backend, _ObservedSink(self, sink),
-                                 time_scale=time_scale)
+        self.driver = NodeDriver(engine, backend, _ObservedSink(self, sink), time_scale=time_scale)
         self.address = ""  # host:port, set once the gRPC server is bound
         self.is_stopping = False
         self._held: dict[str, Task] = {}  # dispatched and not ended, by id
@@ -191,12 +204,15 @@ class ExecutorNode:
             raise Unavailable(f"executor node {self.node_id} is shutting down")
         held = self._attempts.get(task_id) if task_id in self._held else None
         if held is not None and attempt > held:
-            raise Unavailable(f"task {task_id!r}: its attempt {held} still runs on node "
-                              f"{self.node_id}; place attempt {attempt} elsewhere")
+            raise Unavailable(
+                f"task {task_id!r}: its attempt {held} still runs on node "
+                f"{self.node_id}; place attempt {attempt} elsewhere"
+            )
         done = self._recent_done.get(task_id)
         if held is not None or (done is not None and attempt <= done):
-            log.info("executor.duplicate_dispatch", node=self.node_id, task_id=task_id,
-                     attempt=attempt)
+            log.info(
+                "executor.duplicate_dispatch", node=self.node_id, task_id=task_id, attempt=attempt
+            )
             return False
         self._check_could_fit(task)
         if self.model is not None:
@@ -227,7 +243,8 @@ class ExecutorNode:
         except TimeoutError:
             raise Unavailable(
                 f"task {task_id!r}: an earlier attempt still runs on node {self.node_id} "
-                "(running training cannot be cancelled); place it elsewhere") from None
+                "(running training cannot be cancelled); place it elsewhere"
+            ) from None
 
     def cancel(self, task_id: str) -> bool:
         """Cancel a held task; its `end` (CANCELLED) follows through the sink."""
@@ -259,8 +276,13 @@ class ExecutorNode:
             await done
         finally:
             self._blocking.pop(tag, None)
-        log.info("executor.weights_synced", node=self.node_id, direction=str(spec.direction),
-                 version=spec.weight_version, location=spec.location)
+        log.info(
+            "executor.weights_synced",
+            node=self.node_id,
+            direction=str(spec.direction),
+            version=spec.weight_version,
+            location=spec.location,
+        )
         return WeightSyncResult(self.driver.now_s() - start_s, sum(weight_bytes))
 
     async def measure(self, spec: MeasureSpec) -> MeasureResult:
@@ -277,14 +299,20 @@ class ExecutorNode:
             return await self.model.measure(spec)
         truth, stage, memory = self.engine.truth, spec.stage, self.profile.memory
         if spec.phase is MeasurePhase.FORWARD:
-            samples = [truth.forward_s(stage, spec.batch_size, spec.num_tokens)
-                       for _ in range(spec.num_repeats)]
+            samples = [
+                truth.forward_s(stage, spec.batch_size, spec.num_tokens)
+                for _ in range(spec.num_repeats)
+            ]
         elif spec.phase is MeasurePhase.BACKWARD:
-            samples = [truth.backward_s(stage, spec.batch_size, spec.num_tokens)
-                       for _ in range(spec.num_repeats)]
+            samples = [
+                truth.backward_s(stage, spec.batch_size, spec.num_tokens)
+                for _ in range(spec.num_repeats)
+            ]
         else:
-            samples = [truth.decode_step_s(stage, spec.batch_size, spec.sum_context_tokens)
-                       for _ in range(spec.num_repeats)]
+            samples = [
+                truth.decode_step_s(stage, spec.batch_size, spec.sum_context_tokens)
+                for _ in range(spec.num_repeats)
+            ]
         if spec.phase is MeasurePhase.DECODE:
             dynamic = memory.kv_bytes_per_token[stage] * spec.sum_context_tokens
         else:
@@ -307,10 +335,12 @@ class ExecutorNode:
             num_running=len(running),
             # Swapped-out requests wait too (for their KV to come back).
             num_waiting=len(engine.waiting) + len(engine.swapped),
-            sum_context_tokens=sum(max(r.context_tokens, r.task.num_prompt_tokens)
-                                   for r in running),
+            sum_context_tokens=sum(
+                max(r.context_tokens, r.task.num_prompt_tokens) for r in running
+            ),
             max_remaining_decode_tokens=max(
-                (r.task.max_output_tokens - r.num_generated for r in running), default=0),
+                (r.task.max_output_tokens - r.num_generated for r in running), default=0
+            ),
             kv_used_bytes=max(kv_per_stage, default=0),
             memory_capacity_bytes=engine.memory.threshold_bytes,
             busy_fraction=self._busy.update(now_s, mean_busy_s),
@@ -386,8 +416,11 @@ class ExecutorNode:
         await self.driver.stop(drain_timeout_s=max(0.0, deadline - loop.time()))
         for tag, done in list(self._blocking.items()):
             if not done.done():
-                done.set_exception(Unavailable(f"executor node {self.node_id} shut down "
-                                               f"before weight sync {tag} finished"))
+                done.set_exception(
+                    Unavailable(
+                        f"executor node {self.node_id} shut down before weight sync {tag} finished"
+                    )
+                )
         now_s = self.driver.now_s()
         reason = f"UNAVAILABLE: executor node {self.node_id} shut down"
         leftovers: list[tuple[float, Outcome]] = [

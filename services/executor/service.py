@@ -120,40 +120,60 @@ class ExecutorService:
             node_id = config.node_id
             # Building the model (and a first-use tokenizer) takes seconds: off the loop.
             backend, profile = await asyncio.to_thread(
-                build_torch_node, config.torch_config(), profile,
+                build_torch_node,
+                config.torch_config(),
+                profile,
                 on_training_loss=lambda loss: telemetry.observe_training_loss(node_id, loss),
-                on_inference_loss=lambda loss: telemetry.observe_inference_loss(node_id, loss))
-        truth = NoisyLatency(profile.ours, config.latency_noise_cv,
-                             random.Random(config.seed + config.node_id))
+                on_inference_loss=lambda loss: telemetry.observe_inference_loss(node_id, loss),
+            )
+        truth = NoisyLatency(
+            profile.ours, config.latency_noise_cv, random.Random(config.seed + config.node_id)
+        )
         engine = NodeEngine(config.node_id, profile, truth, config.engine_config())
         # Writers only: the outcome sink (one batch at a time), the heartbeat
         # loop and the odd RPC-side read; a few spare for overlap. Writes
         # only, so no blocking read needs the socket timeout to outlast it.
-        self._redis = connect(RedisClientConfig(
-            config.redis_url, max_connections=_REDIS_MAX_CONNECTIONS, socket_timeout_s=30.0))
+        self._redis = connect(
+            RedisClientConfig(
+                config.redis_url, max_connections=_REDIS_MAX_CONNECTIONS, socket_timeout_s=30.0
+            )
+        )
         await self._redis.ping()
         self._store = Store(self._redis, RedisKeys(config.namespace))
         model = backend if isinstance(backend, ModelBackend) else None
-        self.node = ExecutorNode(engine, backend,
-                                 RedisOutcomeSink(self._store, config.node_id, model=model),
-                                 time_scale=config.time_scale,
-                                 stage_timeout_s=config.stage_timeout_s)
+        self.node = ExecutorNode(
+            engine,
+            backend,
+            RedisOutcomeSink(self._store, config.node_id, model=model),
+            time_scale=config.time_scale,
+            stage_timeout_s=config.stage_timeout_s,
+        )
         await self.node.start()
         servicer = ExecutorServicer(self.node, weight_sync_dir=config.weight_sync_dir)
         self._server, self._bound_port, self._health = await start_server(
             [(executor_pb2_grpc.add_ExecutorServicer_to_server, servicer)],
-            config.host, config.port, service_names=[EXECUTOR_SERVICE],
+            config.host,
+            config.port,
+            service_names=[EXECUTOR_SERVICE],
             service_token=config.service_token,
         )
         host = config.advertised_host(socket.gethostname())
-        self.node.address = f"[{host}]:{self._bound_port}" if ":" in host else (
-            f"{host}:{self._bound_port}")
+        self.node.address = (
+            f"[{host}]:{self._bound_port}" if ":" in host else (f"{host}:{self._bound_port}")
+        )
         await self._put_state()  # live in Redis before anyone is told we serve
-        self._heartbeat = asyncio.create_task(self._heartbeat_loop(),
-                                              name=f"node{config.node_id}-heartbeat")
-        log.info("executor.started", node=config.node_id, address=self.node.address,
-                 profile=profile.name, stages=profile.num_stages, backend=config.backend,
-                 time_scale=config.time_scale)
+        self._heartbeat = asyncio.create_task(
+            self._heartbeat_loop(), name=f"node{config.node_id}-heartbeat"
+        )
+        log.info(
+            "executor.started",
+            node=config.node_id,
+            address=self.node.address,
+            profile=profile.name,
+            stages=profile.num_stages,
+            backend=config.backend,
+            time_scale=config.time_scale,
+        )
 
     async def stop(self, grace_s: float | None = None) -> None:
         """NOT_SERVING, withdraw the node state, drain for up to `grace_s`
@@ -195,8 +215,9 @@ class ExecutorService:
         assert self.node is not None and self._store is not None  # set by _start
         fields = node_state_fields(self.node)
         self._export_metrics(fields)
-        await self._store.put_node_state(self.config.node_id, fields,
-                                         ttl_s=self.config.heartbeat_ttl_s)
+        await self._store.put_node_state(
+            self.config.node_id, fields, ttl_s=self.config.heartbeat_ttl_s
+        )
 
     def _export_metrics(self, fields: dict[str, FieldValue]) -> None:
         """This heartbeat's gauges, and the KV offloads since the last one."""
@@ -204,15 +225,18 @@ class ExecutorService:
         engine = self.node.engine
         stages = range(engine.num_stages)
         telemetry.set_node_state(
-            self.config.node_id, busy_fraction=float(fields["busy_fraction"] or 0.0),
+            self.config.node_id,
+            busy_fraction=float(fields["busy_fraction"] or 0.0),
             num_running=int(fields["num_running"] or 0),
             num_waiting=int(fields["num_waiting"] or 0),
             used_bytes=[engine.memory.used_bytes(s) for s in stages],
-            capacity_bytes=[engine.memory.threshold_bytes for _ in stages])
+            capacity_bytes=[engine.memory.threshold_bytes for _ in stages],
+        )
         if self.node.model is not None:
             telemetry.set_measured_memory(self.config.node_id, self.node.model.used_bytes())
-        telemetry.observe_kv_offloads(self.config.node_id,
-                                      engine.num_offloads - self._num_offloads_seen)
+        telemetry.observe_kv_offloads(
+            self.config.node_id, engine.num_offloads - self._num_offloads_seen
+        )
         self._num_offloads_seen = engine.num_offloads
 
     async def _heartbeat_loop(self) -> None:
@@ -225,16 +249,23 @@ class ExecutorService:
             try:
                 await self._put_state()
             except Exception as exc:  # Redis hiccup: keep beating; the TTL tells the truth
-                log.warning("executor.heartbeat_failed", node=self.config.node_id,
-                            error=f"{type(exc).__name__}: {exc}")
+                log.warning(
+                    "executor.heartbeat_failed",
+                    node=self.config.node_id,
+                    error=f"{type(exc).__name__}: {exc}",
+                )
 
     async def _withdraw_state(self) -> None:
         """A last, unhealthy node state that expires at once: the node is gone."""
         if self.node is None or self._store is None:
             return
         try:
-            await self._store.put_node_state(self.config.node_id,
-                                             node_state_fields(self.node), ttl_s=_GONE_TTL_S)
+            await self._store.put_node_state(
+                self.config.node_id, node_state_fields(self.node), ttl_s=_GONE_TTL_S
+            )
         except Exception as exc:  # it expires within the TTL anyway
-            log.warning("executor.withdraw_failed", node=self.config.node_id,
-                        error=f"{type(exc).__name__}: {exc}")
+            log.warning(
+                "executor.withdraw_failed",
+                node=self.config.node_id,
+                error=f"{type(exc).__name__}: {exc}",
+            )

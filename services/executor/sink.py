@@ -78,9 +78,14 @@ class RedisOutcomeSink:
     the completions stream and the stats counters. Unbound (no `TaskLedger`),
     every write carries attempt 0."""
 
-    def __init__(self, store: Store, node_id: int, *,
-                 clock: Callable[[], float] = time.time,
-                 model: ModelBackend | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        node_id: int,
+        *,
+        clock: Callable[[], float] = time.time,
+        model: ModelBackend | None = None,
+    ) -> None:
         self.store = store
         self.node_id = node_id
         # A real model's token ids and end fields (finish reason, inference
@@ -109,8 +114,12 @@ class RedisOutcomeSink:
                 self._num_tokens[outcome.task_id] = 1
                 self._weight_versions[outcome.task_id] = outcome.weight_updates
                 fields: dict[str, FieldValue] = {
-                    "type": TOKEN_MESSAGE, "n": 1, "first": True, "node": node,
-                    "version": outcome.weight_updates, "t": t,
+                    "type": TOKEN_MESSAGE,
+                    "n": 1,
+                    "first": True,
+                    "node": node,
+                    "version": outcome.weight_updates,
+                    "t": t,
                 }
                 self._add_ids(fields, outcome.task_id, 0, 1)
                 tokens.append((outcome.task_id, self._attempt(outcome.task_id), fields))
@@ -157,13 +166,13 @@ class RedisOutcomeSink:
         if self._is_fenced(task_id, attempt):
             return
         self._fenced[task_id] = attempt
-        log.warning("executor.fenced", node=self.node_id, task_id=task_id, attempt=attempt,
-                    what=what)
+        log.warning(
+            "executor.fenced", node=self.node_id, task_id=task_id, attempt=attempt, what=what
+        )
         if self._ledger is not None:
             self._ledger.on_fenced(task_id)
 
-    def _add_ids(self, fields: dict[str, FieldValue], task_id: str, start: int,
-                 end: int) -> None:
+    def _add_ids(self, fields: dict[str, FieldValue], task_id: str, start: int, end: int) -> None:
         if self.model is not None:
             fields[TOKEN_IDS_FIELD] = format_token_ids(self.model.output_ids(task_id)[start:end])
 
@@ -184,10 +193,17 @@ class RedisOutcomeSink:
         else:
             status, reason, n = FAILED, outcome.reason, self._num_tokens.get(task_id, 0)
             stat = "num_failed"
-        output_fields: dict[str, FieldValue] = {"type": END_MESSAGE, "n": n,
-                                                "node": str(self.node_id), "t": t}
-        state_fields: dict[str, FieldValue] = {"node_id": self.node_id, "finish_t": t,
-                                               "num_output_tokens": n}
+        output_fields: dict[str, FieldValue] = {
+            "type": END_MESSAGE,
+            "n": n,
+            "node": str(self.node_id),
+            "t": t,
+        }
+        state_fields: dict[str, FieldValue] = {
+            "node_id": self.node_id,
+            "finish_t": t,
+            "num_output_tokens": n,
+        }
         version = self._weight_versions.get(task_id)
         if version is not None:
             state_fields["weight_version"] = version
@@ -202,7 +218,8 @@ class RedisOutcomeSink:
             finish = FinishOutcome.FENCED
         else:
             finish = await self.store.finish_task_fenced(
-                task_id, attempt, status, reason, output_fields, state_fields=state_fields)
+                task_id, attempt, status, reason, output_fields, state_fields=state_fields
+            )
         if finish is FinishOutcome.FENCED:
             self._fence(task_id, attempt, "end")
         # Always report it, even when the task was already final (a redelivery):
@@ -217,9 +234,16 @@ class RedisOutcomeSink:
         # Count each task once.
         return stat if finish is FinishOutcome.ENDED else "num_duplicate_ends"
 
-    async def _append_completion(self, task_id: str, status: str, reason: str,
-                                 t: float, attempt: int) -> None:
+    async def _append_completion(
+        self, task_id: str, status: str, reason: str, t: float, attempt: int
+    ) -> None:
         await self.store.append_completion(
-            {"task_id": task_id, "node_id": self.node_id, "status": status, "reason": reason,
-             "t": t, ATTEMPT_FIELD: attempt}
+            {
+                "task_id": task_id,
+                "node_id": self.node_id,
+                "status": status,
+                "reason": reason,
+                "t": t,
+                ATTEMPT_FIELD: attempt,
+            }
         )

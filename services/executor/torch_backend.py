@@ -43,6 +43,7 @@ from services.executor.driver import RequestsFailed
 
 log = structlog.get_logger(__name__)
 
+
 @dataclass(frozen=True)
 class _SyncJob:
     direction: SyncDirection
@@ -52,21 +53,31 @@ class _SyncJob:
 class TorchBackend:
     """Runs a node's engine decisions on a `StagedModel`."""
 
-    def __init__(self, staged: StagedModel, runner: InferenceRunner,
-                 trainer: PipelineTrainer, *,
-                 on_training_loss: Callable[[float], None] | None = None,
-                 on_inference_loss: Callable[[float], None] | None = None,
-                 num_threads: int = 0) -> None:
+    def __init__(
+        self,
+        staged: StagedModel,
+        runner: InferenceRunner,
+        trainer: PipelineTrainer,
+        *,
+        on_training_loss: Callable[[float], None] | None = None,
+        on_inference_loss: Callable[[float], None] | None = None,
+        num_threads: int = 0,
+    ) -> None:
         self.staged = staged
         self.runner = runner
         self.trainer = trainer
         self.engine: NodeEngine | None = None
         # One worker thread per stage. OpenMP's thread count is per calling
         # thread, so each worker sets it itself (0: torch's default).
-        self._pools = [ThreadPoolExecutor(1, thread_name_prefix=f"stage{s}",
-                                          initializer=set_torch_threads,
-                                          initargs=(num_threads,))
-                       for s in range(staged.num_stages)]
+        self._pools = [
+            ThreadPoolExecutor(
+                1,
+                thread_name_prefix=f"stage{s}",
+                initializer=set_torch_threads,
+                initargs=(num_threads,),
+            )
+            for s in range(staged.num_stages)
+        ]
         self._samples: dict[str, list[Sample]] = {}
         self._syncs: dict[str, _SyncJob] = {}
         self._on_training_loss = on_training_loss
@@ -86,8 +97,10 @@ class TorchBackend:
 
     def bind(self, engine: NodeEngine) -> None:
         if engine.num_stages != self.staged.num_stages:
-            raise ValueError(f"the profile has {engine.num_stages} stages but the model was "
-                             f"split into {self.staged.num_stages}")
+            raise ValueError(
+                f"the profile has {engine.num_stages} stages but the model was "
+                f"split into {self.staged.num_stages}"
+            )
         self.engine = engine
 
     def on_dispatch(self, task: Task, payload: TaskPayload) -> None:
@@ -95,11 +108,13 @@ class TorchBackend:
         if not payload.prompt_token_ids:
             raise InvalidArgument(
                 f"task {task.task_id!r} carries no token ids: the torch backend runs a real "
-                "model, so the gateway must tokenize with the model's tokenizer")
+                "model, so the gateway must tokenize with the model's tokenizer"
+            )
         vocab = self.staged.vocab_size
         if max(payload.prompt_token_ids + payload.reference_token_ids) >= vocab:
-            raise InvalidArgument(f"task {task.task_id!r}: token id out of the model's "
-                                  f"vocabulary of {vocab}")
+            raise InvalidArgument(
+                f"task {task.task_id!r}: token id out of the model's vocabulary of {vocab}"
+            )
         if task.is_training:
             try:
                 samples = [Sample(ids, num_ref) for ids, num_ref in payload.samples()]
@@ -108,11 +123,18 @@ class TorchBackend:
             self._samples[task.task_id] = samples
             return
         try:
-            self.runner.admit(GenRequest(
-                key=task.task_id, prompt_ids=payload.prompt_token_ids,
-                max_tokens=task.max_output_tokens, reference_ids=payload.reference_token_ids,
-                temperature=payload.temperature, top_p=payload.top_p, seed=payload.seed,
-                ignore_eos=payload.ignore_eos))
+            self.runner.admit(
+                GenRequest(
+                    key=task.task_id,
+                    prompt_ids=payload.prompt_token_ids,
+                    max_tokens=task.max_output_tokens,
+                    reference_ids=payload.reference_token_ids,
+                    temperature=payload.temperature,
+                    top_p=payload.top_p,
+                    seed=payload.seed,
+                    ignore_eos=payload.ignore_eos,
+                )
+            )
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
 
@@ -165,7 +187,9 @@ class TorchBackend:
                 return fn()
             finally:
                 self._used_bytes[stage] = stage_used_bytes(
-                    self.staged.stages[stage], self.trainer.optimizers[stage])
+                    self.staged.stages[stage], self.trainer.optimizers[stage]
+                )
+
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pools[stage], job)
 
@@ -188,33 +212,32 @@ class TorchBackend:
             raise RuntimeError(f"blocking item {start.work!r} has no weight sync job")
         return lambda: self._sync_stage(stage, job)
 
-    def _run_iteration(self, stage: int, iteration: int, prefill: list[str],
-                       decode: list[str]) -> Sequence[str]:
+    def _run_iteration(
+        self, stage: int, iteration: int, prefill: list[str], decode: list[str]
+    ) -> Sequence[str]:
         try:
             stopped = self.runner.run_stage(stage, iteration, prefill, decode)
             failures = self.runner.take_failures()
             if stage == self.staged.num_stages - 1 and self._on_inference_loss is not None:
                 for key in prefill:
                     req = self.runner.requests.get(key)
-                    if (key not in failures and req is not None
-                            and req.inference_loss is not None):
+                    if key not in failures and req is not None and req.inference_loss is not None:
                         self._on_inference_loss(req.inference_loss)
         except Exception as exc:
             # The iteration's requests cannot continue: they end Failed (the
             # client gets INTERNAL) rather than complete with tokens never made.
             self.num_stage_errors += 1
             log.exception("torch.iteration_failed", stage=stage)
-            raise RequestsFailed([*prefill, *decode],
-                                 f"INTERNAL: stage {stage} failed: {type(exc).__name__}: "
-                                 f"{exc}") from exc
+            raise RequestsFailed(
+                [*prefill, *decode], f"INTERNAL: stage {stage} failed: {type(exc).__name__}: {exc}"
+            ) from exc
         if failures:
             # Only the requests that failed end Failed; their batch-mates go on.
             self.num_stage_errors += 1
             log.warning("torch.requests_failed", stage=stage, failures=failures)
             # One reason for the lot: two failing differently in one
             # iteration is rare, and each reason is logged above.
-            raise RequestsFailed(list(failures), next(iter(failures.values())),
-                                 stopped=stopped)
+            raise RequestsFailed(list(failures), next(iter(failures.values())), stopped=stopped)
         return stopped
 
     def _backward(self, stage: int, key: str) -> None:
@@ -249,8 +272,9 @@ class TorchBackend:
         from services.executor.torch_measure import measure_stage
 
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pools[spec.stage],
-                                          lambda: measure_stage(self.staged, spec))
+        return await loop.run_in_executor(
+            self._pools[spec.stage], lambda: measure_stage(self.staged, spec)
+        )
 
 
 def set_torch_threads(num_threads: int) -> None:

@@ -56,8 +56,9 @@ def _ids_from_text(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(",")) if text else ()
 
 
-def task_to_fields(task: Task, payload: TaskPayload, *,
-                   submit_t: float | None = None) -> dict[str, FieldValue]:
+def task_to_fields(
+    task: Task, payload: TaskPayload, *, submit_t: float | None = None
+) -> dict[str, FieldValue]:
     """A task and its payload as intake/state-hash fields (see the module table)."""
     return {
         "task_id": task.task_id,
@@ -79,8 +80,9 @@ def task_to_fields(task: Task, payload: TaskPayload, *,
     }
 
 
-def task_from_fields(fields: Mapping[str, str], *,
-                     arrival_s: float | None = None) -> tuple[Task, TaskPayload]:
+def task_from_fields(
+    fields: Mapping[str, str], *, arrival_s: float | None = None
+) -> tuple[Task, TaskPayload]:
     """Fields -> (task, payload); `arrival_s` replaces the stored arrival.
 
     Raises `ValueError` (or `KeyError` for a missing ``task_id``/``kind``) on
@@ -134,8 +136,7 @@ def event_has_key(fields: Mapping[str, str], key: str) -> bool:
 # ------------------------------------------------------------------ nodes
 
 _NODE_U32 = ("num_running", "num_waiting", "num_stages", "max_remaining_decode_tokens")
-_NODE_U64 = ("sum_context_tokens", "kv_used_bytes", "memory_capacity_bytes",
-             "num_training_updates")
+_NODE_U64 = ("sum_context_tokens", "kv_used_bytes", "memory_capacity_bytes", "num_training_updates")
 
 
 def node_state_from_fields(node_id: int, fields: Fields) -> common_pb2.NodeState:

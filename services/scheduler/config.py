@@ -153,7 +153,8 @@ class SchedulerConfig:
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
         non_negative = {
-            "claim_min_idle_s": self.claim_min_idle_s, "stop_grace_s": self.stop_grace_s,
+            "claim_min_idle_s": self.claim_min_idle_s,
+            "stop_grace_s": self.stop_grace_s,
             "max_task_moves": self.max_task_moves,
             "redis_outage_grace_s": self.redis_outage_grace_s,
             "node_lost_after_s": self.node_lost_after_s,
@@ -164,8 +165,9 @@ class SchedulerConfig:
             if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         if self.log_level not in _LOG_LEVELS:
-            raise ValueError(f"log_level must be one of {'|'.join(_LOG_LEVELS)}, "
-                             f"got {self.log_level!r}")
+            raise ValueError(
+                f"log_level must be one of {'|'.join(_LOG_LEVELS)}, got {self.log_level!r}"
+            )
         if self.log_format not in ("console", "json"):
             raise ValueError(f"log_format must be console or json, got {self.log_format!r}")
         SloConfig(self.slo_multiplier)
@@ -201,8 +203,15 @@ class SchedulerConfig:
             return Slo(ttft_s=self.slo_ttft_s, tbt_s=self.slo_tbt_s)
         reference: list[Task] = []
         if self.slo_prompt_tokens:
-            reference = [Task("slo-reference", TaskKind.INFERENCE, 0.0, self.slo_prompt_tokens,
-                              self.slo_output_tokens)]
+            reference = [
+                Task(
+                    "slo-reference",
+                    TaskKind.INFERENCE,
+                    0.0,
+                    self.slo_prompt_tokens,
+                    self.slo_output_tokens,
+                )
+            ]
         return compute_slo(profile, reference, SloConfig(self.slo_multiplier))
 
     def planner_config(self, profile: Profile) -> PlannerConfig:
@@ -231,68 +240,121 @@ class SchedulerConfig:
 
 def _option(field: str, env: str, parse: Callable[[str], Any], help: str) -> Option:
     """The scheduler's flags are its field names, dashed."""
-    return Option(field, f"--{field.replace('_', '-')}", env, parse, help,
-                  metavar=field.upper())
+    return Option(field, f"--{field.replace('_', '-')}", env, parse, help, metavar=field.upper())
 
 
 _OPTIONS: tuple[Option, ...] = (
     _option("host", "LEMIX_SCHEDULER_HOST", str, "address to bind the gRPC server to"),
     _option("port", "LEMIX_SCHEDULER_PORT", int, "gRPC port (0 = a free port)"),
-    _option("metrics_port", "LEMIX_SCHEDULER_METRICS_PORT", port_or_off,
-            "Prometheus /metrics port (0 = a free port, -1 = off)"),
+    _option(
+        "metrics_port",
+        "LEMIX_SCHEDULER_METRICS_PORT",
+        port_or_off,
+        "Prometheus /metrics port (0 = a free port, -1 = off)",
+    ),
     _option("redis_url", "LEMIX_REDIS_URL", str, "Redis URL, e.g. redis://host:6379/0"),
     _option("namespace", "LEMIX_NAMESPACE", str, "Redis key namespace shared by the stack"),
     _option("policy", "LEMIX_POLICY", str, f"placement policy: {', '.join(POLICIES)}"),
     _option("num_nodes", "LEMIX_NUM_NODES", int, "executor nodes (ids 0..N-1)"),
-    _option("profile_path", "LEMIX_PROFILE", str,
-            "profile JSON (default: the shipped A100 one)"),
-    _option("slo_ttft_s", "LEMIX_SLO_TTFT_S", float,
-            "TTFT SLO in s (0 = derive from the profile)"),
+    _option("profile_path", "LEMIX_PROFILE", str, "profile JSON (default: the shipped A100 one)"),
+    _option("slo_ttft_s", "LEMIX_SLO_TTFT_S", float, "TTFT SLO in s (0 = derive from the profile)"),
     _option("slo_tbt_s", "LEMIX_SLO_TBT_S", float, "TBT SLO in s (0 = derive from the profile)"),
-    _option("slo_multiplier", "LEMIX_SLO_MULTIPLIER", float,
-            "derived SLO = k x unloaded latency"),
-    _option("slo_prompt_tokens", "LEMIX_SLO_PROMPT_TOKENS", int,
-            "reference prompt length for derived SLOs (0 = compute_slo default)"),
-    _option("slo_output_tokens", "LEMIX_SLO_OUTPUT_TOKENS", int,
-            "reference output length for derived SLOs (0 = compute_slo default)"),
+    _option("slo_multiplier", "LEMIX_SLO_MULTIPLIER", float, "derived SLO = k x unloaded latency"),
+    _option(
+        "slo_prompt_tokens",
+        "LEMIX_SLO_PROMPT_TOKENS",
+        int,
+        "reference prompt length for derived SLOs (0 = compute_slo default)",
+    ),
+    _option(
+        "slo_output_tokens",
+        "LEMIX_SLO_OUTPUT_TOKENS",
+        int,
+        "reference output length for derived SLOs (0 = compute_slo default)",
+    ),
     _option("kappa", "LEMIX_KAPPA", float, "usable fraction of each GPU's memory"),
     _option("max_batch_size", "LEMIX_MAX_BATCH_SIZE", int, "executors' running-batch cap"),
     _option("train_rate", "LEMIX_TRAIN_RATE", float, "SEPARATE: training share of nodes"),
-    _option("sync_every_tasks", "LEMIX_SYNC_EVERY_TASKS", int,
-            "SEPARATE: weight sync period K"),
+    _option("sync_every_tasks", "LEMIX_SYNC_EVERY_TASKS", int, "SEPARATE: weight sync period K"),
     _option("max_defer_s", "LEMIX_MAX_DEFER_S", float, "longest a training task is deferred"),
-    _option("defer_recheck_s", "LEMIX_DEFER_RECHECK_S", float,
-            "re-evaluate deferred training every"),
-    _option("dispatch_deadline_s", "LEMIX_DISPATCH_DEADLINE_S", float,
-            "deadline of executor calls"),
-    _option("dispatch_retry_s", "LEMIX_DISPATCH_RETRY_S", float,
-            "pause before a node that failed a dispatch gets work again"),
-    _option("weight_sync_deadline_s", "LEMIX_WEIGHT_SYNC_DEADLINE_S", float,
-            "deadline of one SyncWeights call"),
+    _option(
+        "defer_recheck_s", "LEMIX_DEFER_RECHECK_S", float, "re-evaluate deferred training every"
+    ),
+    _option(
+        "dispatch_deadline_s", "LEMIX_DISPATCH_DEADLINE_S", float, "deadline of executor calls"
+    ),
+    _option(
+        "dispatch_retry_s",
+        "LEMIX_DISPATCH_RETRY_S",
+        float,
+        "pause before a node that failed a dispatch gets work again",
+    ),
+    _option(
+        "weight_sync_deadline_s",
+        "LEMIX_WEIGHT_SYNC_DEADLINE_S",
+        float,
+        "deadline of one SyncWeights call",
+    ),
     _option("weight_sync_dir", "LEMIX_WEIGHT_SYNC_DIR", str, "where synced weights are saved"),
     _option("consumer", "LEMIX_SCHEDULER_CONSUMER", str, "intake consumer name"),
     _option("node_poll_s", "LEMIX_NODE_POLL_S", float, "node heartbeat poll period"),
     _option("read_block_s", "LEMIX_READ_BLOCK_S", float, "longest blocking Redis read"),
     _option("intake_batch", "LEMIX_INTAKE_BATCH", int, "intake entries per read"),
-    _option("claim_min_idle_s", "LEMIX_CLAIM_MIN_IDLE_S", float,
-            "take over intake entries pending this long at start"),
+    _option(
+        "claim_min_idle_s",
+        "LEMIX_CLAIM_MIN_IDLE_S",
+        float,
+        "take over intake entries pending this long at start",
+    ),
     _option("stop_grace_s", "LEMIX_STOP_GRACE_S", float, "grace for in-flight RPCs on stop"),
-    _option("max_concurrent_dispatches", "LEMIX_MAX_CONCURRENT_DISPATCHES", int,
-            "executor Dispatch calls in flight at once"),
-    _option("max_task_moves", "LEMIX_MAX_TASK_MOVES", int,
-            "re-placements of a task after node failures before it fails"),
-    _option("node_lost_after_s", "LEMIX_NODE_LOST_AFTER_S", float,
-            "a node down this long loses its tasks (re-queued or failed)"),
-    _option("redis_outage_grace_s", "LEMIX_REDIS_OUTAGE_GRACE_S", float,
-            "after a Redis outage, wait this long before declaring silent nodes down"),
-    _option("max_rpc_redis_calls", "LEMIX_MAX_RPC_REDIS_CALLS", int,
-            "scheduler RPCs using Redis at once (sizes the Redis pool)"),
-    _option("lease_check_s", "LEMIX_LEASE_CHECK_S", float,
-            "how often stream leases of held requests are checked"),
-    _option("finished_task_ttl_s", "LEMIX_FINISHED_TASK_TTL_S", float,
-            "finished tasks' state and output expire after (0 = never)"),
-    _option("snapshot_every_events", "LEMIX_SNAPSHOT_EVERY_EVENTS", int,
-            "snapshot the planner into the event log and trim it every N events (0 = never)"),
+    _option(
+        "max_concurrent_dispatches",
+        "LEMIX_MAX_CONCURRENT_DISPATCHES",
+        int,
+        "executor Dispatch calls in flight at once",
+    ),
+    _option(
+        "max_task_moves",
+        "LEMIX_MAX_TASK_MOVES",
+        int,
+        "re-placements of a task after node failures before it fails",
+    ),
+    _option(
+        "node_lost_after_s",
+        "LEMIX_NODE_LOST_AFTER_S",
+        float,
+        "a node down this long loses its tasks (re-queued or failed)",
+    ),
+    _option(
+        "redis_outage_grace_s",
+        "LEMIX_REDIS_OUTAGE_GRACE_S",
+        float,
+        "after a Redis outage, wait this long before declaring silent nodes down",
+    ),
+    _option(
+        "max_rpc_redis_calls",
+        "LEMIX_MAX_RPC_REDIS_CALLS",
+        int,
+        "scheduler RPCs using Redis at once (sizes the Redis pool)",
+    ),
+    _option(
+        "lease_check_s",
+        "LEMIX_LEASE_CHECK_S",
+        float,
+        "how often stream leases of held requests are checked",
+    ),
+    _option(
+        "finished_task_ttl_s",
+        "LEMIX_FINISHED_TASK_TTL_S",
+        float,
+        "finished tasks' state and output expire after (0 = never)",
+    ),
+    _option(
+        "snapshot_every_events",
+        "LEMIX_SNAPSHOT_EVERY_EVENTS",
+        int,
+        "snapshot the planner into the event log and trim it every N events (0 = never)",
+    ),
     _option("log_level", "LEMIX_LOG_LEVEL", str, "debug|info|warning|error"),
     _option("log_format", "LEMIX_LOG_FORMAT", str, "console|json"),
     SERVICE_TOKEN_OPTION,
@@ -310,8 +372,12 @@ def env_table() -> list[tuple[str, str, str]]:
 def build_parser(prog: str = "python -m services.scheduler") -> argparse.ArgumentParser:
     """The scheduler's flags; every default is None so env and defaults can apply."""
     return settings.build_parser(
-        SchedulerConfig, _OPTIONS, prog=prog, cli_defaults=_CLI_DEFAULTS,
-        description="LeMix global scheduler: intake -> planner -> executor dispatch.")
+        SchedulerConfig,
+        _OPTIONS,
+        prog=prog,
+        cli_defaults=_CLI_DEFAULTS,
+        description="LeMix global scheduler: intake -> planner -> executor dispatch.",
+    )
 
 
 def from_env_and_args(
@@ -322,5 +388,6 @@ def from_env_and_args(
     `--help` and usage errors exit through argparse (status 0 and 2); a bad
     value raises `ValueError` naming the flag and its environment variable.
     """
-    return settings.parse_settings(SchedulerConfig, build_parser(), _OPTIONS, argv, env,
-                                   _CLI_DEFAULTS)
+    return settings.parse_settings(
+        SchedulerConfig, build_parser(), _OPTIONS, argv, env, _CLI_DEFAULTS
+    )

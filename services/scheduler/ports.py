@@ -18,8 +18,14 @@ from typing import Protocol
 from lemix.types import Placement, Task, WeightSync
 
 # Status names a failure reason may start with (services/PROTOCOL.md).
-STATUS_PREFIXES = ("INVALID_ARGUMENT:", "RESOURCE_EXHAUSTED:", "UNAVAILABLE:", "CANCELLED:",
-                   "DEADLINE_EXCEEDED:", "FAILED_PRECONDITION:")
+STATUS_PREFIXES = (
+    "INVALID_ARGUMENT:",
+    "RESOURCE_EXHAUSTED:",
+    "UNAVAILABLE:",
+    "CANCELLED:",
+    "DEADLINE_EXCEEDED:",
+    "FAILED_PRECONDITION:",
+)
 
 
 def rejection_reason(reason: str) -> str:
@@ -100,8 +106,9 @@ class AttemptLedger(Protocol):
     """Attempt numbers in Redis: the fencing tokens of placements
     (services/PROTOCOL.md, "Fencing"). Each call is one round trip."""
 
-    async def begin_attempts(self, task_ids: Sequence[str],
-                             check_cancelled: Sequence[str]) -> tuple[list[int], list[bool]]:
+    async def begin_attempts(
+        self, task_ids: Sequence[str], check_cancelled: Sequence[str]
+    ) -> tuple[list[int], list[bool]]:
         """Number a new placement of each task, before its Dispatch (the
         attempts, in order), and tell which of `check_cancelled` were cancelled."""
         ...

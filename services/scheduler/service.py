@@ -105,8 +105,7 @@ def describe_redis_error(exc: BaseException) -> str:
     connection stayed busy past its wait: overload, not an unreachable Redis.
     """
     if isinstance(exc, RedisConnectionError) and "No connection available" in str(exc):
-        return ("every pooled Redis connection stayed busy past the pool's wait "
-                "(overloaded)")
+        return "every pooled Redis connection stayed busy past the pool's wait (overloaded)"
     if isinstance(exc, RedisTimeoutError):
         return f"Redis did not answer in time ({exc})"
     return f"Redis is unreachable ({type(exc).__name__}: {exc})"
@@ -128,7 +127,8 @@ def check_task_id(task_id: str) -> None:
     if len(task_id) > MAX_TASK_ID_CHARS or any(ch.isspace() for ch in task_id):
         raise InvalidArgument(
             f"task_id must be at most {MAX_TASK_ID_CHARS} characters without whitespace, "
-            f"got {task_id[:40]!r}")
+            f"got {task_id[:40]!r}"
+        )
 
 
 class SchedulerService:
@@ -138,8 +138,13 @@ class SchedulerService:
     from `config` at `start()`. An injected client is not closed on stop.
     """
 
-    def __init__(self, config: SchedulerConfig, *, redis_client: aioredis.Redis | None = None,
-                 profile: Profile | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        *,
+        redis_client: aioredis.Redis | None = None,
+        profile: Profile | None = None,
+    ) -> None:
         self.config = config
         self._owns_redis = redis_client is None
         self._redis = redis_client
@@ -173,9 +178,13 @@ class SchedulerService:
         if self._redis is None:
             # Sized from our own concurrency (module docstring); blocking reads
             # wait up to read_block_s, so the socket timeout outlasts them.
-            self._redis = connect(RedisClientConfig(
-                url=config.redis_url, max_connections=config.redis_max_connections,
-                socket_timeout_s=config.redis_socket_timeout_s))
+            self._redis = connect(
+                RedisClientConfig(
+                    url=config.redis_url,
+                    max_connections=config.redis_max_connections,
+                    socket_timeout_s=config.redis_socket_timeout_s,
+                )
+            )
         self.store = Store(self._redis, RedisKeys(config.namespace))
         await self._redis.ping()
         self.epoch_s = await self.store.scheduler_epoch(time.time())
@@ -185,8 +194,9 @@ class SchedulerService:
         # planning, so deferred work is not rejected before the first poll).
         await self.core.mark_down(range(config.num_nodes))
         await self.nodes.poll()
-        stale = await self.store.claim_stale(config.consumer_name,
-                                             round(config.claim_min_idle_s * 1000))
+        stale = await self.store.claim_stale(
+            config.consumer_name, round(config.claim_min_idle_s * 1000)
+        )
         if stale:
             log.info("intake_reclaimed", num_entries=len(stale))
             await self._handle_intake(stale)
@@ -198,13 +208,22 @@ class SchedulerService:
         ]
         self._server, self.port, self._health = await start_server(
             [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerServicer(self))],
-            config.host, config.port, service_names=[SCHEDULER_SERVICE],
-            service_token=config.service_token)
-        log.info("scheduler_started", address=self.address, policy=config.policy,
-                 num_nodes=config.num_nodes, namespace=config.namespace,
-                 recovered_events=self.num_recovered_events,
-                 from_snapshot=self.is_recovered_from_snapshot,
-                 recovered_tasks=self.core.num_tasks, live_nodes=self.live_node_ids)
+            config.host,
+            config.port,
+            service_names=[SCHEDULER_SERVICE],
+            service_token=config.service_token,
+        )
+        log.info(
+            "scheduler_started",
+            address=self.address,
+            policy=config.policy,
+            num_nodes=config.num_nodes,
+            namespace=config.namespace,
+            recovered_events=self.num_recovered_events,
+            from_snapshot=self.is_recovered_from_snapshot,
+            recovered_tasks=self.core.num_tasks,
+            live_nodes=self.live_node_ids,
+        )
 
     async def _build_core(self) -> None:
         config = self.config
@@ -224,22 +243,36 @@ class SchedulerService:
         # Every event goes through the recorder: it keeps the log's tally and
         # records a snapshot every `snapshot_every_events` (recovery.py).
         self.recorder = SnapshottingSink(
-            self.events, planner, recovered.tally,
-            snapshot_every_events=config.snapshot_every_events, wall_clock=time.time,
-            num_events_since_snapshot=recovered.num_events)
+            self.events,
+            planner,
+            recovered.tally,
+            snapshot_every_events=config.snapshot_every_events,
+            wall_clock=time.time,
+            num_events_since_snapshot=recovered.num_events,
+        )
         self.recorder(start_event(planner_config, config.policy, time.time()))
         self.dispatcher = GrpcDispatcher(
             deadline_s=config.dispatch_deadline_s,
             weight_sync_deadline_s=config.weight_sync_deadline_s,
-            weight_sync_dir=config.weight_sync_dir, payload_of=self._payloads.get,
-            attempt_of=self._attempt_of, service_token=config.service_token)
-        self.writer = RedisResultWriter(self.store,
-                                        finished_ttl_s=config.finished_task_ttl_s or None)
+            weight_sync_dir=config.weight_sync_dir,
+            payload_of=self._payloads.get,
+            attempt_of=self._attempt_of,
+            service_token=config.service_token,
+        )
+        self.writer = RedisResultWriter(
+            self.store, finished_ttl_s=config.finished_task_ttl_s or None
+        )
         self.core = SchedulerCore(
-            RecordingPlanner(planner, self.recorder), self.dispatcher, self.writer, self.clock,
-            on_forget=self._forget_task, ledger=self.writer,
-            policy=config.policy, max_concurrent_dispatches=config.max_concurrent_dispatches,
-            max_task_moves=config.max_task_moves)
+            RecordingPlanner(planner, self.recorder),
+            self.dispatcher,
+            self.writer,
+            self.clock,
+            on_forget=self._forget_task,
+            ledger=self.writer,
+            policy=config.policy,
+            max_concurrent_dispatches=config.max_concurrent_dispatches,
+            max_task_moves=config.max_task_moves,
+        )
         self.core.restore(recovered.tasks, recovered.num_placed, recovered.num_rejected)
         self.nodes = NodeSupervisor(config, self.store, self.core, self.dispatcher)
         self.leases = LeaseWatch(self.store, config.lease_check_s)
@@ -254,7 +287,8 @@ class SchedulerService:
         states: list[Fields] = []
         for i in range(0, len(tasks), _RECOVER_BATCH):  # a round trip per batch, not per task
             states += await self.store.get_task_state_hashes(
-                [t.task_id for t in tasks[i:i + _RECOVER_BATCH]])
+                [t.task_id for t in tasks[i : i + _RECOVER_BATCH]]
+            )
         for task, state in zip(tasks, states, strict=True):
             if not state:  # deferred or requeued work still needs its payload
                 log.warning("payload_lost", task_id=task.task_id)
@@ -405,8 +439,11 @@ class SchedulerService:
             if stale:
                 await self._handle_intake(stale)
             self._has_unacked_intake = False
-        entries = await self._until_stop(self.store.read_intake(
-            self.config.consumer_name, self.config.intake_batch, self._block_ms))
+        entries = await self._until_stop(
+            self.store.read_intake(
+                self.config.consumer_name, self.config.intake_batch, self._block_ms
+            )
+        )
         if entries:
             self._has_unacked_intake = True
             await self._handle_intake(entries)
@@ -420,7 +457,8 @@ class SchedulerService:
         accepted = []
         leased = []
         for (task, payload, fields), (is_final, is_cancelled, has_lease) in zip(
-                taken, lookup, strict=True):
+            taken, lookup, strict=True
+        ):
             if is_final:
                 continue  # finished before a restart; its result stands
             if is_cancelled:
@@ -432,10 +470,20 @@ class SchedulerService:
                 leased.append(task.task_id)
         # The task's fields go to its state hash too: a restart finds the
         # payload of deferred training there (the intake entry is deleted).
-        await self.store.set_task_states([
-            (task.task_id, {**fields, "status": "queued", "arrival_s": task.arrival_s,
-                            "queued_t": time.time()})
-            for task, fields in accepted])
+        await self.store.set_task_states(
+            [
+                (
+                    task.task_id,
+                    {
+                        **fields,
+                        "status": "queued",
+                        "arrival_s": task.arrival_s,
+                        "queued_t": time.time(),
+                    },
+                )
+                for task, fields in accepted
+            ]
+        )
         self.leases.note(leased)  # before the core: it may end them at once
         await self.core.on_tasks([task for task, _ in accepted])
         # Write-ahead: the decisions these entries caused are stored before the
@@ -452,8 +500,9 @@ class SchedulerService:
         except (KeyError, ValueError) as exc:
             log.error("intake_malformed", task_id=task_id, error=str(exc))
             if task_id:
-                await self.writer.end_task(task_id, "rejected",
-                                           f"INVALID_ARGUMENT: malformed task fields ({exc})")
+                await self.writer.end_task(
+                    task_id, "rejected", f"INVALID_ARGUMENT: malformed task fields ({exc})"
+                )
             return None
         if self.core.knows(task_id):
             return None  # redelivered; the planner has it
@@ -474,7 +523,8 @@ class SchedulerService:
                 if self._completions_cursor is None:
                     self._completions_cursor = await self.store.get_completions_cursor()
                 entries = await self._until_stop(
-                    self.store.read_completions(self._completions_cursor, self._block_ms))
+                    self.store.read_completions(self._completions_cursor, self._block_ms)
+                )
                 if entries:
                     await self._handle_completions(entries)
             except asyncio.CancelledError:
@@ -490,9 +540,12 @@ class SchedulerService:
             task_id = fields.get("task_id", "")
             if task_id:
                 is_applied = await self.core.on_finished(
-                    task_id, is_success=status == "completed", is_requeue=status == "requeued",
+                    task_id,
+                    is_success=status == "completed",
+                    is_requeue=status == "requeued",
                     node_id=get_optional_int(fields, "node_id"),
-                    attempt=get_optional_int(fields, ATTEMPT_FIELD))
+                    attempt=get_optional_int(fields, ATTEMPT_FIELD),
+                )
                 if is_applied and status != "requeued":
                     ended.append(task_id)
             # Advanced per entry: after an error the loop resumes after the last
@@ -530,8 +583,9 @@ class SchedulerService:
                 log.warning("orphan_cancel_failed", task_id=task_id, error=str(exc))
                 continue
             except Exception as exc:  # the executor answered no: asking again won't help
-                log.warning("orphan_cancel_refused", task_id=task_id,
-                            error=f"{type(exc).__name__}: {exc}")
+                log.warning(
+                    "orphan_cancel_refused", task_id=task_id, error=f"{type(exc).__name__}: {exc}"
+                )
             else:
                 log.info("orphan_cancelled", task_id=task_id)
             self.leases.forget(task_id)
@@ -550,8 +604,9 @@ class SchedulerService:
         woken = asyncio.ensure_future(self.core.wakeup.wait())
         stop = asyncio.ensure_future(self._stopping.wait())
         try:
-            done, _ = await asyncio.wait({woken, stop}, timeout=delay_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {woken, stop}, timeout=delay_s, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             woken.cancel()
             stop.cancel()

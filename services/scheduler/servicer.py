@@ -25,8 +25,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._service = service
 
     @handle_errors
-    async def Submit(self, request: scheduler_pb2.SubmitRequest,
-                     context: grpc.aio.ServicerContext) -> scheduler_pb2.SubmitResponse:
+    async def Submit(
+        self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.SubmitResponse:
         if not request.HasField("task"):
             raise InvalidArgument("SubmitRequest.task is missing")
         task, payload = task_from_proto(request.task)
@@ -34,20 +35,24 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.SubmitResponse(task_id=task.task_id, is_duplicate=not is_new)
 
     @handle_errors
-    async def Cancel(self, request: common_pb2.CancelRequest,
-                     context: grpc.aio.ServicerContext) -> common_pb2.CancelResponse:
+    async def Cancel(
+        self, request: common_pb2.CancelRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.CancelResponse:
         is_found = await self._service.cancel(request.task_id, request.reason)
         return common_pb2.CancelResponse(is_found=is_found)
 
     @handle_errors
-    async def GetState(self, request: scheduler_pb2.GetStateRequest,
-                       context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerState:
+    async def GetState(
+        self, request: scheduler_pb2.GetStateRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.SchedulerState:
         snapshot = await self._service.snapshot()
         return scheduler_pb2.SchedulerState(
             policy=snapshot.policy,
             num_placed=snapshot.num_placed,
             num_deferred=snapshot.num_deferred,
             num_rejected=snapshot.num_rejected,
-            nodes=[node_state_from_fields(node_id, fields)
-                   for node_id, fields in sorted(snapshot.nodes.items())],
+            nodes=[
+                node_state_from_fields(node_id, fields)
+                for node_id, fields in sorted(snapshot.nodes.items())
+            ],
         )

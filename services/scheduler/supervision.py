@@ -53,9 +53,15 @@ _RESTART_SLACK_S = 1e-3
 class NodeSupervisor:
     """Turns polled heartbeats into node health (see the module docstring)."""
 
-    def __init__(self, config: SchedulerConfig, store: Store, core: SchedulerCore,
-                 dispatcher: GrpcDispatcher, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        store: Store,
+        core: SchedulerCore,
+        dispatcher: GrpcDispatcher,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.store = store
         self.core = core
@@ -85,8 +91,11 @@ class NodeSupervisor:
         states = await self.store.get_node_states()
         if is_suspect or (self._run_id is not None and run_id != self._run_id):
             self._grace_until_s = self._clock() + self.config.redis_outage_grace_s
-            log.warning("redis_back_node_grace", grace_s=self.config.redis_outage_grace_s,
-                        is_restarted=self._run_id is not None and run_id != self._run_id)
+            log.warning(
+                "redis_back_node_grace",
+                grace_s=self.config.redis_outage_grace_s,
+                is_restarted=self._run_id is not None and run_id != self._run_id,
+            )
         self._run_id = run_id
         self._warn_out_of_range(states)
         by_node = self.core.tasks_by_node()
@@ -154,23 +163,30 @@ class NodeSupervisor:
                 except Unavailable:
                     return False
                 except Exception as exc:  # answered, e.g. INVALID_ARGUMENT: nothing to redo
-                    log.warning("revoke_cancel_failed", node_id=node_id, task_id=task_id,
-                                error=f"{type(exc).__name__}: {exc}")
+                    log.warning(
+                        "revoke_cancel_failed",
+                        node_id=node_id,
+                        task_id=task_id,
+                        error=f"{type(exc).__name__}: {exc}",
+                    )
                 return True
 
         answered = await asyncio.gather(*(cancel(t) for t in task_ids))
         done = [t for t, ok in zip(task_ids, answered, strict=True) if ok]
         self.core.clear_revoked(node_id, done)
-        log.info("node_revoked_cancelled", node_id=node_id, num_cancelled=len(done),
-                 num_unanswered=len(task_ids) - len(done))
+        log.info(
+            "node_revoked_cancelled",
+            node_id=node_id,
+            num_cancelled=len(done),
+            num_unanswered=len(task_ids) - len(done),
+        )
         return len(done) == len(task_ids)
 
     def _warn_out_of_range(self, states: dict[int, Fields]) -> None:
         for node_id in sorted(set(states) - set(range(self.config.num_nodes))):
             if node_id not in self._unknown_nodes:
                 self._unknown_nodes.add(node_id)
-                log.warning("node_out_of_range", node_id=node_id,
-                            num_nodes=self.config.num_nodes)
+                log.warning("node_out_of_range", node_id=node_id, num_nodes=self.config.num_nodes)
 
 
 class LeaseWatch:
@@ -180,8 +196,9 @@ class LeaseWatch:
     to the scheduler (no gateway) is never cancelled for lacking one.
     """
 
-    def __init__(self, store: Store, check_s: float, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, store: Store, check_s: float, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.store = store
         self.check_s = check_s
         self._clock = clock

@@ -55,8 +55,9 @@ def test_nothing_listening_fails_within_the_deadline() -> None:
     assert not is_serving and seen.startswith(("UNAVAILABLE", "DEADLINE_EXCEEDED"))
 
 
-def test_main_exit_codes_and_messages(server: tuple[str, health.HealthServicer],
-                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_main_exit_codes_and_messages(
+    server: tuple[str, health.HealthServicer], capsys: pytest.CaptureFixture[str]
+) -> None:
     address, servicer = server
     assert healthcheck.main([address, SCHEDULER_SERVICE]) == 0
     assert f"healthy: {address} {SCHEDULER_SERVICE} is SERVING" in capsys.readouterr().out
@@ -70,7 +71,11 @@ def test_main_exit_codes_and_messages(server: tuple[str, health.HealthServicer],
 
 def test_module_entry_point(server: tuple[str, health.HealthServicer]) -> None:
     address, _ = server
-    done = subprocess.run([sys.executable, "-m", "lemix.infra.healthcheck", address],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "lemix.infra.healthcheck", address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert "SERVING" in done.stdout

@@ -54,10 +54,16 @@ async def live_node(store: Store) -> int:
     """One executor heartbeat, as an executor writes it (PROTOCOL.md)."""
     await store.put_node_state(
         FAKE_NODE_ID,
-        {"now_s": 1.5, "num_running": 0, "is_healthy": True, "address": "127.0.0.1:1",
-         "num_stages": 2, "memory_capacity_bytes": 8 << 30},
+        {
+            "now_s": 1.5,
+            "num_running": 0,
+            "is_healthy": True,
+            "address": "127.0.0.1:1",
+            "num_stages": 2,
+            "memory_capacity_bytes": 8 << 30,
+        },
         ttl_s=60.0,
-    )  # fmt: skip
+    )
     return FAKE_NODE_ID
 
 
@@ -66,8 +72,10 @@ async def fake_scheduler(store: Store) -> AsyncIterator[FakeScheduler]:
     fake = FakeScheduler(store)
     server, port, _ = await start_server(
         [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, fake)],
-        "127.0.0.1", 0, service_names=[SCHEDULER_SERVICE],
-    )  # fmt: skip
+        "127.0.0.1",
+        0,
+        service_names=[SCHEDULER_SERVICE],
+    )
     fake.address = f"127.0.0.1:{port}"
     try:
         yield fake

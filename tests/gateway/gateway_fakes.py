@@ -86,9 +86,11 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         if run is not None:
             run.cancel()
         await self.store.finish_task(
-            request.task_id, "failed", request.reason or "CANCELLED: cancelled",
+            request.task_id,
+            "failed",
+            request.reason or "CANCELLED: cancelled",
             output_fields={"type": "end", "node": FAKE_NODE_ID, "t": time.time()},
-        )  # fmt: skip
+        )
         return common_pb2.CancelResponse(is_found=run is not None)
 
     async def GetState(
@@ -103,18 +105,22 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             if script.token_delay_s:
                 await asyncio.sleep(script.token_delay_s)
             fields: dict[str, str | int | float] = {
-                "type": "token", "n": n, "node": FAKE_NODE_ID, "t": time.time(),
-            }  # fmt: skip
+                "type": "token",
+                "n": n,
+                "node": FAKE_NODE_ID,
+                "t": time.time(),
+            }
             if n == 1:
                 fields |= {"first": "1", "version": FAKE_WEIGHT_VERSION}
             await self.store.append_output(task.task_id, fields)
             if n == 1 and script.is_held:
                 await asyncio.Event().wait()  # until Cancel cancels this run
         await self.store.finish_task(
-            task.task_id, script.end_status, script.end_reason,
-            output_fields={"type": "end", "n": num_tokens, "node": FAKE_NODE_ID,
-                           "t": time.time()},
-        )  # fmt: skip
+            task.task_id,
+            script.end_status,
+            script.end_reason,
+            output_fields={"type": "end", "n": num_tokens, "node": FAKE_NODE_ID, "t": time.time()},
+        )
         self._runs.pop(task.task_id, None)
 
     def cancelled_ids(self) -> list[str]:

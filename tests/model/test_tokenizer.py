@@ -116,8 +116,11 @@ def test_load_tokenizer_from_a_model_directory(bpe: BPETokenizer, tmp_path: Path
 
     hf = PreTrainedTokenizerFast(
         tokenizer_file=str(_trained_file(tmp_path)),
-        bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
-    )  # fmt: skip
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
     hf.save_pretrained(tmp_path / "model")
     loaded = load_tokenizer(str(tmp_path / "model"))
     assert isinstance(loaded, HFTokenizer) and not loaded.is_emulated

@@ -66,8 +66,9 @@ def test_training_task_round_trips_without_payload() -> None:
 
 def test_multi_sample_training_payload_round_trips() -> None:
     task = Task("train-4", TaskKind.TRAINING, 0.0, num_prompt_tokens=3, batch_size=2)
-    payload = TaskPayload(prompt_token_ids=(5, 6, 7, 8, 9), sample_lengths=(3, 2),
-                          reference_lengths=(1, 2))
+    payload = TaskPayload(
+        prompt_token_ids=(5, 6, 7, 8, 9), sample_lengths=(3, 2), reference_lengths=(1, 2)
+    )
     msg = convert.task_to_proto(task, payload)
     back = convert.task_from_proto(common_pb2.Task.FromString(msg.SerializeToString()))
     assert back == (task, payload)

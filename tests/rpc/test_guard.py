@@ -46,8 +46,9 @@ class CountingScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.calls = calls
 
     @handle_errors
-    async def Cancel(self, request: common_pb2.CancelRequest,
-                     context: grpc.aio.ServicerContext) -> common_pb2.CancelResponse:
+    async def Cancel(
+        self, request: common_pb2.CancelRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.CancelResponse:
         self.calls.names.append(f"Cancel:{request.task_id}")
         return common_pb2.CancelResponse(is_found=True)
 
@@ -57,9 +58,11 @@ class CountingGateway(gateway_pb2_grpc.GatewayServicer):
         self.calls = calls
 
     @handle_errors
-    async def Generate(self, request: gateway_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext,
-                       ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    async def Generate(
+        self,
+        request: gateway_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         self.calls.names.append(f"Generate:{request.request_id}")
         yield gateway_pb2.GenerateResponse(request_id=request.request_id, token_ids=[7])
         yield gateway_pb2.GenerateResponse(request_id=request.request_id, is_finished=True)
@@ -74,10 +77,15 @@ class Server:
 async def _serve(service_token: str | None) -> tuple[grpc.aio.Server, Server]:
     calls = Calls()
     server, port, _ = await start_server(
-        [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, CountingScheduler(calls)),
-         (gateway_pb2_grpc.add_GatewayServicer_to_server, CountingGateway(calls))],
-        "127.0.0.1", 0, service_names=[SCHEDULER_SERVICE, GATEWAY_SERVICE],
-        service_token=service_token)
+        [
+            (scheduler_pb2_grpc.add_SchedulerServicer_to_server, CountingScheduler(calls)),
+            (gateway_pb2_grpc.add_GatewayServicer_to_server, CountingGateway(calls)),
+        ],
+        "127.0.0.1",
+        0,
+        service_names=[SCHEDULER_SERVICE, GATEWAY_SERVICE],
+        service_token=service_token,
+    )
     return server, Server(f"127.0.0.1:{port}", calls)
 
 
@@ -99,8 +107,7 @@ def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return () if token is None else (("authorization", bearer(token)),)
 
 
-async def _raw_unary(address: str, method: str, body: bytes,
-                     token: str | None = None) -> bytes:
+async def _raw_unary(address: str, method: str, body: bytes, token: str | None = None) -> bytes:
     """One unary call with `body` as the request's bytes, whatever they are."""
     async with grpc.aio.insecure_channel(address) as ch:
         call = ch.unary_unary(method)  # no serializers: bytes in, bytes out
@@ -108,16 +115,17 @@ async def _raw_unary(address: str, method: str, body: bytes,
         return reply
 
 
-async def _raw_server_stream(address: str, method: str, body: bytes,
-                             token: str | None = None) -> list[bytes]:
+async def _raw_server_stream(
+    address: str, method: str, body: bytes, token: str | None = None
+) -> list[bytes]:
     async with grpc.aio.insecure_channel(address) as ch:
         call = ch.unary_stream(method)
-        return [r async for r in call(body, timeout=DEFAULT_DEADLINE_S,
-                                      metadata=_metadata(token))]
+        return [r async for r in call(body, timeout=DEFAULT_DEADLINE_S, metadata=_metadata(token))]
 
 
-async def _raw_bidi(address: str, method: str, bodies: list[bytes],
-                    token: str | None = None) -> list[bytes]:
+async def _raw_bidi(
+    address: str, method: str, bodies: list[bytes], token: str | None = None
+) -> list[bytes]:
     async with grpc.aio.insecure_channel(address) as ch:
         call = ch.stream_stream(method)(timeout=DEFAULT_DEADLINE_S, metadata=_metadata(token))
         for body in bodies:
@@ -144,7 +152,8 @@ async def test_garbage_unary_request_is_invalid_argument(open_server: Server) ->
     # The same channel kind with a real message works: the server is unharmed.
     good = common_pb2.CancelRequest(task_id="t1").SerializeToString()
     reply = common_pb2.CancelResponse.FromString(
-        await _raw_unary(open_server.address, CANCEL, good))
+        await _raw_unary(open_server.address, CANCEL, good)
+    )
     assert reply.is_found and open_server.calls.names == ["Cancel:t1"]
 
 
@@ -165,8 +174,12 @@ async def test_garbage_on_a_bidi_stream_is_invalid_argument(open_server: Server)
     assert code is grpc.StatusCode.INVALID_ARGUMENT
     assert "malformed grpc.reflection.v1alpha.ServerReflectionRequest" in details
     (reply,) = await _raw_bidi(open_server.address, REFLECTION, [good])
-    names = {s.name for s in reflection_pb2.ServerReflectionResponse.FromString(reply)
-             .list_services_response.service}
+    names = {
+        s.name
+        for s in reflection_pb2.ServerReflectionResponse.FromString(
+            reply
+        ).list_services_response.service
+    }
     assert SCHEDULER_SERVICE in names
 
 
@@ -213,14 +226,17 @@ async def test_unauthenticated_garbage_is_refused_before_parsing(locked_server: 
 async def test_channel_with_the_token_reaches_every_call_shape(locked_server: Server) -> None:
     async with channel(locked_server.address, service_token=TOKEN) as ch:
         scheduler = scheduler_pb2_grpc.SchedulerStub(ch)
-        reply = await scheduler.Cancel(common_pb2.CancelRequest(task_id="t1"),
-                                       timeout=DEFAULT_DEADLINE_S)
+        reply = await scheduler.Cancel(
+            common_pb2.CancelRequest(task_id="t1"), timeout=DEFAULT_DEADLINE_S
+        )
         assert reply.is_found
         call = gateway_pb2_grpc.GatewayStub(ch).Generate(
-            gateway_pb2.GenerateRequest(request_id="r1"), timeout=DEFAULT_DEADLINE_S)
+            gateway_pb2.GenerateRequest(request_id="r1"), timeout=DEFAULT_DEADLINE_S
+        )
         assert [r.token_ids async for r in call] == [[7], []]
         reflection = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
-            timeout=DEFAULT_DEADLINE_S)
+            timeout=DEFAULT_DEADLINE_S
+        )
         await reflection.write(reflection_pb2.ServerReflectionRequest(list_services=""))
         await reflection.done_writing()
         assert (await reflection.read()).list_services_response.service
@@ -230,7 +246,8 @@ async def test_channel_with_the_token_reaches_every_call_shape(locked_server: Se
 async def test_health_checks_need_no_token(locked_server: Server) -> None:
     async with channel(locked_server.address) as ch:
         reply = await health_pb2_grpc.HealthStub(ch).Check(
-            health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE), timeout=DEFAULT_DEADLINE_S)
+            health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE), timeout=DEFAULT_DEADLINE_S
+        )
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -248,12 +265,15 @@ async def test_an_open_internal_server_warns_and_a_public_one_does_not() -> None
 # ------------------------------------------------------------------ the token itself
 
 
-@pytest.mark.parametrize(("token", "message"), [
-    ("short", "at least 16 characters"),
-    ("has a space in the middle!!", "without spaces"),
-    ("tab\tinside-a-long-enough-token", "printable ASCII"),
-    ("ünïcode-is-not-a-metadata-value", "printable ASCII"),
-])
+@pytest.mark.parametrize(
+    ("token", "message"),
+    [
+        ("short", "at least 16 characters"),
+        ("has a space in the middle!!", "without spaces"),
+        ("tab\tinside-a-long-enough-token", "printable ASCII"),
+        ("ünïcode-is-not-a-metadata-value", "printable ASCII"),
+    ],
+)
 def test_bad_tokens_are_refused_with_a_hint(token: str, message: str) -> None:
     with pytest.raises(ValueError, match=message) as info:
         check_service_token(token)

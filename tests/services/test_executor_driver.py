@@ -47,16 +47,22 @@ async def test_request_streams_every_token_then_finishes() -> None:
     await driver.stop()
     outcomes = sink.outcomes()
     first = [o for o in outcomes if isinstance(o, FirstToken)]
-    tokens = [n for o in outcomes if isinstance(o, TokensEmitted)
-              for tid, n in zip(o.task_ids, o.num_generated, strict=True) if tid == "r"]
+    tokens = [
+        n
+        for o in outcomes
+        if isinstance(o, TokensEmitted)
+        for tid, n in zip(o.task_ids, o.num_generated, strict=True)
+        if tid == "r"
+    ]
     finished = {o.task_id: o for o in outcomes if isinstance(o, Finished)}
     assert [o.task_id for o in first] == ["r"]
     assert tokens == [2, 3, 4, 5]  # the first token came with the prefill
     assert finished["r"].num_output_tokens == 5
     assert "t" in finished and driver.engine.num_training_updates == 1
     assert driver.engine.is_idle
-    assert all(driver.engine.memory.used_bytes(s) == driver.engine.memory._static[s]
-               for s in range(2))
+    assert all(
+        driver.engine.memory.used_bytes(s) == driver.engine.memory._static[s] for s in range(2)
+    )
 
 
 async def test_cancel_frees_the_request_and_reports_it() -> None:

@@ -59,15 +59,22 @@ def weight_sync_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def make_config(redis_server: EmbeddedRedis, profile_path: Path,
-                weight_sync_dir: Path) -> Callable[..., ExecutorConfig]:
+def make_config(
+    redis_server: EmbeddedRedis, profile_path: Path, weight_sync_dir: Path
+) -> Callable[..., ExecutorConfig]:
     namespace = f"test-{uuid.uuid4().hex[:8]}"
 
     def make(**overrides: object) -> ExecutorConfig:
         config = ExecutorConfig(
-            node_id=3, redis_url=redis_server.url, namespace=namespace,
-            profile_path=profile_path, time_scale=TIME_SCALE, heartbeat_s=0.05,
-            node_ttl_s=0.5, shutdown_grace_s=1.0, weight_sync_dir=str(weight_sync_dir),
+            node_id=3,
+            redis_url=redis_server.url,
+            namespace=namespace,
+            profile_path=profile_path,
+            time_scale=TIME_SCALE,
+            heartbeat_s=0.05,
+            node_ttl_s=0.5,
+            shutdown_grace_s=1.0,
+            weight_sync_dir=str(weight_sync_dir),
         )
         return replace(config, **overrides)  # type: ignore[arg-type]
 
@@ -75,8 +82,7 @@ def make_config(redis_server: EmbeddedRedis, profile_path: Path,
 
 
 @pytest.fixture
-async def store(redis_client: aioredis.Redis,
-                make_config: Callable[..., ExecutorConfig]) -> Store:
+async def store(redis_client: aioredis.Redis, make_config: Callable[..., ExecutorConfig]) -> Store:
     return Store(redis_client, RedisKeys(make_config().namespace))
 
 
@@ -100,8 +106,9 @@ async def stub(service: ExecutorService) -> AsyncIterator[executor_pb2_grpc.Exec
 
 
 async def dispatch(stub: executor_pb2_grpc.ExecutorStub, task: Task) -> None:
-    reply = await stub.Dispatch(executor_pb2.DispatchRequest(task=task_to_proto(task)),
-                                timeout=DEFAULT_DEADLINE_S)
+    reply = await stub.Dispatch(
+        executor_pb2.DispatchRequest(task=task_to_proto(task)), timeout=DEFAULT_DEADLINE_S
+    )
     assert reply.is_accepted
 
 
@@ -145,8 +152,7 @@ async def wait_stats(store: Store, name: str) -> dict[str, int]:
 
 
 async def node_state(stub: executor_pb2_grpc.ExecutorStub) -> common_pb2.NodeState:
-    return await stub.GetNodeState(executor_pb2.GetNodeStateRequest(),
-                                   timeout=DEFAULT_DEADLINE_S)
+    return await stub.GetNodeState(executor_pb2.GetNodeStateRequest(), timeout=DEFAULT_DEADLINE_S)
 
 
 # ------------------------------------------------------------------ tasks
@@ -204,16 +210,19 @@ async def test_cancel_ends_a_long_request(
 ) -> None:
     await dispatch(stub, make_request("inf-long", 0.0, 50, 100_000))
     await first_message(store, "inf-long")  # it is decoding now
-    reply = await stub.Cancel(common_pb2.CancelRequest(task_id="inf-long", reason="client gone"),
-                              timeout=DEFAULT_DEADLINE_S)
+    reply = await stub.Cancel(
+        common_pb2.CancelRequest(task_id="inf-long", reason="client gone"),
+        timeout=DEFAULT_DEADLINE_S,
+    )
     assert reply.is_found
     end = (await read_until_end(store, "inf-long"))[-1]
     assert end["status"] == "failed" and end["reason"].startswith("CANCELLED")
     assert 1 <= int(end["n"]) < 100_000
     completion = await wait_completion(store, "inf-long")
     assert completion["status"] == "failed" and completion["reason"].startswith("CANCELLED")
-    again = await stub.Cancel(common_pb2.CancelRequest(task_id="inf-long"),
-                              timeout=DEFAULT_DEADLINE_S)
+    again = await stub.Cancel(
+        common_pb2.CancelRequest(task_id="inf-long"), timeout=DEFAULT_DEADLINE_S
+    )
     assert not again.is_found
     state = await node_state(stub)
     assert state.num_running == 0 and state.kv_used_bytes == 0
@@ -227,8 +236,7 @@ async def test_requeued_training_can_be_dispatched_again(
     # back after T_max (no offload) and must run when re-dispatched later.
     path = tmp_path / "tiny.json"
     save_profile(make_tiny_memory_profile(), path)
-    svc = ExecutorService(make_config(profile_path=path, is_offload_enabled=False,
-                                      max_wait_s=0.1))
+    svc = ExecutorService(make_config(profile_path=path, is_offload_enabled=False, max_wait_s=0.1))
     await svc.start()
     try:
         async with channel(svc.address) as ch:
@@ -252,8 +260,12 @@ async def test_requeued_training_can_be_dispatched_again(
 async def test_invalid_dispatch_is_invalid_argument_and_the_node_keeps_serving(
     service: ExecutorService, stub: executor_pb2_grpc.ExecutorStub, store: Store
 ) -> None:
-    bad = common_pb2.Task(task_id="inf-bad", kind=common_pb2.TASK_KIND_INFERENCE,
-                          num_prompt_tokens=10, max_output_tokens=0)
+    bad = common_pb2.Task(
+        task_id="inf-bad",
+        kind=common_pb2.TASK_KIND_INFERENCE,
+        num_prompt_tokens=10,
+        max_output_tokens=0,
+    )
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Dispatch(executor_pb2.DispatchRequest(task=bad), timeout=DEFAULT_DEADLINE_S)
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
@@ -264,7 +276,8 @@ async def test_invalid_dispatch_is_invalid_argument_and_the_node_keeps_serving(
     # Still serving: health says so and the next task runs.
     async with channel(service.address) as ch:
         health = await health_pb2_grpc.HealthStub(ch).Check(
-            health_pb2.HealthCheckRequest(service=EXECUTOR_SERVICE), timeout=DEFAULT_DEADLINE_S)
+            health_pb2.HealthCheckRequest(service=EXECUTOR_SERVICE), timeout=DEFAULT_DEADLINE_S
+        )
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     await dispatch(stub, make_request("inf-ok", 0.0, 10, 2))
     assert (await read_until_end(store, "inf-ok"))[-1]["status"] == "completed"
@@ -352,7 +365,7 @@ async def test_get_node_state_reports_the_engine(
 
 
 async def test_measure_returns_the_profile_latency_within_noise(
-    make_config: Callable[..., ExecutorConfig]
+    make_config: Callable[..., ExecutorConfig],
 ) -> None:
     profile = small_profile()
     svc = ExecutorService(make_config(latency_noise_cv=0.05, seed=11))
@@ -361,25 +374,44 @@ async def test_measure_returns_the_profile_latency_within_noise(
         async with channel(svc.address) as ch:
             stub = executor_pb2_grpc.ExecutorStub(ch)
             cases = [
-                (executor_pb2.MeasureRequest.PHASE_FORWARD, profile.ours.forward_s(1, 2, 100),
-                 10**6 + 4 * 2 * 100),
-                (executor_pb2.MeasureRequest.PHASE_BACKWARD, profile.ours.backward_s(1, 2, 100),
-                 10**6 + 4 * 2 * 100),
-                (executor_pb2.MeasureRequest.PHASE_DECODE,
-                 profile.ours.decode_step_s(1, 2, 300), 10**6 + 4 * 300),
+                (
+                    executor_pb2.MeasureRequest.PHASE_FORWARD,
+                    profile.ours.forward_s(1, 2, 100),
+                    10**6 + 4 * 2 * 100,
+                ),
+                (
+                    executor_pb2.MeasureRequest.PHASE_BACKWARD,
+                    profile.ours.backward_s(1, 2, 100),
+                    10**6 + 4 * 2 * 100,
+                ),
+                (
+                    executor_pb2.MeasureRequest.PHASE_DECODE,
+                    profile.ours.decode_step_s(1, 2, 300),
+                    10**6 + 4 * 300,
+                ),
             ]
             for phase, expected_s, peak_bytes in cases:
-                reply = await stub.Measure(executor_pb2.MeasureRequest(
-                    phase=phase, stage=1, batch_size=2, num_tokens=100, sum_context_tokens=300,
-                    num_repeats=400), timeout=DEFAULT_DEADLINE_S)
+                reply = await stub.Measure(
+                    executor_pb2.MeasureRequest(
+                        phase=phase,
+                        stage=1,
+                        batch_size=2,
+                        num_tokens=100,
+                        sum_context_tokens=300,
+                        num_repeats=400,
+                    ),
+                    timeout=DEFAULT_DEADLINE_S,
+                )
                 assert len(reply.latency_s) == 400
                 assert statistics.fmean(reply.latency_s) == pytest.approx(expected_s, rel=0.02)
                 assert all(0.7 * expected_s < x < 1.4 * expected_s for x in reply.latency_s)
                 assert statistics.stdev(reply.latency_s) > 0  # the noise is there
                 assert reply.peak_memory_bytes == peak_bytes
-            for bad in (executor_pb2.MeasureRequest(stage=0, num_tokens=10),  # no phase
-                        executor_pb2.MeasureRequest(phase=1, stage=2, num_tokens=10),
-                        executor_pb2.MeasureRequest(phase=1, stage=0, num_tokens=0)):
+            for bad in (
+                executor_pb2.MeasureRequest(stage=0, num_tokens=10),  # no phase
+                executor_pb2.MeasureRequest(phase=1, stage=2, num_tokens=10),
+                executor_pb2.MeasureRequest(phase=1, stage=0, num_tokens=0),
+            ):
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await stub.Measure(bad, timeout=DEFAULT_DEADLINE_S)
                 assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
@@ -388,21 +420,31 @@ async def test_measure_returns_the_profile_latency_within_noise(
 
 
 async def test_sync_weights_load_sets_the_served_version(
-    service: ExecutorService, stub: executor_pb2_grpc.ExecutorStub, store: Store,
+    service: ExecutorService,
+    stub: executor_pb2_grpc.ExecutorStub,
+    store: Store,
     weight_sync_dir: Path,
 ) -> None:
     location = str(weight_sync_dir / "node3-v7")
-    save = await stub.SyncWeights(executor_pb2.SyncWeightsRequest(
-        direction=executor_pb2.SyncWeightsRequest.DIRECTION_SAVE, location=location),
-        timeout=DEFAULT_DEADLINE_S)
+    save = await stub.SyncWeights(
+        executor_pb2.SyncWeightsRequest(
+            direction=executor_pb2.SyncWeightsRequest.DIRECTION_SAVE, location=location
+        ),
+        timeout=DEFAULT_DEADLINE_S,
+    )
     # 1 MB per stage over a 1 MB/s link, stages in parallel: 1 profile second.
     assert save.num_bytes == 2 * 10**6
     assert 1.0 <= save.duration_s < 5.0
     await dispatch(stub, make_request("inf-v0", 0.0, 10, 1))
     assert (await first_message(store, "inf-v0"))["version"] == "0"
-    load = await stub.SyncWeights(executor_pb2.SyncWeightsRequest(
-        direction=executor_pb2.SyncWeightsRequest.DIRECTION_LOAD, location=location,
-        weight_version=7), timeout=DEFAULT_DEADLINE_S)
+    load = await stub.SyncWeights(
+        executor_pb2.SyncWeightsRequest(
+            direction=executor_pb2.SyncWeightsRequest.DIRECTION_LOAD,
+            location=location,
+            weight_version=7,
+        ),
+        timeout=DEFAULT_DEADLINE_S,
+    )
     assert load.num_bytes == 2 * 10**6 and load.duration_s >= 1.0
     await dispatch(stub, make_request("inf-v7", 0.0, 10, 3))
     first = await first_message(store, "inf-v7")
@@ -413,7 +455,9 @@ async def test_sync_weights_load_sets_the_served_version(
 
 
 async def test_sync_weights_outside_the_sync_dir_is_refused(
-    service: ExecutorService, stub: executor_pb2_grpc.ExecutorStub, weight_sync_dir: Path,
+    service: ExecutorService,
+    stub: executor_pb2_grpc.ExecutorStub,
+    weight_sync_dir: Path,
     tmp_path: Path,
 ) -> None:
     """Anyone reaching the port could otherwise overwrite served weights or
@@ -424,23 +468,37 @@ async def test_sync_weights_outside_the_sync_dir_is_refused(
     weight_sync_dir.mkdir()
     (weight_sync_dir / "link").symlink_to(outside, target_is_directory=True)
     root = weight_sync_dir.resolve()
-    escapes = ["/etc/lemix", str(outside), f"{weight_sync_dir}/../outside", "../outside",
-               f"{weight_sync_dir}/link/v1", f"{weight_sync_dir}x/v1"]
-    for direction in (executor_pb2.SyncWeightsRequest.DIRECTION_SAVE,
-                      executor_pb2.SyncWeightsRequest.DIRECTION_LOAD):
+    escapes = [
+        "/etc/lemix",
+        str(outside),
+        f"{weight_sync_dir}/../outside",
+        "../outside",
+        f"{weight_sync_dir}/link/v1",
+        f"{weight_sync_dir}x/v1",
+    ]
+    for direction in (
+        executor_pb2.SyncWeightsRequest.DIRECTION_SAVE,
+        executor_pb2.SyncWeightsRequest.DIRECTION_LOAD,
+    ):
         for location in escapes:
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await stub.SyncWeights(executor_pb2.SyncWeightsRequest(
-                    direction=direction, location=location, weight_version=1),
-                    timeout=DEFAULT_DEADLINE_S)
+                await stub.SyncWeights(
+                    executor_pb2.SyncWeightsRequest(
+                        direction=direction, location=location, weight_version=1
+                    ),
+                    timeout=DEFAULT_DEADLINE_S,
+                )
             assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT, location
             assert f"location must be under {root}" in (info.value.details() or ""), location
     assert list(outside.iterdir()) == []
     # A path that wanders but stays inside is fine (and so is a relative one).
     for location in (f"{weight_sync_dir}/a/../node3-v1", "node3-v1"):
-        reply = await stub.SyncWeights(executor_pb2.SyncWeightsRequest(
-            direction=executor_pb2.SyncWeightsRequest.DIRECTION_SAVE, location=location),
-            timeout=DEFAULT_DEADLINE_S)
+        reply = await stub.SyncWeights(
+            executor_pb2.SyncWeightsRequest(
+                direction=executor_pb2.SyncWeightsRequest.DIRECTION_SAVE, location=location
+            ),
+            timeout=DEFAULT_DEADLINE_S,
+        )
         assert reply.num_bytes == 2 * 10**6, location
 
 
@@ -454,16 +512,18 @@ async def test_service_token_is_required_except_for_health(
         async with channel(svc.address) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await executor_pb2_grpc.ExecutorStub(ch).GetNodeState(
-                    executor_pb2.GetNodeStateRequest(), timeout=DEFAULT_DEADLINE_S)
+                    executor_pb2.GetNodeStateRequest(), timeout=DEFAULT_DEADLINE_S
+                )
             assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED
             assert "LEMIX_SERVICE_TOKEN" in (info.value.details() or "")
             health = await health_pb2_grpc.HealthStub(ch).Check(
-                health_pb2.HealthCheckRequest(service=EXECUTOR_SERVICE),
-                timeout=DEFAULT_DEADLINE_S)
+                health_pb2.HealthCheckRequest(service=EXECUTOR_SERVICE), timeout=DEFAULT_DEADLINE_S
+            )
             assert health.status == health_pb2.HealthCheckResponse.SERVING
         async with channel(svc.address, service_token=token) as ch:
             state = await executor_pb2_grpc.ExecutorStub(ch).GetNodeState(
-                executor_pb2.GetNodeStateRequest(), timeout=DEFAULT_DEADLINE_S)
+                executor_pb2.GetNodeStateRequest(), timeout=DEFAULT_DEADLINE_S
+            )
             assert state.node_id == 3
     finally:
         await svc.stop(grace_s=0.1)
@@ -473,9 +533,15 @@ async def test_service_token_is_required_except_for_health(
 
 
 def test_config_reads_env_and_flags_with_flags_winning(tmp_path: Path) -> None:
-    env = {"LEMIX_NODE_ID": "5", "LEMIX_REDIS_URL": "redis://r:6380/1", "LEMIX_TIME_SCALE": "0.5",
-           "LEMIX_OFFLOAD": "false", "LEMIX_JOIN_WINDOW_S": "", "LEMIX_LOG_FORMAT": "json",
-           "LEMIX_PROFILE": str(tmp_path / "p.json")}
+    env = {
+        "LEMIX_NODE_ID": "5",
+        "LEMIX_REDIS_URL": "redis://r:6380/1",
+        "LEMIX_TIME_SCALE": "0.5",
+        "LEMIX_OFFLOAD": "false",
+        "LEMIX_JOIN_WINDOW_S": "",
+        "LEMIX_LOG_FORMAT": "json",
+        "LEMIX_PROFILE": str(tmp_path / "p.json"),
+    }
     config = ExecutorConfig.from_env_and_args(["--node-id", "6", "--port", "7001"], env=env)
     assert config.node_id == 6 and config.port == 7001
     assert config.redis_url == "redis://r:6380/1" and config.time_scale == 0.5
@@ -487,25 +553,34 @@ def test_config_reads_env_and_flags_with_flags_winning(tmp_path: Path) -> None:
     assert ExecutorConfig.from_env_and_args(["--offload"], env=env).is_offload_enabled
     assert config.service_token == "" and config.weight_sync_dir == "/tmp/lemix-weights"
     token = "from-the-environment-0123456789"
-    secured = ExecutorConfig.from_env_and_args([], env={
-        **env, "LEMIX_SERVICE_TOKEN": token, "LEMIX_WEIGHT_SYNC_DIR": "/var/lib/lemix/weights"})
+    secured = ExecutorConfig.from_env_and_args(
+        [],
+        env={
+            **env,
+            "LEMIX_SERVICE_TOKEN": token,
+            "LEMIX_WEIGHT_SYNC_DIR": "/var/lib/lemix/weights",
+        },
+    )
     assert secured.service_token == token and secured.weight_sync_dir == "/var/lib/lemix/weights"
     assert token not in repr(secured)  # configs get logged; the secret must not be
 
 
-@pytest.mark.parametrize(("argv", "env", "message"), [
-    ([], {"LEMIX_NODE_ID": "x"}, "LEMIX_NODE_ID"),
-    ([], {"LEMIX_OFFLOAD": "maybe"}, "LEMIX_OFFLOAD"),
-    (["--time-scale", "0"], {}, "time_scale"),
-    (["--backend", "tpu"], {}, "backend"),
-    (["--backend", "torch", "--time-scale", "0.5"], {}, "time_scale"),
-    (["--heartbeat-s", "1", "--node-ttl-s", "0.5"], {}, "node_ttl_s"),
-    (["--kappa", "1.5"], {}, "kappa"),
-    (["--redis-url", "localhost:6379"], {}, "redis_url"),
-    (["--namespace", "a b"], {}, "namespace"),
-    ([], {"LEMIX_SERVICE_TOKEN": "short"}, "LEMIX_SERVICE_TOKEN must be at least 16"),
-    (["--weight-sync-dir", ""], {}, "weight_sync_dir"),
-])
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        ([], {"LEMIX_NODE_ID": "x"}, "LEMIX_NODE_ID"),
+        ([], {"LEMIX_OFFLOAD": "maybe"}, "LEMIX_OFFLOAD"),
+        (["--time-scale", "0"], {}, "time_scale"),
+        (["--backend", "tpu"], {}, "backend"),
+        (["--backend", "torch", "--time-scale", "0.5"], {}, "time_scale"),
+        (["--heartbeat-s", "1", "--node-ttl-s", "0.5"], {}, "node_ttl_s"),
+        (["--kappa", "1.5"], {}, "kappa"),
+        (["--redis-url", "localhost:6379"], {}, "redis_url"),
+        (["--namespace", "a b"], {}, "namespace"),
+        ([], {"LEMIX_SERVICE_TOKEN": "short"}, "LEMIX_SERVICE_TOKEN must be at least 16"),
+        (["--weight-sync-dir", ""], {}, "weight_sync_dir"),
+    ],
+)
 def test_config_rejects_bad_values(argv: list[str], env: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ExecutorConfig.from_env_and_args(argv, env=env)
@@ -521,35 +596,56 @@ def _subprocess_env(**extra: str) -> dict[str, str]:
 
 
 def test_help_exits_zero() -> None:
-    result = subprocess.run([sys.executable, "-m", "services.executor", "--help"], cwd=REPO,
-                            env=_subprocess_env(), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "services.executor", "--help"],
+        cwd=REPO,
+        env=_subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert "--redis-url" in result.stdout and "LEMIX_REDIS_URL" in result.stdout
 
 
 def test_bad_setting_exits_two() -> None:
-    result = subprocess.run([sys.executable, "-m", "services.executor", "--time-scale", "-1"],
-                            cwd=REPO, env=_subprocess_env(), capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "services.executor", "--time-scale", "-1"],
+        cwd=REPO,
+        env=_subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "time_scale" in result.stderr
 
 
 async def _spawn(config: ExecutorConfig) -> tuple[asyncio.subprocess.Process, str]:
     """Start `python -m services.executor` from env vars; return it and its address."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.executor", "--node-id", str(config.node_id),
-        cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "services.executor",
+        "--node-id",
+        str(config.node_id),
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
         env=_subprocess_env(
-            LEMIX_REDIS_URL=config.redis_url, LEMIX_NAMESPACE=config.namespace,
-            LEMIX_PROFILE=str(config.profile_path), LEMIX_TIME_SCALE=str(TIME_SCALE),
-            LEMIX_HEARTBEAT_S="0.05", LEMIX_NODE_TTL_S="0.3", LEMIX_LOG_FORMAT="json",
+            LEMIX_REDIS_URL=config.redis_url,
+            LEMIX_NAMESPACE=config.namespace,
+            LEMIX_PROFILE=str(config.profile_path),
+            LEMIX_TIME_SCALE=str(TIME_SCALE),
+            LEMIX_HEARTBEAT_S="0.05",
+            LEMIX_NODE_TTL_S="0.3",
+            LEMIX_LOG_FORMAT="json",
         ),
     )
     assert proc.stdout is not None
     line = (await asyncio.wait_for(proc.stdout.readline(), timeout=30)).decode()
     prefix = f"SERVING executor node={config.node_id} address="
     assert line.startswith(prefix), line
-    address, *rest = line[len(prefix):].split()
+    address, *rest = line[len(prefix) :].split()
     assert rest and rest[0].startswith("metrics="), line  # the CLI serves metrics on a free port
     return proc, address
 

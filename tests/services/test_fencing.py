@@ -36,8 +36,9 @@ WAIT_S = 10.0  # bound on any wait; normal runs take milliseconds
 class Node:
     """One started executor and a stub to it."""
 
-    def __init__(self, service: ExecutorService, ch: object,
-                 stub: executor_pb2_grpc.ExecutorStub) -> None:
+    def __init__(
+        self, service: ExecutorService, ch: object, stub: executor_pb2_grpc.ExecutorStub
+    ) -> None:
         self.service = service
         self.channel = ch
         self.stub = stub
@@ -46,7 +47,8 @@ class Node:
     async def dispatch(self, task: Task, attempt: int = 0) -> None:
         reply = await self.stub.Dispatch(
             executor_pb2.DispatchRequest(task=task_to_proto(task), attempt=attempt),
-            timeout=DEFAULT_DEADLINE_S)
+            timeout=DEFAULT_DEADLINE_S,
+        )
         assert reply.is_accepted
 
     def holds(self, task_id: str) -> bool:
@@ -55,20 +57,31 @@ class Node:
 
 
 @pytest.fixture
-async def nodes(redis_server: EmbeddedRedis, tmp_path: Path
-                ) -> AsyncIterator[tuple[Node, Node, Store]]:
+async def nodes(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> AsyncIterator[tuple[Node, Node, Store]]:
     profile_path = tmp_path / "profile.json"
-    save_profile(make_profile(capacity_bytes=10**9, weight_bytes=10**6, name="fencing"),
-                 profile_path)
+    save_profile(
+        make_profile(capacity_bytes=10**9, weight_bytes=10**6, name="fencing"), profile_path
+    )
     namespace = f"fence-{uuid.uuid4().hex[:8]}"
     started: list[Node] = []
     client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
     try:
         for node_id in (OLD, NEW):
-            service = ExecutorService(ExecutorConfig(
-                node_id=node_id, redis_url=redis_server.url, namespace=namespace,
-                profile_path=profile_path, time_scale=0.02, heartbeat_s=0.05,
-                node_ttl_s=0.5, shutdown_grace_s=0.5, weight_sync_dir=str(tmp_path / "w")))
+            service = ExecutorService(
+                ExecutorConfig(
+                    node_id=node_id,
+                    redis_url=redis_server.url,
+                    namespace=namespace,
+                    profile_path=profile_path,
+                    time_scale=0.02,
+                    heartbeat_s=0.05,
+                    node_ttl_s=0.5,
+                    shutdown_grace_s=0.5,
+                    weight_sync_dir=str(tmp_path / "w"),
+                )
+            )
             await service.start()
             ch = channel(service.address)
             started.append(Node(service, ch, executor_pb2_grpc.ExecutorStub(ch)))
@@ -115,8 +128,9 @@ async def completions_of(store: Store, task_id: str) -> list[Fields]:
 
 
 def fenced_writes(node_id: int, what: str) -> float:
-    value = REGISTRY.get_sample_value("lemix_executor_fenced_writes_total",
-                                      {"node": str(node_id), "what": what})
+    value = REGISTRY.get_sample_value(
+        "lemix_executor_fenced_writes_total", {"node": str(node_id), "what": what}
+    )
     return value or 0.0
 
 
@@ -128,7 +142,8 @@ def token_numbers(messages: list[Fields]) -> list[int]:
 
 
 async def test_a_moved_request_gets_no_token_and_no_end_from_its_old_executor(
-        nodes: tuple[Node, Node, Store]) -> None:
+    nodes: tuple[Node, Node, Store],
+) -> None:
     old, new, store = nodes
     fenced_before = fenced_writes(OLD, "token")
     await old.dispatch(make_request("r", 0.0, 50, 100_000), await place(store, "r"))
@@ -142,8 +157,9 @@ async def test_a_moved_request_gets_no_token_and_no_end_from_its_old_executor(
     assert len(await outputs(store, "r")) == num_before  # nothing after the fence
     assert (await store.get_task_state("r")).get("is_final") is None  # no end either
     assert fenced_writes(OLD, "token") > fenced_before
-    state = await old.stub.GetNodeState(executor_pb2.GetNodeStateRequest(),
-                                        timeout=DEFAULT_DEADLINE_S)
+    state = await old.stub.GetNodeState(
+        executor_pb2.GetNodeStateRequest(), timeout=DEFAULT_DEADLINE_S
+    )
     assert state.num_running == 0 and state.kv_used_bytes == 0
     # The new placement streams and ends.
     await new.dispatch(make_request("r", 0.0, 50, 8), attempt)
@@ -152,8 +168,7 @@ async def test_a_moved_request_gets_no_token_and_no_end_from_its_old_executor(
     assert token_numbers(messages) == list(range(1, 9))
     assert (messages[-1]["status"], messages[-1]["n"]) == ("completed", "8")
     final = await store.get_task_state("r")
-    assert (final["status"], final["node_id"], final[ATTEMPT_FIELD]) == ("completed", str(NEW),
-                                                                          "2")
+    assert (final["status"], final["node_id"], final[ATTEMPT_FIELD]) == ("completed", str(NEW), "2")
 
 
 async def _has_output(store: Store, task_id: str) -> bool:
@@ -161,13 +176,15 @@ async def _has_output(store: Store, task_id: str) -> bool:
 
 
 async def test_a_cancel_on_the_old_node_writes_no_cancelled_end(
-        nodes: tuple[Node, Node, Store]) -> None:
+    nodes: tuple[Node, Node, Store],
+) -> None:
     old, _, store = nodes
     await old.dispatch(make_request("c", 0.0, 50, 100_000), await place(store, "c"))
     await wait_until(lambda: _has_output(store, "c"), "c streaming")
     await place(store, "c")  # moved (the node was declared dead), then told to cancel
-    await old.stub.Cancel(common_pb2.CancelRequest(task_id="c", reason="moved off node 3"),
-                          timeout=DEFAULT_DEADLINE_S)
+    await old.stub.Cancel(
+        common_pb2.CancelRequest(task_id="c", reason="moved off node 3"), timeout=DEFAULT_DEADLINE_S
+    )
     await wait_until(lambda: not old.holds("c"), "the old node let c go")
     await wait_until(lambda: _completed_by(store, "c", OLD), "the old node's completion")
     assert [m for m in await outputs(store, "c") if m["type"] == "end"] == []
@@ -179,14 +196,17 @@ async def _completed_by(store: Store, task_id: str, node_id: int) -> bool:
 
 
 async def test_two_executors_on_one_task_only_the_current_attempt_lands(
-        nodes: tuple[Node, Node, Store]) -> None:
+    nodes: tuple[Node, Node, Store],
+) -> None:
     old, new, store = nodes
     first = await place(store, "d")
     second = await place(store, "d")
     # Both run it at once (a resumed executor and its replacement); only the
     # current attempt may write.
-    await asyncio.gather(old.dispatch(make_request("d", 0.0, 50, 8), first),
-                         new.dispatch(make_request("d", 0.0, 50, 8), second))
+    await asyncio.gather(
+        old.dispatch(make_request("d", 0.0, 50, 8), first),
+        new.dispatch(make_request("d", 0.0, 50, 8), second),
+    )
     await wait_until(lambda: not old.holds("d") and not new.holds("d"), "both done with d")
     messages = await read_until_end(store, "d")
     assert {m["node"] for m in messages} == {str(NEW)}
@@ -199,7 +219,8 @@ async def test_two_executors_on_one_task_only_the_current_attempt_lands(
 
 
 async def test_training_moved_away_ends_once_by_its_new_node(
-        nodes: tuple[Node, Node, Store]) -> None:
+    nodes: tuple[Node, Node, Store],
+) -> None:
     old, new, store = nodes
     fenced_before = fenced_writes(OLD, "end")
     stale = await place(store, "t")
@@ -215,7 +236,8 @@ async def test_training_moved_away_ends_once_by_its_new_node(
 
 
 async def test_a_task_moved_away_and_back_runs_again_on_the_same_node(
-        nodes: tuple[Node, Node, Store]) -> None:
+    nodes: tuple[Node, Node, Store],
+) -> None:
     old, _, store = nodes
     await old.dispatch(make_request("b", 0.0, 50, 100_000), await place(store, "b"))
     await wait_until(lambda: _has_output(store, "b"), "b streaming")

@@ -57,8 +57,9 @@ class Executors:
         if placement.node_id in self.hung:
             raise DispatchError("DEADLINE_EXCEEDED", is_maybe_taken=True)
         assert self.core is not None
-        self.dispatched.append((task.task_id, placement.node_id,
-                                self.core.attempt_of(task.task_id)))
+        self.dispatched.append(
+            (task.task_id, placement.node_id, self.core.attempt_of(task.task_id))
+        )
 
     async def sync_weights(self, sync: Any) -> None:
         pass
@@ -71,8 +72,9 @@ class FlakyLedger:
         self.inner = inner
         self.num_failures = 0
 
-    async def begin_attempts(self, task_ids: Sequence[str],
-                             check_cancelled: Sequence[str]) -> tuple[list[int], list[bool]]:
+    async def begin_attempts(
+        self, task_ids: Sequence[str], check_cancelled: Sequence[str]
+    ) -> tuple[list[int], list[bool]]:
         if self.num_failures > 0:
             self.num_failures -= 1
             raise ConnectionError("Redis is restarting")
@@ -86,8 +88,13 @@ def make_core(store: Store, ledger: Any = None) -> tuple[SchedulerCore, Executor
     executors = Executors()
     writer = RedisResultWriter(store)
     clock = iter(float(i) for i in range(10_000))
-    core = SchedulerCore(RecordingPlanner(make_planner("mix-rr", num_nodes=2), lambda _: None),
-                         executors, writer, lambda: next(clock), ledger=ledger or writer)
+    core = SchedulerCore(
+        RecordingPlanner(make_planner("mix-rr", num_nodes=2), lambda _: None),
+        executors,
+        writer,
+        lambda: next(clock),
+        ledger=ledger or writer,
+    )
     executors.core = core
     return core, executors
 
@@ -99,8 +106,7 @@ async def attempt_in_redis(store: Store, task_id: str) -> str:
 # ------------------------------------------------------------------ core
 
 
-async def test_each_placement_is_numbered_and_a_stale_completion_is_ignored(
-        store: Store) -> None:
+async def test_each_placement_is_numbered_and_a_stale_completion_is_ignored(store: Store) -> None:
     core, executors = make_core(store)
     await core.on_task(make_request("a"))  # round robin: node 0
     assert executors.dispatched == [("a", 0, 1)] and await attempt_in_redis(store, "a") == "1"
@@ -127,16 +133,16 @@ async def test_a_maybe_taken_dispatch_is_fenced_at_once(store: Store) -> None:
     assert await attempt_in_redis(store, "h") == "3"
 
 
-async def test_a_revoked_attempt_is_fenced_before_its_node_is_told_to_cancel(
-        store: Store) -> None:
+async def test_a_revoked_attempt_is_fenced_before_its_node_is_told_to_cancel(store: Store) -> None:
     core, executors = make_core(store)
     await core.on_task(make_request("u"))
     assert executors.dispatched == [("u", 0, 1)]
     # After a restart: placed in the log, never confirmed; back to the queue.
     assert core.requeue_unconfirmed(["u"]) == ["u"] and core.revoked == {0: {"u": 1}}
     await core.fence_revoked(0)  # what the supervisor does before the Cancel
-    assert await store.finish_task_fenced("u", 1, "failed", "CANCELLED: moved") \
-        is FinishOutcome.FENCED
+    assert (
+        await store.finish_task_fenced("u", 1, "failed", "CANCELLED: moved") is FinishOutcome.FENCED
+    )
     assert (await store.get_task_state("u")).get("is_final") is None
 
 
@@ -153,10 +159,19 @@ async def test_nothing_is_dispatched_unnumbered_when_redis_fails(store: Store) -
 
 # ------------------------------------------------------------------ end to end
 
-FAST = {"policy": "mix-rr", "node_poll_s": 0.05, "redis_outage_grace_s": 0.2,
-        "node_lost_after_s": 0.3, "dispatch_deadline_s": 1.0, "dispatch_retry_s": 0.3,
-        "read_block_s": 0.1, "stop_grace_s": 0.5, "slo_ttft_s": 1.0, "slo_tbt_s": 0.5,
-        "consumer": "fencing-scheduler"}
+FAST = {
+    "policy": "mix-rr",
+    "node_poll_s": 0.05,
+    "redis_outage_grace_s": 0.2,
+    "node_lost_after_s": 0.3,
+    "dispatch_deadline_s": 1.0,
+    "dispatch_retry_s": 0.3,
+    "read_block_s": 0.1,
+    "stop_grace_s": 0.5,
+    "slo_ttft_s": 1.0,
+    "slo_tbt_s": 0.5,
+    "consumer": "fencing-scheduler",
+}
 
 
 class Paused:
@@ -189,24 +204,39 @@ class Paused:
 
 
 @pytest.fixture
-async def cluster(redis_server: EmbeddedRedis, redis_client: aioredis.Redis, tmp_path: Path
-                  ) -> AsyncIterator[dict[str, Any]]:
+async def cluster(
+    redis_server: EmbeddedRedis, redis_client: aioredis.Redis, tmp_path: Path
+) -> AsyncIterator[dict[str, Any]]:
     namespace = f"fence-e2e-{uuid.uuid4().hex[:8]}"
     profile_path = tmp_path / "profile.json"
-    save_profile(make_profile(capacity_bytes=10**9, weight_bytes=10**6, name="fence-e2e"),
-                 profile_path)
-    made: dict[str, Any] = {"store": Store(redis_client, RedisKeys(namespace)),
-                            "executors": [], "schedulers": [], "channels": [], "paused": []}
+    save_profile(
+        make_profile(capacity_bytes=10**9, weight_bytes=10**6, name="fence-e2e"), profile_path
+    )
+    made: dict[str, Any] = {
+        "store": Store(redis_client, RedisKeys(namespace)),
+        "executors": [],
+        "schedulers": [],
+        "channels": [],
+        "paused": [],
+    }
 
     def executor_config(node_id: int) -> ExecutorConfig:
-        return ExecutorConfig(node_id=node_id, redis_url=redis_server.url, namespace=namespace,
-                              profile_path=profile_path, time_scale=0.02, heartbeat_s=0.05,
-                              node_ttl_s=0.3, shutdown_grace_s=0.5,
-                              weight_sync_dir=str(tmp_path / "w"))
+        return ExecutorConfig(
+            node_id=node_id,
+            redis_url=redis_server.url,
+            namespace=namespace,
+            profile_path=profile_path,
+            time_scale=0.02,
+            heartbeat_s=0.05,
+            node_ttl_s=0.3,
+            shutdown_grace_s=0.5,
+            weight_sync_dir=str(tmp_path / "w"),
+        )
 
     made["executor_config"] = executor_config
-    made["scheduler_config"] = SchedulerConfig(redis_url=redis_server.url, namespace=namespace,
-                                               num_nodes=2, **FAST)  # type: ignore[arg-type]
+    made["scheduler_config"] = SchedulerConfig(
+        redis_url=redis_server.url, namespace=namespace, num_nodes=2, **FAST
+    )  # type: ignore[arg-type]
     try:
         yield made
     finally:
@@ -221,7 +251,8 @@ async def cluster(redis_server: EmbeddedRedis, redis_client: aioredis.Redis, tmp
 
 
 async def test_a_paused_node_s_tasks_move_and_its_resumed_writes_are_fenced(
-        cluster: dict[str, Any]) -> None:
+    cluster: dict[str, Any],
+) -> None:
     store: Store = cluster["store"]
     node0 = ExecutorService(cluster["executor_config"](0))
     cluster["executors"].append(node0)
@@ -237,8 +268,10 @@ async def test_a_paused_node_s_tasks_move_and_its_resumed_writes_are_fenced(
     await wait_until(lambda: scheduler.live_node_ids == [0], what="node 0 up")
     await submit(stub, inference("req", output=30))
     await submit(stub, training("trn", seq=1))
-    await wait_until(lambda: scheduler.core.node_of("req") == scheduler.core.node_of("trn") == 0,
-                     what="both placed on node 0")
+    await wait_until(
+        lambda: scheduler.core.node_of("req") == scheduler.core.node_of("trn") == 0,
+        what="both placed on node 0",
+    )
     node1 = ExecutorService(cluster["executor_config"](1))
     cluster["executors"].append(node1)
     await node1.start()
@@ -254,10 +287,13 @@ async def test_a_paused_node_s_tasks_move_and_its_resumed_writes_are_fenced(
     paused.resume()  # SIGCONT: node 0 flushes what it held back, and heartbeats
     node = node0.node
     assert node is not None
-    await wait_until(lambda: not node.held_task("req") and not node.held_task("trn"),
-                     what="node 0 let both go")
-    await wait_until(lambda: scheduler.live_node_ids == [0, 1] and not scheduler.core.revoked,
-                     what="node 0 back, told to cancel what it lost")
+    await wait_until(
+        lambda: not node.held_task("req") and not node.held_task("trn"), what="node 0 let both go"
+    )
+    await wait_until(
+        lambda: scheduler.live_node_ids == [0, 1] and not scheduler.core.revoked,
+        what="node 0 back, told to cancel what it lost",
+    )
     messages = [f for _, f in await store.read_output("req")]
     assert {m["node"] for m in messages} == {"1"}  # node 0's tokens never landed
     assert [int(m["n"]) for m in messages if m["type"] == "token"] == list(range(1, 31))

@@ -55,8 +55,7 @@ EVERY = 25  # snapshot_every_events in the service tests: many snapshots per tes
 
 
 @pytest.fixture
-async def stack(redis_server: EmbeddedRedis,
-                redis_client: aioredis.Redis) -> AsyncIterator[Stack]:
+async def stack(redis_server: EmbeddedRedis, redis_client: aioredis.Redis) -> AsyncIterator[Stack]:
     namespace = f"compact-{uuid.uuid4().hex[:8]}"
     s = Stack(redis_server.url, Store(redis_client, RedisKeys(namespace)), namespace)
     try:
@@ -68,19 +67,28 @@ async def stack(redis_server: EmbeddedRedis,
 # ------------------------------------------------------------------ pure parts
 
 
-def _record(every: int, num_tasks: int = 30) -> tuple[list[Event], RecordingPlanner,
-                                                       SnapshottingSink]:
+def _record(
+    every: int, num_tasks: int = 30
+) -> tuple[list[Event], RecordingPlanner, SnapshottingSink]:
     """A planner driven through a SnapshottingSink; every event, as stored."""
     events: list[Event] = []
     planner = make_planner("lemix", num_nodes=2, max_defer_s=0.5)
-    sink = SnapshottingSink(lambda e: events.append(json.loads(json.dumps(e))), planner,
-                            LogTally(), snapshot_every_events=every, wall_clock=lambda: 0.0)
+    sink = SnapshottingSink(
+        lambda e: events.append(json.loads(json.dumps(e))),
+        planner,
+        LogTally(),
+        snapshot_every_events=every,
+        wall_clock=lambda: 0.0,
+    )
     sink(start_event(planner.config, "lemix", 0.0))
     live = RecordingPlanner(planner, sink)
     for i in range(num_tasks):
         now_s = 0.1 * i
-        task = (make_training(f"t{i}", now_s, 150, seq=i) if i % 3 == 0
-                else make_request(f"r{i}", now_s, 40 + 7 * i, 6, seq=i))
+        task = (
+            make_training(f"t{i}", now_s, 150, seq=i)
+            if i % 3 == 0
+            else make_request(f"r{i}", now_s, 40 + 7 * i, 6, seq=i)
+        )
         live.submit(task, now_s)
         live.plan(now_s)
         if i % 4 == 3:  # finish the oldest placement still held
@@ -152,8 +160,13 @@ def test_the_config_check_survives_the_start_marker_being_trimmed() -> None:
 
 def test_snapshot_every_events_is_validated() -> None:
     with pytest.raises(ValueError, match="snapshot_every_events"):
-        SnapshottingSink(lambda e: None, make_planner(), LogTally(), snapshot_every_events=-1,
-                         wall_clock=lambda: 0.0)
+        SnapshottingSink(
+            lambda e: None,
+            make_planner(),
+            LogTally(),
+            snapshot_every_events=-1,
+            wall_clock=lambda: 0.0,
+        )
     with pytest.raises(ValueError, match="snapshot_every_events"):
         SchedulerConfig(snapshot_every_events=-5)
 
@@ -165,8 +178,9 @@ async def _intake(store: Store, task_id: str, training: bool = False, tokens: in
     """Submit straight into the intake stream, as the scheduler's Submit does."""
     kind = TaskKind.TRAINING if training else TaskKind.INFERENCE
     payload = TaskPayload(reference_token_ids=(1, 2)) if training else TaskPayload()
-    await store.submit_task(task_to_fields(Task(task_id, kind, 0.0, tokens, 0 if training else 6),
-                                           payload))
+    await store.submit_task(
+        task_to_fields(Task(task_id, kind, 0.0, tokens, 0 if training else 6), payload)
+    )
 
 
 async def _complete(stack: Stack, service: SchedulerService, task_ids: list[str]) -> None:
@@ -177,7 +191,8 @@ async def _complete(stack: Stack, service: SchedulerService, task_ids: list[str]
             continue
         await stack.store.finish_task(task_id, "completed", "", {"type": "end", "n": 6})
         await stack.store.append_completion(
-            {"task_id": task_id, "node_id": node_id, "status": "completed", "reason": ""})
+            {"task_id": task_id, "node_id": node_id, "status": "completed", "reason": ""}
+        )
 
 
 async def _is_bounded(store: Store) -> bool:
@@ -194,8 +209,7 @@ async def test_a_restart_from_a_compacted_log_is_the_full_replay(stack: Stack) -
     await wait_until(lambda: all(old.core.knows(t) for t in ids[-3:]), what="intake")
     done = [t for t in ids[:20] if old.core.node_of(t) is not None]
     await _complete(stack, old, done)
-    await wait_until(lambda: not any(old.core.knows(t) for t in done),
-                     what="completions applied")
+    await wait_until(lambda: not any(old.core.knows(t) for t in done), what="completions applied")
     await old.snapshot()  # GetState: everything recorded is stored
     await wait_until(lambda: _is_bounded(stack.store), what="the log trimmed")
     assert old.events.num_snapshots_stored >= 4 and old.events.num_trimmed_events > 100
@@ -216,7 +230,9 @@ async def test_a_restart_from_a_compacted_log_is_the_full_replay(stack: Stack) -
     held = [t for t in ids if old.core.knows(t)]
     assert held and [t for t in ids if new.core.knows(t)] == held
     assert (new.core.num_placed, new.core.num_rejected) == (
-        old.recorder.tally.num_placed, old.recorder.tally.num_rejected)
+        old.recorder.tally.num_placed,
+        old.recorder.tally.num_rejected,
+    )
 
     # The next decisions are what the old planner would have made.
     twin = copy.deepcopy(old_planner)
@@ -260,7 +276,8 @@ async def test_a_restart_mid_load_loses_nothing(stack: Stack) -> None:
     await wait_until(all_final, timeout_s=20.0, what="every task final")
     states = await stack.store.get_task_states(ids, ["status"])
     assert {t: s.fields.get("status") for t, s in zip(ids, states, strict=True)} == {
-        t: "completed" for t in ids}
+        t: "completed" for t in ids
+    }
     await new.snapshot()
     await wait_until(lambda: _is_bounded(stack.store), what="the log trimmed")
 
@@ -282,7 +299,8 @@ async def test_a_restart_with_another_policy_is_refused_after_compaction(stack: 
 
 
 async def test_the_sink_trims_after_a_snapshot_and_stops_even_mid_trim(
-        redis_client: aioredis.Redis) -> None:
+    redis_client: aioredis.Redis,
+) -> None:
     store = Store(redis_client, RedisKeys(f"sink-{uuid.uuid4().hex[:8]}"))
     for _ in range(5):
         sink = RedisEventSink(store)
@@ -301,8 +319,10 @@ async def test_the_sink_trims_after_a_snapshot_and_stops_even_mid_trim(
         await wait_until(lambda: _length_is(store, 2), what="the trim")
         assert sink.num_snapshots_stored == 1
     events = [f for _, f in await store.read_events()]
-    assert [json.loads(f["json"]) for f in events] == [{SNAPSHOT_MARKER: {"n": 1}},
-                                                       {"input": "plan", "now_s": 1e6}]
+    assert [json.loads(f["json"]) for f in events] == [
+        {SNAPSHOT_MARKER: {"n": 1}},
+        {"input": "plan", "now_s": 1e6},
+    ]
 
 
 async def _length_is(store: Store, n: int) -> bool:

@@ -41,8 +41,12 @@ def make_core(policy: str = "mix-rr", down: set[int] | None = None, **kw: object
     events: list[dict] = []
     ports = Ports(down)
     clock = iter(float(i) for i in range(10_000))
-    core = SchedulerCore(RecordingPlanner(make_planner(policy, num_nodes=2, **kw), events.append),
-                         ports, ports, lambda: next(clock))
+    core = SchedulerCore(
+        RecordingPlanner(make_planner(policy, num_nodes=2, **kw), events.append),
+        ports,
+        ports,
+        lambda: next(clock),
+    )
     return core, ports, events
 
 

@@ -43,13 +43,18 @@ from services.scheduler.service import GATEWAY_GONE, SchedulerService, describe_
 
 # Fast failure detection for tests: heartbeats live 0.6 s, polled every 50 ms.
 HEARTBEAT_TTL_S = 0.6
-FAST = {"policy": "mix-rr", "node_poll_s": 0.05, "redis_outage_grace_s": 0.2,
-        "node_lost_after_s": 0.3, "dispatch_deadline_s": 0.5, "dispatch_retry_s": 0.3}
+FAST = {
+    "policy": "mix-rr",
+    "node_poll_s": 0.05,
+    "redis_outage_grace_s": 0.2,
+    "node_lost_after_s": 0.3,
+    "dispatch_deadline_s": 0.5,
+    "dispatch_retry_s": 0.3,
+}
 
 
 @pytest.fixture
-async def stack(redis_server: EmbeddedRedis,
-                redis_client: aioredis.Redis) -> AsyncIterator[Stack]:
+async def stack(redis_server: EmbeddedRedis, redis_client: aioredis.Redis) -> AsyncIterator[Stack]:
     namespace = f"faults-{uuid.uuid4().hex[:8]}"
     s = Stack(redis_server.url, Store(redis_client, RedisKeys(namespace)), namespace)
     try:
@@ -62,11 +67,14 @@ class PickyExecutor(FakeExecutor):
     """Refuses tasks whose id starts with "bad" as a real executor refuses a
     prompt with an out-of-vocabulary token id."""
 
-    async def Dispatch(self, request: executor_pb2.DispatchRequest,
-                       context: grpc.aio.ServicerContext) -> executor_pb2.DispatchResponse:
+    async def Dispatch(
+        self, request: executor_pb2.DispatchRequest, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.DispatchResponse:
         if request.task.task_id.startswith("bad"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"task {request.task.task_id!r}: token id out of the vocabulary")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"task {request.task.task_id!r}: token id out of the vocabulary",
+            )
         return await super().Dispatch(request, context)
 
 
@@ -77,31 +85,38 @@ class HungExecutor(FakeExecutor):
         super().__init__()
         self.hang_s = hang_s
 
-    async def Dispatch(self, request: executor_pb2.DispatchRequest,
-                       context: grpc.aio.ServicerContext) -> executor_pb2.DispatchResponse:
+    async def Dispatch(
+        self, request: executor_pb2.DispatchRequest, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.DispatchResponse:
         await asyncio.sleep(self.hang_s)
         return await super().Dispatch(request, context)
 
 
 async def serve(stack: Stack, fake: FakeExecutor) -> str:
     server, port, health = await start_server(
-        [(executor_pb2_grpc.add_ExecutorServicer_to_server, fake)], "127.0.0.1", 0,
-        service_names=[EXECUTOR_SERVICE])
+        [(executor_pb2_grpc.add_ExecutorServicer_to_server, fake)],
+        "127.0.0.1",
+        0,
+        service_names=[EXECUTOR_SERVICE],
+    )
     stack.servers.append((server, health))
     return f"127.0.0.1:{port}"
 
 
 @contextlib.asynccontextmanager
-async def beating(store: Store, node_id: int, address: str,
-                  period_s: float = 0.1) -> AsyncIterator[None]:
+async def beating(
+    store: Store, node_id: int, address: str, period_s: float = 0.1
+) -> AsyncIterator[None]:
     """Heartbeat (TTL HEARTBEAT_TTL_S) while inside; a Redis outage is ridden out."""
 
     async def beat() -> None:
         while True:
             with contextlib.suppress(Exception):
                 await store.put_node_state(
-                    node_id, {"node_id": node_id, "address": address, "is_healthy": True,
-                              "num_stages": 2}, ttl_s=HEARTBEAT_TTL_S)
+                    node_id,
+                    {"node_id": node_id, "address": address, "is_healthy": True, "num_stages": 2},
+                    ttl_s=HEARTBEAT_TTL_S,
+                )
             await asyncio.sleep(period_s)
 
     task = asyncio.create_task(beat())
@@ -125,8 +140,7 @@ async def placed_on(store: Store, task_id: str, node_id: int) -> bool:
 # ------------------------------------------------------------------ refusal vs node failure
 
 
-async def test_an_executor_refusal_fails_only_that_task_and_the_node_stays_up(
-        stack: Stack) -> None:
+async def test_an_executor_refusal_fails_only_that_task_and_the_node_stays_up(stack: Stack) -> None:
     fake = PickyExecutor()
     await stack.heartbeat(0, await serve(stack, fake))
     service = await stack.start_service(num_nodes=1, **FAST)
@@ -134,15 +148,17 @@ async def test_an_executor_refusal_fails_only_that_task_and_the_node_stays_up(
     await submit(stub, inference("bad-1"))
     end = await end_message(stack.store, "bad-1")
     assert end["status"] == "rejected"
-    assert end["reason"] == ("INVALID_ARGUMENT: node 0 refused the task: task 'bad-1': "
-                             "token id out of the vocabulary")
+    assert end["reason"] == (
+        "INVALID_ARGUMENT: node 0 refused the task: task 'bad-1': token id out of the vocabulary"
+    )
     assert service.live_node_ids == [0] and service.core.dispatch_failed_s == {}
     await submit(stub, inference("good-1"))
     await wait_until(lambda: placed_on(stack.store, "good-1", 0), what="good-1 placed on 0")
 
 
 async def test_a_hung_node_s_task_goes_elsewhere_and_is_cancelled_there_on_return(
-        stack: Stack) -> None:
+    stack: Stack,
+) -> None:
     hung = HungExecutor(hang_s=1.0)  # past the 0.5 s dispatch deadline
     await stack.heartbeat(0, await serve(stack, hung))
     await stack.start_executor(1)
@@ -169,8 +185,9 @@ async def test_a_dead_node_s_tasks_are_requeued_or_failed_by_task_id(stack: Stac
     stub = stack.stub(service)
     async with beating(store, 0, address0):
         await wait_until(lambda: service.live_node_ids == [0], what="node 0 up")
-        for i, task in enumerate([training("t", seq=0), inference("fresh", seq=1),
-                                  inference("streaming", seq=2)]):
+        for i, task in enumerate(
+            [training("t", seq=0), inference("fresh", seq=1), inference("streaming", seq=2)]
+        ):
             await submit(stub, task)
             await wait_until(lambda i=i: len(fake0.dispatched_ids) == i + 1, what="dispatch")
         # "streaming" has sent its first token; "fresh" has not started.
@@ -179,11 +196,17 @@ async def test_a_dead_node_s_tasks_are_requeued_or_failed_by_task_id(stack: Stac
         await wait_until(lambda: service.live_node_ids == [0, 1], what="node 1 up")
     # Node 0 stops heartbeating (killed): within TTL + a poll its tasks move.
     for task_id in ("t", "fresh"):
-        await wait_until(lambda t=task_id: placed_on(store, t, 1), what=f"{task_id} on node 1",
-                         timeout_s=HEARTBEAT_TTL_S + 3.0)
+        await wait_until(
+            lambda t=task_id: placed_on(store, t, 1),
+            what=f"{task_id} on node 1",
+            timeout_s=HEARTBEAT_TTL_S + 3.0,
+        )
     assert sorted(fake1.dispatched_ids) == ["fresh", "t"]
-    assert list(fake1.dispatched[fake1.dispatched_ids.index("t")].task.reference_token_ids) \
-        == [1, 2, 3]  # its payload went along
+    assert list(fake1.dispatched[fake1.dispatched_ids.index("t")].task.reference_token_ids) == [
+        1,
+        2,
+        3,
+    ]  # its payload went along
     end = await end_message(store, "streaming")
     assert end["status"] == "failed"
     assert end["reason"] == "UNAVAILABLE: executor of node 0 went down while streaming; retry"
@@ -244,17 +267,18 @@ async def test_a_burst_of_training_is_placed_whole_with_a_small_pool(stack: Stac
     await stack.start_executor(1)
     # Pool of 5 + 1 connections, 4 dispatches at once: the 10,000-sample
     # Train of the issue in miniature; every task must end up placed.
-    service = await stack.start_service(max_rpc_redis_calls=1, max_concurrent_dispatches=4,
-                                        **FAST)
+    service = await stack.start_service(max_rpc_redis_calls=1, max_concurrent_dispatches=4, **FAST)
     await wait_until(lambda: service.live_node_ids == [0, 1], what="both nodes up")
     ids = [f"b{i}" for i in range(400)]
     for i, task_id in enumerate(ids):
-        await stack.store.submit_task(task_to_fields(
-            Task(task_id, TaskKind.TRAINING, 0.0, 20, seq=i), TaskPayload()))
+        await stack.store.submit_task(
+            task_to_fields(Task(task_id, TaskKind.TRAINING, 0.0, 20, seq=i), TaskPayload())
+        )
 
     async def all_placed() -> bool:
-        return all([s.get("status") == "placed"
-                    for s in [await state_of(stack.store, t) for t in ids]])
+        return all(
+            [s.get("status") == "placed" for s in [await state_of(stack.store, t) for t in ids]]
+        )
 
     await wait_until(all_placed, timeout_s=20.0, what="every task placed")
     dispatched = stack.executors[0].dispatched_ids + stack.executors[1].dispatched_ids
@@ -275,9 +299,12 @@ async def test_silent_nodes_get_a_grace_after_redis_restarts(stack: Stack) -> No
             fake = FakeExecutor()
             address = await serve(stack, fake)
             async with beating(store, 0, address):
-                service = SchedulerService(stack.config(
-                    num_nodes=1, redis_url=own.url, **{**FAST, "redis_outage_grace_s": 1.5}),
-                    profile=PROFILE)
+                service = SchedulerService(
+                    stack.config(
+                        num_nodes=1, redis_url=own.url, **{**FAST, "redis_outage_grace_s": 1.5}
+                    ),
+                    profile=PROFILE,
+                )
                 stack.services.append(service)
                 await service.start()
                 await wait_until(lambda: service.live_node_ids == [0], what="node 0 up")
@@ -332,14 +359,16 @@ async def test_a_lapsed_stream_lease_cancels_its_request_and_only_it(stack: Stac
 
     renewer = asyncio.create_task(renewing())
     try:
-        await wait_until(lambda: [c.task_id for c in fake.cancelled] == ["orphan"],
-                         what="orphan cancelled")
+        await wait_until(
+            lambda: [c.task_id for c in fake.cancelled] == ["orphan"], what="orphan cancelled"
+        )
         assert fake.cancelled[0].reason == GATEWAY_GONE
         # Several more checks pass: only the orphan was cancelled.
         await store.renew_stream_leases("gw-c", ["late"], ttl_s=0.3)
         await submit(stub, inference("late", seq=3))
-        await wait_until(lambda: [c.task_id for c in fake.cancelled] == ["orphan", "late"],
-                         what="late cancelled")
+        await wait_until(
+            lambda: [c.task_id for c in fake.cancelled] == ["orphan", "late"], what="late cancelled"
+        )
     finally:
         renewer.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -349,14 +378,17 @@ async def test_a_lapsed_stream_lease_cancels_its_request_and_only_it(stack: Stac
     await wait_until(lambda: service.leases.num_watched == 1, what="only 'kept' watched")
 
 
-
 # ------------------------------------------------------------------ error causes
 
 
 async def test_an_exhausted_pool_is_named_as_such_not_as_an_unreachable_redis(
-        redis_server: EmbeddedRedis) -> None:
-    client = connect(RedisClientConfig(redis_server.url, max_connections=1,
-                                       socket_timeout_s=5.0, pool_timeout_s=0.1))
+    redis_server: EmbeddedRedis,
+) -> None:
+    client = connect(
+        RedisClientConfig(
+            redis_server.url, max_connections=1, socket_timeout_s=5.0, pool_timeout_s=0.1
+        )
+    )
     try:
         blocked = asyncio.create_task(client.xread({"nothing-here": "$"}, block=500))
         await asyncio.sleep(0.05)  # let it take the only connection
@@ -366,8 +398,11 @@ async def test_an_exhausted_pool_is_named_as_such_not_as_an_unreachable_redis(
         await blocked
     finally:
         await client.aclose()
-    nobody = connect(RedisClientConfig(f"redis://127.0.0.1:{find_free_port()}/0",
-                                       max_connections=1, socket_timeout_s=1.0))
+    nobody = connect(
+        RedisClientConfig(
+            f"redis://127.0.0.1:{find_free_port()}/0", max_connections=1, socket_timeout_s=1.0
+        )
+    )
     try:
         with pytest.raises(RedisConnectionError) as info:
             await nobody.ping()

@@ -80,8 +80,13 @@ def make_core(policy: str = "mix-rr", num_nodes: int = 2, **kw: int):
     events: list[dict] = []
     ports = Ports()
     clock = iter(float(i) for i in range(100_000))
-    core = SchedulerCore(RecordingPlanner(make_planner(policy, num_nodes=num_nodes), events.append),
-                         ports, ports, lambda: next(clock), **kw)  # type: ignore[arg-type]
+    core = SchedulerCore(
+        RecordingPlanner(make_planner(policy, num_nodes=num_nodes), events.append),
+        ports,
+        ports,
+        lambda: next(clock),
+        **kw,
+    )  # type: ignore[arg-type]
     return core, ports, events
 
 
@@ -123,8 +128,11 @@ async def test_an_executor_refusal_ends_only_that_task_and_the_node_stays_up() -
     core, ports, events = make_core(num_nodes=1)
     ports.refuse["bad"] = TaskRefused("INVALID_ARGUMENT", "token id 99999 out of vocab")
     await core.on_tasks([make_request("bad"), make_request("good", seq=1)])
-    assert state(ports, "bad") == ("rejected", None,
-                                   "INVALID_ARGUMENT: token id 99999 out of vocab")
+    assert state(ports, "bad") == (
+        "rejected",
+        None,
+        "INVALID_ARGUMENT: token id 99999 out of vocab",
+    )
     assert state(ports, "good") == ("placed", 0, "")
     assert core.down_nodes == set() and core.num_refused == 1
     await core.on_task(make_request("next", seq=2))
@@ -169,8 +177,14 @@ def test_core_limits_are_validated() -> None:
 async def _four_tasks_on_node_0(core: SchedulerCore, ports: Ports) -> None:
     await core.mark_down([1])
     await core.on_node_health(0, True)
-    await core.on_tasks([make_training("t", 0.0, 50), make_request("fresh", seq=1),
-                         make_request("streaming", seq=2), make_request("done", seq=3)])
+    await core.on_tasks(
+        [
+            make_training("t", 0.0, 50),
+            make_request("fresh", seq=1),
+            make_request("streaming", seq=2),
+            make_request("done", seq=3),
+        ]
+    )
     assert {core.node_of(t) for t in ("t", "fresh", "streaming", "done")} == {0}
     await core.on_node_health(1, True)
     ports.progress_of["streaming"] = TaskProgress(is_final=False, status="", has_output=True)

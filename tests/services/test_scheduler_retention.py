@@ -30,8 +30,7 @@ TTL_S = 3600.0
 
 
 @pytest.fixture
-async def stack(redis_server: EmbeddedRedis,
-                redis_client: aioredis.Redis) -> AsyncIterator[Stack]:
+async def stack(redis_server: EmbeddedRedis, redis_client: aioredis.Redis) -> AsyncIterator[Stack]:
     namespace = f"keep-{uuid.uuid4().hex[:8]}"
     s = Stack(redis_server.url, Store(redis_client, RedisKeys(namespace)), namespace)
     try:
@@ -55,11 +54,15 @@ async def test_finished_tasks_expire_and_applied_completions_are_trimmed(stack: 
         await wait_until(lambda t=task_id: t in fake.dispatched_ids, what=f"{task_id} dispatch")
         # The executor ends it as the real one does: no TTL of its own.
         await store.finish_task(task_id, "completed", "", {"type": "end", "n": 8})
-        cursors.append(await store.append_completion(
-            {"task_id": task_id, "node_id": 0, "status": "completed", "reason": ""}))
+        cursors.append(
+            await store.append_completion(
+                {"task_id": task_id, "node_id": 0, "status": "completed", "reason": ""}
+            )
+        )
         await wait_until(lambda t=task_id: not service.core.knows(t), what=f"{task_id} applied")
-        await wait_until(lambda t=task_id: _pttl_ms(store, store.keys.task(t)),
-                         what=f"{task_id} expires")
+        await wait_until(
+            lambda t=task_id: _pttl_ms(store, store.keys.task(t)), what=f"{task_id} expires"
+        )
         for key in (store.keys.task(task_id), store.keys.output(task_id)):
             assert 0 < await _pttl_ms(store, key) <= TTL_S * 1000, key
     # Only the last applied entry is left (the cursor); the rest is in the log.
@@ -91,19 +94,22 @@ class OrderedExecutor(FakeExecutor):
         super().__init__()
         self.calls: list[tuple[str, str]] = []
 
-    async def Dispatch(self, request: executor_pb2.DispatchRequest,
-                       context: grpc.aio.ServicerContext) -> executor_pb2.DispatchResponse:
+    async def Dispatch(
+        self, request: executor_pb2.DispatchRequest, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.DispatchResponse:
         self.calls.append(("dispatch", request.task.task_id))
         return await super().Dispatch(request, context)
 
-    async def Cancel(self, request: common_pb2.CancelRequest,
-                     context: grpc.aio.ServicerContext) -> common_pb2.CancelResponse:
+    async def Cancel(
+        self, request: common_pb2.CancelRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.CancelResponse:
         self.calls.append(("cancel", request.task_id))
         return await super().Cancel(request, context)
 
 
 async def test_a_placement_no_executor_confirmed_is_placed_again_after_a_restart(
-        stack: Stack) -> None:
+    stack: Stack,
+) -> None:
     from test_scheduler_faults import serve
 
     fake = OrderedExecutor()

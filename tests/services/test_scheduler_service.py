@@ -70,19 +70,21 @@ class FakeExecutor(executor_pb2_grpc.ExecutorServicer):
         self.cancelled: list[common_pb2.CancelRequest] = []
         self.syncs: list[executor_pb2.SyncWeightsRequest] = []
 
-    async def Dispatch(self, request: executor_pb2.DispatchRequest,
-                       context: grpc.aio.ServicerContext) -> executor_pb2.DispatchResponse:
+    async def Dispatch(
+        self, request: executor_pb2.DispatchRequest, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.DispatchResponse:
         self.dispatched.append(request)
         return executor_pb2.DispatchResponse(is_accepted=True)
 
-    async def Cancel(self, request: common_pb2.CancelRequest,
-                     context: grpc.aio.ServicerContext) -> common_pb2.CancelResponse:
+    async def Cancel(
+        self, request: common_pb2.CancelRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.CancelResponse:
         self.cancelled.append(request)
         return common_pb2.CancelResponse(is_found=request.task_id in self.dispatched_ids)
 
-    async def SyncWeights(self, request: executor_pb2.SyncWeightsRequest,
-                          context: grpc.aio.ServicerContext
-                          ) -> executor_pb2.SyncWeightsResponse:
+    async def SyncWeights(
+        self, request: executor_pb2.SyncWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.SyncWeightsResponse:
         self.syncs.append(request)
         return executor_pb2.SyncWeightsResponse()
 
@@ -105,9 +107,16 @@ class Stack:
 
     def config(self, **overrides: Any) -> SchedulerConfig:
         base: dict[str, Any] = {
-            "redis_url": self.redis_url, "namespace": self.namespace, "policy": "lemix",
-            "num_nodes": 2, "slo_ttft_s": 1.0, "slo_tbt_s": 0.5, "node_poll_s": 0.05,
-            "read_block_s": 0.1, "stop_grace_s": 0.5, "dispatch_deadline_s": 1.0,
+            "redis_url": self.redis_url,
+            "namespace": self.namespace,
+            "policy": "lemix",
+            "num_nodes": 2,
+            "slo_ttft_s": 1.0,
+            "slo_tbt_s": 0.5,
+            "node_poll_s": 0.05,
+            "read_block_s": 0.1,
+            "stop_grace_s": 0.5,
+            "dispatch_deadline_s": 1.0,
             "consumer": "test-scheduler",
         }
         return SchedulerConfig(**{**base, **overrides})
@@ -115,8 +124,11 @@ class Stack:
     async def start_executor(self, node_id: int) -> FakeExecutor:
         fake = FakeExecutor()
         server, port, health = await start_server(
-            [(executor_pb2_grpc.add_ExecutorServicer_to_server, fake)], "127.0.0.1", 0,
-            service_names=[EXECUTOR_SERVICE])
+            [(executor_pb2_grpc.add_ExecutorServicer_to_server, fake)],
+            "127.0.0.1",
+            0,
+            service_names=[EXECUTOR_SERVICE],
+        )
         self.servers.append((server, health))
         await self.heartbeat(node_id, f"127.0.0.1:{port}")
         self.executors[node_id] = fake
@@ -124,8 +136,16 @@ class Stack:
 
     async def heartbeat(self, node_id: int, address: str, ttl_s: float = 30.0) -> None:
         await self.store.put_node_state(
-            node_id, {"node_id": node_id, "address": address, "is_healthy": True,
-                      "num_stages": 2, "memory_capacity_bytes": 10_000}, ttl_s=ttl_s)
+            node_id,
+            {
+                "node_id": node_id,
+                "address": address,
+                "is_healthy": True,
+                "num_stages": 2,
+                "memory_capacity_bytes": 10_000,
+            },
+            ttl_s=ttl_s,
+        )
 
     async def start_service(self, **overrides: Any) -> SchedulerService:
         service = SchedulerService(self.config(**overrides), profile=PROFILE)
@@ -148,8 +168,7 @@ class Stack:
 
 
 @pytest.fixture
-async def stack(redis_server: EmbeddedRedis,
-                redis_client: aioredis.Redis) -> AsyncIterator[Stack]:
+async def stack(redis_server: EmbeddedRedis, redis_client: aioredis.Redis) -> AsyncIterator[Stack]:
     namespace = f"sched-{uuid.uuid4().hex[:8]}"
     s = Stack(redis_server.url, Store(redis_client, RedisKeys(namespace)), namespace)
     try:
@@ -158,8 +177,11 @@ async def stack(redis_server: EmbeddedRedis,
         await s.close()
 
 
-async def wait_until(predicate: Callable[[], Awaitable[bool] | bool],
-                     timeout_s: float = TIMEOUT_S, what: str = "condition") -> None:
+async def wait_until(
+    predicate: Callable[[], Awaitable[bool] | bool],
+    timeout_s: float = TIMEOUT_S,
+    what: str = "condition",
+) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while True:
@@ -173,21 +195,25 @@ async def wait_until(predicate: Callable[[], Awaitable[bool] | bool],
         await asyncio.sleep(0.02)
 
 
-def inference(task_id: str, prompt: int = 40, output: int = 8, seq: int = 0,
-              ids: bool = False) -> common_pb2.Task:
-    payload = TaskPayload(prompt_token_ids=tuple(range(prompt)) if ids else (),
-                          temperature=0.7, top_p=0.9, seed=11)
-    return task_to_proto(Task(task_id, TaskKind.INFERENCE, 0.0, prompt, output, seq=seq),
-                         payload)
+def inference(
+    task_id: str, prompt: int = 40, output: int = 8, seq: int = 0, ids: bool = False
+) -> common_pb2.Task:
+    payload = TaskPayload(
+        prompt_token_ids=tuple(range(prompt)) if ids else (), temperature=0.7, top_p=0.9, seed=11
+    )
+    return task_to_proto(Task(task_id, TaskKind.INFERENCE, 0.0, prompt, output, seq=seq), payload)
 
 
 def training(task_id: str, tokens: int = 50, seq: int = 0) -> common_pb2.Task:
-    return task_to_proto(Task(task_id, TaskKind.TRAINING, 0.0, tokens, 0, seq=seq),
-                         TaskPayload(reference_token_ids=(1, 2, 3)))
+    return task_to_proto(
+        Task(task_id, TaskKind.TRAINING, 0.0, tokens, 0, seq=seq),
+        TaskPayload(reference_token_ids=(1, 2, 3)),
+    )
 
 
-async def submit(stub: scheduler_pb2_grpc.SchedulerStub,
-                 task: common_pb2.Task) -> scheduler_pb2.SubmitResponse:
+async def submit(
+    stub: scheduler_pb2_grpc.SchedulerStub, task: common_pb2.Task
+) -> scheduler_pb2.SubmitResponse:
     return await stub.Submit(scheduler_pb2.SubmitRequest(task=task), timeout=TIMEOUT_S)
 
 
@@ -219,14 +245,14 @@ async def read_events(store: Store) -> list[dict[str, Any]]:
 
 def test_task_fields_round_trip() -> None:
     task = Task("t-1", TaskKind.INFERENCE, 2.5, 3, 7, batch_size=1, seq=4)
-    payload = TaskPayload(prompt_token_ids=(5, 6, 7), temperature=0.7, top_p=0.9,
-                          ignore_eos=True, seed=3)
+    payload = TaskPayload(
+        prompt_token_ids=(5, 6, 7), temperature=0.7, top_p=0.9, ignore_eos=True, seed=3
+    )
     encoded = encode_fields(task_to_fields(task, payload, submit_t=1.0))
     assert encoded["prompt_token_ids"] == "5,6,7" and encoded["kind"] == "inference"
     assert task_from_fields(encoded) == (task, payload)
     assert task_from_fields(encoded, arrival_s=9.0)[0].arrival_s == 9.0
-    batch = TaskPayload(prompt_token_ids=(1, 2, 3), sample_lengths=(2, 1),
-                        reference_lengths=(1, 0))
+    batch = TaskPayload(prompt_token_ids=(1, 2, 3), sample_lengths=(2, 1), reference_lengths=(1, 0))
     training = Task("t-2", TaskKind.TRAINING, 0.0, 2, batch_size=2)
     assert task_from_fields(encode_fields(task_to_fields(training, batch))) == (training, batch)
 
@@ -254,8 +280,13 @@ def test_derived_slo_uses_compute_slo() -> None:
 
 
 def test_help_exits_zero() -> None:
-    result = subprocess.run([sys.executable, "-m", "services.scheduler", "--help"],
-                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "services.scheduler", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert "LEMIX_REDIS_URL" in result.stdout
 
@@ -298,19 +329,30 @@ async def test_duplicate_submit_is_reported_and_dispatched_once(stack: Stack) ->
     assert fake.dispatched_ids == ["dup"]
 
 
-async def test_invalid_task_is_invalid_argument_and_the_service_stays_healthy(
-        stack: Stack) -> None:
+async def test_invalid_task_is_invalid_argument_and_the_service_stays_healthy(stack: Stack) -> None:
     fake = await stack.start_executor(0)
     service = await stack.start_service(num_nodes=1)
     stub = stack.stub(service)
     bad = [
         common_pb2.Task(task_id="x", kind=common_pb2.TASK_KIND_UNSPECIFIED, num_prompt_tokens=1),
-        common_pb2.Task(task_id="", kind=common_pb2.TASK_KIND_INFERENCE, num_prompt_tokens=1,
-                        max_output_tokens=1),
-        common_pb2.Task(task_id="has space", kind=common_pb2.TASK_KIND_INFERENCE,
-                        num_prompt_tokens=1, max_output_tokens=1),
-        common_pb2.Task(task_id="z", kind=common_pb2.TASK_KIND_INFERENCE, num_prompt_tokens=0,
-                        max_output_tokens=1),
+        common_pb2.Task(
+            task_id="",
+            kind=common_pb2.TASK_KIND_INFERENCE,
+            num_prompt_tokens=1,
+            max_output_tokens=1,
+        ),
+        common_pb2.Task(
+            task_id="has space",
+            kind=common_pb2.TASK_KIND_INFERENCE,
+            num_prompt_tokens=1,
+            max_output_tokens=1,
+        ),
+        common_pb2.Task(
+            task_id="z",
+            kind=common_pb2.TASK_KIND_INFERENCE,
+            num_prompt_tokens=0,
+            max_output_tokens=1,
+        ),
     ]
     for task in bad:
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -320,8 +362,9 @@ async def test_invalid_task_is_invalid_argument_and_the_service_stays_healthy(
         await stub.Submit(scheduler_pb2.SubmitRequest(), timeout=TIMEOUT_S)
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     health = health_pb2_grpc.HealthStub(stack.channels[-1])
-    check = await health.Check(health_pb2.HealthCheckRequest(service="lemix.v1.Scheduler"),
-                               timeout=TIMEOUT_S)
+    check = await health.Check(
+        health_pb2.HealthCheckRequest(service="lemix.v1.Scheduler"), timeout=TIMEOUT_S
+    )
     assert check.status == health_pb2.HealthCheckResponse.SERVING
     await submit(stub, inference("ok"))
     await wait_until(lambda: fake.dispatched_ids == ["ok"], what="dispatch after bad input")
@@ -342,8 +385,7 @@ async def test_unreachable_executor_fails_the_task_unavailable(stack: Stack) -> 
     from lemix.infra.store.server import find_free_port
 
     await stack.heartbeat(0, f"127.0.0.1:{find_free_port()}")  # nobody listens there
-    service = await stack.start_service(num_nodes=1, dispatch_deadline_s=0.5,
-                                        dispatch_retry_s=0.3)
+    service = await stack.start_service(num_nodes=1, dispatch_deadline_s=0.5, dispatch_retry_s=0.3)
     stub = stack.stub(service)
     await submit(stub, inference("gone"))
     end = await end_message(stack.store, "gone")
@@ -384,14 +426,17 @@ async def test_requeued_training_is_dispatched_again(stack: Stack) -> None:
     await wait_until(lambda: fake.dispatched_ids == ["t1"], what="first dispatch")
     assert list(fake.dispatched[0].task.reference_token_ids) == [1, 2, 3]
     await stack.store.append_completion(
-        {"task_id": "t1", "node_id": 0, "status": "requeued", "reason": ""})
+        {"task_id": "t1", "node_id": 0, "status": "requeued", "reason": ""}
+    )
     await wait_until(lambda: fake.dispatched_ids == ["t1", "t1"], what="second dispatch")
     assert list(fake.dispatched[1].task.reference_token_ids) == [1, 2, 3]  # payload kept
     # A redelivered (stale) report for another node changes nothing.
     await stack.store.append_completion(
-        {"task_id": "t1", "node_id": 1, "status": "completed", "reason": ""})
+        {"task_id": "t1", "node_id": 1, "status": "completed", "reason": ""}
+    )
     await stack.store.append_completion(
-        {"task_id": "t1", "node_id": 0, "status": "completed", "reason": ""})
+        {"task_id": "t1", "node_id": 0, "status": "completed", "reason": ""}
+    )
     await wait_until(lambda: not service.core.knows("t1"), what="t1 finished")
     assert service._payloads == {}
     cursor = await stack.store.get_completions_cursor()
@@ -406,8 +451,9 @@ async def test_cancel_before_placement_ends_cancelled_without_dispatch(stack: St
     service = await stack.start_service(num_nodes=1)
     stub = stack.stub(service)
     # The gateway's deadline fired before the task reached the intake loop.
-    reply = await stub.Cancel(common_pb2.CancelRequest(task_id="c1", reason="deadline"),
-                              timeout=TIMEOUT_S)
+    reply = await stub.Cancel(
+        common_pb2.CancelRequest(task_id="c1", reason="deadline"), timeout=TIMEOUT_S
+    )
     assert not reply.is_found
     await submit(stub, inference("c1"))
     end = await end_message(stack.store, "c1")
@@ -423,8 +469,9 @@ async def test_cancel_after_placement_goes_to_the_executor(stack: Stack) -> None
     stub = stack.stub(service)
     await submit(stub, inference("p1"))
     await wait_until(lambda: fake.dispatched_ids == ["p1"], what="dispatch")
-    reply = await stub.Cancel(common_pb2.CancelRequest(task_id="p1", reason="client left"),
-                              timeout=TIMEOUT_S)
+    reply = await stub.Cancel(
+        common_pb2.CancelRequest(task_id="p1", reason="client left"), timeout=TIMEOUT_S
+    )
     assert reply.is_found
     assert [(c.task_id, c.reason) for c in fake.cancelled] == [("p1", "client left")]
 
@@ -433,8 +480,7 @@ async def test_cancel_after_placement_goes_to_the_executor(stack: Stack) -> None
 
 # SLOs so tight that any training would hurt the next request: training waits
 # in the planner until it ages (max_defer_s), then the timer loop releases it.
-DEFERRING = {"slo_ttft_s": 0.001, "slo_tbt_s": 0.001, "max_defer_s": 0.4,
-             "defer_recheck_s": 0.1}
+DEFERRING = {"slo_ttft_s": 0.001, "slo_tbt_s": 0.001, "max_defer_s": 0.4, "defer_recheck_s": 0.1}
 
 
 async def test_deferred_training_is_released_by_the_timer(stack: Stack) -> None:
@@ -477,11 +523,24 @@ def planner_state(planner: Planner, now_s: float) -> dict[str, Any]:
     for view in planner.views:
         v = view.copy()
         v.prune(now_s)
-        views.append((v.forward_end_s, [w.task_id for w in v.windows], v.last_arrival_s,
-                      v.num_lengths, v.length_mean, sorted(v.requests),
-                      sorted(v.training_tasks), v.num_placed, v.num_training_updates))
-    return {"views": views, "deferred": planner.num_deferred,
-            "outstanding": {t: planner.node_of(t) for t in planner._task_node}}
+        views.append(
+            (
+                v.forward_end_s,
+                [w.task_id for w in v.windows],
+                v.last_arrival_s,
+                v.num_lengths,
+                v.length_mean,
+                sorted(v.requests),
+                sorted(v.training_tasks),
+                v.num_placed,
+                v.num_training_updates,
+            )
+        )
+    return {
+        "views": views,
+        "deferred": planner.num_deferred,
+        "outstanding": {t: planner.node_of(t) for t in planner._task_node},
+    }
 
 
 async def run_some_tasks(stack: Stack, service: SchedulerService) -> None:
@@ -490,11 +549,14 @@ async def run_some_tasks(stack: Stack, service: SchedulerService) -> None:
         await submit(stub, inference(f"r{i}", prompt=30 + 20 * i, output=6, seq=i))
     await submit(stub, training("t0", seq=9))
     ids = {f"r{i}" for i in range(5)} | {"t0"}
-    await wait_until(lambda: {t for f in stack.executors.values() for t in f.dispatched_ids}
-                     >= ids, what="all dispatched")
+    await wait_until(
+        lambda: {t for f in stack.executors.values() for t in f.dispatched_ids} >= ids,
+        what="all dispatched",
+    )
     node = service.core.node_of("r1")
     await stack.store.append_completion(
-        {"task_id": "r1", "node_id": node, "status": "completed", "reason": ""})
+        {"task_id": "r1", "node_id": node, "status": "completed", "reason": ""}
+    )
     await wait_until(lambda: not service.core.knows("r1"), what="r1 finished")
 
 
@@ -510,8 +572,7 @@ async def test_restart_replays_the_log_into_the_same_planner(stack: Stack) -> No
     new_planner = new.core.planner.planner
     now_s = new.clock()
     assert planner_state(new_planner, now_s) == planner_state(old_planner, now_s)
-    assert {t for t in (f"r{i}" for i in range(5)) if new.core.knows(t)} == {
-        "r0", "r2", "r3", "r4"}
+    assert {t for t in (f"r{i}" for i in range(5)) if new.core.knows(t)} == {"r0", "r2", "r3", "r4"}
     assert new.core.num_placed == old.core.num_placed == 6
 
     # A new task: the restarted planner decides what the old one would have.
@@ -519,8 +580,9 @@ async def test_restart_replays_the_log_into_the_same_planner(stack: Stack) -> No
     await submit(stack.stub(new), inference("after", prompt=77, seq=20))
     await wait_until(lambda: new.core.node_of("after") is not None, what="placement")
     events = await read_events(stack.store)
-    submitted = [e for e in events if e.get("input") == "submit"
-                 and e["task"]["task_id"] == "after"][0]
+    submitted = [
+        e for e in events if e.get("input") == "submit" and e["task"]["task_id"] == "after"
+    ][0]
     twin.submit(task_from_event(submitted["task"]), submitted["now_s"])
     decisions = twin.plan(submitted["now_s"])
     placement = [d for d in decisions if isinstance(d, Placement)]
@@ -529,7 +591,8 @@ async def test_restart_replays_the_log_into_the_same_planner(stack: Stack) -> No
     # A completion the new scheduler reads for a task the old one placed.
     node = new.core.node_of("r0")
     await stack.store.append_completion(
-        {"task_id": "r0", "node_id": node, "status": "completed", "reason": ""})
+        {"task_id": "r0", "node_id": node, "status": "completed", "reason": ""}
+    )
     await wait_until(lambda: not new.core.knows("r0"), what="r0 finished after restart")
 
     # PARITY: the whole log (both runs) replayed into a fresh planner.
@@ -553,9 +616,11 @@ async def test_restart_keeps_the_payload_of_deferred_work(stack: Stack) -> None:
     assert new.core.knows("tk")
     assert new._payloads["tk"].reference_token_ids == (1, 2, 3)
     await stack.store.append_completion(
-        {"task_id": "tk", "node_id": 0, "status": "requeued", "reason": ""})
-    await wait_until(lambda: stack.executors[0].dispatched_ids == ["tk", "tk"],
-                     what="redispatch after restart")
+        {"task_id": "tk", "node_id": 0, "status": "requeued", "reason": ""}
+    )
+    await wait_until(
+        lambda: stack.executors[0].dispatched_ids == ["tk", "tk"], what="redispatch after restart"
+    )
     assert list(stack.executors[0].dispatched[1].task.reference_token_ids) == [1, 2, 3]
 
 
@@ -572,8 +637,9 @@ async def test_entries_left_pending_by_a_dead_scheduler_are_reclaimed(stack: Sta
     fake = await stack.start_executor(0)
     store = stack.store
     await store.ensure_group()
-    await store.submit_task(task_to_fields(Task("orphan", TaskKind.INFERENCE, 0.0, 10, 2),
-                                           TaskPayload()))
+    await store.submit_task(
+        task_to_fields(Task("orphan", TaskKind.INFERENCE, 0.0, 10, 2), TaskPayload())
+    )
     assert await store.read_intake("dead-scheduler", block_ms=None)  # read, never acked
     assert await store.pending_count() == 1
     await stack.start_service(num_nodes=1)
@@ -590,8 +656,9 @@ async def _pending_is(store: Store, n: int) -> bool:
 
 async def test_submit_answers_unavailable_when_redis_is_down(stack: Stack) -> None:
     with EmbeddedRedis() as own:
-        service = SchedulerService(replace(stack.config(num_nodes=1), redis_url=own.url),
-                                   profile=PROFILE)
+        service = SchedulerService(
+            replace(stack.config(num_nodes=1), redis_url=own.url), profile=PROFILE
+        )
         stack.services.append(service)
         await service.start()
         stub = stack.stub(service)
@@ -606,12 +673,27 @@ async def test_submit_answers_unavailable_when_redis_is_down(stack: Stack) -> No
 
 
 async def test_process_prints_serving_and_stops_cleanly_on_sigterm(
-        redis_server: EmbeddedRedis) -> None:
-    env = {**os.environ, "LEMIX_REDIS_URL": redis_server.url,
-           "LEMIX_NAMESPACE": f"proc-{uuid.uuid4().hex[:8]}", "LEMIX_READ_BLOCK_S": "0.1"}
+    redis_server: EmbeddedRedis,
+) -> None:
+    env = {
+        **os.environ,
+        "LEMIX_REDIS_URL": redis_server.url,
+        "LEMIX_NAMESPACE": f"proc-{uuid.uuid4().hex[:8]}",
+        "LEMIX_READ_BLOCK_S": "0.1",
+    }
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.scheduler", "--port", "0", "--num-nodes", "1",
-        cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "services.scheduler",
+        "--port",
+        "0",
+        "--num-nodes",
+        "1",
+        cwd=REPO,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         assert proc.stdout is not None
         line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
@@ -620,7 +702,8 @@ async def test_process_prints_serving_and_stops_cleanly_on_sigterm(
         assert rest and rest[0].startswith("metrics=127.0.0.1:"), line  # --metrics-port 0
         async with channel(address) as ch:
             state = await scheduler_pb2_grpc.SchedulerStub(ch).GetState(
-                scheduler_pb2.GetStateRequest(), timeout=TIMEOUT_S)
+                scheduler_pb2.GetStateRequest(), timeout=TIMEOUT_S
+            )
         assert state.policy == "lemix"
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0

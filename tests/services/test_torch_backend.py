@@ -54,13 +54,15 @@ class RecordingSink:
             while not ids <= set(self.ended):
                 self.changed.clear()
                 await self.changed.wait()
+
         await asyncio.wait_for(loop(), timeout_s)
 
 
 def _backend(seed: int = 3) -> TorchBackend:
     staged = StagedModel(build_model(ModelSpec("tiny-llama", vocab_size=VOCAB, seed=seed)), 2)
-    return TorchBackend(staged, InferenceRunner(staged, eos_id=None),
-                        PipelineTrainer(staged, TrainingConfig()))
+    return TorchBackend(
+        staged, InferenceRunner(staged, eos_id=None), PipelineTrainer(staged, TrainingConfig())
+    )
 
 
 def _node(backend: TorchBackend) -> tuple[ExecutorNode, RecordingSink]:
@@ -79,11 +81,15 @@ async def test_serves_batched_requests_with_their_solo_tokens_and_trains() -> No
     node, sink = _node(backend)
     await node.start()
     prompts = {"a": _prompt(6, 1), "b": _prompt(19, 2), "c": _prompt(11, 3)}
-    solo = {k: InferenceRunner(backend.staged, None).generate_alone(GenRequest(k, p, 8))
-            for k, p in prompts.items()}
+    solo = {
+        k: InferenceRunner(backend.staged, None).generate_alone(GenRequest(k, p, 8))
+        for k, p in prompts.items()
+    }
     sample = _prompt(30, 9)
-    node.dispatch(make_training("t", 0.0, len(sample)),
-                  TaskPayload(prompt_token_ids=sample, reference_token_ids=sample[-10:]))
+    node.dispatch(
+        make_training("t", 0.0, len(sample)),
+        TaskPayload(prompt_token_ids=sample, reference_token_ids=sample[-10:]),
+    )
     for key, prompt in prompts.items():
         node.dispatch(make_request(key, 0.0, len(prompt), 8), TaskPayload(prompt_token_ids=prompt))
     await sink.wait_for({"a", "b", "c", "t"})
@@ -109,8 +115,10 @@ async def test_end_of_sequence_ends_a_request_early_with_stop() -> None:
     backend.runner.eos_id = greedy[2]
     node, sink = _node(backend)
     await node.start()
-    node.dispatch(make_request("r", 0.0, len(prompt), 6), TaskPayload(prompt_token_ids=prompt,
-                                                                      reference_token_ids=(5, 6)))
+    node.dispatch(
+        make_request("r", 0.0, len(prompt), 6),
+        TaskPayload(prompt_token_ids=prompt, reference_token_ids=(5, 6)),
+    )
     await sink.wait_for({"r"})
     await node.stop(grace_s=5.0)
     cut = greedy.index(greedy[2]) + 1
@@ -141,8 +149,10 @@ async def test_weight_sync_saves_and_loads_real_stage_weights(tmp_path: Path) ->
     assert not torch.equal(source.staged.logits(prompt), target.staged.logits(prompt))
     saved = await src_node.sync_weights(WeightSyncSpec(SyncDirection.SAVE, str(tmp_path), 4))
     loaded = await dst_node.sync_weights(WeightSyncSpec(SyncDirection.LOAD, str(tmp_path), 4))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["stage0.safetensors",
-                                                          "stage1.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "stage0.safetensors",
+        "stage1.safetensors",
+    ]
     assert saved.num_bytes == loaded.num_bytes > 0
     assert torch.equal(source.staged.logits(prompt), target.staged.logits(prompt))
     assert dst_node.engine.visible_updates == 4
@@ -168,8 +178,7 @@ async def test_multi_sample_training_task_packs_its_samples() -> None:
     await node.start()
     a, b = _prompt(20, 1), _prompt(12, 2)
     expected = backend.trainer.loss([Sample(a, 5), Sample(b, 3)])
-    payload = TaskPayload(prompt_token_ids=a + b, sample_lengths=(20, 12),
-                          reference_lengths=(5, 3))
+    payload = TaskPayload(prompt_token_ids=a + b, sample_lengths=(20, 12), reference_lengths=(5, 3))
     task = make_training("t", 0.0, 20)
     node.dispatch(dataclasses.replace(task, batch_size=2), payload)
     await sink.wait_for({"t"})
@@ -185,8 +194,9 @@ def test_multi_sample_payload_is_checked() -> None:
         TaskPayload(prompt_token_ids=(1, 2, 3), sample_lengths=(2, 2), reference_lengths=(1, 1))
     with pytest.raises(ValueError, match="within"):
         TaskPayload(prompt_token_ids=(1, 2, 3), sample_lengths=(1, 2), reference_lengths=(2, 1))
-    payload = TaskPayload(prompt_token_ids=(1, 2, 3), sample_lengths=(1, 2),
-                          reference_lengths=(0, 1))
+    payload = TaskPayload(
+        prompt_token_ids=(1, 2, 3), sample_lengths=(1, 2), reference_lengths=(0, 1)
+    )
     assert payload.samples() == [((1,), 0), ((2, 3), 1)]
 
 
@@ -205,8 +215,10 @@ async def test_measured_memory_follows_what_the_stages_hold() -> None:
     held = [stage_used_bytes(st) for st in backend.staged.stages]
     assert held == [w + k for w, k in zip(weights, kv, strict=True)]
     sample = _prompt(16, 3)
-    node.dispatch(make_training("t", 0.0, len(sample)),
-                  TaskPayload(prompt_token_ids=sample, reference_token_ids=sample[-4:]))
+    node.dispatch(
+        make_training("t", 0.0, len(sample)),
+        TaskPayload(prompt_token_ids=sample, reference_token_ids=sample[-4:]),
+    )
     await sink.wait_for({"r", "t"})
     await node.stop(grace_s=5.0)
     # AdamW's two moments (plus a step counter) now live beside every weight;
@@ -251,6 +263,7 @@ async def test_a_failing_iteration_ends_its_requests_failed_internal() -> None:
         if stage == 1 and "bad" in prefill:
             raise RuntimeError("boom")
         return real(stage, iteration, prefill, decode)
+
     backend.runner.run_stage = broken  # type: ignore[method-assign]
     node.dispatch(make_request("bad", 0.0, 5, 4), TaskPayload(prompt_token_ids=_prompt(5, 1)))
     await sink.wait_for({"bad"})
@@ -261,7 +274,8 @@ async def test_a_failing_iteration_ends_its_requests_failed_internal() -> None:
     assert isinstance(failed, Failed) and failed.reason.startswith("INTERNAL: stage 1 failed")
     assert isinstance(sink.ended["ok"], Finished) and len(sink.ids["ok"]) == 3  # node goes on
     assert not backend.runner.requests and all(
-        st.kv.device_bytes == 0 for st in backend.staged.stages)
+        st.kv.device_bytes == 0 for st in backend.staged.stages
+    )
 
 
 async def test_a_request_whose_sampling_fails_ends_alone_its_batch_mates_go_on() -> None:
@@ -270,14 +284,21 @@ async def test_a_request_whose_sampling_fails_ends_alone_its_batch_mates_go_on()
     await node.start()
     prompts = {"tiny-t": _prompt(7, 1), "poison": _prompt(8, 2), "mate": _prompt(9, 3)}
     greedy = InferenceRunner(backend.staged, None).generate_alone(
-        GenRequest("g", prompts["tiny-t"], 5))
+        GenRequest("g", prompts["tiny-t"], 5)
+    )
     # A temperature so small that logits / T overflows: greedy in the limit, not NaN.
-    node.dispatch(make_request("tiny-t", 0.0, 7, 5),
-                  TaskPayload(prompt_token_ids=prompts["tiny-t"], temperature=1e-300, seed=1))
-    node.dispatch(make_request("poison", 0.0, 8, 5),
-                  TaskPayload(prompt_token_ids=prompts["poison"], temperature=1.0, seed=2))
-    node.dispatch(make_request("mate", 0.0, 9, 5),
-                  TaskPayload(prompt_token_ids=prompts["mate"], temperature=1.0, seed=3))
+    node.dispatch(
+        make_request("tiny-t", 0.0, 7, 5),
+        TaskPayload(prompt_token_ids=prompts["tiny-t"], temperature=1e-300, seed=1),
+    )
+    node.dispatch(
+        make_request("poison", 0.0, 8, 5),
+        TaskPayload(prompt_token_ids=prompts["poison"], temperature=1.0, seed=2),
+    )
+    node.dispatch(
+        make_request("mate", 0.0, 9, 5),
+        TaskPayload(prompt_token_ids=prompts["mate"], temperature=1.0, seed=3),
+    )
     # TaskPayload refuses a NaN top_p, so poison the admitted request itself:
     # its draw then fails inside the batch it shares with the other two.
     backend.runner.requests["poison"].top_p = float("nan")

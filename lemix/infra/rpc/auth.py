@@ -35,9 +35,14 @@ _SCHEME = "Bearer "
 MIN_TOKEN_CHARS = 16
 
 SERVICE_TOKEN_OPTION = Option(
-    "service_token", "--service-token", SERVICE_TOKEN_ENV, str,
-    "shared secret of the stack's internal RPCs, sent as `authorization: Bearer` (\"\" = "
-    "unauthenticated; prefer the variable: flags show in `ps`)", "TOKEN")
+    "service_token",
+    "--service-token",
+    SERVICE_TOKEN_ENV,
+    str,
+    'shared secret of the stack\'s internal RPCs, sent as `authorization: Bearer` ("" = '
+    "unauthenticated; prefer the variable: flags show in `ps`)",
+    "TOKEN",
+)
 
 GENERATE_HINT = "generate one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
 
@@ -48,11 +53,14 @@ def check_service_token(token: str) -> None:
     if token == "":
         return
     if not token.isascii() or not token.isprintable() or " " in token:
-        raise ValueError(f"{SERVICE_TOKEN_ENV} must be printable ASCII without spaces; "
-                         f"{GENERATE_HINT}")
+        raise ValueError(
+            f"{SERVICE_TOKEN_ENV} must be printable ASCII without spaces; {GENERATE_HINT}"
+        )
     if len(token) < MIN_TOKEN_CHARS:
-        raise ValueError(f"{SERVICE_TOKEN_ENV} must be at least {MIN_TOKEN_CHARS} characters, "
-                         f"got {len(token)}; {GENERATE_HINT}")
+        raise ValueError(
+            f"{SERVICE_TOKEN_ENV} must be at least {MIN_TOKEN_CHARS} characters, "
+            f"got {len(token)}; {GENERATE_HINT}"
+        )
 
 
 def generate_token() -> str:
@@ -82,12 +90,16 @@ class TokenCheck:
         """Why a call with `metadata` is refused, or None when it carries the token."""
         values = [value for key, value in metadata or () if key == METADATA_KEY]
         if not values:
-            return (f"this LeMix service requires the stack's service token: send metadata "
-                    f"'{METADATA_KEY}: Bearer <token>' (services read it from "
-                    f"{SERVICE_TOKEN_ENV})")
+            return (
+                f"this LeMix service requires the stack's service token: send metadata "
+                f"'{METADATA_KEY}: Bearer <token>' (services read it from "
+                f"{SERVICE_TOKEN_ENV})"
+            )
         if not any(hmac.compare_digest(_digest(value), self._expected) for value in values):
-            return (f"wrong service token: every service of a stack must be given the same "
-                    f"{SERVICE_TOKEN_ENV}")
+            return (
+                f"wrong service token: every service of a stack must be given the same "
+                f"{SERVICE_TOKEN_ENV}"
+            )
         return None
 
 
@@ -102,16 +114,18 @@ def _digest(value: str | bytes) -> bytes:
 def _with_token(details: grpc.aio.ClientCallDetails, value: str) -> grpc.aio.ClientCallDetails:
     metadata = grpc.aio.Metadata(*(details.metadata or ()))
     metadata[METADATA_KEY] = value  # replaces any the caller set
-    return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata,
-                                      details.credentials, details.wait_for_ready)
+    return grpc.aio.ClientCallDetails(
+        details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+    )
 
 
 class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
     def __init__(self, value: str) -> None:
         self._value = value
 
-    async def intercept_unary_unary(self, continuation: Any, client_call_details: Any,
-                                    request: Any) -> Any:
+    async def intercept_unary_unary(
+        self, continuation: Any, client_call_details: Any, request: Any
+    ) -> Any:
         return await continuation(_with_token(client_call_details, self._value), request)
 
 
@@ -119,8 +133,9 @@ class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
     def __init__(self, value: str) -> None:
         self._value = value
 
-    async def intercept_unary_stream(self, continuation: Any, client_call_details: Any,
-                                     request: Any) -> Any:
+    async def intercept_unary_stream(
+        self, continuation: Any, client_call_details: Any, request: Any
+    ) -> Any:
         return await continuation(_with_token(client_call_details, self._value), request)
 
 
@@ -128,20 +143,20 @@ class _StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
     def __init__(self, value: str) -> None:
         self._value = value
 
-    async def intercept_stream_unary(self, continuation: Any, client_call_details: Any,
-                                     request_iterator: Any) -> Any:
-        return await continuation(_with_token(client_call_details, self._value),
-                                  request_iterator)
+    async def intercept_stream_unary(
+        self, continuation: Any, client_call_details: Any, request_iterator: Any
+    ) -> Any:
+        return await continuation(_with_token(client_call_details, self._value), request_iterator)
 
 
 class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
     def __init__(self, value: str) -> None:
         self._value = value
 
-    async def intercept_stream_stream(self, continuation: Any, client_call_details: Any,
-                                      request_iterator: Any) -> Any:
-        return await continuation(_with_token(client_call_details, self._value),
-                                  request_iterator)
+    async def intercept_stream_stream(
+        self, continuation: Any, client_call_details: Any, request_iterator: Any
+    ) -> Any:
+        return await continuation(_with_token(client_call_details, self._value), request_iterator)
 
 
 def client_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:

@@ -68,8 +68,7 @@ def channel(
     interceptors = client_interceptors(service_token) if service_token else None
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
-    return grpc.aio.secure_channel(address, credentials, options=options,
-                                   interceptors=interceptors)
+    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
 
 
 async def wait_for_serving(address: str, service: str = "", timeout_s: float = 10.0) -> None:

@@ -46,16 +46,24 @@ _FACTORIES = {
 def _behaviour(handler: grpc.RpcMethodHandler) -> Callable[..., Any]:
     shape = (handler.request_streaming, handler.response_streaming)
     return {
-        (False, False): handler.unary_unary, (False, True): handler.unary_stream,
-        (True, False): handler.stream_unary, (True, True): handler.stream_stream,
+        (False, False): handler.unary_unary,
+        (False, True): handler.unary_stream,
+        (True, False): handler.stream_unary,
+        (True, True): handler.stream_stream,
     }[shape]
 
 
-def _rebuild(handler: grpc.RpcMethodHandler, behaviour: Callable[..., Any],
-             request_deserializer: Callable[[bytes], Any] | None) -> grpc.RpcMethodHandler:
+def _rebuild(
+    handler: grpc.RpcMethodHandler,
+    behaviour: Callable[..., Any],
+    request_deserializer: Callable[[bytes], Any] | None,
+) -> grpc.RpcMethodHandler:
     factory = _FACTORIES[(handler.request_streaming, handler.response_streaming)]
-    return factory(behaviour, request_deserializer=request_deserializer,
-                   response_serializer=handler.response_serializer)
+    return factory(
+        behaviour,
+        request_deserializer=request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
 
 
 def _around(behaviour: Callable[..., Any], prepare: Prepare) -> Callable[..., Any]:
@@ -108,8 +116,10 @@ def _tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
         try:
             return deserializer(data)
         except Exception as exc:  # protobuf's DecodeError, or a custom parser's error
-            return _Malformed(f"malformed {name}: the request body does not parse "
-                              f"({type(exc).__name__}: {exc}); send a serialized {name}")
+            return _Malformed(
+                f"malformed {name}: the request body does not parse "
+                f"({type(exc).__name__}: {exc}); send a serialized {name}"
+            )
 
     return parse
 
@@ -120,14 +130,16 @@ async def _reject_malformed(request: Any, context: grpc.aio.ServicerContext) -> 
     return request
 
 
-async def _checked(requests: AsyncIterator[Any],
-                   context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+async def _checked(
+    requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+) -> AsyncIterator[Any]:
     async for request in requests:
         yield await _reject_malformed(request, context)
 
 
-async def _reject_malformed_stream(requests: AsyncIterator[Any],
-                                   context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+async def _reject_malformed_stream(
+    requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+) -> AsyncIterator[Any]:
     return _checked(requests, context)
 
 
@@ -136,8 +148,9 @@ def reject_malformed(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     if handler.request_deserializer is None:  # raw bytes: nothing to parse
         return handler
     prepare = _reject_malformed_stream if handler.request_streaming else _reject_malformed
-    return _rebuild(handler, _around(_behaviour(handler), prepare),
-                    _tolerant(handler.request_deserializer))
+    return _rebuild(
+        handler, _around(_behaviour(handler), prepare), _tolerant(handler.request_deserializer)
+    )
 
 
 class MalformedRequests(grpc.aio.ServerInterceptor):
@@ -148,9 +161,11 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
         # once per server, so each method is wrapped once, not once per call.
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
-    async def intercept_service(self, continuation: Continuation,
-                                handler_call_details: grpc.HandlerCallDetails,
-                                ) -> grpc.RpcMethodHandler | None:
+    async def intercept_service(
+        self,
+        continuation: Continuation,
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
@@ -183,9 +198,11 @@ class RequireServiceToken(grpc.aio.ServerInterceptor):
     def __init__(self, token: str) -> None:
         self._check = TokenCheck(token)
 
-    async def intercept_service(self, continuation: Continuation,
-                                handler_call_details: grpc.HandlerCallDetails,
-                                ) -> grpc.RpcMethodHandler | None:
+    async def intercept_service(
+        self,
+        continuation: Continuation,
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or method.startswith(OPEN_METHOD_PREFIXES):

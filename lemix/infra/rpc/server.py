@@ -112,12 +112,14 @@ async def start_server(
     if service_token:  # outermost: an unauthenticated request is not even parsed
         interceptors.insert(0, RequireServiceToken(service_token))
     elif service_token == "":
-        log.warning("rpc.unauthenticated_server", services=list(service_names),
-                    hint=f"internal RPCs are unauthenticated: anyone who reaches this port "
-                    f"can call them; set {SERVICE_TOKEN_ENV} to the same token on every "
-                    f"service of the stack")
-    server = grpc.aio.server(options=server_options(max_message_bytes),
-                             interceptors=interceptors)
+        log.warning(
+            "rpc.unauthenticated_server",
+            services=list(service_names),
+            hint=f"internal RPCs are unauthenticated: anyone who reaches this port "
+            f"can call them; set {SERVICE_TOKEN_ENV} to the same token on every "
+            f"service of the stack",
+        )
+    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=interceptors)
     for add, servicer in servicers:
         add(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -138,8 +140,12 @@ async def start_server(
     await server.start()
     for name in ["", *service_names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("rpc.server_started", address=_bind_target(host, bound_port), services=service_names,
-             scheme="grpc" if server_credentials is None else "grpcs")
+    log.info(
+        "rpc.server_started",
+        address=_bind_target(host, bound_port),
+        services=service_names,
+        scheme="grpc" if server_credentials is None else "grpcs",
+    )
     return server, bound_port, health_servicer
 
 

@@ -26,8 +26,10 @@ from pathlib import Path
 import grpc
 
 _PEM_MARKER = b"-----BEGIN "
-_OPENSSL_HINT = ("e.g. openssl req -x509 -newkey rsa:2048 -nodes -keyout key.pem "
-                 "-out cert.pem -subj /CN=HOST -addext subjectAltName=DNS:HOST")
+_OPENSSL_HINT = (
+    "e.g. openssl req -x509 -newkey rsa:2048 -nodes -keyout key.pem "
+    "-out cert.pem -subj /CN=HOST -addext subjectAltName=DNS:HOST"
+)
 
 
 def read_pem(what: str, path: str) -> bytes:
@@ -36,27 +38,33 @@ def read_pem(what: str, path: str) -> bytes:
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
-        raise ValueError(f"{what}: no such file {path!r} (mount the file there or fix "
-                         f"the path)") from None
+        raise ValueError(
+            f"{what}: no such file {path!r} (mount the file there or fix the path)"
+        ) from None
     except IsADirectoryError:
-        raise ValueError(f"{what}: {path!r} is a directory; give the PEM file inside it"
-                         ) from None  # fmt: skip
+        raise ValueError(f"{what}: {path!r} is a directory; give the PEM file inside it") from None
     except PermissionError:
-        raise ValueError(f"{what}: cannot read {path!r} (permission denied): make it "
-                         f"readable by the service's user") from None
+        raise ValueError(
+            f"{what}: cannot read {path!r} (permission denied): make it "
+            f"readable by the service's user"
+        ) from None
     except OSError as exc:
         raise ValueError(f"{what}: cannot read {path!r}: {exc.strerror or exc}") from None
     if _PEM_MARKER not in data:
-        raise ValueError(f"{what}: {path!r} is not a PEM file (no '-----BEGIN' line); "
-                         f"convert it, e.g. openssl x509 -inform DER -in FILE -out FILE.pem")
+        raise ValueError(
+            f"{what}: {path!r} is not a PEM file (no '-----BEGIN' line); "
+            f"convert it, e.g. openssl x509 -inform DER -in FILE -out FILE.pem"
+        )
     return data
 
 
 def _refuse_encrypted_key() -> bytes:
     # Without a password callback OpenSSL would prompt on the terminal and a
     # service would hang at start; gRPC cannot use an encrypted key anyway.
-    raise ValueError("the key is encrypted; give an unencrypted PEM key (keep it in a "
-                     "secret volume readable only by the service)")
+    raise ValueError(
+        "the key is encrypted; give an unencrypted PEM key (keep it in a "
+        "secret volume readable only by the service)"
+    )
 
 
 @dataclass(frozen=True)
@@ -94,24 +102,26 @@ def load_server_tls(cert_file: str, key_file: str, client_ca_file: str = "") -> 
     try:
         context.load_cert_chain(cert_file, key_file, password=_refuse_encrypted_key)
     except ssl.SSLError as exc:
-        raise ValueError(f"{cert_flag} {cert_file!r} and {key_flag} {key_file!r} do not "
-                         f"load as a certificate chain and its private key ({exc.reason or exc}"
-                         f"): check that the key belongs to the certificate and the "
-                         f"certificate comes first; {_OPENSSL_HINT}") from None
+        raise ValueError(
+            f"{cert_flag} {cert_file!r} and {key_flag} {key_file!r} do not "
+            f"load as a certificate chain and its private key ({exc.reason or exc}"
+            f"): check that the key belongs to the certificate and the "
+            f"certificate comes first; {_OPENSSL_HINT}"
+        ) from None
     except ValueError as exc:
         raise ValueError(f"{key_flag} {key_file!r}: {exc}") from None
     if ca_pem is not None:
         try:
             context.load_verify_locations(cadata=ca_pem.decode("ascii", "replace"))
         except ssl.SSLError as exc:
-            raise ValueError(f"{ca_flag} {client_ca_file!r} holds no usable CA certificate "
-                             f"({exc.reason or exc})") from None
+            raise ValueError(
+                f"{ca_flag} {client_ca_file!r} holds no usable CA certificate ({exc.reason or exc})"
+            ) from None
         context.verify_mode = ssl.CERT_REQUIRED
     return ServerTls(cert_pem, key_pem, ca_pem, context)
 
 
-def client_tls(ca_file: str, *, cert_file: str = "", key_file: str = ""
-               ) -> grpc.ChannelCredentials:  # fmt: skip
+def client_tls(ca_file: str, *, cert_file: str = "", key_file: str = "") -> grpc.ChannelCredentials:
     """Channel credentials trusting the CA in `ca_file` (PEM), for
     `lemix.infra.rpc.client.channel(..., credentials=...)`; with `cert_file` and
     `key_file`, also a client certificate (a gateway that requires mTLS).
@@ -121,5 +131,6 @@ def client_tls(ca_file: str, *, cert_file: str = "", key_file: str = ""
     ca_pem = read_pem("--tls-ca-file", ca_file)
     cert_pem = read_pem("client certificate", cert_file) if cert_file else None
     key_pem = read_pem("client key", key_file) if key_file else None
-    return grpc.ssl_channel_credentials(root_certificates=ca_pem, private_key=key_pem,
-                                        certificate_chain=cert_pem)
+    return grpc.ssl_channel_credentials(
+        root_certificates=ca_pem, private_key=key_pem, certificate_chain=cert_pem
+    )

@@ -71,8 +71,11 @@ def connect(config: RedisClientConfig) -> aioredis.Redis:
         socket_timeout=config.socket_timeout_s,
         socket_connect_timeout=config.connect_timeout_s,
         health_check_interval=0,
-        retry=Retry(ExponentialBackoff(cap=_RETRY_BACKOFF_CAP_S, base=_RETRY_BACKOFF_BASE_S),
-                    _NUM_RETRIES, supported_errors=(RedisConnectionError,)),
+        retry=Retry(
+            ExponentialBackoff(cap=_RETRY_BACKOFF_CAP_S, base=_RETRY_BACKOFF_BASE_S),
+            _NUM_RETRIES,
+            supported_errors=(RedisConnectionError,),
+        ),
     )
     return aioredis.Redis.from_pool(pool)
 

@@ -78,8 +78,14 @@ def ordinal_from_hostname(hostname: str) -> int:
 class NodeClaim:
     """Paired verbs over Redis: `claim` the lowest free id, `renew` it, `release` it."""
 
-    def __init__(self, client: aioredis.Redis, keys: RedisKeys, num_nodes: int, owner: str,
-                 ttl_s: float = DEFAULT_CLAIM_TTL_S) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: RedisKeys,
+        num_nodes: int,
+        owner: str,
+        ttl_s: float = DEFAULT_CLAIM_TTL_S,
+    ) -> None:
         if num_nodes < 1:
             raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
         if not ttl_s > 0:
@@ -91,26 +97,34 @@ class NodeClaim:
 
     async def claim(self) -> int | None:
         """Our earlier id, else the lowest free one; None when all are taken."""
-        node_id = int(await self._client.eval(_CLAIM_LUA, len(self._keys), *self._keys,
-                                              self._owner, self._ttl_ms))
+        node_id = int(
+            await self._client.eval(
+                _CLAIM_LUA, len(self._keys), *self._keys, self._owner, self._ttl_ms
+            )
+        )
         return None if node_id < 0 else node_id
 
     async def renew(self, node_id: int) -> bool:
         """Extend the claim's TTL; False if it is no longer ours (it expired and was taken)."""
-        return bool(await self._client.eval(_RENEW_LUA, 1, self._keys[node_id], self._owner,
-                                            self._ttl_ms))
+        return bool(
+            await self._client.eval(_RENEW_LUA, 1, self._keys[node_id], self._owner, self._ttl_ms)
+        )
 
     async def release(self, node_id: int) -> None:
-        await self._client.eval(_RENEW_LUA, 1, self._keys[node_id], self._owner,
-                                "0")
+        await self._client.eval(_RENEW_LUA, 1, self._keys[node_id], self._owner, "0")
 
     async def close(self) -> None:
         await self._client.aclose()
 
 
-async def run_with_claim(command: Sequence[str], env: Mapping[str, str], claim: NodeClaim,
-                         *, ttl_s: float = DEFAULT_CLAIM_TTL_S,
-                         retry_s: float = DEFAULT_RETRY_S) -> int:
+async def run_with_claim(
+    command: Sequence[str],
+    env: Mapping[str, str],
+    claim: NodeClaim,
+    *,
+    ttl_s: float = DEFAULT_CLAIM_TTL_S,
+    retry_s: float = DEFAULT_RETRY_S,
+) -> int:
     """Claim an id, run `command` with ``LEMIX_NODE_ID`` set, keep the claim alive,
     release it when the command ends. Returns the command's exit status."""
     stop = asyncio.Event()
@@ -134,7 +148,8 @@ async def run_with_claim(command: Sequence[str], env: Mapping[str, str], claim: 
                 pass
         _say(f"claimed node id {node_id}")
         child = await asyncio.create_subprocess_exec(
-            *command, env={**env, "LEMIX_NODE_ID": str(node_id)})
+            *command, env={**env, "LEMIX_NODE_ID": str(node_id)}
+        )
         renewer = asyncio.create_task(_keep_claim(claim, node_id, child, ttl_s / 3))
         try:
             status = await child.wait()
@@ -147,8 +162,9 @@ async def run_with_claim(command: Sequence[str], env: Mapping[str, str], claim: 
             loop.remove_signal_handler(sig)
 
 
-async def _keep_claim(claim: NodeClaim, node_id: int, child: asyncio.subprocess.Process,
-                      period_s: float) -> None:
+async def _keep_claim(
+    claim: NodeClaim, node_id: int, child: asyncio.subprocess.Process, period_s: float
+) -> None:
     while True:
         await asyncio.sleep(period_s)
         try:
@@ -176,12 +192,21 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m lemix.infra.store.node_identity",
         description="Run COMMAND with a LEMIX_NODE_ID unique in the stack (see module doc). "
         "Reads LEMIX_NODE_ID, LEMIX_NUM_NODES, LEMIX_REDIS_URL, LEMIX_NAMESPACE, "
-        "LEMIX_ADVERTISE_HOST.")
-    parser.add_argument("--from", dest="source", choices=("redis", "hostname"), default="redis",
-                        help="where the id comes from [redis]")
-    parser.add_argument("--claim-ttl-s", type=float, default=DEFAULT_CLAIM_TTL_S,
-                        help=f"TTL of a Redis claim, renewed every third of it "
-                        f"[{DEFAULT_CLAIM_TTL_S:g}]")
+        "LEMIX_ADVERTISE_HOST.",
+    )
+    parser.add_argument(
+        "--from",
+        dest="source",
+        choices=("redis", "hostname"),
+        default="redis",
+        help="where the id comes from [redis]",
+    )
+    parser.add_argument(
+        "--claim-ttl-s",
+        type=float,
+        default=DEFAULT_CLAIM_TTL_S,
+        help=f"TTL of a Redis claim, renewed every third of it [{DEFAULT_CLAIM_TTL_S:g}]",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     return parser
 
@@ -202,29 +227,43 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         if args.source == "hostname":
             node_id = ordinal_from_hostname(socket.gethostname())
             if node_id >= num_nodes:
-                raise ValueError(f"node id {node_id} (from the hostname) is outside 0.."
-                                 f"{num_nodes - 1}: raise LEMIX_NUM_NODES to the replica count")
+                raise ValueError(
+                    f"node id {node_id} (from the hostname) is outside 0.."
+                    f"{num_nodes - 1}: raise LEMIX_NUM_NODES to the replica count"
+                )
             os.execvpe(command[0], command, {**env, "LEMIX_NODE_ID": str(node_id)})
         claim = NodeClaim(
             # Claim and renew, one at a time: two connections are plenty.
-            connect(RedisClientConfig(env.get("LEMIX_REDIS_URL") or DEFAULT_REDIS_URL,
-                                      max_connections=2, socket_timeout_s=10.0,
-                                      decode_responses=False)),
-            RedisKeys(env.get("LEMIX_NAMESPACE") or DEFAULT_NAMESPACE), num_nodes,
-            owner=socket.gethostname(), ttl_s=args.claim_ttl_s)
+            connect(
+                RedisClientConfig(
+                    env.get("LEMIX_REDIS_URL") or DEFAULT_REDIS_URL,
+                    max_connections=2,
+                    socket_timeout_s=10.0,
+                    decode_responses=False,
+                )
+            ),
+            RedisKeys(env.get("LEMIX_NAMESPACE") or DEFAULT_NAMESPACE),
+            num_nodes,
+            owner=socket.gethostname(),
+            ttl_s=args.claim_ttl_s,
+        )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
         return asyncio.run(_run_and_close(command, env, claim, args.claim_ttl_s))
     except aioredis.ConnectionError as exc:  # exit 1: the restart policy tries again
-        print(f"error: Redis at {redact_url(env.get('LEMIX_REDIS_URL') or DEFAULT_REDIS_URL)} is "
-              f"unreachable: {exc}", file=sys.stderr)
+        print(
+            f"error: Redis at {redact_url(env.get('LEMIX_REDIS_URL') or DEFAULT_REDIS_URL)} is "
+            f"unreachable: {exc}",
+            file=sys.stderr,
+        )
         return 1
 
 
-async def _run_and_close(command: Sequence[str], env: Mapping[str, str], claim: NodeClaim,
-                         ttl_s: float) -> int:
+async def _run_and_close(
+    command: Sequence[str], env: Mapping[str, str], claim: NodeClaim, ttl_s: float
+) -> int:
     try:
         return await run_with_claim(command, env, claim, ttl_s=ttl_s)
     finally:

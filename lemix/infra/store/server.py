@@ -143,8 +143,9 @@ def check_password(password: str) -> str:
     if len(password) > _MAX_PASSWORD_CHARS:
         raise ValueError(f"the Redis password is longer than {_MAX_PASSWORD_CHARS} characters")
     if not set(password) <= _PASSWORD_CHARS:
-        raise ValueError("the Redis password may only use printable ASCII without spaces, "
-                         "quotes or backslashes")
+        raise ValueError(
+            "the Redis password may only use printable ASCII without spaces, quotes or backslashes"
+        )
     return password
 
 
@@ -224,8 +225,9 @@ class EmbeddedRedis:
         if start_timeout_s <= 0 or stop_timeout_s <= 0:
             raise ValueError("start_timeout_s and stop_timeout_s must be > 0")
         if appendfsync not in APPENDFSYNC_POLICIES:
-            raise ValueError(f"appendfsync must be one of {', '.join(APPENDFSYNC_POLICIES)}, "
-                             f"got {appendfsync!r}")
+            raise ValueError(
+                f"appendfsync must be one of {', '.join(APPENDFSYNC_POLICIES)}, got {appendfsync!r}"
+            )
         self._requested_port = port
         self._dir = None if dir is None else Path(dir).resolve()
         self.appendonly = appendonly
@@ -340,16 +342,26 @@ class EmbeddedRedis:
         # "-" first: the rest of the config (the password) comes on stdin, so it
         # is not in /proc/PID/cmdline for every local user to read.
         args = [
-            binary, *(["-"] if self._password is not None else []),
-            "--port", str(port),
-            "--bind", self.host,
-            "--save", "",
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", self.appendfsync,
-            "--dir", str(data_dir),
-            "--protected-mode", "yes",
-            "--daemonize", "no",
-            "--logfile", "",  # log to stdout, which goes to our log file
+            binary,
+            *(["-"] if self._password is not None else []),
+            "--port",
+            str(port),
+            "--bind",
+            self.host,
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            self.appendfsync,
+            "--dir",
+            str(data_dir),
+            "--protected-mode",
+            "yes",
+            "--daemonize",
+            "no",
+            "--logfile",
+            "",  # log to stdout, which goes to our log file
         ]
         stdin = subprocess.DEVNULL if self._password is None else subprocess.PIPE
         with open(data_dir / LOG_NAME, "ab") as log:
@@ -382,8 +394,9 @@ class EmbeddedRedis:
                 if proc.poll() is not None:
                     why = f"exited with status {proc.returncode}"
                     break
-                with contextlib.suppress(redis.ConnectionError, redis.TimeoutError,
-                                         redis.BusyLoadingError):
+                with contextlib.suppress(
+                    redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError
+                ):
                     # Our process, not whatever else answers on that port.
                     if client.info("server").get("process_id") == proc.pid:
                         return None

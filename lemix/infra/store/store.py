@@ -124,8 +124,9 @@ def _as_fields(raw: Any) -> Fields:
 
 def _named_fields(names: Sequence[str], values: Sequence[Any]) -> Fields:
     """An HMGET reply as {name: value} for the fields that are set."""
-    return {name: str(value) for name, value in zip(names, values, strict=True)
-            if value is not None}
+    return {
+        name: str(value) for name, value in zip(names, values, strict=True) if value is not None
+    }
 
 
 def _glob_escape(text: str) -> str:
@@ -196,6 +197,7 @@ class TaskIdConflict(ServiceError):
     request. Retrying cannot succeed: the client must pick a new id."""
 
     code = grpc.StatusCode.ALREADY_EXISTS
+
 
 # KEYS[1] task state hash. ARGV: field/value items.
 # Returns 1, or 0 when the task is already final (its state is then kept).
@@ -408,14 +410,16 @@ class Store:
         task_id = fields.get(TASK_ID_FIELD, "")
         if not task_id:
             raise ValueError(f"task fields need a non-empty {TASK_ID_FIELD!r}")
-        outcome = int(await self._submit(
-            keys=[self.keys.dedupe(task_id), self.keys.intake_stream],
-            args=[self._dedupe_ttl_ms, request_hash(fields), *_flatten(fields)],
-        ))  # fmt: skip
+        outcome = int(
+            await self._submit(
+                keys=[self.keys.dedupe(task_id), self.keys.intake_stream],
+                args=[self._dedupe_ttl_ms, request_hash(fields), *_flatten(fields)],
+            )
+        )
         if outcome < 0:
             raise TaskIdConflict(
-                f"request_id {task_id!r} was already used with a different request; "
-                "use a new id")
+                f"request_id {task_id!r} was already used with a different request; use a new id"
+            )
         return outcome > 0
 
     async def ensure_group(self) -> None:
@@ -491,9 +495,7 @@ class Store:
             pipe.xdel(stream, entry_id)
             await pipe.execute()
 
-    async def claim_stale(
-        self, consumer: str, min_idle_ms: int, count: int = 100
-    ) -> list[Entry]:
+    async def claim_stale(self, consumer: str, min_idle_ms: int, count: int = 100) -> list[Entry]:
         """Take over intake entries pending longer than `min_idle_ms` (XAUTOCLAIM).
 
         For scheduler restarts: what a dead consumer read but never acked is
@@ -528,9 +530,7 @@ class Store:
     async def pending_count(self) -> int:
         """Intake entries delivered to some consumer and not yet acked."""
         try:
-            summary = await self.client.xpending(
-                self.keys.intake_stream, self.keys.intake_group
-            )
+            summary = await self.client.xpending(self.keys.intake_stream, self.keys.intake_group)
         except ResponseError as exc:
             if "NOGROUP" in str(exc):
                 return 0
@@ -551,8 +551,9 @@ class Store:
         done = await self._set_state(keys=[self.keys.task(task_id)], args=_flatten(encoded))
         return bool(int(done))
 
-    async def set_task_states(self, updates: Sequence[tuple[str, Mapping[str, FieldValue]]]
-                              ) -> list[bool]:
+    async def set_task_states(
+        self, updates: Sequence[tuple[str, Mapping[str, FieldValue]]]
+    ) -> list[bool]:
         """`set_task_state` for many tasks in one pipelined round trip."""
         if not updates:
             return []
@@ -561,8 +562,9 @@ class Store:
             encoded = encode_fields(fields)
             if not encoded:
                 raise ValueError("set_task_states needs at least one field per task")
-            await self._set_state(keys=[self.keys.task(task_id)], args=_flatten(encoded),
-                                  client=pipe)
+            await self._set_state(
+                keys=[self.keys.task(task_id)], args=_flatten(encoded), client=pipe
+            )
         return [bool(int(done)) for done in await pipe.execute()]
 
     async def intake_lookup(self, task_ids: Sequence[str]) -> list[tuple[bool, bool]]:
@@ -605,8 +607,14 @@ class Store:
         """
         if attempt is not None:
             outcome = await self.finish_task_fenced(
-                task_id, attempt, status, reason, output_fields, state_fields=state_fields,
-                ttl_s=ttl_s)
+                task_id,
+                attempt,
+                status,
+                reason,
+                output_fields,
+                state_fields=state_fields,
+                ttl_s=ttl_s,
+            )
             return outcome is FinishOutcome.ENDED
         final = {STATUS_FIELD: str(status), REASON_FIELD: reason, IS_FINAL_FIELD: "1"}
         state = {**encode_fields(state_fields or {}), **final}
@@ -615,9 +623,8 @@ class Store:
         state_items = _flatten(state)
         entry_id = await self._finish(
             keys=[self.keys.task(task_id), self.keys.output(task_id)],
-            args=[self.output_maxlen, ttl_ms, len(state_items), *state_items,
-                  *_flatten(message)],
-        )  # fmt: skip
+            args=[self.output_maxlen, ttl_ms, len(state_items), *state_items, *_flatten(message)],
+        )
         return entry_id is not None
 
     # =============================================================== outputs
@@ -682,8 +689,9 @@ class Store:
     # Dispatch; an executor's writes carry its attempt and land only while it
     # is current. Each op is one round trip for the whole batch.
 
-    async def begin_attempts(self, task_ids: Sequence[str],
-                             check_cancelled: Sequence[str] = ()) -> tuple[list[int], list[bool]]:
+    async def begin_attempts(
+        self, task_ids: Sequence[str], check_cancelled: Sequence[str] = ()
+    ) -> tuple[list[int], list[bool]]:
         """Number a new placement of each task (HINCRBY of its attempt: 1 the
         first time) and tell, per id of `check_cancelled`, whether it was
         cancelled; one pipelined round trip. Call before the Dispatch."""
@@ -707,10 +715,15 @@ class Store:
             return []
         pipe = self.client.pipeline(transaction=False)
         for task_id, attempt in taken:
-            await self._fence(keys=[self.keys.task(task_id), self.keys.output(task_id)],
-                              args=[int(attempt)], client=pipe)
-        return [FencedProgress(str(is_final) == "1", str(status), bool(int(has_output)))
-                for is_final, status, has_output in await pipe.execute()]
+            await self._fence(
+                keys=[self.keys.task(task_id), self.keys.output(task_id)],
+                args=[int(attempt)],
+                client=pipe,
+            )
+        return [
+            FencedProgress(str(is_final) == "1", str(status), bool(int(has_output)))
+            for is_final, status, has_output in await pipe.execute()
+        ]
 
     async def append_outputs_fenced(
         self, items: Sequence[tuple[str, int, Mapping[str, FieldValue]]]
@@ -751,10 +764,19 @@ class Store:
         state_items = _flatten({**encode_fields(state_fields or {}), **final})
         message = {**encode_fields(output_fields or {}), **final}
         ttl_ms = 0 if ttl_s is None else _ms(ttl_s, "ttl_s")
-        outcome = int(await self._finish_fenced(
-            keys=[self.keys.task(task_id), self.keys.output(task_id)],
-            args=[int(attempt), self.output_maxlen, ttl_ms, len(state_items), *state_items,
-                  *_flatten(message)]))
+        outcome = int(
+            await self._finish_fenced(
+                keys=[self.keys.task(task_id), self.keys.output(task_id)],
+                args=[
+                    int(attempt),
+                    self.output_maxlen,
+                    ttl_ms,
+                    len(state_items),
+                    *state_items,
+                    *_flatten(message),
+                ],
+            )
+        )
         if outcome > 0:
             return FinishOutcome.ENDED
         return FinishOutcome.ALREADY_FINAL if outcome == 0 else FinishOutcome.FENCED
@@ -805,15 +827,18 @@ class Store:
     async def append_completion(self, fields: Mapping[str, FieldValue]) -> str:
         """An executor reports a task's end (task_id, node_id, status, reason)."""
         entry_id = await self.client.xadd(
-            self.keys.completions_stream, encode_fields(fields)  # type: ignore[arg-type]
+            self.keys.completions_stream,
+            encode_fields(fields),  # type: ignore[arg-type]
         )
         return str(entry_id)
 
-    async def read_completions(self, last_id: str, block_ms: int | None = None,
-                               count: int = 500) -> list[Entry]:
+    async def read_completions(
+        self, last_id: str, block_ms: int | None = None, count: int = 500
+    ) -> list[Entry]:
         """Completions after `last_id` (XREAD; one reader, the scheduler)."""
-        reply = await self.client.xread({self.keys.completions_stream: last_id}, count=count,
-                                        block=block_ms)
+        reply = await self.client.xread(
+            {self.keys.completions_stream: last_id}, count=count, block=block_ms
+        )
         streams: list[Any] = list(reply or [])  # type: ignore[arg-type]
         entries: list[Entry] = []
         for _stream, items in streams:
@@ -835,8 +860,9 @@ class Store:
 
     # ========================================================= stream leases
 
-    async def renew_stream_leases(self, owner: str, task_ids: Sequence[str],
-                                  ttl_s: float = STREAM_LEASE_TTL_S) -> None:
+    async def renew_stream_leases(
+        self, owner: str, task_ids: Sequence[str], ttl_s: float = STREAM_LEASE_TTL_S
+    ) -> None:
         """(Re)take `owner`'s lease on every stream in `task_ids`, one round trip."""
         if not task_ids:
             return
@@ -870,7 +896,8 @@ class Store:
     async def append_event(self, fields: Mapping[str, FieldValue]) -> str:
         """Append to the scheduler's event log (kept whole for replay/parity)."""
         entry_id = await self.client.xadd(
-            self.keys.events_stream, encode_fields(fields)  # type: ignore[arg-type]
+            self.keys.events_stream,
+            encode_fields(fields),  # type: ignore[arg-type]
         )
         return str(entry_id)
 
@@ -899,8 +926,9 @@ class Store:
     async def trim_events_before(self, entry_id: str) -> int:
         """Delete the event log entries older than `entry_id` (XTRIM MINID,
         exact; `entry_id` itself stays). Returns how many were deleted."""
-        return int(await self.client.xtrim(self.keys.events_stream, minid=entry_id,
-                                           approximate=False))
+        return int(
+            await self.client.xtrim(self.keys.events_stream, minid=entry_id, approximate=False)
+        )
 
     async def events_length(self) -> int:
         """Entries in the event log (XLEN)."""
@@ -930,8 +958,10 @@ class Store:
             pipe.exists(self.keys.cancelled(task_id))
             pipe.exists(self.keys.stream_lease(task_id))
         replies = await pipe.execute()
-        return [(replies[3 * i] == "1", bool(replies[3 * i + 1]), bool(replies[3 * i + 2]))
-                for i in range(len(task_ids))]
+        return [
+            (replies[3 * i] == "1", bool(replies[3 * i + 1]), bool(replies[3 * i + 2]))
+            for i in range(len(task_ids))
+        ]
 
     async def cancelled_many(self, task_ids: Sequence[str]) -> list[bool]:
         """`is_cancelled` for many tasks in one pipelined round trip."""
@@ -963,9 +993,15 @@ class Store:
             message = {**encode_fields(output_fields or {}), **final}
             await self._finish(
                 keys=[self.keys.task(task_id), self.keys.output(task_id)],
-                args=[self.output_maxlen, ttl_ms, len(state_items), *state_items,
-                      *_flatten(message)],
-                client=pipe)  # fmt: skip
+                args=[
+                    self.output_maxlen,
+                    ttl_ms,
+                    len(state_items),
+                    *state_items,
+                    *_flatten(message),
+                ],
+                client=pipe,
+            )
         return [entry_id is not None for entry_id in await pipe.execute()]
 
     async def expire_finished_tasks(self, task_ids: Sequence[str], ttl_s: float) -> int:
@@ -978,8 +1014,11 @@ class Store:
         ttl_ms = _ms(ttl_s, "ttl_s")
         pipe = self.client.pipeline(transaction=False)
         for task_id in task_ids:
-            await script(keys=[self.keys.task(task_id), self.keys.output(task_id)],
-                         args=[ttl_ms], client=pipe)
+            await script(
+                keys=[self.keys.task(task_id), self.keys.output(task_id)],
+                args=[ttl_ms],
+                client=pipe,
+            )
         return sum(int(n) for n in await pipe.execute())
 
     async def advance_completions_cursor(self, entry_id: str) -> None:
@@ -1037,8 +1076,9 @@ class Store:
     # Readers of per-task truth (GetTask, WatchTasks, AuditTasks): HMGET of
     # named fields only, since a task hash also holds its payload (token ids).
 
-    async def get_task_states(self, task_ids: Sequence[str],
-                              field_names: Sequence[str]) -> list[StoredTask]:
+    async def get_task_states(
+        self, task_ids: Sequence[str], field_names: Sequence[str]
+    ) -> list[StoredTask]:
         """Per task, in order: its `field_names` that are set, whether a Submit
         stored it, whether it has output. One pipelined round trip."""
         if not task_ids:
@@ -1052,28 +1092,35 @@ class Store:
             pipe.exists(self.keys.output(task_id))
         replies = await pipe.execute()
         return [
-            StoredTask(_named_fields(field_names, replies[3 * i]), bool(replies[3 * i + 1]),
-                       bool(replies[3 * i + 2]))
+            StoredTask(
+                _named_fields(field_names, replies[3 * i]),
+                bool(replies[3 * i + 1]),
+                bool(replies[3 * i + 2]),
+            )
             for i in range(len(task_ids))
         ]
 
-    async def scan_task_states(self, cursor: int, field_names: Sequence[str],
-                               count: int = 500) -> tuple[int, list[tuple[str, Fields]]]:
+    async def scan_task_states(
+        self, cursor: int, field_names: Sequence[str], count: int = 500
+    ) -> tuple[int, list[tuple[str, Fields]]]:
         """One SCAN step over this namespace's task hashes: (next cursor, [(task
         id, its set `field_names`)]). Start at cursor 0; a next cursor of 0 means
         done. SCAN's guarantee holds: a hash present for the whole scan is seen
         (maybe twice); `count` is a hint of keys per step. Two round trips."""
         prefix = self.keys.task("x")[:-1]  # "<namespace>:task:"
         next_cursor, keys = await self.client.scan(
-            cursor, match=_glob_escape(prefix) + "*", count=count, _type="hash")
+            cursor, match=_glob_escape(prefix) + "*", count=count, _type="hash"
+        )
         if not keys:
             return int(next_cursor), []
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
             pipe.hmget(key, list(field_names))
         replies = await pipe.execute()
-        found = [(str(key)[len(prefix):], _named_fields(field_names, reply))
-                 for key, reply in zip(keys, replies, strict=True)]
+        found = [
+            (str(key)[len(prefix) :], _named_fields(field_names, reply))
+            for key, reply in zip(keys, replies, strict=True)
+        ]
         # A hash deleted (expired) between SCAN and HMGET reads as all-None.
         return int(next_cursor), [(task_id, fields) for task_id, fields in found if fields]
 
@@ -1097,9 +1144,13 @@ class Store:
             pipe.hincrby(self.keys.stats, name, by)
         await pipe.execute()
 
-    async def sync_stream_leases(self, owner: str, renew_ids: Sequence[str],
-                                 drop_ids: Sequence[str],
-                                 ttl_s: float = STREAM_LEASE_TTL_S) -> None:
+    async def sync_stream_leases(
+        self,
+        owner: str,
+        renew_ids: Sequence[str],
+        drop_ids: Sequence[str],
+        ttl_s: float = STREAM_LEASE_TTL_S,
+    ) -> None:
         """(Re)take `owner`'s lease on `renew_ids` and delete the leases of
         `drop_ids` (streams whose reader is done), one round trip."""
         if not renew_ids and not drop_ids:
