@@ -69,7 +69,7 @@ def _config(redis_url: str, namespace: str, every: int, num_nodes: int) -> Sched
         metrics_port=-1,
         snapshot_every_events=every,
         read_block_s=0.1,
-        stop_grace_s=0.1,
+        shutdown_grace_s=0.1,
         log_level="warning",
     )
 

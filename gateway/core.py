@@ -42,7 +42,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.config import GatewayConfig
-from gateway.convert import OutputStream, TaskEnded, node_state_from_fields, stats_to_proto
+from gateway.convert import OutputStream, TaskEnded, stats_to_proto
 from gateway.upkeep import BatchedCounters, StreamLeases, Upkeep
 from gateway.validate import ANONYMOUS_SCOPE, validate_generate, validate_train
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -54,7 +54,9 @@ from lemix.infra.rpc.errors import (
     Unavailable,
     error_from_rpc,
 )
-from lemix.infra.store.store import Store, TaskIdConflict
+from lemix.infra.store.heartbeat import node_states_from_heartbeats
+from lemix.infra.store.intake import TaskIdConflict
+from lemix.infra.store.store import Store
 from lemix.tokenizer import Tokenizer
 from lemix.types import Task, TaskPayload
 
@@ -189,7 +191,7 @@ class GatewayCore:
         """Run an admitted task and yield its responses until the final one.
 
         `received_s` (on `clock`) is when the request arrived: TTFT and E2E count
-        from it. `gone_reason()` is the PROTOCOL.md reason to cancel the task
+        from it. `gone_reason()` is the docs/protocol.md reason to cancel the task
         with when the caller goes away (cancellation, or closing this iterator
         early). Raises domain errors, or `TaskEnded` for a failed task.
         """
@@ -270,12 +272,9 @@ class GatewayCore:
             log.warning("gateway.counters_flush_failed", error=str(exc))
         counters = await self._redis(self.store.get_stats())
         states = await self._redis(self.store.get_node_states())
-        nodes = []
-        for node_id, fields in sorted(states.items()):
-            try:
-                nodes.append(node_state_from_fields(node_id, fields))
-            except ValueError as exc:  # one bad hash must not hide the others
-                log.warning("gateway.bad_node_state", node_id=node_id, error=str(exc))
+        nodes, bad = node_states_from_heartbeats(states)
+        for node_id, error in bad.items():  # left out: one bad hash must not hide the others
+            log.warning("gateway.bad_node_state", node_id=node_id, error=error)
         return stats_to_proto(counters, nodes, self._num_in_flight)
 
     async def has_live_executor(self) -> bool:

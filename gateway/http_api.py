@@ -1,7 +1,7 @@
 """The gateway's OpenAI-compatible HTTP API (aiohttp), in the gRPC server's
 process and event loop.
 
-Routes (README "API" shows them in use):
+Routes (docs/api.md shows them in use):
 
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: non-streaming, or
   ``"stream": true`` as server-sent events (``data: {chunk}`` lines, then
@@ -73,7 +73,7 @@ from lemix.infra.task_states import task_info_to_dict
 
 log = structlog.get_logger(__name__)
 
-# The failure reason a task gets when its HTTP client goes away (PROTOCOL.md).
+# The failure reason a task gets when its HTTP client goes away (docs/protocol.md).
 HTTP_GONE_REASON = "CANCELLED: the HTTP client disconnected"
 # How often a non-streaming request checks that its client is still there.
 _DISCONNECT_POLL_S = 0.1

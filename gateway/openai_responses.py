@@ -6,7 +6,7 @@ stream chunks. Text is the gateway tokenizer's decode of the token ids the
 gateway reports, decoded as they stream (`lemix.model.tokenizer.detokenize_new`,
 which holds back a token that ends inside a multibyte character).
 
-`error_for` is the one map from what `gateway.core` raises to an HTTP status
+`error_for` maps what `gateway.core` raises to an HTTP status
 and OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``:
 it reads the same status codes the gRPC API answers with.
 """

@@ -28,7 +28,7 @@ _DEADLINE_SLACK_S = 0.01
 
 
 def _gone_reason(context: grpc.aio.ServicerContext) -> str:
-    """Why a stream's client went away, as a PROTOCOL.md failure reason."""
+    """Why a stream's client went away, as a docs/protocol.md failure reason."""
     remaining_s = context.time_remaining()
     if remaining_s is not None and remaining_s <= _DEADLINE_SLACK_S:
         return "DEADLINE_EXCEEDED: the client's deadline passed"

@@ -1,7 +1,7 @@
 """Per-task truth: what GetTask, WatchTasks, AuditTasks and the HTTP task route
 answer, read from Redis where the other services record a task's life.
 
-Who writes what (services/PROTOCOL.md, "Task states"):
+Who writes what (docs/protocol.md, "Task states"):
 
 ===================  ==============================================  ==================
 written by           when                                            task hash fields
@@ -44,8 +44,22 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
 from lemix.infra.rpc.errors import InvalidArgument, NotFound, Unavailable
-from lemix.infra.store.store import Fields, Store, StoredTask, get_optional_float, get_optional_int
+from lemix.infra.store.codec import Fields, get_optional_float, get_optional_int
+from lemix.infra.store.store import Store
+from lemix.infra.store.task_hash import (
+    FINISH_T_FIELD,
+    IS_FINAL_FIELD,
+    NODE_ID_FIELD,
+    NUM_OUTPUT_TOKENS_FIELD,
+    REASON_FIELD,
+    STATUS_FIELD,
+    SUBMIT_T_FIELD,
+    WEIGHT_VERSION_FIELD,
+    StoredStatus,
+)
+from lemix.infra.store.tasks import StoredTask
 from lemix.infra.task_states import FINAL_STATES
+from lemix.reasons import ReasonCode, reason_code
 
 T = TypeVar("T")
 
@@ -62,48 +76,47 @@ AUDIT_SCAN_COUNT = 1_000
 # Longest task id looked up: a client's request id (at most 128 characters)
 # plus its client-scope suffix (``@<12 hex>``, gateway.validate), with room.
 MAX_TASK_ID_CHARS = 256
-CANCELLED_PREFIX = "CANCELLED:"
 IN_INTAKE_REASON = "in the intake stream: no scheduler has taken it yet"
 # The state-hash fields a TaskInfo is built from (never the payload).
 INFO_FIELDS = (
     "kind",
-    "status",
-    "reason",
-    "is_final",
-    "node_id",
-    "submit_t",
+    STATUS_FIELD,
+    REASON_FIELD,
+    IS_FINAL_FIELD,
+    NODE_ID_FIELD,
+    SUBMIT_T_FIELD,
     "queued_t",
     "placed_t",
-    "finish_t",
-    "num_output_tokens",
+    FINISH_T_FIELD,
+    NUM_OUTPUT_TOKENS_FIELD,
     "training_loss",
-    "weight_version",
+    WEIGHT_VERSION_FIELD,
     "inference_loss",
 )
 
 _STATUS_STATES: dict[str, gateway_pb2.TaskState] = {
-    "queued": gateway_pb2.TASK_STATE_QUEUED,
-    "requeued": gateway_pb2.TASK_STATE_QUEUED,  # training handed back, to be placed again
-    "placed": gateway_pb2.TASK_STATE_PLACED,
+    StoredStatus.QUEUED: gateway_pb2.TASK_STATE_QUEUED,
+    StoredStatus.REQUEUED: gateway_pb2.TASK_STATE_QUEUED,  # training handed back
+    StoredStatus.PLACED: gateway_pb2.TASK_STATE_PLACED,
+    StoredStatus.COMPLETED: gateway_pb2.TASK_STATE_COMPLETED,
+    StoredStatus.FAILED: gateway_pb2.TASK_STATE_FAILED,
+    StoredStatus.REJECTED: gateway_pb2.TASK_STATE_REJECTED,
+    # Not written today; a hash holding one reads as that state.
     "running": gateway_pb2.TASK_STATE_RUNNING,
-    "completed": gateway_pb2.TASK_STATE_COMPLETED,
-    "failed": gateway_pb2.TASK_STATE_FAILED,
-    "rejected": gateway_pb2.TASK_STATE_REJECTED,
     "cancelled": gateway_pb2.TASK_STATE_CANCELLED,
 }
 _KINDS = {"inference": common_pb2.TASK_KIND_INFERENCE, "training": common_pb2.TASK_KIND_TRAINING}
 
 
 def _state_of(fields: Fields, has_output: bool) -> gateway_pb2.TaskState:
-    status = fields.get("status", "")
+    status = fields.get(STATUS_FIELD, "")
     state = _STATUS_STATES.get(status)
-    if fields.get("is_final") == "1" and state not in FINAL_STATES:
+    if fields.get(IS_FINAL_FIELD) == "1" and state not in FINAL_STATES:
         state = gateway_pb2.TASK_STATE_FAILED  # final with a status this build does not know
     if state is None:  # a transient status this build does not know: not final, not placed
         state = gateway_pb2.TASK_STATE_QUEUED
-    if state == gateway_pb2.TASK_STATE_FAILED and fields.get("reason", "").startswith(
-        CANCELLED_PREFIX
-    ):
+    is_cancelled = reason_code(fields.get(REASON_FIELD, "")) is ReasonCode.CANCELLED
+    if state == gateway_pb2.TASK_STATE_FAILED and is_cancelled:
         return gateway_pb2.TASK_STATE_CANCELLED
     if state == gateway_pb2.TASK_STATE_PLACED and has_output:
         return gateway_pb2.TASK_STATE_RUNNING
@@ -124,22 +137,22 @@ def task_info(task_id: str, stored: StoredTask) -> gateway_pb2.TaskInfo | None:
         task_id=task_id,
         kind=_KINDS.get(fields.get("kind", ""), common_pb2.TASK_KIND_UNSPECIFIED),
         state=state,
-        reason=fields.get("reason", ""),
+        reason=fields.get(REASON_FIELD, ""),
         is_final=state in FINAL_STATES,
-        submitted_at_s=get_optional_float(fields, "submit_t") or 0.0,
+        submitted_at_s=get_optional_float(fields, SUBMIT_T_FIELD) or 0.0,
         queued_at_s=get_optional_float(fields, "queued_t") or 0.0,
         placed_at_s=get_optional_float(fields, "placed_t") or 0.0,
-        finished_at_s=get_optional_float(fields, "finish_t") or 0.0,
-        num_output_tokens=get_optional_int(fields, "num_output_tokens") or 0,
+        finished_at_s=get_optional_float(fields, FINISH_T_FIELD) or 0.0,
+        num_output_tokens=get_optional_int(fields, NUM_OUTPUT_TOKENS_FIELD) or 0,
     )
-    node_id = get_optional_int(fields, "node_id")
+    node_id = get_optional_int(fields, NODE_ID_FIELD)
     if node_id is not None:
         info.node_id = node_id
     for name in ("training_loss", "inference_loss"):
         value = get_optional_float(fields, name)
         if value is not None and math.isfinite(value):
             setattr(info, name, value)
-    version = get_optional_int(fields, "weight_version")
+    version = get_optional_int(fields, WEIGHT_VERSION_FIELD)
     if version is not None:
         info.weight_version = version
     return info
@@ -270,7 +283,7 @@ class TaskReader:
         num_scanned += len(entries)
         for entry_id, fields in entries:
             task_id = fields.get("task_id", "")
-            at_s = get_optional_float(fields, "submit_t") or _entry_time_s(entry_id)
+            at_s = get_optional_float(fields, SUBMIT_T_FIELD) or _entry_time_s(entry_id)
             if task_id and task_id not in oldest.task_ids and at_s <= cutoff_s:
                 oldest.add(
                     at_s,

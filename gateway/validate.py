@@ -5,7 +5,7 @@ what to change; the servicer's `@handle_errors` turns it into
 INVALID_ARGUMENT. No I/O here: the tokenizer and the limits are arguments.
 
 Ids: a task is named by the client's `request_id` (its idempotency key) or
-``inf-<12 hex>`` / ``trn-<12 hex>`` (PROTOCOL.md). Training tasks whose samples
+``inf-<12 hex>`` / ``trn-<12 hex>`` (docs/protocol.md). Training tasks whose samples
 all carry a `sample_id` get an id derived from them, so resubmitting the same
 batch is idempotent too.
 

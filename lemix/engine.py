@@ -20,11 +20,13 @@ import heapq
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from lemix.batching import BatchingConfig, admit
 from lemix.latency import LatencyModel
 from lemix.memory import MemoryConfig, NodeMemory, activation_bytes, kv_bytes
 from lemix.profile import Profile
+from lemix.reasons import ReasonCode, format_reason
 from lemix.types import Task
 
 PRIO_BLOCKING, PRIO_ITERATION, PRIO_BACKWARD, PRIO_FORWARD = 0, 1, 2, 3
@@ -51,17 +53,27 @@ class EngineConfig:
 # ----------------------------------------------------------------- outputs
 
 
+class WorkKind(StrEnum):
+    """What a stage runs: a backend that executes work for real dispatches on it."""
+
+    ITERATION = "iter"  # one inference iteration (prefill and/or decode)
+    FORWARD = "fwd"  # a training task's forward
+    BACKWARD = "bwd"  # a training task's backward
+    BLOCKING = "block"  # a node-wide blocking op (e.g. a weight sync)
+    NONE = ""  # nothing to execute: wait out the duration
+
+
 @dataclass(frozen=True, slots=True)
 class StageStart:
     """Run `stage` for `duration_s` (predicted by the engine's latency model).
 
-    `kind` ("iter" | "fwd" | "bwd" | "block") and `work` say what runs, for
-    backends that execute it for real instead of waiting out the duration.
+    `kind` and `work` say what runs, for backends that execute it for real
+    instead of waiting out the duration.
     """
 
     stage: int
     duration_s: float
-    kind: str = ""
+    kind: WorkKind = WorkKind.NONE
     work: object = None
 
 
@@ -132,7 +144,7 @@ class _Item:
     prio: int
     seq: int
     durations_s: tuple[float, ...]
-    kind: str  # "iter" | "fwd" | "bwd" | "block"
+    kind: WorkKind
     payload: object = None
 
 
@@ -194,7 +206,7 @@ class NodeEngine:
             self._blocking_apply[tag] = apply_updates
         starts = []
         for stage in range(self.num_stages):
-            item = self._new_item(PRIO_BLOCKING, durations_s, "block", tag)
+            item = self._new_item(PRIO_BLOCKING, durations_s, WorkKind.BLOCKING, tag)
             starts += self._enqueue(item, stage)
         return starts
 
@@ -208,14 +220,14 @@ class NodeEngine:
         starts: list[StageStart] = []
         outcomes: list[Outcome] = []
         last = self.num_stages - 1
-        if item.kind == "iter":
+        if item.kind is WorkKind.ITERATION:
             if stage < last:
                 starts += self._enqueue(item, stage + 1)
             else:
                 self._finish_iteration(item.payload, now_s, outcomes)  # type: ignore[arg-type]
-        elif item.kind == "fwd":
+        elif item.kind is WorkKind.FORWARD:
             starts += self._enqueue(item, stage + 1) if stage < last else self._to_backward(item)
-        elif item.kind == "bwd":
+        elif item.kind is WorkKind.BACKWARD:
             if stage > 0:
                 starts += self._enqueue(item, stage - 1)
             else:
@@ -234,7 +246,7 @@ class NodeEngine:
         cannot be cancelled (False); training still waiting can.
         """
         outcomes: list[Outcome] = []
-        reason = "CANCELLED: cancelled by the client"
+        reason = format_reason(ReasonCode.CANCELLED, "cancelled by the client")
         for queue in (self.waiting, self.swapped):
             for req in queue:
                 if req.task.task_id == task_id:
@@ -306,20 +318,10 @@ class NodeEngine:
             and all(c is None for c in self._current)
         )
 
-    @property
-    def num_held(self) -> int:
-        return (
-            len(self.waiting)
-            + len(self.running)
-            + len(self.swapped)
-            + len(self._training)
-            + len(self._train_waiting)
-        )
-
     # ------------------------------------------------------------ internals
 
     def _new_item(
-        self, prio: int, durations_s: tuple[float, ...], kind: str, payload: object
+        self, prio: int, durations_s: tuple[float, ...], kind: WorkKind, payload: object
     ) -> _Item:
         self._seq += 1
         if self.config.stage_order == "fifo" and prio != PRIO_BLOCKING:
@@ -379,7 +381,9 @@ class NodeEngine:
                 self.truth.forward_s(s, task.batch_size, task.num_prompt_tokens)
                 for s in range(self.num_stages)
             )
-            starts += self._enqueue(self._new_item(PRIO_FORWARD, durations, "fwd", task), 0)
+            starts += self._enqueue(
+                self._new_item(PRIO_FORWARD, durations, WorkKind.FORWARD, task), 0
+            )
         return starts
 
     def _offload_for(self, need: tuple[int, ...]) -> bool:
@@ -416,7 +420,7 @@ class NodeEngine:
             for s in range(self.num_stages)
         )
         return self._enqueue(
-            self._new_item(PRIO_BACKWARD, durations, "bwd", task), self.num_stages - 1
+            self._new_item(PRIO_BACKWARD, durations, WorkKind.BACKWARD, task), self.num_stages - 1
         )
 
     def _finish_training(self, task: Task, outcomes: list[Outcome]) -> None:
@@ -462,7 +466,10 @@ class NodeEngine:
                 break  # it fits now; only a lack of memory drops a request
             self.waiting.popleft()
             outcomes.append(
-                Failed(req.task.task_id, "RESOURCE_EXHAUSTED: no KV memory within T_max")
+                Failed(
+                    req.task.task_id,
+                    format_reason(ReasonCode.RESOURCE_EXHAUSTED, "no KV memory within T_max"),
+                )
             )
 
     def _start_iteration(self, now_s: float, outcomes: list[Outcome]) -> list[StageStart]:
@@ -485,7 +492,9 @@ class NodeEngine:
         self.running = decode + prefill
         self._in_flight = True
         self.num_iterations += 1
-        item = self._new_item(PRIO_ITERATION, durations, "iter", _Iteration(prefill, decode))
+        item = self._new_item(
+            PRIO_ITERATION, durations, WorkKind.ITERATION, _Iteration(prefill, decode)
+        )
         return self._enqueue(item, 0)
 
     def _iteration_durations(
@@ -533,7 +542,9 @@ class NodeEngine:
         for req in self.running:
             if req.is_cancelled or req.failure:
                 self.memory.release(req.task.task_id)
-                reason = req.failure or "CANCELLED: cancelled by the client"
+                reason = req.failure or format_reason(
+                    ReasonCode.CANCELLED, "cancelled by the client"
+                )
                 outcomes.append(Failed(req.task.task_id, reason))
             elif req.is_stopped or req.num_generated >= req.task.max_output_tokens:
                 self.memory.release(req.task.task_id)

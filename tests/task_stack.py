@@ -52,7 +52,7 @@ class TaskStack:
                 slo_tbt_s=0.5,
                 node_poll_s=0.05,
                 read_block_s=0.1,
-                stop_grace_s=0.5,
+                shutdown_grace_s=0.5,
                 # Deferred training is released within 1 s (default 30 s): short tests.
                 max_defer_s=1.0,
                 consumer=f"{self.namespace}-scheduler",

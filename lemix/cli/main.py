@@ -136,7 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--workers", type=int, help="worker processes (default min(2, CPUs))")
     cmp.add_argument("--out", required=True, metavar="DIR")
 
-    demo = sub.add_parser("demo", help="a small compare of every baseline against LeMix")
+    demo = sub.add_parser(
+        "demo",
+        help="the main job: a real torch model (LeMix vs SEPARATE), the live emulated "
+        "stack, then every baseline vs LeMix in the simulator",
+    )
     demo.add_argument("--out", default="runs/demo", metavar="DIR")
     demo.add_argument("--workers", type=int, help="worker processes (default min(2, CPUs))")
 
@@ -185,7 +189,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def configs_from_args(args: argparse.Namespace) -> CliSetup:
-    """The one place where flags become typed configs (ValueError on bad values)."""
+    """The simulator commands' flags as typed configs (ValueError on bad values)."""
     if args.command == "demo":
         sweep = SweepConfig(
             DEMO_POLICIES,

@@ -24,6 +24,7 @@ import grpc
 import grpc.aio
 
 from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc
+from lemix.infra.address import is_host_port
 from lemix.infra.rpc.client import channel
 from lemix.infra.rpc.errors import InvalidArgument, Unavailable
 from lemix.infra.rpc.tls import client_tls
@@ -56,8 +57,7 @@ class AuditConfig:
     tls_ca_file: str = ""  # the CA of a gateway that serves TLS (PEM); "" = plaintext
 
     def __post_init__(self) -> None:
-        host, sep, port = self.target.rpartition(":")
-        if not sep or not host or not port.isdigit():
+        if not is_host_port(self.target):
             raise ValueError(f"--target must be HOST:PORT, got {self.target!r}")
         if not math.isfinite(self.older_than_s) or self.older_than_s < 0:
             raise ValueError(

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from lemix.infra.address import is_host_port
+
 DEFAULT_DEADLINE_S = 3.0
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -43,8 +45,7 @@ def check(
 
 
 def _address(text: str) -> str:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+    if not is_host_port(text):
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
     return text
 

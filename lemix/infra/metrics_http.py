@@ -16,6 +16,8 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from lemix.infra.address import join_host_port
+
 log = structlog.get_logger(__name__)
 
 
@@ -37,10 +39,7 @@ class MetricsServer:
     @property
     def address(self) -> str:
         """host:port to scrape (an IPv6 host in brackets)."""
-        host = (
-            f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else (self.host)
-        )
-        return f"{host}:{self.port}"
+        return join_host_port(self.host, self.port)
 
     @classmethod
     async def start(cls, host: str, port: int) -> MetricsServer:

@@ -18,23 +18,15 @@ import faulthandler
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import structlog
 
+from lemix.infra.lifecycle import Service
 from lemix.infra.logs import configure_logging
 from lemix.infra.metrics_http import MetricsServer
 
 log = structlog.get_logger(__name__)
-
-
-class Service(Protocol):
-    @property
-    def address(self) -> str: ...
-
-    async def start(self) -> Any: ...
-
-    async def stop(self) -> Any: ...
 
 
 class _ServiceConfig(Protocol):
@@ -60,12 +52,12 @@ async def serve(
     """Start, announce, wait for SIGINT/SIGTERM, stop. Returns the exit status."""
     metrics: MetricsServer | None = None
     try:
-        await service.start()
+        await service.start()  # undoes what it had begun when it fails
         metrics = await MetricsServer.start_optional(metrics_host, metrics_port)
     except Exception as exc:
         log.error("start_failed", service=label, error=f"{type(exc).__name__}: {exc}")
         with contextlib.suppress(Exception):
-            await service.stop()  # undo whatever start() had begun
+            await service.stop()  # the metrics endpoint failed: the service is up
         return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -74,7 +66,7 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     try:
         # Other listeners a service names (the gateway's `http`), then metrics.
-        others: dict[str, str] = getattr(service, "other_addresses", {})
+        others = service.other_addresses
         where = "".join(f" {name}={address}" for name, address in others.items())
         where += f" metrics={metrics.address}" if metrics is not None else ""
         print(f"SERVING {label} address={service.address}{where}", flush=True)

@@ -143,7 +143,3 @@ def _untie_head(model: Any) -> None:
     if head is not None and embed is not None and head.weight is embed.weight:
         head.weight = nn.Parameter(embed.weight.detach().clone())
         model.config.tie_word_embeddings = False
-
-
-def num_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from lemix.memory import dynamic_bytes, threshold_bytes
 from lemix.planner.base import PlacementPolicy, PlannerConfig, PolicyContext, Ranked
 from lemix.planner.costs import CostEstimator
 from lemix.planner.snapshot import (
@@ -31,11 +32,12 @@ from lemix.planner.snapshot import (
 )
 from lemix.planner.trace import NodeView, Prediction, compute_idleness
 from lemix.profile import MemoryProfile
+from lemix.reasons import ReasonCode, format_reason
 from lemix.types import Decision, Deferral, Placement, Rejection, Task, TaskKind, WeightSync
 
 _TOKEN_EPSILON = 1e-9
 _MAX_DEFER_CANDIDATES = 3  # nodes a training task is checked against before deferral
-NO_NODE_REASON = "UNAVAILABLE: no live executor can take this task"
+NO_NODE_REASON = format_reason(ReasonCode.UNAVAILABLE, "no live executor can take this task")
 
 
 @dataclass(slots=True)
@@ -64,13 +66,10 @@ class Planner:
         self._task_node: dict[str, int] = {}
         self._recent_arrivals: deque[float] = deque()
         self._memory = memory
-        self._threshold_bytes = int(kappa * memory.capacity_bytes)
         self._kv_bytes_per_token = sum(memory.kv_bytes_per_token)
         self._act_bytes_per_token = sum(memory.activation_bytes_per_token)
-        self._dynamic_bytes = (
-            min(self._threshold_bytes - memory.static_bytes(s) for s in range(config.num_stages))
-            * config.num_stages
-        )
+        self._threshold_bytes = threshold_bytes(memory, kappa)
+        self._dynamic_bytes = dynamic_bytes(memory, kappa, config.num_stages)
         if self._dynamic_bytes <= 0:
             raise ValueError("the model's static memory does not fit under the threshold")
         self._inference_len_mean = 0.0
@@ -298,9 +297,9 @@ class Planner:
             need = bytes_per_token * num_tokens
             room = self._threshold_bytes - memory.static_bytes(stage)
             if need > room:
-                return (
-                    f"RESOURCE_EXHAUSTED: {what} need {need} B on stage {stage} but it has "
-                    f"{room} B for them; {fix}"
+                return format_reason(
+                    ReasonCode.RESOURCE_EXHAUSTED,
+                    f"{what} need {need} B on stage {stage} but it has {room} B for them; {fix}",
                 )
         return None
 

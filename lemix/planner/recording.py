@@ -101,6 +101,18 @@ class RecordingPlanner:
         self._record(decisions)
         return decisions
 
+    # Queries change nothing, so they are not recorded.
+
+    def node_of(self, task_id: str) -> int | None:
+        return self.planner.node_of(task_id)
+
+    def next_wakeup_s(self) -> float | None:
+        return self.planner.next_wakeup_s()
+
+    @property
+    def num_deferred(self) -> int:
+        return self.planner.num_deferred
+
     def _record(self, decisions: list[Decision]) -> None:
         for decision in decisions:
             self._sink({"output": decision_to_event(decision)})

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lemix.latency import PaperLatencyModel
-from lemix.memory import MemoryConfig
+from lemix.memory import MemoryConfig, dynamic_bytes
 from lemix.planner.base import PlacementPolicy, PlannerConfig
 from lemix.planner.costs import CostEstimator, DecodeAwareCostEstimator, PaperCostEstimator
 from lemix.planner.planner import Planner
@@ -131,9 +131,8 @@ def make_estimator(
             (0.0,) * stages,
         )
     kv_per_token = sum(profile.memory.kv_bytes_per_token)
-    threshold = memory.kappa * profile.memory.capacity_bytes
-    kv_capacity = min(threshold - profile.memory.static_bytes(s) for s in range(profile.num_stages))
-    kv_tokens = int(kv_capacity * profile.num_stages // max(kv_per_token, 1))
+    kv_bytes = dynamic_bytes(profile.memory, memory.kappa, profile.num_stages)
+    kv_tokens = kv_bytes // max(kv_per_token, 1)
     return DecodeAwareCostEstimator(
         latency,
         profile.optimizer_step_s,

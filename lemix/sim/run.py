@@ -11,7 +11,7 @@ from lemix.batching import BatchingConfig
 from lemix.engine import EngineConfig, NodeEngine
 from lemix.memory import MemoryConfig
 from lemix.noise import NoisyLatency
-from lemix.planner.base import PlannerConfig
+from lemix.planner.configure import build_planner_config
 from lemix.planner.registry import build_planner, get_spec
 from lemix.profile import Profile
 from lemix.sim.simulator import SimResult, Simulator
@@ -50,11 +50,10 @@ def build_simulator(
     config: SimRunConfig, profile: Profile, tasks: Sequence[Task], slo: Slo
 ) -> Simulator:
     spec = get_spec(config.policy)
-    planner_config = PlannerConfig(
+    planner_config = build_planner_config(
         num_nodes=config.num_nodes,
-        num_stages=profile.num_stages,
-        slo_ttft_s=slo.ttft_s,
-        slo_tbt_s=slo.tbt_s,
+        profile=profile,
+        slo=slo,
         max_batch_size=config.batching.max_batch_size,
         max_defer_s=config.max_defer_s,
         defer_recheck_s=config.defer_recheck_s,

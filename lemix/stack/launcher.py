@@ -41,8 +41,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lemix.infra.config import (
+    EXECUTOR,
+    GATEWAY,
+    PROFILER,
+    SCHEDULER,
+    SHARED_ENV,
+    listener_options,
+)
 from lemix.infra.rpc import EXECUTOR_SERVICE, GATEWAY_SERVICE, PROFILER_SERVICE, SCHEDULER_SERVICE
-from lemix.infra.rpc.auth import generate_token
+from lemix.infra.rpc.auth import SERVICE_TOKEN_ENV, generate_token
 from lemix.infra.store.server import (
     APPENDFSYNC_POLICIES,
     EmbeddedRedis,
@@ -58,6 +66,28 @@ __all__ = ["STOP_TIMEOUT_S", "RestartPolicy", "Stack", "StackConfig", "run_until
 REDIS_URL_FILE = "lemix-redis-url"  # `lemix up` writes the URL (with password) here, mode 0600
 _WAIT_POLL_S = 0.05
 _NUM_PORT_ATTEMPTS = 3  # a picked port taken before the child binds it: pick again
+
+# The service-specific variables `lemix up` sets, by the config field that
+# reads them (the readers in the comments). The shared ones (Redis, namespace,
+# logging, token, each service's host and ports) come from lemix.infra.config;
+# these are spelled here because lemix.stack may not import the services.
+# tests/test_launcher.py checks each against its service's option table.
+_SERVICE_ENV = {
+    "policy": "LEMIX_POLICY",  # scheduler
+    "num_nodes": "LEMIX_NUM_NODES",  # scheduler
+    "train_rate": "LEMIX_TRAIN_RATE",  # scheduler
+    "profile_path": "LEMIX_PROFILE",  # scheduler, executor (the profiler's base_profile_path)
+    "max_batch_size": "LEMIX_MAX_BATCH_SIZE",  # scheduler, executor
+    "node_id": "LEMIX_NODE_ID",  # executor
+    "time_scale": "LEMIX_TIME_SCALE",  # executor
+    "latency_noise_cv": "LEMIX_LATENCY_NOISE_CV",  # executor
+    "backend": "LEMIX_EXECUTOR_BACKEND",  # executor
+    "model": "LEMIX_MODEL",  # executor
+    "torch_threads": "LEMIX_TORCH_THREADS",  # executor
+    "tokenizer": "LEMIX_TOKENIZER",  # executor, gateway
+    "scheduler_address": "LEMIX_SCHEDULER_ADDRESS",  # gateway
+    "http_port": "LEMIX_GATEWAY_HTTP_PORT",  # gateway
+}
 
 
 @dataclass(frozen=True)
@@ -147,35 +177,35 @@ class Stack:
 
     def _env(self, redis_url: str) -> dict[str, str]:
         c = self.config
-        env = dict(os.environ)
-        env.update(
-            {
-                "LEMIX_REDIS_URL": redis_url,
-                "LEMIX_NAMESPACE": c.namespace,
-                "LEMIX_POLICY": c.policy,
-                "LEMIX_NUM_NODES": str(c.num_nodes),
-                "LEMIX_TIME_SCALE": repr(c.time_scale),
-                "LEMIX_LATENCY_NOISE_CV": repr(c.latency_noise_cv),
-                "LEMIX_MAX_BATCH_SIZE": str(c.max_batch_size),
-                "LEMIX_TRAIN_RATE": repr(c.train_rate),
-                "LEMIX_LOG_FORMAT": "json",
-                # Internal RPCs require this token; one per stack (kept across
-                # restarts of a child: `_env` runs once per start).
-                "LEMIX_SERVICE_TOKEN": os.environ.get("LEMIX_SERVICE_TOKEN") or self._service_token,
-                "PYTHONUNBUFFERED": "1",
-            }
-        )
+        shared = {
+            "redis_url": redis_url,
+            "namespace": c.namespace,
+            "log_format": "json",
+            # Internal RPCs require this token; one per stack (kept across
+            # restarts of a child: `_env` runs once per start).
+            "service_token": os.environ.get(SERVICE_TOKEN_ENV) or self._service_token,
+        }
+        specific = {
+            "policy": c.policy,
+            "num_nodes": str(c.num_nodes),
+            "time_scale": repr(c.time_scale),
+            "latency_noise_cv": repr(c.latency_noise_cv),
+            "max_batch_size": str(c.max_batch_size),
+            "train_rate": repr(c.train_rate),
+        }
         if c.profile_path is not None:
-            env["LEMIX_PROFILE"] = str(c.profile_path)
+            specific["profile_path"] = str(c.profile_path)
         if c.backend == "torch":
-            env.update(
-                {
-                    "LEMIX_EXECUTOR_BACKEND": "torch",
-                    "LEMIX_MODEL": c.model,
-                    "LEMIX_TOKENIZER": c.tokenizer,
-                    "LEMIX_TORCH_THREADS": str(c.torch_threads),
-                }
+            specific.update(
+                backend="torch",
+                model=c.model,
+                tokenizer=c.tokenizer,
+                torch_threads=str(c.torch_threads),
             )
+        env = dict(os.environ)
+        env.update({SHARED_ENV[name]: value for name, value in shared.items()})
+        env.update({_SERVICE_ENV[name]: value for name, value in specific.items()})
+        env["PYTHONUNBUFFERED"] = "1"
         env.update(c.extra_env)
         return env
 
@@ -190,11 +220,14 @@ class Stack:
     ) -> tuple[ServiceProcess, list[str]]:
         """A service on fixed ports, and the variables of those picked here.
 
-        `ports` maps its port variables (the part after LEMIX_<PREFIX>_) to a
-        port, 0 meaning a free one, picked now and kept for every restart.
+        `prefix` is the service's LEMIX_<prefix>_* (lemix.infra.config);
+        `ports` maps its port fields to a port, 0 meaning a free one, picked
+        now and kept for every restart.
         """
-        picked = [f"LEMIX_{prefix}_{var}" for var, port in ports.items() if port == 0]
-        fixed = {f"LEMIX_{prefix}_{var}": str(port) for var, port in ports.items() if port}
+        variables = {opt.field: opt.env for opt in listener_options(prefix)}
+        variables.update(_SERVICE_ENV)
+        picked = [variables[port_field] for port_field, port in ports.items() if port == 0]
+        fixed = {variables[port_field]: str(port) for port_field, port in ports.items() if port}
         fixed.update(
             zip(picked, map(str, pick_free_ports(self.config.host, len(picked))), strict=True)
         )
@@ -202,7 +235,7 @@ class Stack:
             name,
             module,
             service,
-            {**env, f"LEMIX_{prefix}_HOST": self.config.host, **fixed},
+            {**env, variables["host"]: self.config.host, **fixed},
             self.config.log_dir / f"{name}.log",
         )
         return child, picked
@@ -225,9 +258,9 @@ class Stack:
                     f"executor-{i}",
                     "services.executor",
                     EXECUTOR_SERVICE,
-                    {**env, "LEMIX_NODE_ID": str(i)},
-                    "EXECUTOR",
-                    {"PORT": 0, "METRICS_PORT": 0},
+                    {**env, _SERVICE_ENV["node_id"]: str(i)},
+                    EXECUTOR,
+                    {"port": 0, "metrics_port": 0},
                 )
                 for i in range(c.num_nodes)
             ]
@@ -238,8 +271,8 @@ class Stack:
                     "profiler",
                     PROFILER_SERVICE,
                     env,
-                    "PROFILER",
-                    {"PORT": 0, "METRICS_PORT": 0},
+                    PROFILER,
+                    {"port": 0, "metrics_port": 0},
                 )
             )
             scheduler = await self._start_child(
@@ -248,8 +281,8 @@ class Stack:
                     "services.scheduler",
                     SCHEDULER_SERVICE,
                     env,
-                    "SCHEDULER",
-                    {"PORT": 0, "METRICS_PORT": 0},
+                    SCHEDULER,
+                    {"port": 0, "metrics_port": 0},
                 )
             )
             gateway = await self._start_child(
@@ -257,9 +290,9 @@ class Stack:
                     "gateway",
                     "gateway",
                     GATEWAY_SERVICE,
-                    {**env, "LEMIX_SCHEDULER_ADDRESS": scheduler.address},
-                    "GATEWAY",
-                    {"PORT": c.gateway_port, "HTTP_PORT": c.http_port, "METRICS_PORT": 0},
+                    {**env, _SERVICE_ENV["scheduler_address"]: scheduler.address},
+                    GATEWAY,
+                    {"port": c.gateway_port, "http_port": c.http_port, "metrics_port": 0},
                 )
             )
         except BaseException:

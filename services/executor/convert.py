@@ -64,7 +64,7 @@ class WeightSyncResult:
 @dataclass(frozen=True, slots=True)
 class DispatchSpec:
     """One placement to run: the task, its payload, and its attempt number
-    (the fencing token, services/PROTOCOL.md; 0: sent without one)."""
+    (the fencing token, docs/protocol.md; 0: sent without one)."""
 
     task: Task
     payload: TaskPayload

@@ -7,7 +7,7 @@ little the service needs around it, none of it scheduling:
   just finished) is accepted and not run twice, unless it is a later attempt
   (the scheduler moved the task away and back): the stale one is let go
   first;
-* fencing (services/PROTOCOL.md): the attempt each held task was dispatched
+* fencing (docs/protocol.md): the attempt each held task was dispatched
   with, for the sink (`attempt_of`); a task the sink found fenced is
   cancelled here (`on_fenced`), which frees its KV;
 * a refusal up front of work that could never fit the node's memory, which
@@ -17,9 +17,10 @@ little the service needs around it, none of it scheduling:
 * on shutdown, an `UNAVAILABLE` end for inference still held, and a requeue
   of training still held, so no client waits on a dead node.
 
-Measure and the weight transfer time are the emulated backend's (they come from
-the profile and the engine's ground-truth latency); a torch backend brings its
-own stage execution through `StageBackend` and would override these two.
+What differs between an emulated node and one running a real model lives in
+its `ExecutorBackend` (services/executor/backends/): stage execution, the
+per-task model state, measuring, the weight files. The weight transfer time
+the engine books is the profile's (host link bandwidth) for both.
 """
 
 from __future__ import annotations
@@ -46,15 +47,15 @@ from lemix.infra.rpc.errors import InvalidArgument, ResourceExhausted, Unavailab
 from lemix.memory import activation_bytes, kv_bytes
 from lemix.profile import Profile
 from lemix.types import NodeSnapshot, Task, TaskPayload
+from services.executor.backends.base import ExecutorBackend
 from services.executor.convert import (
-    MeasurePhase,
     MeasureResult,
     MeasureSpec,
     SyncDirection,
     WeightSyncResult,
     WeightSyncSpec,
 )
-from services.executor.driver import ModelBackend, NodeDriver, OutcomeSink, StageBackend
+from services.executor.driver import NodeDriver, OutcomeSink
 from services.executor.sink import LedgerSink
 
 log = structlog.get_logger(__name__)
@@ -152,7 +153,7 @@ class ExecutorNode:
     def __init__(
         self,
         engine: NodeEngine,
-        backend: StageBackend,
+        backend: ExecutorBackend,
         sink: OutcomeSink,
         *,
         time_scale: float = 1.0,
@@ -165,6 +166,7 @@ class ExecutorNode:
         self.profile: Profile = engine.profile
         self.node_id = engine.node_id
         self.sink = sink
+        self.backend = backend
         self.driver = NodeDriver(engine, backend, _ObservedSink(self, sink), time_scale=time_scale)
         self.address = ""  # host:port, set once the gRPC server is bound
         self.is_stopping = False
@@ -178,11 +180,6 @@ class ExecutorNode:
         self._blocking: dict[str, asyncio.Future[None]] = {}
         self._sync_seq = itertools.count(1)
         self._busy = BusyMeter()
-        # The real model behind the stages (torch backend), or None (emulated).
-        self.model: ModelBackend | None = None
-        if isinstance(backend, ModelBackend):
-            backend.bind(engine)
-            self.model = backend
         if isinstance(sink, LedgerSink):
             sink.bind(self)  # attempts to the sink, fenced tasks back to us
 
@@ -215,8 +212,7 @@ class ExecutorNode:
             )
             return False
         self._check_could_fit(task)
-        if self.model is not None:
-            self.model.on_dispatch(task, payload)  # InvalidArgument when it can't run
+        self.backend.on_dispatch(task, payload)  # InvalidArgument when it can't run
         self._recent_done.pop(task_id, None)  # a later attempt: this is a new placement
         self._held[task_id] = task
         self._attempts[task_id] = attempt
@@ -254,8 +250,9 @@ class ExecutorNode:
         """Occupy every stage for the weight transfer; return when all are done.
 
         LOAD makes `spec.weight_version` the version later first tokens carry.
-        Emulated: each stage moves its weights over the host link. A caller
-        that gives up (deadline) does not undo it; the stages still run it.
+        The engine books each stage's weights moving over the host link; the
+        backend moves real weights (or none, emulated). A caller that gives up
+        (deadline) does not undo it; the stages still run it.
         """
         if self.is_stopping:
             raise Unavailable(f"executor node {self.node_id} is shutting down")
@@ -263,14 +260,12 @@ class ExecutorNode:
         rate = self.profile.transfer.host_link_bytes_s
         durations_s = tuple(nbytes / rate for nbytes in weight_bytes)
         tag = f"{spec.direction}-{spec.weight_version}-{next(self._sync_seq)}"
+        # InvalidArgument (no location for a real model) before anything is booked.
+        self.backend.prepare_sync(tag, spec.direction, spec.location)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._blocking[tag] = done
         start_s = self.driver.now_s()
         apply = spec.weight_version if spec.direction is SyncDirection.LOAD else None
-        if self.model is not None:
-            if not spec.location:
-                raise InvalidArgument("a weight sync of a real model needs a location")
-            self.model.prepare_sync(tag, spec.direction, spec.location)
         try:
             self.driver.add_blocking(tag, durations_s, apply)
             await done
@@ -293,31 +288,7 @@ class ExecutorNode:
             raise InvalidArgument(
                 f"stage {spec.stage} out of range; this node has {self.engine.num_stages} stages"
             )
-        if self.model is not None:
-            if not self.engine.is_idle:
-                raise Unavailable(f"node {self.node_id} is busy; profile an idle node")
-            return await self.model.measure(spec)
-        truth, stage, memory = self.engine.truth, spec.stage, self.profile.memory
-        if spec.phase is MeasurePhase.FORWARD:
-            samples = [
-                truth.forward_s(stage, spec.batch_size, spec.num_tokens)
-                for _ in range(spec.num_repeats)
-            ]
-        elif spec.phase is MeasurePhase.BACKWARD:
-            samples = [
-                truth.backward_s(stage, spec.batch_size, spec.num_tokens)
-                for _ in range(spec.num_repeats)
-            ]
-        else:
-            samples = [
-                truth.decode_step_s(stage, spec.batch_size, spec.sum_context_tokens)
-                for _ in range(spec.num_repeats)
-            ]
-        if spec.phase is MeasurePhase.DECODE:
-            dynamic = memory.kv_bytes_per_token[stage] * spec.sum_context_tokens
-        else:
-            dynamic = memory.activation_bytes_per_token[stage] * spec.batch_size * spec.num_tokens
-        return MeasureResult(tuple(samples), memory.static_bytes(stage) + dynamic)
+        return await self.backend.measure(spec)
 
     def snapshot(self) -> NodeSnapshot:
         """The node's state now, in engine (profile) seconds."""
@@ -388,8 +359,7 @@ class ExecutorNode:
                 attempt = self._attempts.pop(task_id, 0)
                 self._fenced.discard(task_id)
                 self.payloads.pop(task_id, None)
-                if self.model is not None:
-                    self.model.forget(task_id)
+                self.backend.forget(task_id)
                 gone = self._releasing.pop(task_id, None)
                 if gone is not None and not gone.done():
                     gone.set_result(None)

@@ -25,7 +25,7 @@ from lemix.model.runner import InferenceRunner
 from lemix.model.staged import StagedModel
 from lemix.model.training import PipelineTrainer, TrainingConfig
 from lemix.profile import Profile
-from services.executor.torch_backend import TorchBackend, set_torch_threads
+from services.executor.backends.torch import TorchBackend, set_torch_threads
 
 DEFAULT_CPU_BUDGET_BYTES = 4 << 30  # per stage, when there is no GPU to ask
 # AdamW keeps two moments per parameter, plus the gradient: 3 copies.

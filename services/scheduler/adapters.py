@@ -32,7 +32,16 @@ from lemix._proto.lemix.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from lemix.infra.rpc.client import channel
 from lemix.infra.rpc.convert import task_to_proto
 from lemix.infra.rpc.errors import InvalidArgument, Unavailable, error_from_rpc
-from lemix.infra.store.store import IS_FINAL_FIELD, STATUS_FIELD, FieldValue, Store
+from lemix.infra.store.codec import FieldValue
+from lemix.infra.store.messages import end_message
+from lemix.infra.store.store import Store
+from lemix.infra.store.task_hash import (
+    FINISH_T_FIELD,
+    IS_FINAL_FIELD,
+    NODE_ID_FIELD,
+    STATUS_FIELD,
+    StoredStatus,
+)
 from lemix.planner.recording import Event
 from lemix.types import Placement, Task, TaskPayload, WeightSync
 from services.scheduler.codec import EVENT_FIELD, event_to_fields
@@ -257,14 +266,16 @@ class RedisResultWriter:
         t = time.time()
         updates: list[tuple[str, dict[str, FieldValue]]] = []
         for write in writes:
-            if write.status == "placed":
-                updates.append(
-                    (write.task_id, {"status": "placed", "node_id": write.node_id, "placed_t": t})
-                )
-            elif write.status == "queued":  # taken back from a node: no node now
-                updates.append(
-                    (write.task_id, {"status": "queued", "node_id": "", "requeued_t": t})
-                )
+            if write.status == StoredStatus.PLACED:
+                fields: dict[str, FieldValue] = {
+                    STATUS_FIELD: StoredStatus.PLACED,
+                    NODE_ID_FIELD: write.node_id,
+                    "placed_t": t,
+                }
+                updates.append((write.task_id, fields))
+            elif write.status == StoredStatus.QUEUED:  # taken back from a node: no node now
+                fields = {STATUS_FIELD: StoredStatus.QUEUED, NODE_ID_FIELD: "", "requeued_t": t}
+                updates.append((write.task_id, fields))
         # A state write never overwrites a final state (`Store.set_task_state`).
         await self.store.set_task_states(updates)
         ends = [(w.task_id, w.status, w.reason) for w in writes if w.is_final]
@@ -272,13 +283,15 @@ class RedisResultWriter:
             return
         is_first = await self.store.finish_tasks(
             ends,
-            output_fields={"type": "end", "n": "0", "t": t},
-            state_fields={"finish_t": t},
+            output_fields=end_message(0, None, t),
+            state_fields={FINISH_T_FIELD: t},
             ttl_s=self.finished_ttl_s,
         )
         # Count each task once (a retried or redelivered end ends nothing new).
         num_rejected = sum(
-            1 for (_, s, _), first in zip(ends, is_first, strict=True) if first and s == "rejected"
+            1
+            for (_, s, _), first in zip(ends, is_first, strict=True)
+            if first and s == StoredStatus.REJECTED
         )
         num_failed = sum(is_first) - num_rejected
         for name, count in (("num_rejected", num_rejected), ("num_failed", num_failed)):

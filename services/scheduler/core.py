@@ -24,7 +24,7 @@ and inference with no output yet are re-queued, inference mid-stream fails
 ("UNAVAILABLE: ..."), finished ones are only released. Their ids are kept in
 `revoked` so the service cancels them on the node before it gets work again.
 
-Fencing (services/PROTOCOL.md, "Fencing"): every placement gets an attempt
+Fencing (docs/protocol.md, "Fencing"): every placement gets an attempt
 number, counted in the task hash (`AttemptLedger.begin_attempts`, one round
 trip per batch, before any Dispatch of it) and sent with the Dispatch; the
 executor's writes land only while it is current. A task taken away from a
@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterable, Mapping
 import structlog
 
 from lemix.infra import telemetry
+from lemix.infra.store.task_hash import StoredStatus
 from lemix.planner.recording import RecordingPlanner
 from lemix.types import Decision, Deferral, Placement, Rejection, Task, WeightSync
 from services.scheduler.ports import (
@@ -149,7 +150,7 @@ class SchedulerCore:
 
     def node_of(self, task_id: str) -> int | None:
         """The node a task is placed on, or None (queued, deferred or unknown)."""
-        return self.planner.planner.node_of(task_id)
+        return self.planner.node_of(task_id)
 
     def task(self, task_id: str) -> Task | None:
         return self._tasks.get(task_id)
@@ -176,8 +177,14 @@ class SchedulerCore:
                 by_node.setdefault(node_id, []).append(task_id)
         return by_node
 
+    @property
+    def num_deferred(self) -> int:
+        """Training the planner holds back for now (deferred, not rejected)."""
+        return self.planner.num_deferred
+
     def next_wakeup_s(self) -> float | None:
-        return self.planner.planner.next_wakeup_s()
+        """When (planner time) deferred work must be looked at again, or None."""
+        return self.planner.next_wakeup_s()
 
     # ------------------------------------------------------------ restart
 
@@ -267,7 +274,7 @@ class SchedulerCore:
             decisions = self.planner.on_task_finished(task_id, now_s, is_success)
             if is_requeue and task is not None:
                 self.planner.submit(task, now_s)  # training goes back, never lost
-                self._note(StateWrite(task_id, "queued"))
+                self._note(StateWrite(task_id, StoredStatus.QUEUED))
             else:
                 self._forget(task_id)
             decisions += self._plan(now_s)
@@ -347,7 +354,7 @@ class SchedulerCore:
     def _note(self, write: StateWrite) -> None:
         self._unwritten[write.task_id] = write  # a later state supersedes an unstored one
 
-    def _end(self, task_id: str, status: str, reason: str) -> None:
+    def _end(self, task_id: str, status: StoredStatus, reason: str) -> None:
         self._forget(task_id)
         self._note(StateWrite(task_id, status, reason=reason))
 
@@ -381,12 +388,16 @@ class SchedulerCore:
         num_moves = self._num_moves.get(task.task_id, 0) + 1
         if num_moves > self.max_task_moves:
             log.warning("task_gave_up", task_id=task.task_id, num_moves=num_moves - 1, why=why)
-            self._end(task.task_id, "failed", f"{why}; gave up after placing it {num_moves} times")
+            self._end(
+                task.task_id,
+                StoredStatus.FAILED,
+                f"{why}; gave up after placing it {num_moves} times",
+            )
             return False
         self._num_moves[task.task_id] = num_moves
         self.num_moved += 1
         self.planner.submit(task, now_s)
-        self._note(StateWrite(task.task_id, "queued"))
+        self._note(StateWrite(task.task_id, StoredStatus.QUEUED))
         return True
 
     async def _apply(self, decisions: list[Decision]) -> None:
@@ -413,7 +424,9 @@ class SchedulerCore:
                 self.num_rejected += 1
                 rejected = self._tasks.get(decision.task_id)
                 telemetry.observe_rejected(self.policy, rejected.kind.value if rejected else "")
-                self._end(decision.task_id, "rejected", rejection_reason(decision.reason))
+                self._end(
+                    decision.task_id, StoredStatus.REJECTED, rejection_reason(decision.reason)
+                )
             elif isinstance(decision, WeightSync):
                 try:
                     await self.dispatcher.sync_weights(decision)
@@ -527,7 +540,7 @@ class SchedulerCore:
         if error is None:
             self.num_placed += 1
             telemetry.observe_placed(self.policy, task.kind.value)
-            self._note(StateWrite(task_id, "placed", node_id=node_id))
+            self._note(StateWrite(task_id, StoredStatus.PLACED, node_id=node_id))
             return False
         self.planner.on_task_finished(task_id, now_s, is_success=False)
         if isinstance(error, TaskRefused):
@@ -535,7 +548,7 @@ class SchedulerCore:
             # task, not the node. Only the task ends.
             self.num_refused += 1
             log.info("task_refused", task_id=task_id, node_id=node_id, reason=error.reason)
-            self._end(task_id, "rejected", error.reason)
+            self._end(task_id, StoredStatus.REJECTED, error.reason)
             return False
         if isinstance(error, DispatchError):
             self.num_dispatch_failures += 1
@@ -583,7 +596,9 @@ class SchedulerCore:
         for task_id, state in zip(task_ids, progress, strict=True):
             task = self._tasks[task_id]
             if state.is_final:  # it ended; its completion is not applied yet
-                self.planner.on_task_finished(task_id, now_s, state.status == "completed")
+                self.planner.on_task_finished(
+                    task_id, now_s, state.status == StoredStatus.COMPLETED
+                )
                 self._forget(task_id)
                 continue
             self._revoke(node_id, task_id)
@@ -592,7 +607,7 @@ class SchedulerCore:
                 num_failed += 1
                 self._end(
                     task_id,
-                    "failed",
+                    StoredStatus.FAILED,
                     f"UNAVAILABLE: executor of node {node_id} {why} while streaming; retry",
                 )
             elif self._move(task, now_s, f"UNAVAILABLE: executor of node {node_id} {why}"):

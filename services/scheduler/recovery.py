@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lemix.infra.store.store import Entry
+from lemix.infra.store.codec import Entry
 from lemix.planner.base import PlannerConfig
 from lemix.planner.planner import Planner
 from lemix.planner.recording import Event, replay, task_from_event

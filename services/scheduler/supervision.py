@@ -38,7 +38,9 @@ from collections.abc import Callable, Sequence
 import structlog
 
 from lemix.infra.rpc.errors import Unavailable
-from lemix.infra.store.store import Fields, Store, get_bool, get_optional_float
+from lemix.infra.store.codec import Fields, get_bool, get_optional_float
+from lemix.infra.store.heartbeat import ADDRESS_FIELD, IS_HEALTHY_FIELD, NOW_S_FIELD
+from lemix.infra.store.store import Store
 from services.scheduler.adapters import GrpcDispatcher
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
@@ -104,8 +106,9 @@ class NodeSupervisor:
 
     async def _apply(self, node_id: int, fields: Fields | None, has_tasks: bool) -> None:
         core = self.core
-        address = (fields or {}).get("address", "")
-        is_live = bool(address) and get_bool(fields or {}, "is_healthy", True)
+        # Liveness reads these fields leniently (lemix.infra.store.heartbeat).
+        address = (fields or {}).get(ADDRESS_FIELD, "")
+        is_live = bool(address) and get_bool(fields or {}, IS_HEALTHY_FIELD, True)
         if is_live:
             self._down_since_s.pop(node_id, None)
             await self.dispatcher.set_address(node_id, address)
@@ -138,7 +141,7 @@ class NodeSupervisor:
 
     def _has_restarted(self, node_id: int, fields: Fields) -> bool:
         try:
-            now_s = get_optional_float(fields, "now_s")
+            now_s = get_optional_float(fields, NOW_S_FIELD)
         except ValueError:
             return False
         if now_s is None:

@@ -200,7 +200,10 @@ GATEWAY_PORTS = {50051, 8000}  # DESIGN.md: gRPC and HTTP
 # LeMix service module → (its own env/flag parser, the config field of its drain grace)
 PARSERS: dict[str, tuple[Callable[[Mapping[str, str]], Any], str]] = {
     "gateway": (lambda env: gateway_config.from_env_and_args([], env), "shutdown_grace_s"),
-    "services.scheduler": (lambda env: scheduler_config.from_env_and_args([], env), "stop_grace_s"),
+    "services.scheduler": (
+        lambda env: scheduler_config.from_env_and_args([], env),
+        "shutdown_grace_s",
+    ),
     "services.executor": (
         lambda env: executor_config.ExecutorConfig.from_env_and_args([], env),
         "shutdown_grace_s",

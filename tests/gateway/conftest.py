@@ -51,7 +51,7 @@ async def store(redis_server: EmbeddedRedis, namespace: str) -> AsyncIterator[St
 
 @pytest.fixture
 async def live_node(store: Store) -> int:
-    """One executor heartbeat, as an executor writes it (PROTOCOL.md)."""
+    """One executor heartbeat, as an executor writes it (docs/protocol.md)."""
     await store.put_node_state(
         FAKE_NODE_ID,
         {

@@ -4,7 +4,7 @@
 stores the task as the scheduler does (`Store.submit_task`: duplicates and
 reused ids with another request, ALREADY_EXISTS, are decided there),
 acknowledges it and, for a new inference task, plays its executor's part per
-services/PROTOCOL.md: token messages on ``output:{task_id}`` (the first with
+docs/protocol.md: token messages on ``output:{task_id}`` (the first with
 ``first``/``version``), then an ``end`` message written with
 `Store.finish_task`. On Cancel it records the call, stops the run and writes
 the executor's ``CANCELLED`` end. A `Script` says how the next tasks go.
@@ -23,7 +23,8 @@ import grpc.aio
 
 from lemix._proto.lemix.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from lemix.infra.rpc import convert
-from lemix.infra.store.store import Store, TaskIdConflict
+from lemix.infra.store.intake import TaskIdConflict
+from lemix.infra.store.store import Store
 from lemix.types import Task, TaskKind, TaskPayload
 from services.scheduler.codec import task_to_fields
 

@@ -5,13 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from gateway.convert import (
-    OutputStream,
-    TaskEnded,
-    node_state_from_fields,
-    stats_to_proto,
-    status_for_reason,
-)
+from gateway.convert import OutputStream, TaskEnded, stats_to_proto, status_for_reason
+from lemix.infra.store.heartbeat import node_state_from_heartbeat
 from lemix.model.tokenizer import BPETokenizer, corpus_fingerprint, train_bpe
 from lemix.outputs import format_token_ids, parse_token_ids
 from lemix.tokenizer import ApproxTokenizer, emulated_token_id
@@ -100,7 +95,7 @@ def test_failed_end_raises_task_ended() -> None:
 
 
 def test_node_state_and_stats() -> None:
-    node = node_state_from_fields(
+    node = node_state_from_heartbeat(
         3,
         {
             "address": "h:1",
@@ -112,7 +107,7 @@ def test_node_state_and_stats() -> None:
     )
     assert (node.node_id, node.address, node.num_running, node.is_healthy) == (3, "h:1", 2, False)
     with pytest.raises(ValueError):
-        node_state_from_fields(3, {"num_running": "many"})
+        node_state_from_heartbeat(3, {"num_running": "many"})
     stats = stats_to_proto({"num_inference": 4, "num_failed": 1, "other": 9}, [node], 2)
     assert (stats.num_inference, stats.num_failed, stats.num_in_flight) == (4, 1, 2)
     assert stats.num_training == 0 and len(stats.nodes) == 1

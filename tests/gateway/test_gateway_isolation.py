@@ -25,8 +25,9 @@ from gateway.service import GatewayService
 from gateway.upkeep import BatchedCounters
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from lemix.infra.rpc.client import channel
+from lemix.infra.store.intake import TaskIdConflict
 from lemix.infra.store.server import EmbeddedRedis, find_free_port
-from lemix.infra.store.store import Store, TaskIdConflict
+from lemix.infra.store.store import Store
 from lemix.types import Task, TaskKind, TaskPayload
 from services.scheduler.codec import task_to_fields
 

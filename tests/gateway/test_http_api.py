@@ -104,7 +104,7 @@ async def stack(
             slo_tbt_s=0.5,
             node_poll_s=0.05,
             read_block_s=0.1,
-            stop_grace_s=0.5,
+            shutdown_grace_s=0.5,
             consumer="http-test",
         ),
         profile=profile,

@@ -11,9 +11,9 @@ Insecure channels cannot carry gRPC call credentials, so the token travels as
 plain metadata through client interceptors: it authenticates callers inside
 the cluster network, it does not encrypt (no TLS on internal links).
 
-Each service config declares the option by adding `SERVICE_TOKEN_OPTION` to
-its `_OPTIONS` and a `service_token: str = field(default="", repr=False)`
-field checked with `check_service_token`.
+Every service config gets the option (`SERVICE_TOKEN_OPTION`) and its
+`service_token` field, checked with `check_service_token`, from
+`lemix.infra.config`.
 """
 
 from __future__ import annotations

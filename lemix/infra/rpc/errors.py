@@ -1,4 +1,4 @@
-"""The one place that maps domain errors to gRPC status codes (and back).
+"""Domain errors and the gRPC status codes they map to (and back).
 
 Service code raises the exceptions below; servicer methods wear
 `@handle_errors` (or wrap their body in `async with map_errors(context)`), which

@@ -29,6 +29,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from lemix.infra.address import join_host_port
 from lemix.infra.rpc.auth import SERVICE_TOKEN_ENV
 from lemix.infra.rpc.guard import MalformedRequests, RequireServiceToken
 
@@ -72,12 +73,6 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
         ("grpc.server.max_pending_requests", MAX_PENDING_REQUESTS),
         ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_REQUESTS),
     ]
-
-
-def _bind_target(host: str, port: int) -> str:
-    if ":" in host and not host.startswith("["):  # a bare IPv6 literal
-        host = f"[{host}]"
-    return f"{host}:{port}"
 
 
 async def start_server(
@@ -127,7 +122,7 @@ async def start_server(
     reflection.enable_server_reflection(
         [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    target = _bind_target(host, port)
+    target = join_host_port(host, port)
     try:
         if server_credentials is None:
             bound_port = server.add_insecure_port(target)
@@ -142,7 +137,7 @@ async def start_server(
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info(
         "rpc.server_started",
-        address=_bind_target(host, bound_port),
+        address=join_host_port(host, bound_port),
         services=service_names,
         scheme="grpc" if server_credentials is None else "grpcs",
     )

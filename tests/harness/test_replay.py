@@ -20,9 +20,10 @@ from task_stack import TaskStack, start_stack
 
 from gateway.tasks import INFO_FIELDS
 from lemix.harness.replay import ReplayConfig, format_lost, run_replay
+from lemix.infra.store.codec import Fields
 from lemix.infra.store.keys import RedisKeys
 from lemix.infra.store.server import EmbeddedRedis
-from lemix.infra.store.store import Fields, Store
+from lemix.infra.store.store import Store
 from lemix.types import Task, TaskKind, TaskRecord, TaskStatus
 from lemix.workload import WorkloadConfig, build_workload
 

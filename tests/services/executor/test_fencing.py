@@ -9,28 +9,30 @@ from __future__ import annotations
 import asyncio
 import functools
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 from factories import make_profile, make_request, make_training
 from prometheus_client import REGISTRY
+from waiting import wait_until
 
 from lemix._proto.lemix.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from lemix.engine import Outcome
 from lemix.infra.rpc.client import DEFAULT_DEADLINE_S, channel
 from lemix.infra.rpc.convert import task_to_proto
+from lemix.infra.store.codec import Entry, Fields
 from lemix.infra.store.keys import RedisKeys
 from lemix.infra.store.server import EmbeddedRedis
-from lemix.infra.store.store import ATTEMPT_FIELD, Entry, Fields, Store
+from lemix.infra.store.store import Store
+from lemix.infra.store.task_hash import ATTEMPT_FIELD
 from lemix.profile import save_profile
 from lemix.types import Task
 from services.executor.config import ExecutorConfig
 from services.executor.service import ExecutorService
 
 OLD, NEW = 3, 4  # node ids: the one the task is taken from, the one it goes to
-WAIT_S = 10.0  # bound on any wait; normal runs take milliseconds
 
 
 class Node:
@@ -101,15 +103,6 @@ async def place(store: Store, task_id: str) -> int:
     return attempt
 
 
-async def wait_until(predicate: Callable[[], Awaitable[bool] | bool], what: str) -> None:
-    async with asyncio.timeout(WAIT_S):
-        while True:
-            result = predicate()
-            if result if isinstance(result, bool) else await result:
-                return
-            await asyncio.sleep(0.01)
-
-
 async def outputs(store: Store, task_id: str) -> list[Fields]:
     return [fields for _, fields in await store.read_output(task_id)]
 
@@ -118,7 +111,7 @@ async def read_until_end(store: Store, task_id: str) -> list[Fields]:
     async def has_end() -> bool:
         return any(m.get("type") == "end" for m in await outputs(store, task_id))
 
-    await wait_until(has_end, f"{task_id}'s end")
+    await wait_until(has_end, what=f"{task_id}'s end")
     return await outputs(store, task_id)
 
 
@@ -147,11 +140,11 @@ async def test_a_moved_request_gets_no_token_and_no_end_from_its_old_executor(
     old, new, store = nodes
     fenced_before = fenced_writes(OLD, "token")
     await old.dispatch(make_request("r", 0.0, 50, 100_000), await place(store, "r"))
-    await wait_until(lambda: _has_output(store, "r"), "r streaming on the old node")
+    await wait_until(lambda: _has_output(store, "r"), what="r streaming on the old node")
     attempt = await place(store, "r")  # the scheduler moved it: from here on old is fenced
     num_before = len(await outputs(store, "r"))
     # The old node finds out at its next write, lets the task go and frees its KV.
-    await wait_until(lambda: not old.holds("r"), "the old node let r go")
+    await wait_until(lambda: not old.holds("r"), what="the old node let r go")
     [completion] = await completions_of(store, "r")
     assert (completion["node_id"], completion[ATTEMPT_FIELD]) == (str(OLD), "1")
     assert len(await outputs(store, "r")) == num_before  # nothing after the fence
@@ -180,13 +173,13 @@ async def test_a_cancel_on_the_old_node_writes_no_cancelled_end(
 ) -> None:
     old, _, store = nodes
     await old.dispatch(make_request("c", 0.0, 50, 100_000), await place(store, "c"))
-    await wait_until(lambda: _has_output(store, "c"), "c streaming")
+    await wait_until(lambda: _has_output(store, "c"), what="c streaming")
     await place(store, "c")  # moved (the node was declared dead), then told to cancel
     await old.stub.Cancel(
         common_pb2.CancelRequest(task_id="c", reason="moved off node 3"), timeout=DEFAULT_DEADLINE_S
     )
-    await wait_until(lambda: not old.holds("c"), "the old node let c go")
-    await wait_until(lambda: _completed_by(store, "c", OLD), "the old node's completion")
+    await wait_until(lambda: not old.holds("c"), what="the old node let c go")
+    await wait_until(lambda: _completed_by(store, "c", OLD), what="the old node's completion")
     assert [m for m in await outputs(store, "c") if m["type"] == "end"] == []
     assert (await store.get_task_state("c")).get("is_final") is None
 
@@ -207,7 +200,7 @@ async def test_two_executors_on_one_task_only_the_current_attempt_lands(
         old.dispatch(make_request("d", 0.0, 50, 8), first),
         new.dispatch(make_request("d", 0.0, 50, 8), second),
     )
-    await wait_until(lambda: not old.holds("d") and not new.holds("d"), "both done with d")
+    await wait_until(lambda: not old.holds("d") and not new.holds("d"), what="both done with d")
     messages = await read_until_end(store, "d")
     assert {m["node"] for m in messages} == {str(NEW)}
     assert token_numbers(messages) == list(range(1, 9))
@@ -226,7 +219,7 @@ async def test_training_moved_away_ends_once_by_its_new_node(
     stale = await place(store, "t")
     current = await place(store, "t")  # moved before the old node finished it
     await old.dispatch(make_training("t", 0.0, 50), stale)
-    await wait_until(lambda: _completed_by(store, "t", OLD), "the stale run ended")
+    await wait_until(lambda: _completed_by(store, "t", OLD), what="the stale run ended")
     assert await outputs(store, "t") == []  # its end did not land...
     assert (await store.get_task_state("t")).get("is_final") is None
     assert fenced_writes(OLD, "end") == fenced_before + 1
@@ -240,7 +233,7 @@ async def test_a_task_moved_away_and_back_runs_again_on_the_same_node(
 ) -> None:
     old, _, store = nodes
     await old.dispatch(make_request("b", 0.0, 50, 100_000), await place(store, "b"))
-    await wait_until(lambda: _has_output(store, "b"), "b streaming")
+    await wait_until(lambda: _has_output(store, "b"), what="b streaming")
     gate = hold_back_writes(old)  # so the node cannot find out by itself it was fenced
     await place(store, "b")  # moved to another node...
     attempt = await place(store, "b")  # ...and back, while the old attempt still runs here
@@ -248,7 +241,7 @@ async def test_a_task_moved_away_and_back_runs_again_on_the_same_node(
     back = asyncio.create_task(old.dispatch(make_request("b", 0.0, 50, 6), attempt))
     assert old.service.node is not None
     releasing = old.service.node._releasing  # the Dispatch waits for the old one to leave
-    await wait_until(lambda: "b" in releasing, "the old attempt cancelled")
+    await wait_until(lambda: "b" in releasing, what="the old attempt cancelled")
     gate.set()  # its (fenced) end goes out; then the new attempt starts
     await back
     await old.dispatch(make_request("b", 0.0, 50, 6), attempt)  # redelivered: runs once
@@ -285,6 +278,6 @@ async def test_a_dispatch_without_an_attempt_still_runs(nodes: tuple[Node, Node,
         messages = await read_until_end(store, task_id)
         assert token_numbers(messages) == [1, 2, 3, 4]
         assert messages[-1]["status"] == "completed"
-        await wait_until(functools.partial(_completed_by, store, task_id, OLD), "completion")
+        await wait_until(functools.partial(_completed_by, store, task_id, OLD), what="completion")
         [completion] = await completions_of(store, task_id)
         assert completion[ATTEMPT_FIELD] == "0"

@@ -7,8 +7,10 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from lemix.infra.store.fencing import FencedProgress, FinishOutcome
 from lemix.infra.store.keys import RedisKeys
-from lemix.infra.store.store import ATTEMPT_FIELD, FencedProgress, FinishOutcome, Store
+from lemix.infra.store.store import Store
+from lemix.infra.store.task_hash import ATTEMPT_FIELD
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from lemix.infra import telemetry
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "lemix-dashboard.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "lemix-dashboard.json"
 _METRIC = re.compile(r"\blemix_[a-z0-9_]+")
 
 

@@ -7,7 +7,8 @@ import asyncio
 from factories import make_profile, make_request, make_training
 
 from lemix.engine import EngineConfig, Failed, Finished, FirstToken, NodeEngine, TokensEmitted
-from services.executor.driver import EmulatedBackend, NodeDriver
+from services.executor.backends import EmulatedBackend
+from services.executor.driver import NodeDriver
 
 TIME_SCALE = 0.01  # 100x faster than the profile: the test stays short
 
@@ -33,7 +34,7 @@ class ListSink:
 def make_driver(sink: ListSink) -> NodeDriver:
     profile = make_profile()
     engine = NodeEngine(0, profile, profile.ours, EngineConfig(emit_tokens=True))
-    return NodeDriver(engine, EmulatedBackend(TIME_SCALE), sink, time_scale=TIME_SCALE)
+    return NodeDriver(engine, EmulatedBackend(), sink, time_scale=TIME_SCALE)
 
 
 async def test_request_streams_every_token_then_finishes() -> None:
@@ -71,7 +72,8 @@ async def test_cancel_frees_the_request_and_reports_it() -> None:
     driver = make_driver(sink)
     await driver.start()
     driver.add_task(make_request("long", 0.0, 50, 10_000))
-    await asyncio.sleep(0.05)
+    # Its KV could never fit make_profile()'s memory: it waits until cancelled.
+    assert [r.task.task_id for r in driver.engine.waiting] == ["long"]
     assert driver.cancel("long")
     await asyncio.wait_for(sink.done.wait(), timeout=10)
     await driver.stop()

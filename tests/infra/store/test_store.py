@@ -1,4 +1,5 @@
-"""lemix.infra.store.store against a real Redis (the session's `redis_server`, flushed per test)."""
+"""lemix.infra.store's `Store` against a real Redis (the session's `redis_server`,
+flushed per test)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,16 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from lemix.infra.store.keys import RedisKeys
-from lemix.infra.store.store import (
-    IS_FINAL_FIELD,
-    Store,
-    TaskIdConflict,
+from lemix.infra.store.codec import (
     encode_fields,
-    get_bool,
     get_float,
     get_int,
-    get_optional_float,
     get_optional_int,
 )
+from lemix.infra.store.intake import TaskIdConflict
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.store import Store
+from lemix.infra.store.task_hash import IS_FINAL_FIELD
 from lemix.types import TaskKind, TaskStatus
 
 
@@ -41,18 +40,7 @@ def _task(task_id: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-# ------------------------------------------------------------------ codec
-
-
-def test_codec_round_trips_numbers_bools_and_none() -> None:
-    fields = encode_fields({"i": 7, "f": 0.1, "b": True, "n": None, "s": TaskKind.TRAINING})
-    assert fields == {"i": "7", "f": "0.1", "b": "1", "n": "", "s": "training"}
-    assert get_int(fields, "i") == 7 and get_int(fields, "missing", 3) == 3
-    assert get_float(fields, "f") == 0.1
-    assert get_bool(fields, "b") is True and get_bool(fields, "missing") is False
-    assert get_optional_float(fields, "n") is None and get_optional_int(fields, "i") == 7
-    with pytest.raises(TypeError):
-        encode_fields({"x": [1, 2]})  # type: ignore[dict-item]
+# ------------------------------------------------------------------ construction
 
 
 def test_store_needs_decoded_responses(redis_server: Any) -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 
 from lemix.infra.store.keys import RedisKeys
-from lemix.infra.store.store import Store, StoredTask
+from lemix.infra.store.store import Store
+from lemix.infra.store.tasks import StoredTask
 
 
 async def _scan_all(store: Store, count: int = 2) -> dict[str, dict[str, str]]:

@@ -1,4 +1,4 @@
-"""The `torch` stage backend: a real staged transformers model behind `StageBackend`.
+"""The `torch` backend: a real staged transformers model behind `ExecutorBackend`.
 
 The node engine still decides what runs where and when (the same engine the
 simulator and the emulated executor run); this backend executes each
@@ -29,8 +29,8 @@ from typing import Any
 import structlog
 import torch
 
-from lemix.engine import NodeEngine, StageStart
-from lemix.infra.rpc.errors import InvalidArgument
+from lemix.engine import NodeEngine, StageStart, WorkKind
+from lemix.infra.rpc.errors import InvalidArgument, Unavailable
 from lemix.model.device_memory import stage_used_bytes
 from lemix.model.runner import GenRequest, InferenceRunner
 from lemix.model.staged import StagedModel
@@ -38,8 +38,8 @@ from lemix.model.training import PipelineTrainer, Sample
 from lemix.outputs import FINISH_LENGTH
 from lemix.types import Task, TaskPayload
 from services.executor import weights
+from services.executor.backends.base import RequestsFailed
 from services.executor.convert import MeasureResult, MeasureSpec, SyncDirection
-from services.executor.driver import RequestsFailed
 
 log = structlog.get_logger(__name__)
 
@@ -51,7 +51,7 @@ class _SyncJob:
 
 
 class TorchBackend:
-    """Runs a node's engine decisions on a `StagedModel`."""
+    """`ExecutorBackend` on a `StagedModel`: runs a node's engine decisions for real."""
 
     def __init__(
         self,
@@ -92,6 +92,14 @@ class TorchBackend:
         # item: reading grads or optimizer state from another thread while a
         # backward accumulates into them is a data race (it corrupted the heap).
         self._used_bytes = staged.weight_bytes()
+
+    @property
+    def is_emulated(self) -> bool:
+        return False
+
+    @property
+    def produces_tokens(self) -> bool:
+        return True
 
     # ------------------------------------------------------------ node hooks
 
@@ -165,6 +173,8 @@ class TorchBackend:
 
     def prepare_sync(self, tag: str, direction: SyncDirection, location: str) -> None:
         """The next ``block`` items tagged `tag` save/load the weights at `location`."""
+        if not location:
+            raise InvalidArgument("a weight sync of a real model needs a location")
         self._syncs[tag] = _SyncJob(direction, location)
 
     def used_bytes(self) -> list[int]:
@@ -177,7 +187,9 @@ class TorchBackend:
 
     # ------------------------------------------------------------ execution
 
-    async def execute(self, start: StageStart) -> Sequence[str] | None:
+    async def execute(self, start: StageStart, expected_wall_s: float) -> Sequence[str] | None:
+        """Run `start` on its stage's thread; it takes what it takes
+        (`expected_wall_s` is the engine's guess, not used here)."""
         self._mirror_offloads()
         fn = self._work(start)
         stage = start.stage
@@ -195,16 +207,16 @@ class TorchBackend:
 
     def _work(self, start: StageStart) -> Callable[[], Sequence[str] | None]:
         stage = start.stage
-        if start.kind == "iter":
+        if start.kind == WorkKind.ITERATION:
             iteration: Any = start.work
             prefill = [r.task.task_id for r in iteration.prefill]
             decode = [r.task.task_id for r in iteration.decode]
             return lambda: self._run_iteration(stage, id(iteration), prefill, decode)
-        if start.kind == "fwd":
+        if start.kind == WorkKind.FORWARD:
             task: Task = start.work  # type: ignore[assignment]
             samples = self._samples.get(task.task_id, []) if stage == 0 else []
             return lambda: self.trainer.forward(stage, task.task_id, samples)
-        if start.kind == "bwd":
+        if start.kind == WorkKind.BACKWARD:
             task = start.work  # type: ignore[assignment]
             return lambda: self._backward(stage, task.task_id)
         job = self._syncs.get(str(start.work))
@@ -268,8 +280,12 @@ class TorchBackend:
     # ------------------------------------------------------------ profiling
 
     async def measure(self, spec: MeasureSpec) -> MeasureResult:
-        """Time `spec` on its stage's thread (see `services.executor.torch_measure`)."""
+        """Time `spec` on its stage's thread (see `services.executor.torch_measure`);
+        Unavailable while the node has work (it would share the stage)."""
         from services.executor.torch_measure import measure_stage
+
+        if self.engine is not None and not self.engine.is_idle:
+            raise Unavailable(f"node {self.engine.node_id} is busy; profile an idle node")
 
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(

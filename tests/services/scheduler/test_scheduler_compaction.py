@@ -25,9 +25,10 @@ from test_scheduler_service import (
     wait_until,
 )
 
+from lemix.infra.store.codec import Entry, encode_fields
 from lemix.infra.store.keys import RedisKeys
 from lemix.infra.store.server import EmbeddedRedis
-from lemix.infra.store.store import Entry, Store, encode_fields
+from lemix.infra.store.store import Store
 from lemix.planner.recording import (
     Event,
     RecordingPlanner,

@@ -26,9 +26,11 @@ from test_scheduler_service import PROFILE, end_message, inference, submit, trai
 from lemix._proto.lemix.v1 import scheduler_pb2_grpc
 from lemix.engine import Outcome
 from lemix.infra.rpc.client import channel
+from lemix.infra.store.fencing import FinishOutcome
 from lemix.infra.store.keys import RedisKeys
 from lemix.infra.store.server import EmbeddedRedis
-from lemix.infra.store.store import ATTEMPT_FIELD, FinishOutcome, Store
+from lemix.infra.store.store import Store
+from lemix.infra.store.task_hash import ATTEMPT_FIELD
 from lemix.planner.recording import RecordingPlanner
 from lemix.profile import save_profile
 from lemix.types import Placement, Task
@@ -167,7 +169,7 @@ FAST = {
     "dispatch_deadline_s": 1.0,
     "dispatch_retry_s": 0.3,
     "read_block_s": 0.1,
-    "stop_grace_s": 0.5,
+    "shutdown_grace_s": 0.5,
     "slo_ttft_s": 1.0,
     "slo_tbt_s": 0.5,
     "consumer": "fencing-scheduler",

@@ -19,7 +19,7 @@ from lemix.cli.main import main
 from lemix.infra.rpc.client import channel
 from lemix.infra.store.server import EmbeddedRedis
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 async def _audit(*args: str) -> tuple[int, str, str]:

@@ -16,7 +16,9 @@ import redis.asyncio as aioredis
 
 from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc
 from lemix.infra.rpc.client import channel
+from lemix.infra.settings import Option
 from lemix.infra.store.client import RedisClientConfig, connect
+from lemix.stack import launcher
 from lemix.stack.launcher import Stack, StackConfig
 from lemix.stack.process import pick_free_ports
 from lemix.stack.supervisor import RestartPolicy
@@ -191,3 +193,38 @@ def test_config_rejects_bad_redis_settings() -> None:
         StackConfig(redis_password="has space")
     with pytest.raises(ValueError, match="gateway_port"):
         StackConfig(gateway_port=70000)
+
+
+# ------------------------------------------------------------------ the children's environment
+
+
+def _service_options() -> list[Option]:
+    import gateway.config
+    import profiler.config
+    import services.executor.config
+    import services.scheduler.config
+
+    modules = (gateway.config, services.scheduler.config, services.executor.config, profiler.config)
+    return [opt for module in modules for opt in module._OPTIONS]
+
+
+def test_service_variables_the_launcher_spells_are_the_services_own() -> None:
+    options = _service_options()
+    for field, env in launcher._SERVICE_ENV.items():
+        assert any(o.field == field and o.env == env for o in options), (field, env)
+
+
+def test_the_children_get_only_variables_some_service_reads(tmp_path: Path) -> None:
+    config = StackConfig(backend="torch", profile_path=tmp_path / "p.json", log_dir=tmp_path)
+    stack = Stack(config)
+    env = stack._env("redis://:pw@127.0.0.1:1/0")
+    set_here = {k for k, v in env.items() if k.startswith("LEMIX_") and os.environ.get(k) != v}
+    read = {o.env for o in _service_options()}
+    assert set_here <= read, set_here - read
+    assert env["LEMIX_REDIS_URL"] == "redis://:pw@127.0.0.1:1/0"
+    assert env["LEMIX_EXECUTOR_BACKEND"] == "torch" and env["LEMIX_PROFILE"].endswith("p.json")
+    gateway, _ = stack._child("gateway", "gateway", "svc", env, "GATEWAY", {"port": 7001})
+    assert (gateway.env["LEMIX_GATEWAY_HOST"], gateway.env["LEMIX_GATEWAY_PORT"]) == (
+        "127.0.0.1",
+        "7001",
+    )

@@ -21,20 +21,22 @@ import pytest
 import redis.asyncio as aioredis
 from factories import make_profile, make_request, make_tiny_memory_profile, make_training
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from waiting import wait_until
 
 from lemix._proto.lemix.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from lemix.infra.rpc import EXECUTOR_SERVICE
 from lemix.infra.rpc.client import DEFAULT_DEADLINE_S, channel
 from lemix.infra.rpc.convert import task_to_proto
+from lemix.infra.store.codec import Entry, Fields
 from lemix.infra.store.keys import RedisKeys
 from lemix.infra.store.server import EmbeddedRedis
-from lemix.infra.store.store import Entry, Fields, Store
+from lemix.infra.store.store import Store
 from lemix.profile import Profile, save_profile
 from lemix.types import Task
 from services.executor.config import ExecutorConfig
 from services.executor.service import ExecutorService
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TIME_SCALE = 0.02  # 50x faster than the profile
 WAIT_S = 10.0  # upper bound on any wait below; normal runs take milliseconds
 
@@ -187,7 +189,10 @@ async def test_duplicate_dispatch_runs_once(
     messages = await read_until_end(store, "inf-dup")
     assert [m["n"] for m in messages] == ["1", "2", "3", "4", "5", "5"]
     await dispatch(stub, task)  # also once it has finished
-    await asyncio.sleep(0.1)
+    # A run would have been queued before the reply: the node holds nothing.
+    assert service.node is not None and service.node.held_task("inf-dup") is None
+    state = await node_state(stub)
+    assert state.num_running == state.num_waiting == 0
     assert len(await store.read_output("inf-dup")) == 6
 
 
@@ -335,8 +340,11 @@ async def test_heartbeat_advertises_the_node_and_withdraws_on_stop(
         assert fields["is_healthy"] == "1" and fields["num_stages"] == "2"
         assert int(fields["memory_capacity_bytes"]) == 900_000_000
         first_now = float(fields["now_s"])
-        await asyncio.sleep(0.2)  # a few heartbeats later
-        assert float((await store.get_node_states())[3]["now_s"]) > first_now
+
+        async def has_beaten_again() -> bool:
+            return float((await store.get_node_states())[3]["now_s"]) > first_now
+
+        await wait_until(has_beaten_again, what="a later heartbeat")
     finally:
         await svc.stop(grace_s=0.1)
     async with asyncio.timeout(WAIT_S):

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from factories import make_profile, make_request, make_training
+from waiting import wait_until
 
-from lemix.engine import EngineConfig, Failed, Finished, NodeEngine
+from lemix.engine import EngineConfig, Failed, Finished, NodeEngine, StageStart
 from lemix.infra.rpc.errors import InvalidArgument
 from lemix.model.device_memory import stage_used_bytes
 from lemix.model.presets import ModelSpec, build_model
@@ -18,6 +19,8 @@ from lemix.model.runner import GenRequest, InferenceRunner
 from lemix.model.staged import StagedModel
 from lemix.model.training import PipelineTrainer, TrainingConfig
 from lemix.types import TaskPayload
+from services.executor.backends import EmulatedBackend, ExecutorBackend
+from services.executor.backends.torch import TorchBackend
 from services.executor.convert import (
     MeasurePhase,
     MeasureSpec,
@@ -25,7 +28,6 @@ from services.executor.convert import (
     WeightSyncSpec,
 )
 from services.executor.node import ExecutorNode
-from services.executor.torch_backend import TorchBackend
 from services.executor.torch_setup import model_profile
 
 VOCAB = 300
@@ -34,7 +36,7 @@ VOCAB = 300
 class RecordingSink:
     """Records outcomes and, like the Redis sink, the model's ids at write time."""
 
-    def __init__(self, model: TorchBackend) -> None:
+    def __init__(self, model: ExecutorBackend) -> None:
         self.model = model
         self.ended: dict[str, Finished | Failed] = {}
         self.ids: dict[str, list[int]] = {}
@@ -227,28 +229,28 @@ async def test_measured_memory_follows_what_the_stages_hold() -> None:
 
 
 async def test_a_hung_stage_marks_the_node_unhealthy() -> None:
-    class StuckBackend:
+    class StuckBackend(EmulatedBackend):
+        """Every stage item hangs until released."""
+
         def __init__(self) -> None:
+            super().__init__()
             self.release = asyncio.Event()
 
-        async def execute(self, start: object) -> None:
+        async def execute(self, start: StageStart, expected_wall_s: float) -> None:
             await self.release.wait()
             return None
 
     backend = StuckBackend()
     profile = make_profile(2)
     engine = NodeEngine(0, profile, profile.ours, EngineConfig(emit_tokens=True))
-    node = ExecutorNode(engine, backend, RecordingSink(_backend()), stage_timeout_s=0.05)
+    node = ExecutorNode(engine, backend, RecordingSink(backend), stage_timeout_s=0.05)
     await node.start()
     assert node.snapshot().is_healthy
     node.dispatch(make_request("r", 0.0, 4, 1), TaskPayload())
-    await asyncio.sleep(0.2)
-    assert not node.snapshot().is_healthy  # stage 0 has run 0.2 s > 0.05 s
+    await wait_until(lambda: not node.snapshot().is_healthy, what="the hung stage reported")
+    assert node.driver.longest_running_stage_s() > 0.05  # stage 0 ran past the timeout
     backend.release.set()
-    for _ in range(100):
-        await asyncio.sleep(0.01)
-        if engine.is_idle:
-            break
+    await wait_until(lambda: engine.is_idle, what="the released work done")
     assert node.snapshot().is_healthy
     await node.stop(grace_s=1.0)
 

@@ -1,4 +1,4 @@
-"""The README's configuration tables are exactly what scripts/config_table.py prints."""
+"""docs/configuration.md's option tables are exactly what scripts/config_table.py prints."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _script() -> ModuleType:
@@ -21,11 +21,12 @@ def _script() -> ModuleType:
     return module
 
 
-def test_readme_configuration_matches_the_option_tables() -> None:
+def test_configuration_doc_matches_the_option_tables() -> None:
     script = _script()
-    readme = (REPO / "README.md").read_text()
-    assert script.readme_block(readme) == script.render(), (
-        "README.md's configuration tables are stale: run `python scripts/config_table.py --write`"
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    assert script.doc_block(doc) == script.render(), (
+        "docs/configuration.md's option tables are stale: "
+        "run `python scripts/config_table.py --write`"
     )
 
 
