@@ -42,12 +42,35 @@ class EngineConfig:
     # and holds no memory, so it can never crowd serving out of its KV cache.
     max_training_in_flight: int | None = None
     emit_tokens: bool = False  # streaming executors need every token; the simulator does not
+    # Engine v2 (issue 9). The defaults reproduce the v1 engine exactly.
+    # Inference micro-batches in flight per node (None: one per stage, so all
+    # stages work at once); 1 = one iteration in flight per node (v1).
+    num_micro_batches: int | None = 1
+    # Tokens one iteration may carry (decode steps count one each; prefill is
+    # chunked to fit the rest); None = whole prompts, no chunking (v1).
+    prefill_token_budget: int | None = None
+    # Longest uninterrupted piece of a training forward/backward on one stage:
+    # longer ones run in slices, and inference iterations may run between
+    # slices; None = a stage's whole training pass at once (v1).
+    max_training_slice_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.stage_order not in ("inference-first", "fifo"):
             raise ValueError("stage_order must be 'inference-first' or 'fifo'")
         if self.max_training_in_flight is not None and self.max_training_in_flight < 1:
             raise ValueError("max_training_in_flight must be >= 1 or None")
+        if self.num_micro_batches is not None and self.num_micro_batches < 1:
+            raise ValueError(
+                f"num_micro_batches must be >= 1 or None, got {self.num_micro_batches}"
+            )
+        if self.prefill_token_budget is not None and self.prefill_token_budget < 1:
+            raise ValueError(
+                f"prefill_token_budget must be >= 1 tokens or None, got {self.prefill_token_budget}"
+            )
+        if self.max_training_slice_s is not None and not self.max_training_slice_s > 0:
+            raise ValueError(
+                f"max_training_slice_s must be > 0 s or None, got {self.max_training_slice_s}"
+            )
 
 
 # ----------------------------------------------------------------- outputs
