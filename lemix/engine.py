@@ -8,9 +8,12 @@ engine answers with `StageStart`s (run this stage for this long) and outcomes.
 Work on a stage is non-preemptive; the next item is picked by priority
 (inference iterations, then training backwards, then training forwards, then
 arrival order; or plain arrival order with `stage_order="fifo"`). Inference
-runs as continuous-batching iterations (`lemix.batching`), one in flight per
-node because each decode step needs the previous token; training tasks are
-their own forward chain (stages 0→S−1) and backward chain (S−1→0).
+runs as continuous-batching iterations (`lemix.batching`) in M micro-batches,
+each with one iteration in flight because each decode step needs the previous
+token (M = 1 by default: one iteration in flight per node, the v1 engine);
+training tasks are their own forward chain (stages 0→S−1) and backward chain
+(S−1→0), optionally in slices. Micro-batches, chunked prefill and training
+slices are described in `lemix.engine_groups`, which holds their rules.
 Memory goes through `lemix.memory.NodeMemory` only.
 """
 
@@ -21,8 +24,21 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from itertools import islice
 
 from lemix.batching import BatchingConfig, admit
+from lemix.engine_groups import (
+    Iteration,
+    MicroBatch,
+    PrefillChunk,
+    Request,
+    micro_batch_cap,
+    num_balanced_joins,
+    num_slices,
+    num_within_budget,
+    slice_s,
+    take_chunks,
+)
 from lemix.latency import LatencyModel
 from lemix.memory import MemoryConfig, NodeMemory, activation_bytes, kv_bytes
 from lemix.profile import Profile
@@ -30,6 +46,10 @@ from lemix.reasons import ReasonCode, format_reason
 from lemix.types import Task
 
 PRIO_BLOCKING, PRIO_ITERATION, PRIO_BACKWARD, PRIO_FORWARD = 0, 1, 2, 3
+
+# `default_prefill_token_budget`: a prefill chunk may cost this many batch-32
+# decode steps at a 512-token context on the same stage.
+CHUNK_DECODE_STEP_MULTIPLE = 3.0
 
 
 @dataclass(frozen=True)
@@ -73,6 +93,35 @@ class EngineConfig:
             )
 
 
+def default_prefill_token_budget(profile: Profile) -> int:
+    """A per-iteration token budget derived from the profile alone.
+
+    The largest power of two n (32 ≤ n ≤ 16384) such that, on every stage, the
+    forward of one n-token chunk takes at most `CHUNK_DECODE_STEP_MULTIPLE`
+    (3) × a decode step of a batch of 32 at a 512-token context. An iteration
+    that carries such a chunk along with a full decode batch then costs at most
+    4 decode steps, so a chunk stretches the running requests' time between
+    tokens by a bounded factor instead of by a whole prompt's prefill. On the
+    shipped A100 Llama-2-7B profiles this gives 512 tokens, Sarathi-Serve's
+    budget for strict TBT SLOs on that hardware (its relaxed setting and vLLM's
+    chunked-prefill defaults are 2048 and up); H100 gives 1024, the CPU
+    tiny-llama profile 256. Falls back to 32 when even that is too long.
+    """
+    model = profile.ours
+    budget = 32
+    for exponent in range(5, 15):
+        num_tokens = 2**exponent
+        if all(
+            model.forward_s(s, 1, num_tokens)
+            <= CHUNK_DECODE_STEP_MULTIPLE * model.decode_step_s(s, 32, 32 * 512)
+            for s in range(profile.num_stages)
+        ):
+            budget = num_tokens
+        else:
+            break
+    return budget
+
+
 # ----------------------------------------------------------------- outputs
 
 
@@ -91,13 +140,26 @@ class StageStart:
     """Run `stage` for `duration_s` (predicted by the engine's latency model).
 
     `kind` and `work` say what runs, for backends that execute it for real
-    instead of waiting out the duration.
+    instead of waiting out the duration: an `Iteration` (ITERATION), the
+    training `Task` (FORWARD/BACKWARD; a `TrainingSlice` of it when
+    `max_training_slice_s` is set), or a blocking op's tag.
     """
 
     stage: int
     duration_s: float
     kind: WorkKind = WorkKind.NONE
     work: object = None
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingSlice:
+    """Slice `index` of `count` of a training forward/backward on one stage:
+    its `index`-th layer group of `count` equal ones (and, for a backward, that
+    group's optimizer update)."""
+
+    task: Task
+    index: int
+    count: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,17 +208,6 @@ Outcome = FirstToken | Finished | Failed | Requeued | BlockingDone | TokensEmitt
 
 
 @dataclass(slots=True)
-class _Request:
-    task: Task
-    since_s: float
-    num_generated: int = 0
-    context_tokens: int = 0
-    is_cancelled: bool = False
-    is_stopped: bool = False  # the model emitted end-of-sequence
-    failure: str = ""  # the backend could not run it: ends Failed with this reason
-
-
-@dataclass(slots=True)
 class _TrainWait:
     task: Task
     memory_wait_since_s: float | None = None  # set when memory (not the cap) blocks it
@@ -169,12 +220,9 @@ class _Item:
     durations_s: tuple[float, ...]
     kind: WorkKind
     payload: object = None
-
-
-@dataclass(slots=True)
-class _Iteration:
-    prefill: list[_Request]
-    decode: list[_Request]
+    # Training slices on the stage the item is on (count 0: not started there).
+    slice_index: int = 0
+    slice_count: int = 0
 
 
 class NodeEngine:
@@ -192,11 +240,11 @@ class NodeEngine:
         self._ready: list[list[tuple[int, int, _Item]]] = [[] for _ in range(self.num_stages)]
         self._current: list[_Item | None] = [None] * self.num_stages
         self._seq = 0
-        self.waiting: deque[_Request] = deque()
-        self.running: list[_Request] = []
-        self.swapped: deque[_Request] = deque()
-        self._in_flight = False
-        self._batch_start_s = 0.0
+        self.waiting: deque[Request] = deque()
+        self.swapped: deque[Request] = deque()
+        num_micro_batches = config.num_micro_batches or self.num_stages
+        self.micro_batches = [MicroBatch(i) for i in range(num_micro_batches)]
+        self._micro_batch_cap = micro_batch_cap(config.batching.max_batch_size, num_micro_batches)
         self._reload_s = 0.0  # KV reload time owed by the next iteration
         self._train_waiting: deque[_TrainWait] = deque()
         self._max_training = config.max_training_in_flight or self.num_stages
@@ -217,7 +265,7 @@ class NodeEngine:
         if task.is_training:
             self._train_waiting.append(_TrainWait(task))
         else:
-            self.waiting.append(_Request(task, now_s))
+            self.waiting.append(Request(task, now_s))
         return self._kick(now_s, outcomes), outcomes
 
     def add_blocking(
@@ -247,10 +295,19 @@ class NodeEngine:
             if stage < last:
                 starts += self._enqueue(item, stage + 1)
             else:
-                self._finish_iteration(item.payload, now_s, outcomes)  # type: ignore[arg-type]
+                self._finish_iteration(item.payload, outcomes)  # type: ignore[arg-type]
+        elif item.kind in (WorkKind.FORWARD, WorkKind.BACKWARD) and (
+            item.slice_index + 1 < item.slice_count
+        ):
+            # More slices on this stage: back in the queue, so anything of a
+            # higher priority that became ready goes first.
+            item.slice_index += 1
+            heapq.heappush(self._ready[stage], (item.prio, item.seq, item))
         elif item.kind is WorkKind.FORWARD:
+            item.slice_count = 0
             starts += self._enqueue(item, stage + 1) if stage < last else self._to_backward(item)
         elif item.kind is WorkKind.BACKWARD:
+            item.slice_count = 0
             if stage > 0:
                 starts += self._enqueue(item, stage - 1)
             else:
@@ -264,9 +321,9 @@ class NodeEngine:
     def cancel(self, task_id: str, now_s: float) -> tuple[bool, list[StageStart], list[Outcome]]:
         """Cancel an inference request (client gone); frees its memory.
 
-        A request inside the in-flight iteration is dropped when that iteration
-        ends (its stage work cannot be taken back). Training already running
-        cannot be cancelled (False); training still waiting can.
+        A request of a micro-batch whose iteration is in flight is dropped when
+        that iteration ends (its stage work cannot be taken back). Training
+        already running cannot be cancelled (False); training still waiting can.
         """
         outcomes: list[Outcome] = []
         reason = format_reason(ReasonCode.CANCELLED, "cancelled by the client")
@@ -278,15 +335,16 @@ class NodeEngine:
                         self.memory.drop_offloaded(task_id)
                     outcomes.append(Failed(task_id, reason))
                     return True, self._kick(now_s, outcomes), outcomes
-        for req in self.running:
-            if req.task.task_id == task_id:
-                if self._in_flight:
-                    req.is_cancelled = True
-                    return True, [], outcomes
-                self.running.remove(req)
-                self.memory.release(task_id)
-                outcomes.append(Failed(task_id, reason))
-                return True, self._kick(now_s, outcomes), outcomes
+        for batch in self.micro_batches:
+            for req in batch.running:
+                if req.task.task_id == task_id:
+                    if batch.is_in_flight:
+                        req.is_cancelled = True
+                        return True, [], outcomes
+                    batch.running.remove(req)
+                    self.memory.release(task_id)
+                    outcomes.append(Failed(task_id, reason))
+                    return True, self._kick(now_s, outcomes), outcomes
         for entry in self._train_waiting:
             if entry.task.task_id == task_id:
                 self._train_waiting.remove(entry)
@@ -295,20 +353,22 @@ class NodeEngine:
         return False, [], outcomes
 
     def stop_requests(self, task_ids: Iterable[str]) -> None:
-        """Requests of the in-flight iteration whose model emitted end-of-sequence:
+        """Requests of an in-flight iteration whose model emitted end-of-sequence:
         they finish when the iteration ends, with the tokens they have."""
         wanted = set(task_ids)
-        for req in self.running:
-            if req.task.task_id in wanted:
-                req.is_stopped = True
+        for batch in self.micro_batches:
+            for req in batch.running:
+                if req.task.task_id in wanted:
+                    req.is_stopped = True
 
     def fail_requests(self, task_ids: Iterable[str], reason: str) -> None:
-        """Requests of the in-flight iteration the backend could not run: they
+        """Requests of an in-flight iteration the backend could not run: they
         end Failed (with `reason`, a "STATUS: text" string) when it ends."""
         wanted = set(task_ids)
-        for req in self.running:
-            if req.task.task_id in wanted and not req.failure:
-                req.failure = reason
+        for batch in self.micro_batches:
+            for req in batch.running:
+                if req.task.task_id in wanted and not req.failure:
+                    req.failure = reason
 
     def next_timer_s(self) -> float | None:
         """When a memory wait reaches T_max (the driver calls `on_timer` then)."""
@@ -330,11 +390,19 @@ class NodeEngine:
     # ------------------------------------------------------------ queries
 
     @property
+    def running(self) -> list[Request]:
+        """The running requests of every micro-batch (a new list)."""
+        return [req for batch in self.micro_batches for req in batch.running]
+
+    @property
+    def num_running(self) -> int:
+        return sum(len(batch.running) for batch in self.micro_batches)
+
+    @property
     def is_idle(self) -> bool:
         return (
-            not self._in_flight
+            not any(batch.is_in_flight or batch.running for batch in self.micro_batches)
             and not self.waiting
-            and not self.running
             and not self.swapped
             and not self._training
             and not self._train_waiting
@@ -361,14 +429,22 @@ class NodeEngine:
         _, _, item = heapq.heappop(self._ready[stage])
         self._current[stage] = item
         duration_s = item.durations_s[stage]
+        work = item.payload
+        max_slice_s = self.config.max_training_slice_s
+        if max_slice_s is not None and item.kind in (WorkKind.FORWARD, WorkKind.BACKWARD):
+            if item.slice_count == 0:  # the first slice on this stage
+                item.slice_index, item.slice_count = 0, num_slices(duration_s, max_slice_s)
+            duration_s = slice_s(duration_s, item.slice_index, item.slice_count)
+            work = TrainingSlice(item.payload, item.slice_index, item.slice_count)  # type: ignore[arg-type]
         self.busy_s[stage] += duration_s
-        return [StageStart(stage, duration_s, item.kind, item.payload)]
+        return [StageStart(stage, duration_s, item.kind, work)]
 
     def _kick(self, now_s: float, outcomes: list[Outcome]) -> list[StageStart]:
         """Admit waiting training and form the next iteration where possible."""
         starts = self._admit_training(now_s, outcomes)
-        if not self._in_flight:
-            starts += self._start_iteration(now_s, outcomes)
+        for batch in self.micro_batches:
+            if not batch.is_in_flight:
+                starts += self._start_iteration(batch, now_s, outcomes)
         return starts
 
     def _admit_training(self, now_s: float, outcomes: list[Outcome]) -> list[StageStart]:
@@ -385,9 +461,27 @@ class NodeEngine:
                 if now_s < head.memory_wait_since_s + max_wait_s:
                     break
                 if self.config.memory.is_offload_enabled:
-                    if self._in_flight:
-                        break  # offload at the iteration boundary, when no KV is in use
-                    if not self._offload_for(need):
+                    idle = [b for b in self.micro_batches if not b.is_in_flight]
+                    if len(idle) < len(self.micro_batches):
+                        # Offload at an iteration boundary, when no KV of the moved
+                        # requests is in use: the idle micro-batches' requests, or
+                        # wait for a boundary if they cannot make room. With more
+                        # than one micro-batch some may always be in flight, so
+                        # what offloading every request could not fit is handed
+                        # back now (v1, one micro-batch: at the next boundary).
+                        if not self._offload_for(need, idle):
+                            if len(self.micro_batches) > 1 and not self._can_make_room(
+                                need, self.micro_batches
+                            ):
+                                self._train_waiting.popleft()
+                                outcomes.append(
+                                    Requeued(
+                                        task.task_id, "no activation memory even after KV offload"
+                                    )
+                                )
+                                continue
+                            break
+                    elif not self._offload_for(need, idle):
                         self._train_waiting.popleft()
                         outcomes.append(
                             Requeued(task.task_id, "no activation memory even after KV offload")
@@ -409,31 +503,39 @@ class NodeEngine:
             )
         return starts
 
-    def _offload_for(self, need: tuple[int, ...]) -> bool:
-        """Move KV of running requests (newest first) to host until `need` fits.
+    def _offload_for(self, need: tuple[int, ...], batches: list[MicroBatch]) -> bool:
+        """Move KV of the running requests of `batches` (newest first) to host
+        until `need` fits.
 
-        Called only between iterations, when none of their KV is in use. Does
-        nothing when even offloading every running request would not make room."""
-        running_bytes = [0] * self.num_stages
-        for req in self.running:
-            for stage, nbytes in enumerate(self.memory.held_bytes(req.task.task_id)):
-                running_bytes[stage] += nbytes
-        if any(
-            self.memory.used_bytes(s) - running_bytes[s] + need[s] > self.memory.threshold_bytes
-            for s in range(self.num_stages)
-        ):
+        Called only for micro-batches between iterations, when none of their KV
+        is in use. Does nothing when even offloading all of their requests would
+        not make room."""
+        if not self._can_make_room(need, batches):
             return False
-        for req in sorted(self.running, key=lambda r: -r.task.seq):
+        candidates = [req for batch in batches for req in batch.running]
+        for req in sorted(candidates, key=lambda r: -r.task.seq):
             if self.memory.can_admit(need):
                 break
             if not self.memory.can_offload(req.task.task_id):
                 continue
             moved = self.memory.offload(req.task.task_id)
             self._reload_s += moved / self.profile.transfer.host_link_bytes_s / self.num_stages
-            self.running.remove(req)
+            self.micro_batches[req.micro_batch].running.remove(req)
             self.swapped.append(req)
             self.num_offloads += 1
         return self.memory.can_admit(need)
+
+    def _can_make_room(self, need: tuple[int, ...], batches: list[MicroBatch]) -> bool:
+        """Whether offloading every running request of `batches` would fit `need`."""
+        running_bytes = [0] * self.num_stages
+        for batch in batches:
+            for req in batch.running:
+                for stage, nbytes in enumerate(self.memory.held_bytes(req.task.task_id)):
+                    running_bytes[stage] += nbytes
+        return not any(
+            self.memory.used_bytes(s) - running_bytes[s] + need[s] > self.memory.threshold_bytes
+            for s in range(self.num_stages)
+        )
 
     def _to_backward(self, item: _Item) -> list[StageStart]:
         task: Task = item.payload  # type: ignore[assignment]
@@ -463,22 +565,27 @@ class NodeEngine:
                 self.visible_updates = applied
             outcomes.append(BlockingDone(tag))
 
-    def _reserve(self, req: _Request) -> bool:
+    def _reserve(self, req: Request) -> bool:
         need = kv_bytes(self.profile.memory, req.task.num_total_tokens)
         if not self.memory.can_admit(need):
             return False
         self.memory.admit(req.task.task_id, need)
         return True
 
-    def _resume_swapped(self) -> None:
-        while self.swapped and len(self.running) < self.config.batching.max_batch_size:
+    def _resume_swapped(self, batch: MicroBatch) -> None:
+        """Swapped-out requests come back (into the forming micro-batch) first."""
+        cap = self.config.batching.max_batch_size
+        while (
+            self.swapped and self.num_running < cap and len(batch.running) < self._micro_batch_cap
+        ):
             req = self.swapped[0]
             if not self.memory.can_reload(req.task.task_id):
                 break
             moved = self.memory.reload(req.task.task_id)
             self._reload_s += moved / self.profile.transfer.host_link_bytes_s / self.num_stages
             self.swapped.popleft()
-            self.running.append(req)
+            req.micro_batch = batch.index
+            batch.running.append(req)
 
     def _drop_stale_waiting(self, now_s: float, outcomes: list[Outcome]) -> None:
         """Wait-then-drop (memory-aware offload disabled): fail after T_max."""
@@ -495,33 +602,97 @@ class NodeEngine:
                 )
             )
 
-    def _start_iteration(self, now_s: float, outcomes: list[Outcome]) -> list[StageStart]:
-        self._resume_swapped()
+    def _start_iteration(
+        self, batch: MicroBatch, now_s: float, outcomes: list[Outcome]
+    ) -> list[StageStart]:
+        """Form `batch`'s next iteration: its decodes, prefill chunks, new joins."""
+        self._resume_swapped(batch)
+        budget = self.config.prefill_token_budget
+        decode = [r for r in batch.running if r.is_prefilled]
+        partial = [r for r in batch.running if not r.is_prefilled]
+        prefill_budget = None if budget is None else max(budget - len(decode), 0)
+        chunks = take_chunks(partial, prefill_budget)
+        if prefill_budget is not None:
+            prefill_budget -= sum(c.num_tokens for c in chunks)
         if self.swapped:
             fits: list = []  # swapped requests go first: no new admissions
         else:
-            waiting = self.waiting
-            head = list(waiting)[: self.config.batching.max_batch_size]
-            fits = [lambda r=r: self._reserve(r) for r in head]
-        decision = admit(self.config.batching, len(self.running), self._batch_start_s, fits, now_s)
-        self._batch_start_s = decision.batch_start_s
-        prefill = [self.waiting.popleft() for _ in range(decision.num_admitted)]
+            fits = [
+                lambda r=r: self._reserve(r)
+                for r in self._join_candidates(batch, now_s, prefill_budget)
+            ]
+        decision = admit(self.config.batching, len(batch.running), batch.batch_start_s, fits, now_s)
+        batch.batch_start_s = decision.batch_start_s
+        joined = [self.waiting.popleft() for _ in range(decision.num_admitted)]
         if not self.config.memory.is_offload_enabled and decision.blocked_by == "memory":
             self._drop_stale_waiting(now_s, outcomes)
-        decode = self.running
-        if not prefill and not decode:
+        for req in joined:
+            req.micro_batch = batch.index
+        chunks += take_chunks(joined, prefill_budget)
+        if not chunks and not decode:
             return []
-        durations = self._iteration_durations(prefill, decode)
-        self.running = decode + prefill
-        self._in_flight = True
+        durations = self._iteration_durations(chunks, decode)
+        batch.running = decode + partial + joined
+        batch.is_in_flight = True
         self.num_iterations += 1
-        item = self._new_item(
-            PRIO_ITERATION, durations, WorkKind.ITERATION, _Iteration(prefill, decode)
+        iteration = Iteration(
+            [c.request for c in chunks],
+            decode,
+            batch.index,
+            tuple((c.start, c.num_tokens) for c in chunks),
         )
+        item = self._new_item(PRIO_ITERATION, durations, WorkKind.ITERATION, iteration)
         return self._enqueue(item, 0)
 
+    def _join_candidates(
+        self, batch: MicroBatch, now_s: float, prefill_budget: int | None
+    ) -> list[Request]:
+        """The head of the waiting queue `batch` may take, before memory and the
+        join window (`admit` checks those): within the node's cap C, the
+        micro-batch's share of it, the prefill budget and the balance rule."""
+        num_free = self.config.batching.max_batch_size - self.num_running
+        room = min(num_free, self._micro_batch_cap - len(batch.running))
+        if room <= 0:
+            return []
+        head = list(islice(self.waiting, room))
+        head = head[: num_within_budget([r.task.num_prompt_tokens for r in head], prefill_budget)]
+        if len(self.micro_batches) == 1 or not head:
+            return head
+        window_s = self.config.batching.join_window_s
+        is_eligible = [
+            len(b.running) < self._micro_batch_cap
+            and (window_s is None or not b.running or b.batch_start_s + window_s > now_s)
+            for b in self.micro_batches
+        ]
+        num_waiting_tokens = self._admissible_prompt_tokens(num_free)
+        num = num_balanced_joins(
+            batch.index,
+            [b.load_tokens for b in self.micro_batches],
+            is_eligible,
+            [r.task.num_prompt_tokens for r in head],
+            num_waiting_tokens,
+            is_head_overdue=head[0].num_passed_over >= len(self.micro_batches),
+        )
+        if num == 0:
+            head[0].num_passed_over += 1
+        return head[:num]
+
+    def _admissible_prompt_tokens(self, num_free: int) -> int:
+        """Prompt tokens of the waiting requests the node could admit now (the
+        head, up to `num_free` of them, while their KV fits in free memory):
+        what the balance rule's even share is taken over."""
+        free = [self.memory.free_bytes(s) for s in range(self.num_stages)]
+        total = 0
+        for req in islice(self.waiting, num_free):
+            need = kv_bytes(self.profile.memory, req.task.num_total_tokens)
+            if any(n > f for n, f in zip(need, free, strict=True)):
+                break
+            free = [f - n for n, f in zip(need, free, strict=True)]
+            total += req.task.num_prompt_tokens
+        return total
+
     def _iteration_durations(
-        self, prefill: list[_Request], decode: list[_Request]
+        self, chunks: list[PrefillChunk], decode: list[Request]
     ) -> tuple[float, ...]:
         truth = self.truth
         sum_context = sum(r.context_tokens for r in decode)
@@ -529,24 +700,29 @@ class NodeEngine:
         out = []
         for s in range(self.num_stages):
             d = reload_s
-            if prefill:
+            if chunks:
                 # Ragged (unpadded) prefill, as vLLM/SGLang run it: per-sequence
-                # terms add up, the fixed per-pass cost is paid once.
+                # terms add up, the fixed per-pass cost is paid once. A chunk
+                # costs what a prompt of its length would: the model has no
+                # term for a later chunk's attention over the earlier chunks'
+                # KV, so chunked prefill is predicted slightly cheap.
                 fixed_s = truth.forward_s(s, 1, 0)
-                d += (
-                    sum(truth.forward_s(s, 1, r.task.num_prompt_tokens) - fixed_s for r in prefill)
-                    + fixed_s
-                )
+                d += sum(truth.forward_s(s, 1, c.num_tokens) - fixed_s for c in chunks) + fixed_s
             if decode:
                 d += truth.decode_step_s(s, len(decode), sum_context)
             out.append(d)
         return tuple(out)
 
-    def _finish_iteration(
-        self, iteration: _Iteration, now_s: float, outcomes: list[Outcome]
-    ) -> None:
-        self._in_flight = False
-        for req in iteration.prefill:
+    def _finish_iteration(self, iteration: Iteration, outcomes: list[Outcome]) -> None:
+        batch = self.micro_batches[iteration.micro_batch]
+        batch.is_in_flight = False
+        for req, (start, num_tokens) in zip(
+            iteration.prefill, iteration.prefill_spans, strict=True
+        ):
+            req.num_prefilled = start + num_tokens
+            if req.num_prefilled < req.task.num_prompt_tokens:
+                req.context_tokens = req.num_prefilled  # more chunks to come
+                continue
             req.num_generated = 1
             req.context_tokens = req.task.num_prompt_tokens + 1
             if not req.failure:  # a failed request's token was never made
@@ -562,16 +738,18 @@ class NodeEngine:
                 )
             )
         still = []
-        for req in self.running:
+        for req in batch.running:
             if req.is_cancelled or req.failure:
                 self.memory.release(req.task.task_id)
                 reason = req.failure or format_reason(
                     ReasonCode.CANCELLED, "cancelled by the client"
                 )
                 outcomes.append(Failed(req.task.task_id, reason))
-            elif req.is_stopped or req.num_generated >= req.task.max_output_tokens:
+            elif req.is_prefilled and (
+                req.is_stopped or req.num_generated >= req.task.max_output_tokens
+            ):
                 self.memory.release(req.task.task_id)
                 outcomes.append(Finished(req.task.task_id, req.num_generated))
             else:
                 still.append(req)
-        self.running = still
+        batch.running = still

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from lemix.batching import BatchingConfig
-from lemix.cli.workload_args import DEMO_DURATION_S, workload_config
+from lemix.cli.engine_args import add_engine_args, engine_knobs
+from lemix.cli.workload_args import DEMO_DURATION_S, WORKLOADS, workload_config
 from lemix.infra.rpc.errors import ServiceError
 from lemix.planner.registry import POLICIES
 from lemix.profile import Profile, default_profile_path, load_profile
@@ -173,6 +174,7 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not measure decision latency (the only wall-clock field)",
     )
+    add_engine_args(p)
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -183,6 +185,14 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
         help="resample lengths from this Azure CSV (with Poisson arrivals)",
     )
     p.add_argument("--train-data", metavar="FILE", help="hh-rlhf JSON lines: training lengths")
+    p.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="conversation",
+        help="conversation (default: Azure conversation lengths, --poisson or --trace) or "
+        "long-prompt (prompts 1-8k tokens, outputs 5-30, Gamma inter-arrivals of CV 3 "
+        "at the --poisson mean rate)",
+    )
 
 
 # ------------------------------------------------------------------ configs
@@ -204,6 +214,7 @@ def configs_from_args(args: argparse.Namespace) -> CliSetup:
         )
     profile = _resolve_profile(args.profile, args.stages)
     batching = BatchingConfig(args.batch_size, args.join_window)
+    knobs = engine_knobs(args, profile)
     if args.command == "sim":
         workload = workload_config(args, args.poisson, args.train_rate, args.seed)
         run = SimRunConfig(
@@ -213,13 +224,17 @@ def configs_from_args(args: argparse.Namespace) -> CliSetup:
             batching=batching,
             train_rate=args.train_rate,
             measure_decision_latency=not args.deterministic,
+            **knobs,
         )
         return CliSetup(profile, workload, run)
     sweep = _sweep_config(args)
     rate = None if args.trace else sweep.request_rates[0]
     workload = workload_config(args, rate, sweep.train_rates[0], sweep.seeds[0])
     run = SimRunConfig(
-        num_nodes=args.nodes, batching=batching, measure_decision_latency=not args.deterministic
+        num_nodes=args.nodes,
+        batching=batching,
+        measure_decision_latency=not args.deterministic,
+        **knobs,
     )
     return CliSetup(profile, workload, run, sweep, args.workers)
 

@@ -1,15 +1,18 @@
 """The one mapping from the workload flags (--poisson/--trace, --duration,
---lengths-from, --train-data) to a `WorkloadConfig`: `lemix sim`, `compare`
-and `replay` share it."""
+--lengths-from, --train-data, --workload) to a `WorkloadConfig`: `lemix sim`,
+`compare` and `replay` share it."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from lemix.workload import WorkloadConfig, read_azure_csv
+from lemix.workload import LONG_PROMPT_MAX_TOTAL_TOKENS, WorkloadConfig, read_azure_csv
 
 DEMO_DURATION_S = 60.0  # `lemix demo`, and Poisson runs given no --duration
+# --workload: "conversation" = the Azure conversation shape (Poisson arrivals
+# or a --trace replay); "long-prompt" = lemix.workload.long_prompt.
+WORKLOADS = ("conversation", "long-prompt")
 
 
 def workload_config(
@@ -21,6 +24,21 @@ def workload_config(
         "seed": seed,
         "train_data_path": args.train_data,
     }
+    if getattr(args, "workload", "conversation") == "long-prompt":
+        if args.trace or args.lengths_from:
+            raise ValueError(
+                "--workload long-prompt draws its own arrivals and lengths: "
+                "no --trace or --lengths-from"
+            )
+        if rate is None:
+            raise ValueError("--workload long-prompt needs a mean rate: --poisson RATE")
+        return WorkloadConfig(
+            source="long-prompt",
+            request_rate=rate,
+            duration_s=DEMO_DURATION_S if args.duration is None else args.duration,
+            max_total_tokens=LONG_PROMPT_MAX_TOTAL_TOKENS,
+            **common,
+        )
     if args.trace:
         if args.lengths_from:
             raise ValueError(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lemix.batching import BatchingConfig
@@ -37,6 +37,17 @@ class SimRunConfig:
     drain_limit_s: float = 600.0
     measure_decision_latency: bool = True
     keep_decisions: bool = False
+    # Engine v2 knobs (`lemix.engine.EngineConfig`); the defaults are the v1 engine.
+    # Inference micro-batches in flight per node; None = one per stage.
+    num_micro_batches: int | None = 1
+    # Tokens per iteration, prefill chunked to fit; None = whole prompts.
+    prefill_token_budget: int | None = None
+    # Longest piece of a stage's training pass (s); None = whole passes, unless
+    # `train_slice_tbt_fraction` derives it from the run's SLO.
+    train_slice_s: float | None = None
+    # Slice = this fraction of the run's TBT SLO, which is only known once the
+    # workload is (`compute_slo`): the CLI's `--train-slice-s auto` sets 0.5.
+    train_slice_tbt_fraction: float | None = None
 
     def __post_init__(self) -> None:
         get_spec(self.policy)  # unknown names fail here, with the list of choices
@@ -44,6 +55,27 @@ class SimRunConfig:
             raise ValueError("num_nodes must be >= 1")
         if self.latency_noise_cv < 0:
             raise ValueError("latency_noise_cv must be >= 0")
+        if self.train_slice_s is not None and self.train_slice_tbt_fraction is not None:
+            raise ValueError("set train_slice_s or train_slice_tbt_fraction, not both")
+        fraction = self.train_slice_tbt_fraction
+        if fraction is not None and not 0 < fraction <= 1:
+            raise ValueError(f"train_slice_tbt_fraction must be in (0, 1], got {fraction}")
+        self.engine_config(Slo(ttft_s=1.0, tbt_s=1.0))  # the knobs' own range checks
+
+    def engine_config(self, slo: Slo) -> EngineConfig:
+        """The engine config of every node of this run (`slo`: the run's SLO)."""
+        slice_s = self.train_slice_s
+        if self.train_slice_tbt_fraction is not None:
+            slice_s = self.train_slice_tbt_fraction * slo.tbt_s
+        return EngineConfig(
+            batching=self.batching,
+            memory=self.memory,
+            stage_order=self.stage_order,
+            max_training_in_flight=self.max_training_in_flight,
+            num_micro_batches=self.num_micro_batches,
+            prefill_token_budget=self.prefill_token_budget,
+            max_training_slice_s=slice_s,
+        )
 
 
 def build_simulator(
@@ -66,9 +98,7 @@ def build_simulator(
             kappa=memory.kappa, max_wait_s=memory.max_wait_s, is_offload_enabled=False
         )
     planner = build_planner(config.policy, planner_config, profile, memory)
-    engine_config = EngineConfig(
-        config.batching, memory, config.stage_order, config.max_training_in_flight
-    )
+    engine_config = replace(config.engine_config(slo), memory=memory)
     # Noise streams derive from the run seed, so every policy sees the same draws
     # per node for the same sequence of work.
     engines = [

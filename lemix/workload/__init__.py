@@ -18,6 +18,7 @@ from lemix.workload.base import (
     estimate_num_tokens,
 )
 from lemix.workload.hh_jsonl import iter_hh_pairs, read_hh_pairs, split_pairs
+from lemix.workload.long_prompt import LONG_PROMPT_MAX_TOTAL_TOKENS, UniformLengths, gamma_arrivals
 from lemix.workload.poisson import (
     WorkloadData,
     build_workload,
@@ -27,16 +28,19 @@ from lemix.workload.poisson import (
 from lemix.workload.sharegpt import iter_sharegpt_conversations, read_sharegpt_pairs
 
 __all__ = [
+    "LONG_PROMPT_MAX_TOTAL_TOKENS",
     "AzureTrace",
     "EmpiricalLengths",
     "LengthSampler",
     "LognormalLengths",
+    "UniformLengths",
     "Workload",
     "WorkloadConfig",
     "WorkloadData",
     "build_workload",
     "clip_to_context",
     "estimate_num_tokens",
+    "gamma_arrivals",
     "iter_hh_pairs",
     "iter_sharegpt_conversations",
     "load_workload_data",

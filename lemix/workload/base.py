@@ -18,7 +18,7 @@ import numpy as np
 
 from lemix.types import Task, TaskKind
 
-SOURCES = ("poisson", "trace")
+SOURCES = ("poisson", "trace", "long-prompt")
 LENGTH_SOURCES = ("auto", "parametric", "trace")
 
 # Published stats of the Azure LLM conversation trace 2023
@@ -51,8 +51,12 @@ STREAM_TRAINING_LENGTHS = 3
 class WorkloadConfig:
     """How to build a workload. Validated on construction (ValueError).
 
-    `source`: "poisson" (synthetic arrivals) or "trace" (replay an Azure-format
-    CSV time-scaled so its mean inter-arrival gap is 1/request_rate).
+    `source`: "poisson" (synthetic arrivals), "trace" (replay an Azure-format
+    CSV time-scaled so its mean inter-arrival gap is 1/request_rate) or
+    "long-prompt" (`lemix.workload.long_prompt`: prompts of 1–8k tokens,
+    outputs of 5–30, Gamma inter-arrivals of mean 1/request_rate and CV
+    `burst_cv`; its lengths are its own, so `length_source` must stay "auto"
+    or "parametric").
     `train_rate` r is the fraction of all tasks that are training tasks; they
     arrive as their own Poisson stream at request_rate·r/(1−r).
     `length_source`: "parametric" (lognormal fitted to the Azure conv trace),
@@ -76,6 +80,7 @@ class WorkloadConfig:
     trace_path: str | None = None
     train_data_path: str | None = None
     chars_per_token: float = DEFAULT_CHARS_PER_TOKEN
+    burst_cv: float = 3.0  # "long-prompt": CV of the Gamma inter-arrival gaps
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -99,13 +104,17 @@ class WorkloadConfig:
             raise ValueError(f"chars_per_token must be > 0, got {self.chars_per_token}")
         if self.uses_trace and not self.trace_path:
             raise ValueError("a trace source or trace lengths need trace_path")
+        if not (math.isfinite(self.burst_cv) and self.burst_cv > 0):
+            raise ValueError(f"burst_cv must be > 0, got {self.burst_cv}")
+        if self.source == "long-prompt" and self.length_source == "trace":
+            raise ValueError("the long-prompt source draws its own lengths: no trace lengths")
 
     def _validate_duration(self) -> None:
         d = self.duration_s
         if d is not None and (not math.isfinite(d) or d < 0):
             raise ValueError(f"duration_s must be finite and >= 0, got {d}")
-        if self.source == "poisson" and not d:
-            raise ValueError("a poisson workload needs duration_s > 0")
+        if self.source != "trace" and not d:
+            raise ValueError(f"a {self.source} workload needs duration_s > 0")
 
     @property
     def resolved_length_source(self) -> str:

@@ -1,4 +1,5 @@
-"""Workload generation: Poisson (or trace-replay) inference plus Poisson training.
+"""Workload generation: Poisson (or trace-replay, or long-prompt bursty)
+inference plus Poisson training.
 
 `build_workload(config)` is the entry point. Streams and their seeded RNGs:
 - inference arrivals: Poisson at request_rate, or the trace time-scaled to it;
@@ -39,6 +40,7 @@ from lemix.workload.base import (
     stream_rng,
 )
 from lemix.workload.hh_jsonl import Pair, pair_num_tokens, read_hh_pairs
+from lemix.workload.long_prompt import UniformLengths, gamma_arrivals
 
 ARRIVAL_CHUNK = 1024  # gaps drawn per RNG call; fixed, so prefixes never depend on n
 
@@ -128,6 +130,10 @@ def _inference_stream(config: WorkloadConfig, data: WorkloadData) -> tuple[TaskS
             prompt, output = trace.prompt_tokens[keep], trace.output_tokens[keep]
         else:
             prompt, output = _length_sampler(config, data).sample(rng_lengths, len(arrivals))
+    elif config.source == "long-prompt":
+        window_s = float(config.duration_s or 0.0)
+        arrivals = gamma_arrivals(config.request_rate, config.burst_cv, window_s, rng_arrivals)
+        prompt, output = UniformLengths().sample(rng_lengths, len(arrivals))
     else:
         window_s = float(config.duration_s or 0.0)
         arrivals = poisson_arrivals(config.request_rate, window_s, rng_arrivals)

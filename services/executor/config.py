@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lemix.batching import BatchingConfig
-from lemix.engine import EngineConfig
+from lemix.engine import EngineConfig, default_prefill_token_budget
 from lemix.infra import settings
 from lemix.infra.config import COMMON_CLI_DEFAULTS, EXECUTOR, CommonServiceConfig, common_options
 from lemix.infra.settings import Option, boolean, check_finite
 from lemix.memory import MemoryConfig
+from lemix.profile import Profile
 
 if TYPE_CHECKING:
     from services.executor.torch_setup import TorchBackendConfig
@@ -31,6 +32,25 @@ BACKENDS = ("emulated", "torch")
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
 _MAX_NODE_ID = (1 << 32) - 1  # NodeState.node_id is a uint32 on the wire
 _TTL_PER_HEARTBEAT = 3.0  # docs/protocol.md: heartbeat TTL defaults to 3x the period
+AUTO_PREFILL_TOKEN_BUDGET = -1  # prefill_token_budget: the profile's default
+
+
+def micro_batches(text: str) -> int:
+    """N, or "auto" (0: one per stage)."""
+    return 0 if text.strip().lower() == "auto" else int(text)
+
+
+def token_budget(text: str) -> int:
+    """TOKENS, "off" (0: whole prompts) or "auto" (-1: the profile's default)."""
+    lowered = text.strip().lower()
+    if lowered == "off":
+        return 0
+    return AUTO_PREFILL_TOKEN_BUDGET if lowered == "auto" else int(text)
+
+
+def slice_seconds(text: str) -> float:
+    """Seconds, or "off" (0: whole training passes)."""
+    return 0.0 if text.strip().lower() == "off" else float(text)
 
 
 @dataclass(frozen=True)
@@ -72,6 +92,12 @@ class ExecutorConfig(CommonServiceConfig):
     max_grad_norm: float = 1.0
     memory_budget_bytes: int = 0  # per stage on CPU; 0 = 4 GiB
     torch_threads: int = 0  # intra-op threads; 0 = torch's default
+    # Engine v2 (lemix.engine.EngineConfig; issue 9). The defaults are the v1
+    # engine; sentinels, not None, because a flag parsed to None counts as not
+    # given (lemix.infra.settings).
+    num_micro_batches: int = 1  # inference micro-batches in flight; 0 = one per stage
+    prefill_token_budget: int = 0  # tokens per iteration; 0 = off (whole prompts), -1 = auto
+    train_slice_s: float = 0.0  # longest piece of a training pass, profile s; 0 = off
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -94,14 +120,55 @@ class ExecutorConfig(CommonServiceConfig):
         check_finite("stage_timeout_s", self.stage_timeout_s, allow_zero=False)
         if not self.weight_sync_dir or "\0" in self.weight_sync_dir:
             raise ValueError(f"weight_sync_dir must name a directory, got {self.weight_sync_dir!r}")
-        self.engine_config()  # batching/memory ranges are checked by their own configs
+        self._check_engine_knobs()
+        # batching/memory ranges are checked by their own configs
+        self._engine_config(prefill_token_budget=None)
         if self.backend == "torch":
             if self.time_scale != 1.0:
                 raise ValueError(
                     "time_scale applies to the emulated backend only; the torch "
                     "backend runs in real time (leave it at 1)"
                 )
+            self._check_torch_engine_knobs()
             self.torch_config()
+
+    def _check_engine_knobs(self) -> None:
+        if self.num_micro_batches < 0:
+            raise ValueError(
+                f"num_micro_batches must be >= 1, or 0 (auto: one per stage), "
+                f"got {self.num_micro_batches}"
+            )
+        if self.prefill_token_budget < AUTO_PREFILL_TOKEN_BUDGET:
+            raise ValueError(
+                f"prefill_token_budget must be >= 1 tokens, 0 (off) or -1 (auto), "
+                f"got {self.prefill_token_budget}"
+            )
+        check_finite("train_slice_s", self.train_slice_s, allow_zero=True)
+
+    def _check_torch_engine_knobs(self) -> None:
+        """The torch backend executes the v1 engine's work only (so far)."""
+        if self.num_micro_batches != 1:
+            # InferenceRunner keys its stage-to-stage carry per iteration and KV per
+            # request, but keeps ONE node-wide list of sampling failures that every
+            # stage thread takes after its item: with several iterations in flight,
+            # stage 0's thread could take (and report) another micro-batch's failures.
+            raise ValueError(
+                "num_micro_batches (--micro-batches, LEMIX_NUM_MICRO_BATCHES) must be 1 with "
+                "the torch backend: it runs one inference iteration in flight per node "
+                "(use the emulated backend for micro-batches)"
+            )
+        if self.prefill_token_budget != 0:
+            raise ValueError(
+                "prefill_token_budget (--prefill-token-budget, LEMIX_PREFILL_TOKEN_BUDGET) must "
+                "be off with the torch backend: it cannot execute chunked prefill yet "
+                "(use the emulated backend)"
+            )
+        if self.train_slice_s != 0:
+            raise ValueError(
+                "train_slice_s (--train-slice-s, LEMIX_TRAIN_SLICE_S) must be off with the "
+                "torch backend: it cannot execute training in slices yet "
+                "(use the emulated backend)"
+            )
 
     def torch_config(self) -> TorchBackendConfig:
         from services.executor.torch_setup import TorchBackendConfig
@@ -129,12 +196,22 @@ class ExecutorConfig(CommonServiceConfig):
             else (_TTL_PER_HEARTBEAT * self.heartbeat_s)
         )
 
-    def engine_config(self) -> EngineConfig:
-        """The node engine's config (streaming executors need every token)."""
+    def engine_config(self, profile: Profile) -> EngineConfig:
+        """The node engine's config (streaming executors need every token);
+        `profile` resolves an auto prefill token budget."""
+        budget: int | None = self.prefill_token_budget or None
+        if self.prefill_token_budget == AUTO_PREFILL_TOKEN_BUDGET:
+            budget = default_prefill_token_budget(profile)
+        return self._engine_config(prefill_token_budget=budget)
+
+    def _engine_config(self, *, prefill_token_budget: int | None) -> EngineConfig:
         return EngineConfig(
             batching=BatchingConfig(self.max_batch_size, self.join_window_s),
             memory=MemoryConfig(self.kappa, self.max_wait_s, self.is_offload_enabled),
             emit_tokens=True,
+            num_micro_batches=self.num_micro_batches or None,
+            prefill_token_budget=prefill_token_budget,
+            max_training_slice_s=self.train_slice_s or None,
         )
 
     def advertised_host(self, fallback_host: str) -> str:
@@ -331,6 +408,33 @@ _OPTIONS: tuple[Option, ...] = (
         int,
         "torch: intra-op threads (0 = default)",
         "N",
+    ),
+    Option(
+        "num_micro_batches",
+        "--micro-batches",
+        "LEMIX_NUM_MICRO_BATCHES",
+        micro_batches,
+        "inference micro-batches in flight per node (auto or 0 = one per stage; "
+        "emulated backend only for now)",
+        "N|auto",
+    ),
+    Option(
+        "prefill_token_budget",
+        "--prefill-token-budget",
+        "LEMIX_PREFILL_TOKEN_BUDGET",
+        token_budget,
+        "chunked prefill: tokens per iteration (off or 0 = whole prompts; auto or -1 = "
+        "the profile's default; emulated backend only for now)",
+        "TOKENS|auto|off",
+    ),
+    Option(
+        "train_slice_s",
+        "--train-slice-s",
+        "LEMIX_TRAIN_SLICE_S",
+        slice_seconds,
+        "longest piece of a training pass on a stage, profile s (off or 0 = whole passes; "
+        "emulated backend only for now)",
+        "S|off",
     ),
 )
 

@@ -116,7 +116,7 @@ class ExecutorService(Service):
         truth = NoisyLatency(
             profile.ours, config.latency_noise_cv, random.Random(config.seed + config.node_id)
         )
-        engine = NodeEngine(config.node_id, profile, truth, config.engine_config())
+        engine = NodeEngine(config.node_id, profile, truth, config.engine_config(profile))
         # Writers only: the outcome sink (one batch at a time), the heartbeat
         # loop and the odd RPC-side read; a few spare for overlap. Writes
         # only, so no blocking read needs the socket timeout to outlast it.

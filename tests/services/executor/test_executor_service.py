@@ -556,7 +556,7 @@ def test_config_reads_env_and_flags_with_flags_winning(tmp_path: Path) -> None:
     assert config.is_offload_enabled is False and config.join_window_s is None
     assert config.log_format == "json" and config.profile_path == tmp_path / "p.json"
     assert config.heartbeat_ttl_s == pytest.approx(1.5)  # 3 x the 0.5 s default
-    engine = config.engine_config()
+    engine = config.engine_config(make_profile())
     assert engine.emit_tokens and not engine.memory.is_offload_enabled
     assert ExecutorConfig.from_env_and_args(["--offload"], env=env).is_offload_enabled
     assert config.service_token == "" and config.weight_sync_dir == "/tmp/lemix-weights"

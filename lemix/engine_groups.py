@@ -1,0 +1,239 @@
+"""The pure rules `lemix.engine.NodeEngine` applies for engine v2 (issue 9).
+
+Pipelined micro-batches
+    With M micro-batches (`EngineConfig.num_micro_batches`; None = one per
+    stage, 1 = v1) the running requests are split into M groups. Each group is an
+    independent continuous batch: its own running list, its own join window
+    (T_start) and at most one iteration in flight, which advances one stage at
+    a time. With M = S every stage can be busy with a different group, and a
+    request's next decode step waits only for its own group. A request stays in
+    the group it joined (a swapped-out request comes back into the group that
+    is forming when its KV returns).
+
+Admission (which group a waiting request joins)
+    New requests join at a group's iteration boundary, from the head of the one
+    FIFO waiting queue, under the v1 rules (the node-wide cap C =
+    `max_batch_size` on running requests, memory, the group's join window)
+    plus three:
+
+    - *even share of the cap*: a group holds at most ceil(C / M) requests, so
+      no group can take the batch slots the others need;
+    - *balance by tokens held* (context tokens, or the prompt for a request not
+      yet prefilled): the forming group takes the head while it is the lightest
+      of the groups that could take it now (below their share of the cap, join
+      window open), or while taking it brings the group nearer an even share
+      of everything held or admissible now, (Σ held + Σ admissible) / M, where
+      the admissible requests are the head of the queue that the node's free
+      batch slots and free KV memory could take at once. The first clause
+      makes requests join the lightest group; the second lets a burst that
+      arrives while every group is in flight spread over the next boundaries
+      instead of trickling in one request per boundary;
+    - *no starvation*: balance may turn the head of the queue away at most M
+      times; at the next boundary any group with room takes it. Cap, memory
+      and window waits are the v1 ones (finite: requests finish).
+
+    With M = 1 all three are void and admission is exactly v1's.
+
+    Throughput: M = S lets every stage work at once, but the cap C is
+    node-wide, so the same requests are split into M smaller batches, each
+    paying a decode step's fixed cost (the weights are read once per batch
+    step). Where that fixed cost dominates (d0 on the A100 profiles) the gain
+    is much less than S× (measured on the A100 7B profile, one node saturated
+    with 200-2000-token prompts, KV memory bounding the batch to ~50
+    requests: 1.30× tokens/s, 1.38× with a 512-token budget). With memory to
+    spare, setting `max_batch_size` to S × the per-batch size serves like
+    vLLM's pipeline-parallel virtual engines (a cap per micro-batch). Groups
+    whose iterations differ in length (one carries a long prefill) leave
+    pipeline bubbles; chunked prefill evens them out.
+
+KV offload (memory-aware training admission)
+    Only requests of micro-batches between iterations are offloaded (their KV
+    is not in use), so with M > 1 it happens at any group's boundary while the
+    others run. Training that offloading every request could not fit is handed
+    back at T_max even while groups are in flight.
+
+Chunked prefill
+    With a per-iteration token budget B (`EngineConfig.prefill_token_budget`),
+    every decode request costs one token; what remains goes to prefill chunks,
+    first to requests whose prefill is partly done (in the order they joined),
+    then to newly admitted ones. A new request joins only if it gets at least
+    one token this iteration, so nothing holds KV without making progress. If
+    the decodes alone use the budget, they all still run and prefill waits. It
+    cannot wait forever: a request starts decoding only when its last chunk
+    ran, which took budget, so decodes exceed the budget only when swapped-out
+    requests come back, and they finish. A request's KV is reserved whole at
+    admission (as in v1) and its first token comes when its last chunk
+    completes.
+
+Training slices
+    A training forward or backward that would occupy a stage for d seconds,
+    longer than `EngineConfig.max_training_slice_s` = T, runs as
+    k = ceil(d / T) slices of d / k (layer groups of that stage), one after
+    another on that stage; between slices the stage picks its next item by
+    priority again, so an inference iteration waits at most one slice. A
+    backward's optimizer step is spread evenly over its slices: each layer
+    group's parameters are final once its backward slice ran, so their update
+    can run with that slice (optimizer-in-backward), which keeps the longest
+    slice as short as possible.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lemix.types import Task
+
+
+@dataclass(slots=True)
+class Request:
+    """One inference request's state inside a node's engine."""
+
+    task: Task
+    since_s: float
+    num_generated: int = 0
+    context_tokens: int = (
+        0  # KV the request holds the content of (its prefill so far, then +1 a step)
+    )
+    num_prefilled: int = 0  # prompt tokens prefilled so far (chunked prefill)
+    micro_batch: int = 0  # the group it runs in
+    num_passed_over: int = 0  # times balance turned it away at the head of the queue
+    is_cancelled: bool = False
+    is_stopped: bool = False  # the model emitted end-of-sequence
+    failure: str = ""  # the backend could not run it: ends Failed with this reason
+
+    @property
+    def is_prefilled(self) -> bool:
+        return self.num_generated > 0
+
+    @property
+    def load_tokens(self) -> int:
+        """Tokens it holds for balancing: its context, or its prompt before prefill ends."""
+        return max(self.context_tokens, self.task.num_prompt_tokens)
+
+
+@dataclass(slots=True)
+class MicroBatch:
+    """One independent continuous batch of a node (one group of the pipeline)."""
+
+    index: int
+    running: list[Request] = field(default_factory=list)
+    is_in_flight: bool = False
+    batch_start_s: float = 0.0  # T_start of its join window
+
+    @property
+    def load_tokens(self) -> int:
+        return sum(r.load_tokens for r in self.running)
+
+
+@dataclass(slots=True)
+class Iteration:
+    """The work of one inference iteration (a `StageStart.work` payload).
+
+    `prefill[i]` prefills prompt tokens [start, start + num_tokens) with
+    `(start, num_tokens) = prefill_spans[i]`; without chunked prefill every span
+    is a whole prompt, (0, num_prompt_tokens). A request's first token comes
+    with the iteration that prefills its last prompt token. Every `decode`
+    request makes one token.
+    """
+
+    prefill: list[Request]
+    decode: list[Request]
+    micro_batch: int = 0
+    prefill_spans: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    request: Request
+    start: int  # first prompt token of the chunk
+    num_tokens: int
+
+
+def micro_batch_cap(max_batch_size: int, num_micro_batches: int) -> int:
+    """Requests one group may hold: an even share of the node's cap C."""
+    return -(-max_batch_size // num_micro_batches)
+
+
+def take_chunks(requests: Sequence[Request], budget: int | None) -> list[PrefillChunk]:
+    """Prefill chunks for `requests` in order from `budget` tokens (None: no limit).
+
+    Each gets the rest of its prompt or what is left of the budget; requests
+    past the point the budget runs out get none.
+    """
+    chunks = []
+    left = math.inf if budget is None else budget
+    for req in requests:
+        if left <= 0:
+            break
+        remaining = req.task.num_prompt_tokens - req.num_prefilled
+        num_tokens = int(min(remaining, left))
+        chunks.append(PrefillChunk(req, req.num_prefilled, num_tokens))
+        left -= num_tokens
+    return chunks
+
+
+def num_within_budget(prompt_tokens: Sequence[int], budget: int | None) -> int:
+    """How many new requests (these prompts, in order) get at least one token."""
+    if budget is None:
+        return len(prompt_tokens)
+    left, count = budget, 0
+    for tokens in prompt_tokens:
+        if left <= 0:
+            break
+        left -= min(tokens, left)
+        count += 1
+    return count
+
+
+def num_balanced_joins(
+    index: int,
+    loads: Sequence[int],
+    is_eligible: Sequence[bool],
+    candidate_tokens: Sequence[int],
+    num_waiting_tokens: int,
+    is_head_overdue: bool,
+) -> int:
+    """How many of the waiting queue's head (`candidate_tokens`, prompts in
+    order) group `index` may take at its boundary by the balance rule above.
+
+    `loads` are the groups' tokens held, `is_eligible` whether each could take
+    a request now, `num_waiting_tokens` the prompts of the waiting requests
+    the node could admit now, `is_head_overdue` whether the head was already
+    turned away M times (then it is taken regardless).
+    """
+    num_groups = len(loads)
+    if num_groups == 1:
+        return len(candidate_tokens)
+    others = [load for i, load in enumerate(loads) if i != index and is_eligible[i]]
+    lightest_other = min(others, default=None)
+    share = (sum(loads) + num_waiting_tokens) / num_groups
+    load = loads[index]
+    for n, tokens in enumerate(candidate_tokens):
+        is_lightest = lightest_other is None or load <= lightest_other
+        # Nearer the even share with it than without it: load + tokens − share ≤ share − load.
+        is_within_share = load + tokens / 2 <= share
+        if not (is_lightest or is_within_share or (n == 0 and is_head_overdue)):
+            return n
+        load += tokens
+    return len(candidate_tokens)
+
+
+def num_slices(duration_s: float, max_slice_s: float | None) -> int:
+    """Slices a training pass of `duration_s` on one stage runs as."""
+    if max_slice_s is None or duration_s <= max_slice_s:
+        return 1
+    # Relative slack so that rounding (2.1 / 0.3 = 7.000000000000001) does not
+    # add a slice: a slice may exceed the cap by 1e-9 of it.
+    return math.ceil(duration_s / max_slice_s * (1.0 - 1e-9))
+
+
+def slice_s(duration_s: float, index: int, count: int) -> float:
+    """Duration of slice `index` of `count` equal slices of `duration_s`.
+
+    Differences of the cumulative bounds d·i/k, with the last bound d itself,
+    so the slices add up to d (up to rounding of the sum).
+    """
+    end_s = duration_s if index == count - 1 else duration_s * (index + 1) / count
+    return end_s - duration_s * index / count

@@ -1,0 +1,599 @@
+"""Engine v2 (issue 9): pipelined micro-batches, chunked prefill, training slices.
+
+NodeEngine driven by hand in virtual time with `EngineDriver` from
+test_engine.py (zero noise, the profile's own latency model), so times are
+hand-computable sums and throughputs come from the engine's virtual clock.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from factories import make_profile, make_request, make_tiny_memory_profile, make_training
+from test_engine import EngineDriver
+
+from lemix.batching import BatchingConfig
+from lemix.engine import (
+    EngineConfig,
+    Failed,
+    Finished,
+    FirstToken,
+    NodeEngine,
+    Outcome,
+    Requeued,
+    StageStart,
+    TokensEmitted,
+    TrainingSlice,
+    WorkKind,
+    default_prefill_token_budget,
+)
+from lemix.engine_groups import Iteration, num_balanced_joins, slice_s
+from lemix.memory import MemoryConfig, kv_bytes
+from lemix.profile import Profile, default_profile_path, load_profile
+
+approx = pytest.approx
+
+
+def make_engine(
+    profile: Profile,
+    *,
+    num_micro_batches: int | None = 1,
+    prefill_token_budget: int | None = None,
+    max_training_slice_s: float | None = None,
+    max_batch_size: int = 8,
+    max_wait_s: float = 2.0,
+    emit_tokens: bool = False,
+) -> NodeEngine:
+    config = EngineConfig(
+        BatchingConfig(max_batch_size=max_batch_size),
+        MemoryConfig(kappa=0.9, max_wait_s=max_wait_s),
+        emit_tokens=emit_tokens,
+        num_micro_batches=num_micro_batches,
+        prefill_token_budget=prefill_token_budget,
+        max_training_slice_s=max_training_slice_s,
+    )
+    return NodeEngine(0, profile, profile.ours, config)
+
+
+class RecordingDriver(EngineDriver):
+    """Also records, after every step, each micro-batch's running count and
+    how many requests wait."""
+
+    def __init__(self, engine: NodeEngine) -> None:
+        super().__init__(engine)
+        self.counts: list[tuple[float, tuple[int, ...], int]] = []
+
+    def _absorb(self, starts: list[StageStart], outcomes: list[Outcome]) -> None:
+        super()._absorb(starts, outcomes)
+        counts = tuple(len(b.running) for b in self.engine.micro_batches)
+        self.counts.append((self.now_s, counts, len(self.engine.waiting)))
+
+
+def iterations(driver: EngineDriver, stage: int = 0) -> list[tuple[float, StageStart]]:
+    return [(t, s) for t, s in driver.starts if s.kind is WorkKind.ITERATION and s.stage == stage]
+
+
+# ------------------------------------------------------------ micro-batches
+
+
+def _saturated_decode(num_micro_batches: int | None, **profile_kwargs: float) -> EngineDriver:
+    """16 requests (10-token prompts, 40 tokens out) at t = 0 on a node with C = 8."""
+    profile = make_profile(forward_s_per_token=0.0001, **profile_kwargs)  # type: ignore[arg-type]
+    engine = make_engine(profile, num_micro_batches=num_micro_batches)
+    driver = RecordingDriver(engine)
+    for i in range(16):
+        driver.add(make_request(f"r{i}", 0.0, 10, 40, seq=i))
+    driver.run()
+    assert sorted(o.num_output_tokens for _, o in driver.of(Finished)) == [40] * 16
+    assert engine.is_idle
+    return driver
+
+
+def _num_overlaps(driver: EngineDriver) -> int:
+    """Pairs of iterations of different micro-batches running at the same time
+    on stage 0 and stage 1."""
+    spans = [
+        (t, t + s.duration_s, s.stage, s.work.micro_batch)  # type: ignore[attr-defined]
+        for t, s in driver.starts
+        if s.kind is WorkKind.ITERATION
+    ]
+    return sum(
+        1
+        for a in spans
+        for b in spans
+        if a[2] == 0 and b[2] == 1 and a[3] != b[3] and a[0] < b[1] - 1e-9 and b[0] < a[1] - 1e-9
+    )
+
+
+def _tokens_per_s(driver: EngineDriver) -> float:
+    return 16 * 40 / max(t for t, _ in driver.of(Finished))
+
+
+def test_micro_batches_run_on_different_stages_at_once_and_double_decode_throughput() -> None:
+    # A decode step costs 1 ms per sequence and stage (no fixed part): the
+    # regime where splitting the batch costs nothing, so M = S = 2 keeps both
+    # stages busy instead of one at a time and nearly doubles tokens/s.
+    kwargs = {"decode_d0_s": 0.0, "decode_d1_s": 0.001}
+    v1 = _saturated_decode(1, **kwargs)
+    v2 = _saturated_decode(None, **kwargs)  # None: one micro-batch per stage
+    ratio = _tokens_per_s(v2) / _tokens_per_s(v1)
+    assert ratio > 1.5
+    assert ratio == approx(1.99, abs=0.01)  # 1.28 s vs 0.644 s of virtual time
+    # Two micro-batches' iterations occupy the two stages at the same time;
+    # with one micro-batch (v1) a node never runs two iterations at once.
+    assert _num_overlaps(v2) > 50
+    assert _num_overlaps(v1) == 0
+    assert v2.engine.busy_s[0] / max(t for t, _ in v2.of(Finished)) > 0.95
+
+
+def test_with_a_fixed_cost_decode_step_micro_batches_do_not_raise_throughput() -> None:
+    # Where it does not help: a decode step that costs the same for 4 or 8
+    # sequences (weights read once per step, as on the A100 profile, whose
+    # d0 dominates). The node-wide cap C = 8 is split into two batches of 4,
+    # each paying the fixed cost, so tokens/s stay the same (M = S doubles the
+    # stage busy time, not the tokens).
+    v1 = _saturated_decode(1, decode_d0_s=0.01)
+    v2 = _saturated_decode(None, decode_d0_s=0.01)
+    assert _tokens_per_s(v2) / _tokens_per_s(v1) == approx(1.0, abs=0.02)
+
+
+def test_micro_batches_stay_balanced_within_one_request() -> None:
+    driver = _saturated_decode(None, decode_d0_s=0.0, decode_d1_s=0.001)
+    # The 14 requests that arrive while both groups are in flight are spread
+    # over the next boundary of each; from then on, while the node is full or
+    # requests wait, the groups differ by at most one request (at the drain,
+    # with nothing left to admit, they empty at their own pace).
+    first_round = [t for t, counts, _ in driver.counts if counts == (4, 4)][0]
+    assert first_round == approx(0.003)
+    loaded = [
+        c
+        for t, c, num_waiting in driver.counts
+        if t >= first_round and (num_waiting or sum(c) == 8)
+    ]
+    assert len(loaded) > 100 and all(max(c) - min(c) <= 1 for c in loaded)
+
+
+def test_unequal_requests_join_the_lighter_group_by_tokens() -> None:
+    # Prompts of 40..200 tokens arriving faster than they are served; memory
+    # (not the cap) bounds the batch. At every boundary while requests wait,
+    # the two groups' tokens held differ on average by less than the largest
+    # prompt (measured: 104 tokens; transients after bursts reach 700).
+    profile = make_profile(decode_d0_s=0.002, decode_d1_s=0.0005)
+    engine = make_engine(profile, num_micro_batches=2, max_batch_size=64)
+    driver = RecordingDriver(engine)
+    gaps: list[int] = []
+    original = engine._start_iteration
+
+    def spy(batch, now_s, outcomes):  # type: ignore[no-untyped-def]
+        starts = original(batch, now_s, outcomes)
+        if engine.waiting:
+            loads = [b.load_tokens for b in engine.micro_batches]
+            gaps.append(abs(loads[0] - loads[1]))
+        return starts
+
+    engine._start_iteration = spy  # type: ignore[method-assign]
+    for i in range(60):
+        prompt = (40, 120, 80, 200, 60)[i % 5]
+        driver.add(make_request(f"r{i}", 0.02 * i, prompt, 10 + 7 * (i % 4), seq=i))
+    driver.run()
+    assert len(driver.of(Finished)) == 60 and engine.is_idle
+    assert len(gaps) > 100
+    assert sum(gaps) / len(gaps) < 150
+
+
+def test_balance_rule_lightest_group_even_share_and_overdue_head() -> None:
+    # Group 0 (load 100) is heavier than group 1 (10): it takes nothing of a
+    # 50-token head unless the head fits in the even share or is overdue.
+    assert num_balanced_joins(0, [100, 10], [True, True], [50], 50, False) == 0
+    assert num_balanced_joins(0, [100, 10], [True, True], [50], 400, False) == 1
+    assert num_balanced_joins(0, [100, 10], [True, True], [50], 50, True) == 1
+    # The lighter group takes requests while it stays the lightest, then its share.
+    assert num_balanced_joins(1, [100, 10], [True, True], [50, 50, 50], 150, False) == 2
+    # A group that could not take a request now (full, window shut) does not
+    # count as lighter.
+    assert num_balanced_joins(0, [100, 10], [True, False], [50], 50, False) == 1
+
+
+def test_a_burst_while_every_group_is_in_flight_spreads_over_the_next_boundaries() -> None:
+    profile = make_profile(decode_d0_s=0.0, decode_d1_s=0.001, forward_s_per_token=0.0001)
+    engine = make_engine(profile, num_micro_batches=2, max_batch_size=64)
+    driver = RecordingDriver(engine)
+    driver.add(make_request("a", 0.0, 10, 100, seq=0))
+    driver.add(make_request("b", 0.0, 10, 100, seq=1))
+    for i in range(20):
+        driver.add(make_request(f"x{i}", 0.0005, 10, 5, seq=10 + i))
+    driver.run(until_s=0.01)
+    # Both groups busy with a and b when the burst lands; their next two
+    # boundaries split it evenly instead of one request per boundary.
+    assert [c for t, c, _ in driver.counts if t <= 0.003][-1] == (11, 11)
+
+
+# ------------------------------------------------------------ chunked prefill
+
+
+def test_long_prompt_is_prefilled_in_chunks_while_a_decode_keeps_emitting() -> None:
+    # forward 0.001 s/token, decode 0.01 s per stage. Budget 51: the running
+    # decode takes 1 token, so a 200-token prompt goes in 4 chunks of 50.
+    profile = make_profile()
+    engine = make_engine(profile, prefill_token_budget=51, emit_tokens=True)
+    driver = RecordingDriver(engine)
+    driver.add(make_request("d", 0.0, 10, 30))
+    driver.add(make_request("long", 0.015, 200, 5))
+    held: list[tuple[int, ...]] = []
+    original = driver._absorb
+
+    def absorb(starts: list[StageStart], outcomes: list[Outcome]) -> None:
+        original(starts, outcomes)
+        held.append(engine.memory.held_bytes("long"))
+
+    driver._absorb = absorb  # type: ignore[method-assign]
+    driver.run()
+    chunked = [
+        (t, s)
+        for t, s in iterations(driver)
+        if any(r.task.task_id == "long" for r in s.work.prefill)  # type: ignore[attr-defined]
+    ]
+    spans = [s.work.prefill_spans for _, s in chunked]  # type: ignore[attr-defined]
+    assert spans == [((0, 50),), ((50, 50),), ((100, 50),), ((150, 50),)]
+    assert len(chunked) == math.ceil(200 / (51 - 1))
+    # Each iteration: its prefill tokens at 0.001 s plus, with decodes, a 0.01 s step.
+    for _, s in iterations(driver):
+        work: Iteration = s.work  # type: ignore[assignment]
+        prefill_s = 0.001 * sum(n for _, n in work.prefill_spans)
+        assert s.duration_s == approx(prefill_s + (0.01 if work.decode else 0.0))
+    # d keeps making a token every iteration while long's chunks run.
+    emitted = [(t, o) for t, o in driver.outcomes if isinstance(o, TokensEmitted)]
+    ends = [t + 2 * s.duration_s for t, s in chunked]
+    for end in ends:
+        assert any(t == approx(end) and "d" in o.task_ids for t, o in emitted)
+    # long's first token only when its last chunk's iteration ends.
+    first = driver.of(FirstToken, "long")
+    assert first == [(approx(ends[-1]), FirstToken("long", 0))]
+    # Its KV was reserved once, whole, at admission and held through every chunk.
+    need = kv_bytes(profile.memory, 205)
+    assert set(held) == {(0, 0), need}
+    first_held = held.index(need)
+    last_held = len(held) - 1 - held[::-1].index(need)
+    assert all(h == need for h in held[first_held : last_held + 1])
+    assert [o for _, o in driver.of(Finished, "long")] == [Finished("long", 5)]
+    assert driver.of(Finished, "d") and engine.is_idle
+
+
+def test_a_lone_prompt_spans_ceil_prompt_over_budget_iterations() -> None:
+    profile = make_profile(forward_a_s=0.01)  # forward 0.01 + 0.001·ℓ per stage
+    engine = make_engine(profile, prefill_token_budget=64)
+    driver = EngineDriver(engine)
+    driver.add(make_request("r", 0.0, 200, 1))
+    driver.run()
+    spans = [s.work.prefill_spans for _, s in iterations(driver)]  # type: ignore[attr-defined]
+    assert spans == [((0, 64),), ((64, 64),), ((128, 64),), ((192, 8),)]
+    assert len(spans) == math.ceil(200 / 64)
+    # Each chunk pays the fixed cost once: 4·0.01 + 0.2 s per stage in all.
+    assert driver.of(FirstToken) == [(approx(2 * (4 * 0.01 + 0.2)), FirstToken("r", 0))]
+    assert driver.of(Finished) == [(approx(0.48), Finished("r", 1))]
+
+
+def test_decodes_that_use_the_whole_budget_still_run_and_prefill_waits() -> None:
+    # Budget 2: d0 and d1 (1-token prompts) prefill together, then their two
+    # decodes use the whole budget, so "late" (arriving at 0.05) waits for d0
+    # to finish; meanwhile both keep decoding every iteration.
+    profile = make_profile()
+    engine = make_engine(profile, prefill_token_budget=2)
+    driver = EngineDriver(engine)
+    driver.add(make_request("d0", 0.0, 1, 4, seq=0))
+    driver.add(make_request("d1", 0.0, 1, 8, seq=1))
+    driver.add(make_request("late", 0.05, 10, 1, seq=9))
+    driver.run()
+    works: list[tuple[float, Iteration]] = [(t, s.work) for t, s in iterations(driver)]  # type: ignore[misc]
+    d0_done_s = driver.of(Finished, "d0")[0][0]
+    both_s = [t for t, w in works if len(w.decode) == 2][0]
+    before = [w for t, w in works if both_s <= t < d0_done_s]
+    assert before and all(len(w.decode) == 2 and not w.prefill for w in before)
+    late = [
+        (t, w.prefill_spans) for t, w in works if any(r.task.task_id == "late" for r in w.prefill)
+    ]
+    assert late[0][0] == approx(d0_done_s)
+    # With one decode left the budget leaves 1 token a step; then 2 when d1 is done.
+    assert sum(n for _, spans in late for _, n in spans) == 10
+    assert all(len(w.decode) + sum(n for _, n in w.prefill_spans) <= 2 for _, w in works)
+    finished = {o.task_id: o.num_output_tokens for _, o in driver.of(Finished)}
+    assert finished == {"d0": 4, "d1": 8, "late": 1}
+    assert engine.is_idle
+
+
+# ------------------------------------------------------------ training slices
+
+
+def test_a_long_training_pass_runs_in_slices_that_add_up_to_the_whole() -> None:
+    # 1000 tokens: forward 1.0 s, backward 2.0 + 0.1 (optimizer) s per stage.
+    profile = make_profile(optimizer_step_s=0.1)
+    unsliced = EngineDriver(make_engine(profile))
+    unsliced.add(make_training("t", 0.0, 1000))
+    unsliced.run()
+    sliced_engine = make_engine(profile, max_training_slice_s=0.3)
+    sliced = EngineDriver(sliced_engine)
+    sliced.add(make_training("t", 0.0, 1000))
+    sliced.run()
+    pieces = [(s.stage, s.kind, s.work, s.duration_s) for _, s in sliced.starts]
+    fwd0 = [p for p in pieces if p[0] == 0 and p[1] is WorkKind.FORWARD]
+    bwd0 = [p for p in pieces if p[0] == 0 and p[1] is WorkKind.BACKWARD]
+    assert [(w.index, w.count) for _, _, w, _ in fwd0] == [(i, 4) for i in range(4)]  # ceil(1/0.3)
+    assert [(w.index, w.count) for _, _, w, _ in bwd0] == [
+        (i, 7) for i in range(7)
+    ]  # ceil(2.1/0.3)
+    assert all(isinstance(w, TrainingSlice) and w.task.task_id == "t" for _, _, w, _ in pieces)
+    assert [d for *_, d in fwd0] == approx([0.25] * 4)
+    assert [d for *_, d in bwd0] == approx([0.3] * 7)  # the optimizer step spread evenly
+    for stage in (0, 1):
+        for kind in (WorkKind.FORWARD, WorkKind.BACKWARD):
+            whole = [
+                s.duration_s for _, s in unsliced.starts if s.stage == stage and s.kind is kind
+            ]
+            parts = [d for st, k, _, d in pieces if st == stage and k is kind]
+            assert sum(parts) == approx(whole[0], rel=1e-12)
+    assert sliced_engine.busy_s == approx(unsliced.engine.busy_s, rel=1e-12)
+    # Alone on the node, slicing changes nothing but the pieces.
+    assert sliced.of(Finished) == [(approx(unsliced.of(Finished)[0][0]), Finished("t", 0))]
+    # Without the knob the payload is the Task itself (v1).
+    assert all(s.work.task_id == "t" for _, s in unsliced.starts)  # type: ignore[attr-defined]
+
+
+def test_slices_sum_exactly_and_never_exceed_the_cap() -> None:
+    for duration_s in (0.1, 0.089, 1.0, 2.0 / 3.0, 7.123):
+        count = math.ceil(duration_s / 0.01)
+        parts = [slice_s(duration_s, i, count) for i in range(count)]
+        assert math.fsum(parts) == approx(duration_s, rel=1e-14)
+        assert max(parts) <= 0.01 + 1e-12
+
+
+def test_an_iteration_submitted_mid_training_waits_at_most_one_slice() -> None:
+    profile = make_profile()  # forward 0.001 s/token: a 1000-token forward is 1.0 s
+    # Unsliced, r waits for the whole 1 s forward on stage 0 and again for it on
+    # stage 1 (first token at 2.01); sliced (0.25 s slices), r's iteration
+    # starts when the first slice ends and reaches stage 1 before t's forward.
+    for max_slice_s, expected_start_s, first_token_s in ((None, 1.0, 2.01), (0.3, 0.25, 0.27)):
+        engine = make_engine(profile, max_training_slice_s=max_slice_s)
+        driver = EngineDriver(engine)
+        driver.add(make_training("t", 0.0, 1000))
+        driver.add(make_request("r", 0.1, 10, 1))
+        driver.run()
+        (first_iteration_s, _), *_ = iterations(driver)
+        assert first_iteration_s == approx(expected_start_s)
+        assert driver.of(FirstToken)[0][0] == approx(first_token_s)
+        assert len(driver.of(Finished)) == 2 and engine.is_idle
+
+
+# ------------------------------------------------------------ cancel
+
+
+def test_cancel_in_an_in_flight_group_ends_at_its_iteration_and_spares_the_other() -> None:
+    profile = make_profile(decode_d0_s=0.0, decode_d1_s=0.001, forward_s_per_token=0.0001)
+    engine = make_engine(profile, num_micro_batches=2)
+    driver = EngineDriver(engine)
+    for i in range(4):
+        driver.add(make_request(f"r{i}", 0.0, 10, 20, seq=i))
+    driver.run(until_s=0.05)
+    groups = [[r.task.task_id for r in b.running] for b in engine.micro_batches]
+    assert all(groups) and all(b.is_in_flight for b in engine.micro_batches)
+    # Cancel one request of each group; stage 0 runs one group's iteration and
+    # the other group's waits for stage 1 (or is queued behind it).
+    now_s = driver.now_s
+    victims = [groups[0][0], groups[1][0]]
+    for victim in victims:
+        found, starts, outcomes = engine.cancel(victim, now_s)
+        assert found and starts == [] and outcomes == []
+    driver.run()
+    failed = driver.of(Failed)
+    assert sorted(o.task_id for _, o in failed) == sorted(victims)
+    assert all(o.reason.startswith("CANCELLED") for _, o in failed)
+    # Each ends when its own group's in-flight iteration leaves the last stage.
+    for group, victim in enumerate(victims):
+        ends = [
+            t + s.duration_s
+            for t, s in iterations(driver, stage=1)
+            if s.work.micro_batch == group and t + s.duration_s > now_s  # type: ignore[attr-defined]
+        ]
+        assert driver.of(Failed, victim)[0][0] == approx(ends[0])
+    finished = {o.task_id: o.num_output_tokens for _, o in driver.of(Finished)}
+    assert finished == {t: 20 for g in groups for t in g if t not in victims}
+    assert engine.is_idle
+    assert engine.memory.used_bytes(0) == engine.memory.used_bytes(1) == 1_000
+
+
+def test_cancel_a_request_still_waiting_for_a_group_is_immediate() -> None:
+    profile = make_profile()
+    engine = make_engine(profile, num_micro_batches=2, max_batch_size=2)
+    driver = EngineDriver(engine)
+    for i in range(3):
+        driver.add(make_request(f"r{i}", 0.0, 10, 5, seq=i))
+    driver.run(until_s=0.001)
+    assert [r.task.task_id for r in engine.waiting] == ["r2"]
+    found, _, outcomes = engine.cancel("r2", driver.now_s)
+    assert found and outcomes == [Failed("r2", "CANCELLED: cancelled by the client")]
+    driver.run()
+    assert sorted(o.task_id for _, o in driver.of(Finished)) == ["r0", "r1"]
+    assert engine.is_idle
+
+
+def test_cancel_a_request_mid_chunked_prefill() -> None:
+    engine = make_engine(make_profile(), prefill_token_budget=32)
+    driver = EngineDriver(engine)
+    driver.add(make_request("r", 0.0, 200, 5))
+    driver.run(until_s=0.1)  # chunk 2 of 7 in flight
+    assert engine.cancel("r", driver.now_s)[0]
+    driver.run()
+    assert driver.of(Failed) == [(approx(0.128), Failed("r", "CANCELLED: cancelled by the client"))]
+    assert driver.of(FirstToken) == [] and engine.is_idle
+    assert engine.memory.used_bytes(0) == 1_000
+
+
+# ------------------------------------------------------------ v1 and all together
+
+
+def test_v2_paths_with_room_to_spare_reproduce_v1_exactly() -> None:
+    # One micro-batch, a budget no prompt reaches and slices no pass reaches:
+    # the v2 code paths must give v1's starts and outcomes, in order.
+    def run(**knobs: object) -> EngineDriver:
+        engine = make_engine(make_tiny_memory_profile(), max_wait_s=0.3, max_batch_size=4, **knobs)  # type: ignore[arg-type]
+        driver = EngineDriver(engine)
+        for i in range(8):
+            driver.add(make_request(f"r{i}", 0.1 * i, 100 + 20 * (i % 3), 10 + 5 * (i % 4), seq=i))
+            if i % 3 == 0:
+                driver.add(make_training(f"t{i}", 0.1 * i + 0.05, 150 + 50 * (i % 2), seq=100 + i))
+        driver.run()
+        return driver
+
+    v1 = run()
+    v2 = run(prefill_token_budget=10_000, max_training_slice_s=100.0)
+    assert v2.outcomes == v1.outcomes
+    assert [(t, s.stage, s.duration_s, s.kind) for t, s in v2.starts] == [
+        (t, s.stage, s.duration_s, s.kind) for t, s in v1.starts
+    ]
+    assert v2.engine.num_offloads == v1.engine.num_offloads
+
+
+@pytest.mark.parametrize("num_micro_batches", [2, 3, None])
+def test_everything_at_once_under_memory_pressure_completes_and_stays_in_memory(
+    num_micro_batches: int | None,
+) -> None:
+    engine = make_engine(
+        make_tiny_memory_profile(),
+        num_micro_batches=num_micro_batches,
+        prefill_token_budget=48,
+        max_training_slice_s=0.05,
+        max_wait_s=0.3,
+        max_batch_size=4,
+    )
+    driver = EngineDriver(engine)  # asserts used <= threshold and one item per stage
+    for i in range(12):
+        driver.add(make_request(f"r{i}", 0.07 * i, 60 + 45 * (i % 4), 5 + 7 * (i % 5), seq=i))
+        if i % 3 == 1:
+            driver.add(make_training(f"t{i}", 0.07 * i + 0.03, 120 + 60 * (i % 2), seq=100 + i))
+    driver.run()
+    ends = driver.of(Finished) + driver.of(Failed) + driver.of(Requeued)
+    assert len(ends) == 12 + 4
+    for _, o in driver.of(Finished):
+        if o.task_id.startswith("r"):
+            assert o.num_output_tokens == 5 + 7 * (int(o.task_id[1:]) % 5)
+    assert len(driver.of(FirstToken)) == 12
+    assert engine.is_idle
+    assert engine.memory.host_used_bytes == 0
+
+
+# ------------------------------------------------------------ default budget
+
+
+def test_default_prefill_token_budget_follows_the_documented_rule() -> None:
+    # A100 Llama-2-7B: a 512-token chunk is 23 ms, a batch-32 decode step at
+    # 512 context 8.5 ms (×3 = 25.6 ms); 1024 tokens would be 45 ms.
+    assert default_prefill_token_budget(load_profile(default_profile_path())) == 512
+    # Test profile: forward 0.001 s/token vs 3 × 0.01 s → 30 tokens: the floor, 32.
+    assert default_prefill_token_budget(make_profile()) == 32
+    # A decode step of 0.1 s: 3 × 0.1 / 0.001 = 300 tokens → 256.
+    assert default_prefill_token_budget(make_profile(decode_d0_s=0.1)) == 256
+
+
+def test_iteration_payload_names_its_micro_batch_and_whole_prompt_spans() -> None:
+    engine = make_engine(make_profile(), num_micro_batches=None)
+    driver = EngineDriver(engine)
+    driver.add(make_request("a", 0.0, 30, 2))
+    driver.add(make_request("b", 0.0, 40, 2))
+    driver.run()
+    first = [s.work for _, s in iterations(driver)][:2]
+    assert all(isinstance(w, Iteration) for w in first)
+    assert [(w.micro_batch, w.prefill_spans) for w in first] == [(0, ((0, 30),)), (1, ((0, 40),))]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_mixes_of_every_knob_end_every_task_exactly_once(seed: int) -> None:
+    """Random workloads, knobs and cancels: every task ends once (Finished,
+    Failed or Requeued), finished requests have all their tokens, and the node
+    ends idle holding only its weights (the driver checks memory and one item
+    per stage after every step)."""
+    rng = random.Random(seed)
+    profile = rng.choice([make_tiny_memory_profile(), make_tiny_memory_profile(3), make_profile()])
+    config = EngineConfig(
+        BatchingConfig(
+            max_batch_size=rng.choice([1, 2, 4, 8]), join_window_s=rng.choice([None, 0.1])
+        ),
+        MemoryConfig(
+            kappa=0.9, max_wait_s=rng.choice([0.2, 3.0]), is_offload_enabled=rng.random() < 0.6
+        ),
+        stage_order=rng.choice(["inference-first", "fifo"]),
+        emit_tokens=True,
+        num_micro_batches=rng.choice([1, 2, 3, None]),
+        prefill_token_budget=rng.choice([None, 1, 7, 48]),
+        max_training_slice_s=rng.choice([None, 0.01, 0.05]),
+    )
+    engine = NodeEngine(0, profile, profile.ours, config)
+    driver = EngineDriver(engine)
+    tasks = {}
+    cancels = []
+    for i in range(rng.randint(1, 16)):
+        at_s = rng.random() * 2
+        if rng.random() < 0.25:
+            task = make_training(f"t{i}", at_s, rng.randint(20, 400), rng.randint(1, 2), seq=i)
+        else:
+            task = make_request(f"r{i}", at_s, rng.randint(1, 300), rng.randint(1, 40), seq=i)
+        tasks[task.task_id] = task
+        driver.add(task)
+        if rng.random() < 0.15:
+            cancels.append((at_s + rng.random() * 0.5, task.task_id))
+    for at_s, task_id in sorted(cancels):
+        driver.run(until_s=at_s)
+        driver.now_s = max(driver.now_s, at_s)
+        _, starts, outcomes = engine.cancel(task_id, driver.now_s)
+        driver._absorb(starts, outcomes)
+    driver.run()
+    ends = [o for _, o in driver.outcomes if isinstance(o, Finished | Failed | Requeued)]
+    assert sorted(o.task_id for o in ends) == sorted(tasks)
+    for o in ends:
+        if isinstance(o, Finished) and o.task_id.startswith("r"):
+            assert o.num_output_tokens == tasks[o.task_id].max_output_tokens
+    first = [o.task_id for _, o in driver.outcomes if isinstance(o, FirstToken)]
+    assert len(first) == len(set(first))
+    assert engine.is_idle and engine.memory.host_used_bytes == 0
+    assert all(
+        engine.memory.used_bytes(s) == profile.memory.weight_bytes[s]
+        for s in range(engine.num_stages)
+    )
+
+
+# ------------------------------------------------------------ memory with micro-batches
+
+
+def test_training_offloads_kv_of_the_group_at_its_boundary_while_the_other_runs() -> None:
+    # Tiny memory: 800 B per stage for KV and activations; four requests of
+    # 150 + 50 tokens fill it, two per micro-batch. Training of 200 tokens
+    # waits T_max = 0.5 s, then at the next boundary of either group that
+    # group's newest request goes to the host, though the other group is in
+    # flight (with one micro-batch it waits for a moment when nothing runs).
+    engine = make_engine(make_tiny_memory_profile(), num_micro_batches=2, max_wait_s=0.5)
+    driver = EngineDriver(engine)
+    for i in range(4):
+        driver.add(make_request(f"r{i}", 0.0, 150, 50, seq=i + 1))
+    driver.add(make_training("t", 1.0, 200, seq=10))
+    driver.run()
+    forward = [t for t, s in driver.starts if s.kind is WorkKind.FORWARD]
+    assert engine.num_offloads == 1
+    assert 1.5 <= forward[0] < 1.6
+    finished = {o.task_id: o.num_output_tokens for _, o in driver.of(Finished)}
+    assert finished == {"r0": 50, "r1": 50, "r2": 50, "r3": 50, "t": 0}
+    assert engine.is_idle and engine.memory.host_used_bytes == 0
+
+
+def test_training_that_cannot_fit_even_after_offload_is_requeued_while_groups_run() -> None:
+    # 900 tokens of activations > 800 B: no offload can make room. With two
+    # micro-batches always in flight it is handed back at T_max, not held.
+    engine = make_engine(make_tiny_memory_profile(), num_micro_batches=2, max_wait_s=0.5)
+    driver = EngineDriver(engine)
+    driver.add(make_request("r0", 0.0, 100, 100, seq=1))
+    driver.add(make_request("r1", 0.0, 100, 100, seq=2))
+    driver.add(make_training("t", 0.1, 900, seq=10))
+    driver.run()
+    assert driver.of(Requeued) == [
+        (approx(0.6), Requeued("t", "no activation memory even after KV offload"))
+    ]
+    assert driver.of(Finished, "r0")[0][0] > 0.6

@@ -1,0 +1,96 @@
+"""The executor's engine v2 options (issue 9): flags and LEMIX_* variables into
+the node's EngineConfig, and the torch backend refusing what it cannot run."""
+
+from __future__ import annotations
+
+import pytest
+from factories import make_profile
+
+from lemix.engine import EngineConfig, default_prefill_token_budget
+from services.executor.config import ExecutorConfig
+
+
+def _config(argv: list[str] | None = None, **env: str) -> ExecutorConfig:
+    return ExecutorConfig.from_env_and_args(argv or [], env=env)
+
+
+def test_defaults_are_the_v1_engine() -> None:
+    engine = _config().engine_config(make_profile())
+    v1 = EngineConfig()
+    assert engine.num_micro_batches == v1.num_micro_batches == 1
+    assert engine.prefill_token_budget is v1.prefill_token_budget is None
+    assert engine.max_training_slice_s is v1.max_training_slice_s is None
+    assert engine.emit_tokens
+
+
+def test_environment_variables() -> None:
+    config = _config(
+        LEMIX_NUM_MICRO_BATCHES="2", LEMIX_PREFILL_TOKEN_BUDGET="512", LEMIX_TRAIN_SLICE_S="0.02"
+    )
+    engine = config.engine_config(make_profile())
+    assert (engine.num_micro_batches, engine.prefill_token_budget) == (2, 512)
+    assert engine.max_training_slice_s == 0.02
+
+
+def test_flags_beat_variables_and_auto_off_words() -> None:
+    config = _config(
+        ["--micro-batches", "auto", "--prefill-token-budget", "off", "--train-slice-s", "off"],
+        LEMIX_NUM_MICRO_BATCHES="3",
+        LEMIX_PREFILL_TOKEN_BUDGET="64",
+        LEMIX_TRAIN_SLICE_S="0.5",
+    )
+    assert (config.num_micro_batches, config.prefill_token_budget) == (0, 0)
+    assert config.train_slice_s == 0.0
+    engine = config.engine_config(make_profile())
+    assert engine.num_micro_batches is None  # one per stage
+    assert engine.prefill_token_budget is None and engine.max_training_slice_s is None
+
+
+def test_prefill_budget_auto_is_the_engines_profile_default() -> None:
+    config = _config(LEMIX_PREFILL_TOKEN_BUDGET="auto")
+    assert config.prefill_token_budget == -1  # resolved once the profile is known
+    profile = make_profile()
+    budget = config.engine_config(profile).prefill_token_budget
+    assert budget == default_prefill_token_budget(profile)
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "match"),
+    [
+        ("LEMIX_NUM_MICRO_BATCHES", "-1", "num_micro_batches"),
+        ("LEMIX_NUM_MICRO_BATCHES", "many", "LEMIX_NUM_MICRO_BATCHES"),
+        ("LEMIX_PREFILL_TOKEN_BUDGET", "-2", "prefill_token_budget"),
+        ("LEMIX_PREFILL_TOKEN_BUDGET", "big", "LEMIX_PREFILL_TOKEN_BUDGET"),
+        ("LEMIX_TRAIN_SLICE_S", "-0.1", "train_slice_s"),
+        ("LEMIX_TRAIN_SLICE_S", "inf", "train_slice_s"),
+        ("LEMIX_TRAIN_SLICE_S", "auto", "LEMIX_TRAIN_SLICE_S"),  # the SLO is the scheduler's
+    ],
+)
+def test_bad_values_name_the_option(env: str, value: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _config(**{env: value})
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "names"),
+    [
+        ("LEMIX_NUM_MICRO_BATCHES", "2", "LEMIX_NUM_MICRO_BATCHES"),
+        ("LEMIX_NUM_MICRO_BATCHES", "auto", "LEMIX_NUM_MICRO_BATCHES"),
+        ("LEMIX_PREFILL_TOKEN_BUDGET", "256", "LEMIX_PREFILL_TOKEN_BUDGET"),
+        ("LEMIX_PREFILL_TOKEN_BUDGET", "auto", "LEMIX_PREFILL_TOKEN_BUDGET"),
+        ("LEMIX_TRAIN_SLICE_S", "0.01", "LEMIX_TRAIN_SLICE_S"),
+    ],
+)
+def test_torch_backend_refuses_what_it_cannot_execute(env: str, value: str, names: str) -> None:
+    with pytest.raises(ValueError, match=f"{names}.*torch backend"):
+        _config(LEMIX_EXECUTOR_BACKEND="torch", **{env: value})
+
+
+def test_torch_backend_accepts_the_v1_values() -> None:
+    config = _config(
+        LEMIX_EXECUTOR_BACKEND="torch",
+        LEMIX_NUM_MICRO_BATCHES="1",
+        LEMIX_PREFILL_TOKEN_BUDGET="off",
+        LEMIX_TRAIN_SLICE_S="off",
+    )
+    assert config.backend == "torch" and config.num_micro_batches == 1

@@ -1,0 +1,146 @@
+"""The engine v2 knobs (issue 9) from `SimRunConfig` and the `lemix sim` /
+`lemix compare` flags down to every node's `EngineConfig`."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+from factories import make_profile
+
+from lemix.cli.main import build_parser, configs_from_args
+from lemix.engine import EngineConfig, default_prefill_token_budget
+from lemix.profile import default_profile_path, load_profile
+from lemix.sim.run import SimRunConfig, build_simulator
+from lemix.slo import Slo
+from lemix.workload import LONG_PROMPT_MAX_TOTAL_TOKENS, WorkloadConfig, build_workload
+
+SLO = Slo(ttft_s=2.0, tbt_s=0.06)
+KNOBS = ("num_micro_batches", "prefill_token_budget", "max_training_slice_s")
+
+
+def _engine_configs(config: SimRunConfig) -> list[EngineConfig]:
+    tasks = build_workload(WorkloadConfig(request_rate=2.0, duration_s=5.0, seed=1)).tasks
+    sim = build_simulator(config, make_profile(), tasks, SLO)
+    return [engine.config for engine in sim.engines]
+
+
+def _setup(*argv: str) -> SimRunConfig:
+    args = build_parser().parse_args(list(argv))
+    return configs_from_args(args).run
+
+
+SIM = ("sim", "--policy", "mix-rr", "--poisson", "2")
+
+
+def test_default_run_config_is_the_v1_engine() -> None:
+    v1 = EngineConfig()
+    for config in _engine_configs(SimRunConfig(num_nodes=2)):
+        assert {k: getattr(config, k) for k in KNOBS} == {k: getattr(v1, k) for k in KNOBS}
+        assert config.batching == v1.batching and config.stage_order == v1.stage_order
+
+
+def test_knobs_reach_every_node() -> None:
+    run = SimRunConfig(
+        num_nodes=3, num_micro_batches=None, prefill_token_budget=512, train_slice_s=0.02
+    )
+    configs = _engine_configs(run)
+    assert len(configs) == 3
+    for config in configs:
+        assert config.num_micro_batches is None  # one per stage
+        assert config.prefill_token_budget == 512
+        assert config.max_training_slice_s == 0.02
+
+
+def test_the_other_fields_still_pass_through() -> None:
+    run = SimRunConfig(policy="lemix-nomem", stage_order="fifo", max_training_in_flight=3)
+    config = _engine_configs(run)[0]
+    assert config.stage_order == "fifo" and config.max_training_in_flight == 3
+    assert not config.memory.is_offload_enabled  # not memory-aware: wait-then-drop
+
+
+def test_train_slice_from_the_runs_tbt_slo() -> None:
+    run = SimRunConfig(train_slice_tbt_fraction=0.5)
+    assert run.engine_config(SLO).max_training_slice_s == pytest.approx(0.03)
+    assert _engine_configs(run)[0].max_training_slice_s == pytest.approx(0.03)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_micro_batches": 0},
+        {"prefill_token_budget": 0},
+        {"train_slice_s": 0.0},
+        {"train_slice_s": -1.0},
+        {"train_slice_tbt_fraction": 0.0},
+        {"train_slice_tbt_fraction": 1.5},
+        {"train_slice_s": 0.01, "train_slice_tbt_fraction": 0.5},
+    ],
+)
+def test_bad_knobs_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        SimRunConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_cli_defaults_are_the_v1_engine() -> None:
+    run = _setup(*SIM)
+    assert (run.num_micro_batches, run.prefill_token_budget) == (1, None)
+    assert (run.train_slice_s, run.train_slice_tbt_fraction) == (None, None)
+
+
+def test_cli_flags() -> None:
+    run = _setup(
+        *SIM, "--micro-batches", "auto", "--prefill-budget", "256", "--train-slice-s", "0.01"
+    )
+    assert (run.num_micro_batches, run.prefill_token_budget, run.train_slice_s) == (None, 256, 0.01)
+    run = _setup(*SIM, "--micro-batches", "3", "--prefill-budget", "off", "--train-slice-s", "auto")
+    assert (run.num_micro_batches, run.prefill_token_budget) == (3, None)
+    assert run.train_slice_s is None and run.train_slice_tbt_fraction == 0.5
+
+
+def test_compare_template_carries_the_knobs() -> None:
+    argv = ("compare", "--rates", "2", "--out", "unused", "--micro-batches", "2")
+    run = _setup(*argv, "--prefill-budget", "128", "--train-slice-s", "auto")
+    assert (run.num_micro_batches, run.prefill_token_budget) == (2, 128)
+    assert run.train_slice_tbt_fraction == 0.5
+
+
+def test_prefill_budget_auto_is_the_engines_profile_default() -> None:
+    expected = default_prefill_token_budget(load_profile(default_profile_path()))
+    assert _setup(*SIM, "--prefill-budget", "auto").prefill_token_budget == expected
+    four = _setup(*SIM, "--stages", "4", "--prefill-budget", "auto")
+    four_stage = default_profile_path().with_name("a100-llama2-7b-4stage.json")
+    assert four.prefill_token_budget == default_prefill_token_budget(load_profile(four_stage))
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--micro-batches", "0"),
+        ("--micro-batches", "two"),
+        ("--prefill-budget", "0"),
+        ("--prefill-budget", "lots"),
+        ("--train-slice-s", "0"),
+        ("--train-slice-s", "nan"),
+        ("--train-slice-s", "soon"),
+    ],
+)
+def test_bad_flag_values_name_the_flag(flag: str, value: str) -> None:
+    with pytest.raises(ValueError, match=flag):
+        _setup(*SIM, flag, value)
+
+
+def test_workload_flag_long_prompt() -> None:
+    args = build_parser().parse_args([*SIM, "--workload", "long-prompt", "--duration", "30"])
+    workload = configs_from_args(args).workload
+    assert workload.source == "long-prompt" and workload.request_rate == 2.0
+    assert workload.duration_s == 30.0
+    assert workload.max_total_tokens == LONG_PROMPT_MAX_TOTAL_TOKENS  # nothing clipped
+    args = build_parser().parse_args([*SIM, "--workload", "long-prompt", "--trace", "x.csv"])
+    with pytest.raises(ValueError, match="long-prompt"):
+        configs_from_args(args)
+
+
+def test_run_config_has_the_three_knobs() -> None:
+    names = {f.name for f in fields(SimRunConfig)}
+    assert {"num_micro_batches", "prefill_token_budget", "train_slice_s"} <= names
