@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-fast lint demo compare bench clean proto proto-check
+.PHONY: setup test test-fast lint demo bench clean proto proto-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,13 +21,16 @@ setup: $(STAMP)
 test: $(STAMP)
 	$(PY) scripts/gen_protos.py --check
 	$(PY) -m ruff check lemix services gateway profiler tests benchmarks scripts
+	$(PY) -m ruff format --check lemix services gateway profiler tests benchmarks scripts
 	$(PY) -m mypy lemix services gateway profiler
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests
 
 # The suite without the fault-injection tests (tests/faults: real processes
-# killed on purpose, a few minutes); `make test` runs everything.
+# killed on purpose), the whole-stack tests (tests/e2e) and those marked slow;
+# `make test` runs everything.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not faults" tests
+	$(PY) -m pytest -q -m "not faults and not e2e and not slow" tests
 
 # Regenerate the checked-in stubs in lemix/_proto/ from protos/ (users need no
 # protoc). Runs grpc_tools.protoc -I protos --python_out/--grpc_python_out/
@@ -41,11 +44,16 @@ proto-check: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check lemix services gateway profiler tests benchmarks scripts
+	$(PY) -m ruff format --check lemix services gateway profiler tests benchmarks scripts
 	$(PY) -m mypy lemix services gateway profiler
+	$(VENV)/bin/lint-imports
 
-# The main job: the live stack (embedded Redis, scheduler, 2 emulated executors,
-# gateway; real gRPC) replaying a short mixed workload, then LeMix vs the
-# baselines simulated on identical workloads. About a minute on 2 cores.
+# The main job (`lemix demo`, lemix/cli/main.py), in three parts: a real model
+# live (2 torch executors of tiny-llama on the CPU, co-located LeMix then
+# SEPARATE on the same 45 s ShareGPT workload, inference loss side by side);
+# the stack at paper scale (2 emulated A100 executors, 20 s of mixed traffic);
+# LeMix vs the baselines simulated on identical workloads (3 seeds).
+# About three minutes on 2 cores once .venv exists; see docs/cli.md.
 demo: $(STAMP)
 	$(PY) -m lemix.cli demo --out runs/demo
 

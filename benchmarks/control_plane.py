@@ -5,7 +5,7 @@ optimizer step 0, memory kept) makes compute free, so a Generate of one token,
 timed at the client from send to its final message, measures only the plumbing:
 two gRPC hops in, the intake stream, the planner, Dispatch, the executor's
 Redis sink and the gateway's blocking XREAD back out. The stack runs as real
-processes (`lemix.launcher.Stack`) with embedded Redis; the client is a lean
+processes (`lemix.stack.launcher.Stack`) with embedded Redis; the client is a lean
 open-loop Poisson loop on one channel (no metrics objects per request).
 
 Each level also reads the tasks' state hashes back from Redis and splits E2E
@@ -38,16 +38,16 @@ from typing import Any
 
 import grpc
 import numpy as np
-import redis.asyncio as aioredis
 
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from lemix.infra.rpc.client import channel
+from lemix.infra.store.client import RedisClientConfig, connect
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.server import EmbeddedRedis
 from lemix.latency import DecodeCoeffs, QuadCoeffs
-from lemix.launcher import Stack, StackConfig
-from lemix.metrics import format_table
 from lemix.profile import Profile, default_profile_path, load_profile, save_profile
-from lemix.redis_keys import RedisKeys
-from lemix.redis_server import EmbeddedRedis
-from lemix.rpc.client import channel
+from lemix.report.metrics import format_table
+from lemix.stack.launcher import Stack, StackConfig
 
 TARGET_RATE = 200.0
 TARGET_P50_MS = 2.0
@@ -67,15 +67,20 @@ def zero_latency_profile(base: Profile) -> Profile:
         decode=tuple(DecodeCoeffs(0.0, 0.0, 0.0) for _ in range(n)),
     )
     paper = dataclasses.replace(base.paper, eta_forward=(0.0,) * n, eta_backward=(0.0,) * n)
-    return dataclasses.replace(base, name=f"{base.name}-zero-latency", ours=ours, paper=paper,
-                               optimizer_step_s=(0.0,) * n)
+    return dataclasses.replace(
+        base, name=f"{base.name}-zero-latency", ours=ours, paper=paper, optimizer_step_s=(0.0,) * n
+    )
 
 
-async def _one(stub: gateway_pb2_grpc.GatewayStub, task_id: str, rec: dict[str, Any],
-               timeout_s: float) -> None:
+async def _one(
+    stub: gateway_pb2_grpc.GatewayStub, task_id: str, rec: dict[str, Any], timeout_s: float
+) -> None:
     request = gateway_pb2.GenerateRequest(
-        request_id=task_id, prompt_token_ids=PROMPT, max_tokens=1,
-        sampling=common_pb2.SamplingParams(ignore_eos=True))
+        request_id=task_id,
+        prompt_token_ids=PROMPT,
+        max_tokens=1,
+        sampling=common_pb2.SamplingParams(ignore_eos=True),
+    )
     rec["send_epoch"] = time.time()
     start = time.perf_counter()
     try:
@@ -85,16 +90,25 @@ async def _one(stub: gateway_pb2_grpc.GatewayStub, task_id: str, rec: dict[str, 
         if "status" not in rec:
             rec["status"], rec["reason"] = "failed", "stream ended without a final message"
     except grpc.aio.AioRpcError as err:
-        rejected = err.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INVALID_ARGUMENT)
+        rejected = err.code() in (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.INVALID_ARGUMENT,
+        )
         rec["status"] = "rejected" if rejected else "failed"
         rec["reason"] = f"{err.code().name}: {(err.details() or '')[:80]}"
     rec["e2e_s"] = time.perf_counter() - start
     rec["end_epoch"] = time.time()
 
 
-async def _fire(stub: gateway_pb2_grpc.GatewayStub, rate: float, duration_s: float,
-                seed: int, prefix: str, timeout_s: float) -> tuple[list[dict[str, Any]], float]:
+async def _fire(
+    stub: gateway_pb2_grpc.GatewayStub,
+    rate: float,
+    duration_s: float,
+    seed: int,
+    prefix: str,
+    timeout_s: float,
+) -> tuple[list[dict[str, Any]], float]:
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, size=int(rate * duration_s * 2) + 10))
     arrivals = arrivals[arrivals < duration_s]
@@ -117,7 +131,7 @@ async def _fire(stub: gateway_pb2_grpc.GatewayStub, rate: float, duration_s: flo
 
 async def _hops(redis_url: str, records: list[dict[str, Any]]) -> dict[str, list[float]]:
     keys = RedisKeys(NAMESPACE)
-    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    client = connect(RedisClientConfig(redis_url, max_connections=1, socket_timeout_s=30.0))
     try:
         async with client.pipeline(transaction=False) as pipe:
             for rec in records:
@@ -128,8 +142,13 @@ async def _hops(redis_url: str, records: list[dict[str, Any]]) -> dict[str, list
     hops: dict[str, list[float]] = {h: [] for h in HOPS}
     for rec, state in zip(records, states, strict=True):
         try:
-            t = [rec["send_epoch"], float(state["submit_t"]), float(state["queued_t"]),
-                 float(state["finish_t"]), rec["end_epoch"]]
+            t = [
+                rec["send_epoch"],
+                float(state["submit_t"]),
+                float(state["queued_t"]),
+                float(state["finish_t"]),
+                rec["end_epoch"],
+            ]
         except (KeyError, ValueError):
             continue
         for name, a, b in zip(HOPS, t, t[1:], strict=False):
@@ -139,7 +158,7 @@ async def _hops(redis_url: str, records: list[dict[str, Any]]) -> dict[str, list
 
 async def _command_calls(redis_url: str) -> dict[str, int]:
     """Redis INFO commandstats: calls so far, per command."""
-    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    client = connect(RedisClientConfig(redis_url, max_connections=1, socket_timeout_s=30.0))
     try:
         info = await client.info("commandstats")
     finally:
@@ -186,17 +205,28 @@ def _hotspots(raw: Path, top: int) -> dict[str, Any]:
         package[path.split("/")[0] if "/" in path else path] += n
         for frame in set(frames):
             incl[frame] += n
-    ours = [(f, n) for f, n in incl.most_common()
-            if any(d in f for d in ("services/", "gateway/", "lemix/"))]
-    return {"samples": total,
-            "self_by_package": [(p, n / total) for p, n in package.most_common(top)],
-            "self": [(f, n / total) for f, n in own.most_common(top)] if total else [],
-            "inclusive_ours": [(f, n / total) for f, n in ours[:top]] if total else []}
+    ours = [
+        (f, n)
+        for f, n in incl.most_common()
+        if any(d in f for d in ("services/", "gateway/", "lemix/"))
+    ]
+    return {
+        "samples": total,
+        "self_by_package": [(p, n / total) for p, n in package.most_common(top)],
+        "self": [(f, n / total) for f, n in own.most_common(top)] if total else [],
+        "inclusive_ours": [(f, n / total) for f, n in ours[:top]] if total else [],
+    }
 
 
-async def run_level(stub: gateway_pb2_grpc.GatewayStub, stack: Stack, redis: EmbeddedRedis,
-                    rate: float, seed: int, args: argparse.Namespace,
-                    spy_dir: Path | None) -> dict[str, Any]:
+async def run_level(
+    stub: gateway_pb2_grpc.GatewayStub,
+    stack: Stack,
+    redis: EmbeddedRedis,
+    rate: float,
+    seed: int,
+    args: argparse.Namespace,
+    spy_dir: Path | None,
+) -> dict[str, Any]:
     duration_s = args.duration_s
     pids = _pids(stack, redis)
     spies = {}
@@ -204,15 +234,31 @@ async def run_level(stub: gateway_pb2_grpc.GatewayStub, stack: Stack, redis: Emb
         for name, pid in pids.items():
             if name not in ("redis", "client"):
                 spies[name] = subprocess.Popen(
-                    [args.py_spy, "record", "--pid", str(pid), "--rate", "100", "--nonblocking",
-                     "--nolineno", "--format", "raw", "--duration", str(round(duration_s)),
-                     "--output", str(spy_dir / f"{name}.txt")],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    [
+                        args.py_spy,
+                        "record",
+                        "--pid",
+                        str(pid),
+                        "--rate",
+                        "100",
+                        "--nonblocking",
+                        "--nolineno",
+                        "--format",
+                        "raw",
+                        "--duration",
+                        str(round(duration_s)),
+                        "--output",
+                        str(spy_dir / f"{name}.txt"),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
     calls0 = await _command_calls(redis.url)
     cpu0 = {name: _cpu_s(pid) for name, pid in pids.items()}
     wall0 = time.perf_counter()
-    records, send_window_s = await _fire(stub, rate, duration_s, seed, f"r{rate:g}-s{seed}",
-                                         args.timeout_s)
+    records, send_window_s = await _fire(
+        stub, rate, duration_s, seed, f"r{rate:g}-s{seed}", args.timeout_s
+    )
     wall_s = time.perf_counter() - wall0
     cpu = {name: _cpu_s(pid) - cpu0[name] for name, pid in pids.items()}
     calls = {c: n - calls0.get(c, 0) for c, n in (await _command_calls(redis.url)).items()}
@@ -223,29 +269,40 @@ async def run_level(stub: gateway_pb2_grpc.GatewayStub, stack: Stack, redis: Emb
     reasons = collections.Counter(r["reason"] for r in records if "reason" in r)
     hops = await _hops(redis.url, done)
     row: dict[str, Any] = {
-        "rate": rate, "num_sent": len(records), "num_completed": len(done),
+        "rate": rate,
+        "num_sent": len(records),
+        "num_completed": len(done),
         "num_rejected": sum(r.get("status") == "rejected" for r in records),
         "num_failed": sum(r.get("status") == "failed" for r in records),
         "num_lost": sum("status" not in r for r in records),
         "reasons": dict(reasons),
         "offered_rps": len(records) / max(send_window_s, 1e-9),
         # completions over first send .. last completion (a backlog stretches it)
-        "achieved_rps": len(done) / max(max((r["end_epoch"] for r in done), default=0.0)
-                                        - min((r["send_epoch"] for r in records), default=0.0),
-                                        1e-9),
-        "p50_ms": _ms(e2e, 50), "p90_ms": _ms(e2e, 90), "p99_ms": _ms(e2e, 99),
+        "achieved_rps": len(done)
+        / max(
+            max((r["end_epoch"] for r in done), default=0.0)
+            - min((r["send_epoch"] for r in records), default=0.0),
+            1e-9,
+        ),
+        "p50_ms": _ms(e2e, 50),
+        "p90_ms": _ms(e2e, 90),
+        "p99_ms": _ms(e2e, 99),
         "max_ms": max(e2e) * 1e3 if e2e else None,
         "client_lag_p99_ms": _ms([r["lag_s"] for r in records], 99),
         "hops_ms": {h: {"p50": _ms(v, 50), "p99": _ms(v, 99)} for h, v in hops.items()},
     }
     row["cpu_ms_per_req"] = {n: 1e3 * c / max(len(records), 1) for n, c in cpu.items()}
-    row["redis_calls_per_req"] = {c: n / max(len(records), 1)
-                                  for c, n in sorted(calls.items(), key=lambda kv: -kv[1]) if n}
+    row["redis_calls_per_req"] = {
+        c: n / max(len(records), 1) for c, n in sorted(calls.items(), key=lambda kv: -kv[1]) if n
+    }
     row["cpu_cores_busy"] = sum(cpu.values()) / wall_s
     if spies:
         assert spy_dir is not None
-        row["py_spy"] = {n: _hotspots(spy_dir / f"{n}.txt", args.top)
-                         for n in spies if (spy_dir / f"{n}.txt").exists()}
+        row["py_spy"] = {
+            n: _hotspots(spy_dir / f"{n}.txt", args.top)
+            for n in spies
+            if (spy_dir / f"{n}.txt").exists()
+        }
     for h in HOPS:
         row[f"{h}_p50"] = row["hops_ms"][h]["p50"]
         row[f"{h}_p99"] = row["hops_ms"][h]["p99"]
@@ -264,27 +321,38 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         redis.stop()
 
 
-async def _run_stack(args: argparse.Namespace, zero: Profile, redis: EmbeddedRedis,
-                     url: str) -> dict[str, Any]:
+async def _run_stack(
+    args: argparse.Namespace, zero: Profile, redis: EmbeddedRedis, url: str
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="lemix-cp-") as tmp:
         profile_path = Path(tmp) / "zero.json"
         save_profile(zero, profile_path)
         config = StackConfig(
-            num_nodes=args.nodes, profile_path=profile_path, gateway_port=0, redis_url=url,
-            latency_noise_cv=0.0, namespace=NAMESPACE, log_dir=Path(tmp) / "logs",
+            num_nodes=args.nodes,
+            profile_path=profile_path,
+            gateway_port=0,
+            redis_url=url,
+            latency_noise_cv=0.0,
+            namespace=NAMESPACE,
+            log_dir=Path(tmp) / "logs",
             # A zero-latency profile derives zero SLOs: give the planner fixed ones.
-            extra_env={"LEMIX_SLO_TTFT_S": "1.0", "LEMIX_SLO_TBT_S": "1.0",
-                       "LEMIX_LOG_LEVEL": args.log_level})
+            extra_env={
+                "LEMIX_SLO_TTFT_S": "1.0",
+                "LEMIX_SLO_TBT_S": "1.0",
+                "LEMIX_LOG_LEVEL": args.log_level,
+            },
+        )
         async with Stack(config) as stack, channel(stack.gateway_address) as chan:
             stub = gateway_pb2_grpc.GatewayStub(chan)
             await _fire(stub, 20.0, args.warmup_s, 999, "warmup", args.timeout_s)
             rows = []
             for k, rate in enumerate(float(r) for r in args.rates.split(",")):
                 spy_dir = Path(tmp) if args.py_spy and rate == args.spy_rate else None
-                rows.append(await run_level(stub, stack, redis, rate, args.seed + k, args,
-                                            spy_dir))
-                print(f"  {rate:g} req/s: p50 {rows[-1]['p50_ms']} ms, "
-                      f"lost {rows[-1]['num_lost']}", file=sys.stderr)
+                rows.append(await run_level(stub, stack, redis, rate, args.seed + k, args, spy_dir))
+                print(
+                    f"  {rate:g} req/s: p50 {rows[-1]['p50_ms']} ms, lost {rows[-1]['num_lost']}",
+                    file=sys.stderr,
+                )
             dead = stack.failed_child()
     return {"rows": rows, "dead_service": dead, "profile": zero.name}
 
@@ -299,37 +367,73 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=30.0, help="per-request deadline")
     parser.add_argument("--log-level", default="info", help="the services' log level")
-    parser.add_argument("--redis-url-query", default="", metavar="Q",
-                        help="appended to the services' Redis URL, e.g. "
-                        "'max_connections=4096&socket_timeout=120' (redis-py defaults: 100, 5 s)")
+    parser.add_argument(
+        "--redis-url-query",
+        default="",
+        metavar="Q",
+        help="appended to the services' Redis URL, e.g. "
+        "'max_connections=4096&socket_timeout=120' (redis-py defaults: 100, 5 s)",
+    )
     parser.add_argument("--py-spy", metavar="BIN", help="py-spy binary: profile the services")
-    parser.add_argument("--spy-rate", type=float, default=TARGET_RATE,
-                        help="the level (req/s) to profile with --py-spy")
+    parser.add_argument(
+        "--spy-rate",
+        type=float,
+        default=TARGET_RATE,
+        help="the level (req/s) to profile with --py-spy",
+    )
     parser.add_argument("--top", type=int, default=12, help="hotspots listed per service")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     result = asyncio.run(run(args))
     rows = result["rows"]
-    print(f"control plane, zero-latency profile, {args.nodes} nodes, "
-          f"{args.duration_s:g} s per level (times in ms)")
-    print(format_table(rows, [
-        ("rate", "req/s"), ("offered_rps", "sent/s"), ("achieved_rps", "done/s"),
-        ("num_sent", "sent"), ("num_completed", "ok"), ("num_rejected", "rej"),
-        ("num_failed", "fail"), ("num_lost", "lost"), ("p50_ms", "p50"), ("p90_ms", "p90"),
-        ("p99_ms", "p99"), ("max_ms", "max"), ("client_lag_p99_ms", "lag p99"),
-    ]))
+    print(
+        f"control plane, zero-latency profile, {args.nodes} nodes, "
+        f"{args.duration_s:g} s per level (times in ms)"
+    )
+    print(
+        format_table(
+            rows,
+            [
+                ("rate", "req/s"),
+                ("offered_rps", "sent/s"),
+                ("achieved_rps", "done/s"),
+                ("num_sent", "sent"),
+                ("num_completed", "ok"),
+                ("num_rejected", "rej"),
+                ("num_failed", "fail"),
+                ("num_lost", "lost"),
+                ("p50_ms", "p50"),
+                ("p90_ms", "p90"),
+                ("p99_ms", "p99"),
+                ("max_ms", "max"),
+                ("client_lag_p99_ms", "lag p99"),
+            ],
+        )
+    )
     print("\nper hop (service timestamps), p50 / p99 ms")
-    print(format_table(rows, [("rate", "req/s")] + [
-        (f"{h}_{q}", f"{h} {q}") for h in HOPS for q in ("p50", "p99")]))
+    print(
+        format_table(
+            rows,
+            [("rate", "req/s")] + [(f"{h}_{q}", f"{h} {q}") for h in HOPS for q in ("p50", "p99")],
+        )
+    )
     print(f"\nCPU ms per request by process, and cores busy (of {os.cpu_count()})")
     names = sorted({n for r in rows for n in r["cpu_ms_per_req"]})
-    print(format_table(rows, [("rate", "req/s")] + [(f"cpu_ms_per_req.{n}", n) for n in names]
-                       + [("cpu_cores_busy", "cores")]))
+    print(
+        format_table(
+            rows,
+            [("rate", "req/s")]
+            + [(f"cpu_ms_per_req.{n}", n) for n in names]
+            + [("cpu_cores_busy", "cores")],
+        )
+    )
     for row in rows:
         per_req = row["redis_calls_per_req"]
-        print(f"Redis commands per request at {row['rate']:g} req/s "
-              f"({sum(per_req.values()):.1f} in all): "
-              + ", ".join(f"{c} {n:.2f}" for c, n in per_req.items() if n >= 0.05))
+        print(
+            f"Redis commands per request at {row['rate']:g} req/s "
+            f"({sum(per_req.values()):.1f} in all): "
+            + ", ".join(f"{c} {n:.2f}" for c, n in per_req.items() if n >= 0.05)
+        )
     for row in rows:
         for name, spots in row.get("py_spy", {}).items():
             print(f"\npy-spy {name} at {row['rate']:g} req/s ({spots['samples']} samples):")
@@ -342,19 +446,35 @@ def main(argv: list[str] | None = None) -> int:
     at_target = next((r for r in rows if r["rate"] == TARGET_RATE), None)
     if at_target is not None and at_target["p50_ms"] is not None:
         ok = at_target["p50_ms"] <= TARGET_P50_MS and at_target["p99_ms"] <= TARGET_P99_MS
-        print(f"target at {TARGET_RATE:g} req/s (p50 <= {TARGET_P50_MS:g} ms, "
-              f"p99 <= {TARGET_P99_MS:g} ms): {'met' if ok else 'NOT met'}")
+        print(
+            f"target at {TARGET_RATE:g} req/s (p50 <= {TARGET_P50_MS:g} ms, "
+            f"p99 <= {TARGET_P99_MS:g} ms): {'met' if ok else 'NOT met'}"
+        )
     if result["dead_service"]:
         print(f"warning: {result['dead_service']} exited during the run")
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({
-            "benchmark": "control_plane", "python": sys.version.split()[0],
-            "machine": platform.machine(), "num_nodes": args.nodes,
-            "profile": result["profile"], "duration_s": args.duration_s,
-            "targets": {"rate": TARGET_RATE, "p50_ms": TARGET_P50_MS, "p99_ms": TARGET_P99_MS},
-            "results": rows}, indent=2) + "\n")
+        path.write_text(
+            json.dumps(
+                {
+                    "benchmark": "control_plane",
+                    "python": sys.version.split()[0],
+                    "machine": platform.machine(),
+                    "num_nodes": args.nodes,
+                    "profile": result["profile"],
+                    "duration_s": args.duration_s,
+                    "targets": {
+                        "rate": TARGET_RATE,
+                        "p50_ms": TARGET_P50_MS,
+                        "p99_ms": TARGET_P99_MS,
+                    },
+                    "results": rows,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         print(f"JSON: {path}")
     return 0
 

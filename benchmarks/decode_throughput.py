@@ -50,10 +50,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lemix.metrics import format_table  # noqa: E402
 from lemix.model.presets import ModelSpec, build_model  # noqa: E402
 from lemix.model.runner import GenRequest, InferenceRunner  # noqa: E402
 from lemix.model.staged import StagedModel  # noqa: E402
+from lemix.report.metrics import format_table  # noqa: E402
 
 NUM_STAGES = 2
 TARGET_BATCH1_RATIO = 0.8  # (A) ours / generate at batch 1
@@ -76,21 +76,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_prompts(batch_size: int, num_tokens: int, vocab_size: int,
-                 seed: int) -> list[tuple[int, ...]]:
+def make_prompts(
+    batch_size: int, num_tokens: int, vocab_size: int, seed: int
+) -> list[tuple[int, ...]]:
     """Random prompt ids in [3, vocab) (clear of pad/bos/eos), one list per request."""
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab_size, (batch_size, num_tokens), generator=generator)
     return [tuple(int(t) for t in row) for row in ids]
 
 
-def run_ours(runner: InferenceRunner, prompts: list[tuple[int, ...]],
-             new_tokens: int, tag: str) -> Timing:
+def run_ours(
+    runner: InferenceRunner, prompts: list[tuple[int, ...]], new_tokens: int, tag: str
+) -> Timing:
     """Admit all, prefill in one iteration, decode the batch together."""
     device = runner.staged.stages[-1].device
     keys = [f"{tag}-{i}" for i in range(len(prompts))]
-    reqs = [GenRequest(key, prompt, new_tokens, ignore_eos=True)
-            for key, prompt in zip(keys, prompts, strict=True)]
+    reqs = [
+        GenRequest(key, prompt, new_tokens, ignore_eos=True)
+        for key, prompt in zip(keys, prompts, strict=True)
+    ]
     _sync(device)
     t0 = time.perf_counter()
     try:
@@ -127,8 +131,9 @@ class _FirstStepClock:
         return scores
 
 
-def run_generate(model: nn.Module, prompts: list[tuple[int, ...]], new_tokens: int,
-                 pad_id: int) -> Timing:
+def run_generate(
+    model: nn.Module, prompts: list[tuple[int, ...]], new_tokens: int, pad_id: int
+) -> Timing:
     """Plain HF greedy generate of the batch, left-padded, eos disabled."""
     from transformers import LogitsProcessorList
 
@@ -137,18 +142,23 @@ def run_generate(model: nn.Module, prompts: list[tuple[int, ...]], new_tokens: i
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, prompt in enumerate(prompts):  # left padding
-        ids[i, width - len(prompt):] = torch.tensor(prompt)
-        mask[i, width - len(prompt):] = 1
+        ids[i, width - len(prompt) :] = torch.tensor(prompt)
+        mask[i, width - len(prompt) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     clock = _FirstStepClock(device)
     _sync(device)
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
-            input_ids=ids, attention_mask=mask, do_sample=False,
-            max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-            eos_token_id=None, pad_token_id=pad_id,
-            logits_processor=LogitsProcessorList([clock]))
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            eos_token_id=None,
+            pad_token_id=pad_id,
+            logits_processor=LogitsProcessorList([clock]),
+        )
     _sync(device)
     t_end = time.perf_counter()
     first_s = clock.first_s if clock.first_s is not None else t0
@@ -177,8 +187,14 @@ def _first_mismatch(ours: list[list[int]], theirs: list[list[int]]) -> tuple[int
     return None
 
 
-def bench_batch(runner: InferenceRunner, baseline: nn.Module, args: argparse.Namespace,
-                batch_size: int, vocab_size: int, pad_id: int) -> dict[str, Any]:
+def bench_batch(
+    runner: InferenceRunner,
+    baseline: nn.Module,
+    args: argparse.Namespace,
+    batch_size: int,
+    vocab_size: int,
+    pad_id: int,
+) -> dict[str, Any]:
     prompts = make_prompts(batch_size, args.prompt_tokens, vocab_size, seed=batch_size)
     run_ours(runner, prompts, WARMUP_NEW_TOKENS, "warm")
     run_generate(baseline, prompts, WARMUP_NEW_TOKENS, pad_id)
@@ -207,17 +223,26 @@ def _targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
         ratio = by_batch[1]["decode_ratio"]
         targets["A_batch1_vs_generate"] = {
             "what": f"ours / generate decode tok/s at batch 1 >= {TARGET_BATCH1_RATIO}",
-            "value": ratio, "is_met": ratio >= TARGET_BATCH1_RATIO}
+            "value": ratio,
+            "is_met": ratio >= TARGET_BATCH1_RATIO,
+        }
     if 1 in by_batch and TARGET_BATCH in by_batch:
-        speedup = (by_batch[TARGET_BATCH]["ours"]["decode_tok_s"]
-                   / by_batch[1]["ours"]["decode_tok_s"])
+        speedup = (
+            by_batch[TARGET_BATCH]["ours"]["decode_tok_s"] / by_batch[1]["ours"]["decode_tok_s"]
+        )
         targets["B_aggregate_batch8_vs_batch1"] = {
-            "what": (f"ours decode tok/s at batch {TARGET_BATCH} / ours at batch 1 >= "
-                     f"{TARGET_AGGREGATE_SPEEDUP}"),
-            "value": speedup, "is_met": speedup >= TARGET_AGGREGATE_SPEEDUP}
+            "what": (
+                f"ours decode tok/s at batch {TARGET_BATCH} / ours at batch 1 >= "
+                f"{TARGET_AGGREGATE_SPEEDUP}"
+            ),
+            "value": speedup,
+            "is_met": speedup >= TARGET_AGGREGATE_SPEEDUP,
+        }
         targets["batch8_vs_generate"] = {
             "what": f"ours / generate decode tok/s at batch {TARGET_BATCH} (reported, no target)",
-            "value": by_batch[TARGET_BATCH]["decode_ratio"], "is_met": None}
+            "value": by_batch[TARGET_BATCH]["decode_ratio"],
+            "is_met": None,
+        }
     return targets
 
 
@@ -240,6 +265,7 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     }
     try:
         import transformers
+
         info["transformers"] = transformers.__version__
     except ImportError:  # pragma: no cover - the baseline needs it anyway
         pass
@@ -250,8 +276,9 @@ def machine_info(device: torch.device) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny-llama",
-                        help="a preset (tiny-llama, small-llama, llama-1b, ...)")
+    parser.add_argument(
+        "--model", default="tiny-llama", help="a preset (tiny-llama, small-llama, llama-1b, ...)"
+    )
     parser.add_argument("--batch-sizes", default="1,2,4,8,16")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -275,43 +302,63 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(spec)
     baseline = copy.deepcopy(model).to(device)  # same weights, before staging moves them
     baseline.generation_config.eos_token_id = None
-    runner = InferenceRunner(StagedModel(model, NUM_STAGES, [device] * NUM_STAGES),
-                             eos_id=None)
+    runner = InferenceRunner(StagedModel(model, NUM_STAGES, [device] * NUM_STAGES), eos_id=None)
     vocab_size = runner.staged.vocab_size
 
     rows = []
     for batch_size in batch_sizes:
         row = bench_batch(runner, baseline, args, batch_size, vocab_size, spec.pad_id)
         rows.append(row)
-        print(f"batch {batch_size:3d}: ours {row['ours']['decode_tok_s']:9.1f} tok/s, "
-              f"generate {row['generate']['decode_tok_s']:9.1f} tok/s", flush=True)
+        print(
+            f"batch {batch_size:3d}: ours {row['ours']['decode_tok_s']:9.1f} tok/s, "
+            f"generate {row['generate']['decode_tok_s']:9.1f} tok/s",
+            flush=True,
+        )
         if not row["tokens_equal"]:
             i, j = row["first_mismatch"]
             severity = "WARNING" if batch_size == 1 else "note"
-            print(f"{severity}: greedy tokens differ at batch {batch_size} (request {i}, "
-                  f"token {j}); batch 1 must match, batch > 1 may differ by float "
-                  "reduction order in batched matmuls", flush=True)
+            print(
+                f"{severity}: greedy tokens differ at batch {batch_size} (request {i}, "
+                f"token {j}); batch 1 must match, batch > 1 may differ by float "
+                "reduction order in batched matmuls",
+                flush=True,
+            )
 
-    table_rows = [{
-        "batch": row["batch"],
-        "ours": row["ours"]["decode_tok_s"],
-        "generate": row["generate"]["decode_tok_s"],
-        "ratio": row["decode_ratio"],
-        "ours_e2e": row["ours"]["e2e_tok_s"],
-        "generate_e2e": row["generate"]["e2e_tok_s"],
-        "e2e_ratio": row["e2e_ratio"],
-        "equal": "yes" if row["tokens_equal"] else "NO",
-        "target": _addresses(row["batch"]),
-    } for row in rows]
-    print(f"\n{args.model} on {device} ({dtype}), {NUM_STAGES} stages, prompt "
-          f"{args.prompt_tokens}, new {args.new_tokens}, median of {args.repeats}, "
-          f"{torch.get_num_threads()} thread(s)")
-    print(format_table(table_rows, [
-        ("batch", "batch"), ("ours", "ours decode tok/s"),
-        ("generate", "generate decode tok/s"), ("ratio", "ratio"),
-        ("ours_e2e", "ours e2e tok/s"), ("generate_e2e", "generate e2e tok/s"),
-        ("e2e_ratio", "e2e ratio"), ("equal", "tokens equal"), ("target", "addresses target"),
-    ]))
+    table_rows = [
+        {
+            "batch": row["batch"],
+            "ours": row["ours"]["decode_tok_s"],
+            "generate": row["generate"]["decode_tok_s"],
+            "ratio": row["decode_ratio"],
+            "ours_e2e": row["ours"]["e2e_tok_s"],
+            "generate_e2e": row["generate"]["e2e_tok_s"],
+            "e2e_ratio": row["e2e_ratio"],
+            "equal": "yes" if row["tokens_equal"] else "NO",
+            "target": _addresses(row["batch"]),
+        }
+        for row in rows
+    ]
+    print(
+        f"\n{args.model} on {device} ({dtype}), {NUM_STAGES} stages, prompt "
+        f"{args.prompt_tokens}, new {args.new_tokens}, median of {args.repeats}, "
+        f"{torch.get_num_threads()} thread(s)"
+    )
+    print(
+        format_table(
+            table_rows,
+            [
+                ("batch", "batch"),
+                ("ours", "ours decode tok/s"),
+                ("generate", "generate decode tok/s"),
+                ("ratio", "ratio"),
+                ("ours_e2e", "ours e2e tok/s"),
+                ("generate_e2e", "generate e2e tok/s"),
+                ("e2e_ratio", "e2e ratio"),
+                ("equal", "tokens equal"),
+                ("target", "addresses target"),
+            ],
+        )
+    )
     targets = _targets(rows)
     for name, target in targets.items():
         verdict = {True: "MET", False: "NOT MET", None: "info"}[target["is_met"]]

@@ -1,6 +1,6 @@
 """Reliability: the faults of issue 12's table, redone, every task judged by id.
 
-Each row starts a fresh supervised stack (`lemix.launcher.Stack`: real
+Each row starts a fresh supervised stack (`lemix.stack.launcher.Stack`: real
 processes, embedded redis-server with AOF, real gRPC; the shipped A100 profile
 at --time-scale, 2 emulated nodes) with the PRODUCTION detection defaults
 (5 s heartbeat TTL, 15 s stream leases, 10 s Redis-outage grace), runs a
@@ -31,8 +31,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from lemix.fault_harness import Load, account, audit_clean, fault_stack, wait_ready
-from lemix.launcher import Stack
+from lemix.harness.faults import Load, account, audit_clean, fault_stack, wait_ready
+from lemix.stack.launcher import Stack
 
 
 @dataclass
@@ -51,8 +51,13 @@ class Row:
 Fault = Callable[[Stack, Load], Awaitable[None]]
 
 
-async def _kill_after(stack: Stack, name: str, delay_s: float, sig: int = signal.SIGKILL,
-                      resume_after_s: float | None = None) -> None:
+async def _kill_after(
+    stack: Stack,
+    name: str,
+    delay_s: float,
+    sig: int = signal.SIGKILL,
+    resume_after_s: float | None = None,
+) -> None:
     await asyncio.sleep(delay_s)
     stack.kill(name, sig)
     if resume_after_s is not None:
@@ -79,8 +84,9 @@ async def redis_kill(stack: Stack, load: Load) -> None:
 
 
 async def executor_stop(stack: Stack, load: Load) -> None:
-    await _mixed_with(stack, load, _kill_after(stack, "executor-0", 2.0, signal.SIGSTOP,
-                                               resume_after_s=20.0))
+    await _mixed_with(
+        stack, load, _kill_after(stack, "executor-0", 2.0, signal.SIGSTOP, resume_after_s=20.0)
+    )
 
 
 async def gateway_kill(stack: Stack, load: Load) -> None:
@@ -104,8 +110,10 @@ FAULTS: dict[str, Fault] = {
 
 async def run_row(name: str, fault: Fault, time_scale: float, tmp: Path) -> Row:
     env = {"LEMIX_MAX_TRAIN_SAMPLES": "10000"}
-    async with fault_stack(tmp, time_scale=time_scale, extra_env=env,
-                           is_fast=False) as (stack, stub):
+    async with fault_stack(tmp, time_scale=time_scale, extra_env=env, is_fast=False) as (
+        stack,
+        stub,
+    ):
         await wait_ready(stub)
         load = Load(stub)
         await fault(stack, load)
@@ -115,18 +123,30 @@ async def run_row(name: str, fault: Fault, time_scale: float, tmp: Path) -> Row:
         settle_s = time.monotonic() - fault_end_s
         ghosts = await audit_clean(stub)
     found = [i for i, info in result.states.items() if info is not None]
-    return Row(name, len(found), len(found) - len(result.lost), len(result.lost), len(ghosts),
-               len(result.no_reason), round(settle_s, 1), result.by_state(), result.lost[:20])
+    return Row(
+        name,
+        len(found),
+        len(found) - len(result.lost),
+        len(result.lost),
+        len(ghosts),
+        len(result.no_reason),
+        round(settle_s, 1),
+        result.by_state(),
+        result.lost[:20],
+    )
 
 
 def _table(rows: list[Row]) -> str:
     head = f"| {'fault':46} | acked | lost | ghosts | no reason | settle s | final states |"
     lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
     for r in rows:
-        states = ", ".join(f"{k.removeprefix('TASK_STATE_').lower()} {v}"
-                           for k, v in sorted(r.by_state.items()))
-        lines.append(f"| {r.fault:46} | {r.num_acked:5} | {r.num_lost:4} | {r.num_ghosts:6} | "
-                     f"{r.num_no_reason:9} | {r.settle_s:8} | {states} |")
+        states = ", ".join(
+            f"{k.removeprefix('TASK_STATE_').lower()} {v}" for k, v in sorted(r.by_state.items())
+        )
+        lines.append(
+            f"| {r.fault:46} | {r.num_acked:5} | {r.num_lost:4} | {r.num_ghosts:6} | "
+            f"{r.num_no_reason:9} | {r.settle_s:8} | {states} |"
+        )
     return "\n".join(lines)
 
 
@@ -137,18 +157,31 @@ async def main_async(args: argparse.Namespace) -> int:
             continue
         with tempfile.TemporaryDirectory(prefix="lemix-faults-") as tmp:
             row = await run_row(name, fault, args.time_scale, Path(tmp))
-        print(f"{name}: acked {row.num_acked} lost {row.num_lost} ghosts {row.num_ghosts}",
-              file=sys.stderr, flush=True)
+        print(
+            f"{name}: acked {row.num_acked} lost {row.num_lost} ghosts {row.num_ghosts}",
+            file=sys.stderr,
+            flush=True,
+        )
         rows.append(row)
     print(_table(rows))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "date": time.strftime("%Y-%m-%d"), "time_scale": args.time_scale,
-            "machine": f"{platform.machine()} {platform.system()}",
-            "rows": [asdict(r) for r in rows]}, indent=2))
-    return 0 if all(r.num_lost == 0 and r.num_ghosts == 0 and r.num_no_reason == 0
-                    for r in rows) else 1
+        args.json.write_text(
+            json.dumps(
+                {
+                    "date": time.strftime("%Y-%m-%d"),
+                    "time_scale": args.time_scale,
+                    "machine": f"{platform.machine()} {platform.system()}",
+                    "rows": [asdict(r) for r in rows],
+                },
+                indent=2,
+            )
+        )
+    return (
+        0
+        if all(r.num_lost == 0 and r.num_ghosts == 0 and r.num_no_reason == 0 for r in rows)
+        else 1
+    )
 
 
 def main() -> int:

@@ -28,12 +28,12 @@ from typing import Any
 import numpy as np
 
 from lemix.memory import MemoryConfig
-from lemix.metrics import format_table
 from lemix.planner.base import PlannerConfig
 from lemix.planner.planner import Planner
 from lemix.planner.registry import build_planner
 from lemix.profile import Profile, default_profile_path, load_profile
-from lemix.sim.run import SloConfig, compute_slo
+from lemix.report.metrics import format_table
+from lemix.slo import SloConfig, compute_slo
 from lemix.types import Deferral, Placement, Task
 from lemix.workload import WorkloadConfig, build_workload
 

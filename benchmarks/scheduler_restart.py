@@ -32,15 +32,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import redis.asyncio as aioredis
-
-from lemix.metrics import format_table
+from lemix.infra.store.client import RedisClientConfig, connect
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.server import EmbeddedRedis
+from lemix.infra.store.store import Store
 from lemix.planner.recording import RecordingPlanner
 from lemix.planner.registry import build_planner
 from lemix.profile import Profile, default_profile_path, load_profile
-from lemix.redis_keys import RedisKeys
-from lemix.redis_server import EmbeddedRedis
-from lemix.store import Store
+from lemix.report.metrics import format_table
 from lemix.types import Placement, TaskPayload
 from lemix.workload import WorkloadConfig, build_workload
 from services.scheduler.adapters import RedisEventSink
@@ -61,25 +60,46 @@ _FLUSH_EVERY_TASKS = 500  # let the sink drain now and then (it runs on this loo
 
 
 def _config(redis_url: str, namespace: str, every: int, num_nodes: int) -> SchedulerConfig:
-    return SchedulerConfig(redis_url=redis_url, namespace=namespace, num_nodes=num_nodes,
-                           port=0, metrics_port=-1, snapshot_every_events=every,
-                           read_block_s=0.1, stop_grace_s=0.1, log_level="warning")
+    return SchedulerConfig(
+        redis_url=redis_url,
+        namespace=namespace,
+        num_nodes=num_nodes,
+        port=0,
+        metrics_port=-1,
+        snapshot_every_events=every,
+        read_block_s=0.1,
+        shutdown_grace_s=0.1,
+        log_level="warning",
+    )
 
 
-async def write_log(store: Store, config: SchedulerConfig, profile: Profile, num_tasks: int,
-                    num_held: int, seed: int) -> dict[str, Any]:
+async def write_log(
+    store: Store,
+    config: SchedulerConfig,
+    profile: Profile,
+    num_tasks: int,
+    num_held: int,
+    seed: int,
+) -> dict[str, Any]:
     """The log of a scheduler that processed `num_tasks` (see the module doc)."""
     planner_config = config.planner_config(profile)
     planner = build_planner(config.policy, planner_config, profile, config.memory)
     sink = RedisEventSink(store)
-    recorder = SnapshottingSink(sink, planner, LogTally(),
-                                snapshot_every_events=config.snapshot_every_events,
-                                wall_clock=time.time)
+    recorder = SnapshottingSink(
+        sink,
+        planner,
+        LogTally(),
+        snapshot_every_events=config.snapshot_every_events,
+        wall_clock=time.time,
+    )
     sink.start()
     recorder(start_event(planner_config, config.policy, time.time()))
     live = RecordingPlanner(planner, recorder)
-    workload = build_workload(WorkloadConfig(request_rate=8.0, train_rate=0.3, seed=seed,
-                                             duration_s=num_tasks / 8.0 * 0.75 + 10.0))
+    workload = build_workload(
+        WorkloadConfig(
+            request_rate=8.0, train_rate=0.3, seed=seed, duration_s=num_tasks / 8.0 * 0.75 + 10.0
+        )
+    )
     tasks = list(workload.tasks[:num_tasks])
     if len(tasks) < num_tasks:
         raise RuntimeError(f"workload too short: {len(tasks)} < {num_tasks}")
@@ -89,8 +109,11 @@ async def write_log(store: Store, config: SchedulerConfig, profile: Profile, num
         live.submit(task, now_s)
         placed += [d.task_id for d in live.plan(now_s) if isinstance(d, Placement)]
         while len(placed) > num_held:
-            placed += [d.task_id for d in live.on_task_finished(placed.pop(0), now_s)
-                       if isinstance(d, Placement)]
+            placed += [
+                d.task_id
+                for d in live.on_task_finished(placed.pop(0), now_s)
+                if isinstance(d, Placement)
+            ]
             placed += [d.task_id for d in live.plan(now_s) if isinstance(d, Placement)]
         if i % _FLUSH_EVERY_TASKS == 0:
             await sink.flush()
@@ -100,12 +123,17 @@ async def write_log(store: Store, config: SchedulerConfig, profile: Profile, num
     event_to_fields(snapshot_event(planner, recorder.tally, time.time()))
     snapshot_ms = 1000 * (time.perf_counter() - started)
     held = list(recorder.tally.live.values())
-    await store.set_task_states([
-        (t.task_id, {**task_to_fields(t, TaskPayload()), "status": "placed"}) for t in held])
-    return {"num_events": recorder.num_events, "num_trimmed": sink.num_trimmed_events,
-            "num_snapshots": sink.num_snapshots_stored,
-            "snapshot_bytes": sink.last_snapshot_bytes, "snapshot_ms": snapshot_ms,
-            "num_held": len(held)}
+    await store.set_task_states(
+        [(t.task_id, {**task_to_fields(t, TaskPayload()), "status": "placed"}) for t in held]
+    )
+    return {
+        "num_events": recorder.num_events,
+        "num_trimmed": sink.num_trimmed_events,
+        "num_snapshots": sink.num_snapshots_stored,
+        "snapshot_bytes": sink.last_snapshot_bytes,
+        "snapshot_ms": snapshot_ms,
+        "num_held": len(held),
+    }
 
 
 async def time_recovery(store: Store, config: SchedulerConfig, profile: Profile) -> float:
@@ -128,34 +156,42 @@ async def time_start(config: SchedulerConfig, profile: Profile) -> float:
     return elapsed_s
 
 
-async def run_one(redis: EmbeddedRedis, profile: Profile, num_tasks: int, every: int,
-                  args: argparse.Namespace) -> dict[str, Any]:
+async def run_one(
+    redis: EmbeddedRedis, profile: Profile, num_tasks: int, every: int, args: argparse.Namespace
+) -> dict[str, Any]:
     namespace = f"restart{uuid.uuid4().hex[:8]}"
     config = _config(redis.url, namespace, every, args.nodes)
-    client = aioredis.Redis.from_url(redis.url, decode_responses=True)
+    client = connect(RedisClientConfig(redis.url, max_connections=8, socket_timeout_s=30.0))
     try:
         store = Store(client, RedisKeys(namespace))
         wrote_started = time.perf_counter()
         written = await write_log(store, config, profile, num_tasks, args.held, args.seed)
         write_s = time.perf_counter() - wrote_started
         num_entries = await store.events_length()
-        stream_bytes = int(await client.memory_usage(RedisKeys(namespace).events_stream,
-                                                     samples=0) or 0)  # every node counted
-        recover_s = min([await time_recovery(store, config, profile)
-                         for _ in range(args.repeat)])
+        stream_bytes = int(
+            await client.memory_usage(RedisKeys(namespace).events_stream, samples=0) or 0
+        )  # every node counted
+        recover_s = min([await time_recovery(store, config, profile) for _ in range(args.repeat)])
         start_s = min([await time_start(config, profile) for _ in range(args.repeat)])
         await client.delete(*[k async for k in client.scan_iter(f"{namespace}:*")])
     finally:
         await client.aclose()
-    return {"num_tasks": num_tasks, "compaction": "on" if every else "off",
-            "snapshot_every_events": every, "num_stream_entries": num_entries,
-            "stream_mib": stream_bytes / 2**20, "num_held": written["num_held"],
-            "num_snapshots": written["num_snapshots"],
-            "snapshot_kib": written["snapshot_bytes"] / 1024,
-            "snapshot_ms": written["snapshot_ms"],
-            "num_events": written["num_events"], "num_trimmed": written["num_trimmed"],
-            "write_s": write_s,
-            "recover_s": recover_s, "restart_s": start_s}
+    return {
+        "num_tasks": num_tasks,
+        "compaction": "on" if every else "off",
+        "snapshot_every_events": every,
+        "num_stream_entries": num_entries,
+        "stream_mib": stream_bytes / 2**20,
+        "num_held": written["num_held"],
+        "num_snapshots": written["num_snapshots"],
+        "snapshot_kib": written["snapshot_bytes"] / 1024,
+        "snapshot_ms": written["snapshot_ms"],
+        "num_events": written["num_events"],
+        "num_trimmed": written["num_trimmed"],
+        "write_s": write_s,
+        "recover_s": recover_s,
+        "restart_s": start_s,
+    }
 
 
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -166,17 +202,29 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             for every in (0, args.every):
                 row = await run_one(redis, profile, num_tasks, every, args)
                 rows.append(row)
-                print(f"  N={num_tasks} compaction={row['compaction']}: "
-                      f"restart {row['restart_s']:.3f} s", file=sys.stderr)
+                print(
+                    f"  N={num_tasks} compaction={row['compaction']}: "
+                    f"restart {row['restart_s']:.3f} s",
+                    file=sys.stderr,
+                )
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tasks", type=int, nargs="+", default=[1000, 4000, 16000],
-                        help="tasks processed before the restart")
-    parser.add_argument("--every", type=int, default=SchedulerConfig().snapshot_every_events,
-                        help="snapshot_every_events with compaction on")
+    parser.add_argument(
+        "--tasks",
+        type=int,
+        nargs="+",
+        default=[1000, 4000, 16000],
+        help="tasks processed before the restart",
+    )
+    parser.add_argument(
+        "--every",
+        type=int,
+        default=SchedulerConfig().snapshot_every_events,
+        help="snapshot_every_events with compaction on",
+    )
     parser.add_argument("--held", type=int, default=64, help="tasks held (placed) at any time")
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=2, help="timed restarts (best kept)")
@@ -185,18 +233,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     rows = asyncio.run(run(args))
-    print(format_table(rows, [
-        ("num_tasks", "tasks"), ("compaction", "compaction"), ("num_events", "events"),
-        ("num_stream_entries", "stream entries"), ("stream_mib", "stream MiB"),
-        ("num_trimmed", "trimmed"), ("snapshot_kib", "snapshot KiB"),
-        ("snapshot_ms", "snapshot ms"), ("num_held", "held"),
-        ("recover_s", "recover s"), ("restart_s", "restart s")]))
+    print(
+        format_table(
+            rows,
+            [
+                ("num_tasks", "tasks"),
+                ("compaction", "compaction"),
+                ("num_events", "events"),
+                ("num_stream_entries", "stream entries"),
+                ("stream_mib", "stream MiB"),
+                ("num_trimmed", "trimmed"),
+                ("snapshot_kib", "snapshot KiB"),
+                ("snapshot_ms", "snapshot ms"),
+                ("num_held", "held"),
+                ("recover_s", "recover s"),
+                ("restart_s", "restart s"),
+            ],
+        )
+    )
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"benchmark": "scheduler_restart", "args": vars(args),
-                                    "python": platform.python_version(), "rows": rows},
-                                   indent=2) + "\n")
+        path.write_text(
+            json.dumps(
+                {
+                    "benchmark": "scheduler_restart",
+                    "args": vars(args),
+                    "python": platform.python_version(),
+                    "rows": rows,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     return 0
 
 

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lemix.metrics import format_table
 from lemix.profile import Profile, default_profile_path, load_profile
+from lemix.report.metrics import format_table
 from lemix.sim.run import SimRunConfig, run_simulation
 from lemix.workload import Workload, WorkloadConfig, build_workload, read_azure_csv
 

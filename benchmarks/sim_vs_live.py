@@ -32,12 +32,13 @@ from typing import Any
 
 import numpy as np
 
-import lemix.replay
-from lemix.launcher import Stack, StackConfig
-from lemix.metrics import format_table
+import lemix.harness.replay
+from lemix.harness.replay import ReplayConfig, run_replay
 from lemix.profile import Profile, default_profile_path, load_profile
-from lemix.replay import ReplayConfig, run_replay
-from lemix.sim.run import SimRunConfig, Slo, SloConfig, compute_slo, run_simulation
+from lemix.report.metrics import format_table
+from lemix.sim.run import SimRunConfig, run_simulation
+from lemix.slo import Slo, SloConfig, compute_slo
+from lemix.stack.launcher import Stack, StackConfig
 from lemix.types import Task, TaskKind, TaskRecord, TaskStatus
 from lemix.workload import Workload, WorkloadConfig, build_workload
 
@@ -68,13 +69,19 @@ ROWS = (
 def make_workload(args: argparse.Namespace) -> tuple[Workload, str]:
     trace = Path(args.trace)
     if trace.exists():
-        config = WorkloadConfig(source="trace", trace_path=str(trace), request_rate=args.rate,
-                                train_rate=args.train_rate, duration_s=args.window_s,
-                                seed=args.seed)
+        config = WorkloadConfig(
+            source="trace",
+            trace_path=str(trace),
+            request_rate=args.rate,
+            train_rate=args.train_rate,
+            duration_s=args.window_s,
+            seed=args.seed,
+        )
         return build_workload(config), f"azure trace {trace}, time-scaled"
     print(f"trace file {trace} is absent: using the parametric Poisson workload instead")
-    config = WorkloadConfig(request_rate=args.rate, train_rate=args.train_rate,
-                            duration_s=args.window_s, seed=args.seed)
+    config = WorkloadConfig(
+        request_rate=args.rate, train_rate=args.train_rate, duration_s=args.window_s, seed=args.seed
+    )
     return build_workload(config), "parametric poisson (trace absent)"
 
 
@@ -89,11 +96,12 @@ def _cpu_s(pid: int) -> float:
 ALONE = Task("alone-0", TaskKind.INFERENCE, 0.0, 1000, 200)  # one request on an idle cluster
 
 
-async def run_live(args: argparse.Namespace, tasks: list[Task], wl: Workload, slo: Slo
-                   ) -> tuple[dict[str, Any], list[TaskRecord], TaskRecord, dict[str, float]]:
+async def run_live(
+    args: argparse.Namespace, tasks: list[Task], wl: Workload, slo: Slo
+) -> tuple[dict[str, Any], list[TaskRecord], TaskRecord, dict[str, float]]:
     """The live run; also replays ALONE first (a warm-up that isolates per-step overhead)."""
     captured: list[list[TaskRecord]] = []
-    summarize = lemix.replay.summarize
+    summarize = lemix.harness.replay.summarize
 
     def keep_records(records: list[TaskRecord], **kw: Any) -> dict[str, Any]:
         captured.append(list(records))  # run_replay returns only the summary; keep records
@@ -101,20 +109,39 @@ async def run_live(args: argparse.Namespace, tasks: list[Task], wl: Workload, sl
 
     with tempfile.TemporaryDirectory(prefix="lemix-svl-") as tmp:
         config = StackConfig(
-            num_nodes=args.nodes, profile_path=Path(args.profile), policy=args.policy,
-            gateway_port=0, namespace="simlive", time_scale=1.0,
-            latency_noise_cv=args.noise_cv, train_rate=args.train_rate,
+            num_nodes=args.nodes,
+            profile_path=Path(args.profile),
+            policy=args.policy,
+            gateway_port=0,
+            namespace="simlive",
+            time_scale=1.0,
+            latency_noise_cv=args.noise_cv,
+            train_rate=args.train_rate,
             log_dir=Path(tmp) / "logs",
-            extra_env={"LEMIX_SLO_TTFT_S": repr(slo.ttft_s), "LEMIX_SLO_TBT_S": repr(slo.tbt_s),
-                       "LEMIX_SEED": str(args.seed)})
-        lemix.replay.summarize = keep_records  # type: ignore[assignment]
+            extra_env={
+                "LEMIX_SLO_TTFT_S": repr(slo.ttft_s),
+                "LEMIX_SLO_TBT_S": repr(slo.tbt_s),
+                "LEMIX_SEED": str(args.seed),
+            },
+        )
+        lemix.harness.replay.summarize = keep_records  # type: ignore[assignment]
         try:
             async with Stack(config) as stack:
-                replay = ReplayConfig(target=stack.gateway_address, slo_ttft_s=slo.ttft_s,
-                                      slo_tbt_s=slo.tbt_s, drain_timeout_s=args.drain_timeout_s,
-                                      show_progress=False)
-                await run_replay(replay, [ALONE], request_rate=1.0, train_rate=0.0,
-                                 duration_s=1.0, seed=args.seed)
+                replay = ReplayConfig(
+                    target=stack.gateway_address,
+                    slo_ttft_s=slo.ttft_s,
+                    slo_tbt_s=slo.tbt_s,
+                    drain_timeout_s=args.drain_timeout_s,
+                    show_progress=False,
+                )
+                await run_replay(
+                    replay,
+                    [ALONE],
+                    request_rate=1.0,
+                    train_rate=0.0,
+                    duration_s=1.0,
+                    seed=args.seed,
+                )
                 pids = {c.name: c.process.pid for c in stack.children}
                 if stack.redis is not None and stack.redis.pid is not None:
                     pids["redis"] = stack.redis.pid
@@ -122,14 +149,19 @@ async def run_live(args: argparse.Namespace, tasks: list[Task], wl: Workload, sl
                 cpu0 = {n: _cpu_s(p) for n, p in pids.items()}
                 wall0 = time.perf_counter()
                 metrics = await run_replay(
-                    replay, tasks, request_rate=args.rate, train_rate=args.train_rate,
-                    duration_s=wl.duration_s, seed=args.seed)
+                    replay,
+                    tasks,
+                    request_rate=args.rate,
+                    train_rate=args.train_rate,
+                    duration_s=wl.duration_s,
+                    seed=args.seed,
+                )
                 wall_s = time.perf_counter() - wall0
                 cores = {n: (_cpu_s(p) - cpu0[n]) / wall_s for n, p in pids.items()}
                 if stack.failed_child():
                     print(f"warning: {stack.failed_child()} exited during the run")
         finally:
-            lemix.replay.summarize = summarize  # type: ignore[assignment]
+            lemix.harness.replay.summarize = summarize  # type: ignore[assignment]
     return metrics, captured[1], captured[0][0], cores
 
 
@@ -142,8 +174,12 @@ async def sleep_overshoot(duration_s: float, num: int = 200) -> dict[str, float]
         await asyncio.sleep(duration_s)
         late.append(time.perf_counter() - start - duration_s)
     p50, p99 = np.percentile(late, [50, 99])
-    return {"sleep_ms": 1e3 * duration_s, "mean_ms": 1e3 * float(np.mean(late)),
-            "p50_ms": 1e3 * float(p50), "p99_ms": 1e3 * float(p99)}
+    return {
+        "sleep_ms": 1e3 * duration_s,
+        "mean_ms": 1e3 * float(np.mean(late)),
+        "p50_ms": 1e3 * float(p50),
+        "p99_ms": 1e3 * float(p99),
+    }
 
 
 def _get(metrics: dict[str, Any], key: str) -> float | None:
@@ -156,8 +192,10 @@ def _get(metrics: dict[str, Any], key: str) -> float | None:
 def _timings(r: TaskRecord) -> dict[str, float] | None:
     if r.first_token_s is None or r.finish_s is None or r.num_output_tokens < 2:
         return None
-    return {"ttft_ms": 1e3 * (r.first_token_s - r.arrival_s),
-            "tbt_ms": 1e3 * (r.finish_s - r.first_token_s) / (r.num_output_tokens - 1)}
+    return {
+        "ttft_ms": 1e3 * (r.first_token_s - r.arrival_s),
+        "tbt_ms": 1e3 * (r.finish_s - r.first_token_s) / (r.num_output_tokens - 1),
+    }
 
 
 def compare(sim: dict[str, Any], live: dict[str, Any]) -> list[dict[str, Any]]:
@@ -167,26 +205,45 @@ def compare(sim: dict[str, Any], live: dict[str, Any]) -> list[dict[str, Any]]:
         gap = None
         if s is not None and v is not None:
             gap = 100.0 * (v - s) if kind == "pp" else (100.0 * (v - s) / s if s else None)
-        rows.append({"metric": header, "sim": s, "live": v,
-                     "gap": gap, "unit": "pp" if kind == "pp" else "%"})
+        rows.append(
+            {
+                "metric": header,
+                "sim": s,
+                "live": v,
+                "gap": gap,
+                "unit": "pp" if kind == "pp" else "%",
+            }
+        )
     return rows
 
 
-def per_request(sim_records: list[TaskRecord], live_records: list[TaskRecord],
-                slo: Slo) -> dict[str, Any]:
+def per_request(
+    sim_records: list[TaskRecord], live_records: list[TaskRecord], slo: Slo
+) -> dict[str, Any]:
     """Live minus sim, per inference task completed in both (same ids)."""
-    sim_by_id = {r.task_id: r for r in sim_records
-                 if r.kind is TaskKind.INFERENCE and r.status is TaskStatus.COMPLETED}
-    pairs = [(sim_by_id[r.task_id], r) for r in live_records
-             if r.kind is TaskKind.INFERENCE and r.status is TaskStatus.COMPLETED
-             and r.task_id in sim_by_id]
+    sim_by_id = {
+        r.task_id: r
+        for r in sim_records
+        if r.kind is TaskKind.INFERENCE and r.status is TaskStatus.COMPLETED
+    }
+    pairs = [
+        (sim_by_id[r.task_id], r)
+        for r in live_records
+        if r.kind is TaskKind.INFERENCE
+        and r.status is TaskStatus.COMPLETED
+        and r.task_id in sim_by_id
+    ]
 
     def stats(values: list[float]) -> dict[str, float | None]:
         if not values:
             return {"p10": None, "p50": None, "p90": None, "mean": None}
         p10, p50, p90 = np.percentile(values, [10, 50, 90])
-        return {"p10": float(p10), "p50": float(p50), "p90": float(p90),
-                "mean": float(np.mean(values))}
+        return {
+            "p10": float(p10),
+            "p50": float(p50),
+            "p90": float(p90),
+            "mean": float(np.mean(values)),
+        }
 
     def ttft(r: TaskRecord) -> float:
         return (r.first_token_s or 0.0) - r.arrival_s
@@ -196,18 +253,24 @@ def per_request(sim_records: list[TaskRecord], live_records: list[TaskRecord],
             return None
         return (r.finish_s - r.first_token_s) / (r.num_output_tokens - 1)
 
-    d_tbt = [tl - ts for s, v in pairs if (ts := tbt(s)) is not None and (tl := tbt(v))
-             is not None]
+    d_tbt = [tl - ts for s, v in pairs if (ts := tbt(s)) is not None and (tl := tbt(v)) is not None]
+
     def per_node(records: list[TaskRecord]) -> list[int]:
-        nodes = [r.node_id for r in records if r.kind is TaskKind.INFERENCE
-                 and r.status is TaskStatus.COMPLETED and r.node_id is not None]
+        nodes = [
+            r.node_id
+            for r in records
+            if r.kind is TaskKind.INFERENCE
+            and r.status is TaskStatus.COMPLETED
+            and r.node_id is not None
+        ]
         return [nodes.count(i) for i in range(max(nodes, default=-1) + 1)]
 
     return {
         "num_pairs": len(pairs),
         "inference_per_node": {"sim": per_node(sim_records), "live": per_node(live_records)},
-        "same_node_share": (sum(s.node_id == v.node_id for s, v in pairs) / len(pairs)
-                            if pairs else None),
+        "same_node_share": (
+            sum(s.node_id == v.node_id for s, v in pairs) / len(pairs) if pairs else None
+        ),
         "ttft_diff_s": stats([ttft(v) - ttft(s) for s, v in pairs]),
         "tbt_diff_s": stats(d_tbt),
         "tbt_ratio": stats([tl / ts for s, v in pairs if (ts := tbt(s)) and (tl := tbt(v))]),
@@ -237,72 +300,144 @@ def main(argv: list[str] | None = None) -> int:
     wl, source = make_workload(args)
     tasks = list(wl.tasks)
     slo = compute_slo(profile, tasks, SloConfig())
-    print(f"workload: {source}: {wl.num_inference} inference + {wl.num_training} training "
-          f"over {wl.duration_s:.0f} s; {args.nodes} nodes x {profile.num_stages} stages; "
-          f"SLO TTFT {slo.ttft_s:.3f} s, TBT {slo.tbt_s * 1e3:.1f} ms")
-    sim_config = SimRunConfig(policy=args.policy, num_nodes=args.nodes, seed=args.seed,
-                              latency_noise_cv=args.noise_cv, train_rate=args.train_rate)
-    sim, sim_result = run_simulation(sim_config, profile, tasks, request_rate=args.rate,
-                                     duration_s=wl.duration_s, slo=slo)
+    print(
+        f"workload: {source}: {wl.num_inference} inference + {wl.num_training} training "
+        f"over {wl.duration_s:.0f} s; {args.nodes} nodes x {profile.num_stages} stages; "
+        f"SLO TTFT {slo.ttft_s:.3f} s, TBT {slo.tbt_s * 1e3:.1f} ms"
+    )
+    sim_config = SimRunConfig(
+        policy=args.policy,
+        num_nodes=args.nodes,
+        seed=args.seed,
+        latency_noise_cv=args.noise_cv,
+        train_rate=args.train_rate,
+    )
+    sim, sim_result = run_simulation(
+        sim_config, profile, tasks, request_rate=args.rate, duration_s=wl.duration_s, slo=slo
+    )
     live, live_records, live_alone, cores = asyncio.run(run_live(args, tasks, wl, slo))
-    _, alone_result = run_simulation(sim_config, profile, [ALONE], request_rate=1.0,
-                                     duration_s=1.0, slo=slo)
+    _, alone_result = run_simulation(
+        sim_config, profile, [ALONE], request_rate=1.0, duration_s=1.0, slo=slo
+    )
     alone = {"sim": _timings(alone_result.records[0]), "live": _timings(live_alone)}
-    step_s = profile.ours.decode_step_s(0, 1, int(np.median([
-        t.num_prompt_tokens + t.max_output_tokens // 2 for t in tasks if not t.is_training])))
+    step_s = profile.ours.decode_step_s(
+        0,
+        1,
+        int(
+            np.median(
+                [t.num_prompt_tokens + t.max_output_tokens // 2 for t in tasks if not t.is_training]
+            )
+        ),
+    )
     overshoot = asyncio.run(sleep_overshoot(step_s))
     rows = compare(sim, live)
-    print(format_table(rows, [("metric", "metric"), ("sim", "sim"), ("live", "live"),
-                              ("gap", "live-sim"), ("unit", "")]))
+    print(
+        format_table(
+            rows,
+            [
+                ("metric", "metric"),
+                ("sim", "sim"),
+                ("live", "live"),
+                ("gap", "live-sim"),
+                ("unit", ""),
+            ],
+        )
+    )
     gaps = {r["metric"]: r["gap"] for r in rows}
     slo_gap, thr_gap = gaps["SLO attainment"], gaps["throughput tasks/s"]
-    is_met = (slo_gap is not None and abs(slo_gap) <= TARGET_PP and thr_gap is not None
-              and abs(thr_gap) <= TARGET_PCT)
-    print(f"target (|SLO gap| <= {TARGET_PP:g} pp, |throughput gap| <= {TARGET_PCT:g} %): "
-          f"{'met' if is_met else 'NOT met'}")
+    is_met = (
+        slo_gap is not None
+        and abs(slo_gap) <= TARGET_PP
+        and thr_gap is not None
+        and abs(thr_gap) <= TARGET_PCT
+    )
+    print(
+        f"target (|SLO gap| <= {TARGET_PP:g} pp, |throughput gap| <= {TARGET_PCT:g} %): "
+        f"{'met' if is_met else 'NOT met'}"
+    )
     detail = per_request(sim_result.records, live_records, slo)
-    print(f"\nper request, live - sim, over {detail['num_pairs']} inference tasks completed "
-          f"in both (same node in {100 * (detail['same_node_share'] or 0):.0f} %):")
-    print(format_table(
-        [{"what": k, **detail[k]} for k in ("ttft_diff_s", "tbt_diff_s", "tbt_ratio",
-                                            "e2e_diff_s")],
-        [("what", "quantity"), ("p10", "p10"), ("p50", "p50"), ("p90", "p90"),
-         ("mean", "mean")]))
-    print(f"completed inference per node: sim {detail['inference_per_node']['sim']}, "
-          f"live {detail['inference_per_node']['live']}")
-    print(f"SLO misses only live / only sim: TTFT {detail['ttft_miss_live_only']} / "
-          f"{detail['ttft_miss_sim_only']}, TBT {detail['tbt_miss_live_only']} / "
-          f"{detail['tbt_miss_sim_only']}")
+    print(
+        f"\nper request, live - sim, over {detail['num_pairs']} inference tasks completed "
+        f"in both (same node in {100 * (detail['same_node_share'] or 0):.0f} %):"
+    )
+    print(
+        format_table(
+            [
+                {"what": k, **detail[k]}
+                for k in ("ttft_diff_s", "tbt_diff_s", "tbt_ratio", "e2e_diff_s")
+            ],
+            [
+                ("what", "quantity"),
+                ("p10", "p10"),
+                ("p50", "p50"),
+                ("p90", "p90"),
+                ("mean", "mean"),
+            ],
+        )
+    )
+    print(
+        f"completed inference per node: sim {detail['inference_per_node']['sim']}, "
+        f"live {detail['inference_per_node']['live']}"
+    )
+    print(
+        f"SLO misses only live / only sim: TTFT {detail['ttft_miss_live_only']} / "
+        f"{detail['ttft_miss_sim_only']}, TBT {detail['tbt_miss_live_only']} / "
+        f"{detail['tbt_miss_sim_only']}"
+    )
     a_sim, a_live = alone["sim"], alone["live"]
     if a_sim is not None and a_live is not None:
-        print(f"one request alone ({ALONE.num_prompt_tokens} prompt, {ALONE.max_output_tokens} "
-              f"out): TTFT sim {a_sim['ttft_ms']:.2f} ms, live {a_live['ttft_ms']:.2f} ms "
-              f"(+{a_live['ttft_ms'] - a_sim['ttft_ms']:.2f}); TBT sim {a_sim['tbt_ms']:.3f} ms,"
-              f" live {a_live['tbt_ms']:.3f} ms (+{a_live['tbt_ms'] - a_sim['tbt_ms']:.3f})")
+        print(
+            f"one request alone ({ALONE.num_prompt_tokens} prompt, {ALONE.max_output_tokens} "
+            f"out): TTFT sim {a_sim['ttft_ms']:.2f} ms, live {a_live['ttft_ms']:.2f} ms "
+            f"(+{a_live['ttft_ms'] - a_sim['ttft_ms']:.2f}); TBT sim {a_sim['tbt_ms']:.3f} ms,"
+            f" live {a_live['tbt_ms']:.3f} ms (+{a_live['tbt_ms'] - a_sim['tbt_ms']:.3f})"
+        )
     sim_tbt = sim["tbt_s"]["p50"] or 0.0
-    print(f"asyncio.sleep({overshoot['sleep_ms']:.2f} ms) wakes late by {overshoot['mean_ms']:.2f}"
-          f" ms on average (p99 {overshoot['p99_ms']:.2f}); x {profile.num_stages} stages per "
-          f"decode step = +{profile.num_stages * overshoot['mean_ms']:.2f} ms per token, "
-          f"{100 * profile.num_stages * overshoot['mean_ms'] / 1e3 / sim_tbt if sim_tbt else 0:.0f}"
-          f" % of the sim's TBT p50 (observed per-request median: "
-          f"+{1e3 * (detail['tbt_diff_s']['p50'] or 0):.2f} ms)")
-    print(f"live CPU, cores busy (of {os.cpu_count()}): "
-          + ", ".join(f"{n} {c:.2f}" for n, c in sorted(cores.items()))
-          + f"; total {sum(cores.values()):.2f}")
+    print(
+        f"asyncio.sleep({overshoot['sleep_ms']:.2f} ms) wakes late by {overshoot['mean_ms']:.2f}"
+        f" ms on average (p99 {overshoot['p99_ms']:.2f}); x {profile.num_stages} stages per "
+        f"decode step = +{profile.num_stages * overshoot['mean_ms']:.2f} ms per token, "
+        f"{100 * profile.num_stages * overshoot['mean_ms'] / 1e3 / sim_tbt if sim_tbt else 0:.0f}"
+        f" % of the sim's TBT p50 (observed per-request median: "
+        f"+{1e3 * (detail['tbt_diff_s']['p50'] or 0):.2f} ms)"
+    )
+    print(
+        f"live CPU, cores busy (of {os.cpu_count()}): "
+        + ", ".join(f"{n} {c:.2f}" for n, c in sorted(cores.items()))
+        + f"; total {sum(cores.values()):.2f}"
+    )
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({
-            "benchmark": "sim_vs_live", "python": sys.version.split()[0],
-            "machine": platform.machine(), "workload": source, "rate": args.rate,
-            "window_s": args.window_s, "train_rate": args.train_rate, "num_nodes": args.nodes,
-            "policy": args.policy, "noise_cv": args.noise_cv, "profile": profile.name,
-            "slo": {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s},
-            "targets": {"slo_pp": TARGET_PP, "throughput_pct": TARGET_PCT}, "is_met": is_met,
-            "comparison": rows, "per_request": detail, "sleep_overshoot": overshoot,
-            "alone": alone,
-            "live_cores_busy": cores,
-            "sim": sim, "live": live}, indent=2) + "\n")
+        path.write_text(
+            json.dumps(
+                {
+                    "benchmark": "sim_vs_live",
+                    "python": sys.version.split()[0],
+                    "machine": platform.machine(),
+                    "workload": source,
+                    "rate": args.rate,
+                    "window_s": args.window_s,
+                    "train_rate": args.train_rate,
+                    "num_nodes": args.nodes,
+                    "policy": args.policy,
+                    "noise_cv": args.noise_cv,
+                    "profile": profile.name,
+                    "slo": {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s},
+                    "targets": {"slo_pp": TARGET_PP, "throughput_pct": TARGET_PCT},
+                    "is_met": is_met,
+                    "comparison": rows,
+                    "per_request": detail,
+                    "sleep_overshoot": overshoot,
+                    "alone": alone,
+                    "live_cores_busy": cores,
+                    "sim": sim,
+                    "live": live,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         print(f"JSON: {path}")
     return 0
 

@@ -1,6 +1,6 @@
 """Soak: a long run at a steady load with a random fault every minute.
 
-A supervised stack (`lemix.launcher.Stack`, real processes, embedded Redis
+A supervised stack (`lemix.stack.launcher.Stack`, real processes, embedded Redis
 with AOF, 2 emulated nodes, the shipped A100 profile at --time-scale, the
 production detection defaults) takes Poisson inference and a steady training
 stream for --duration-s; every --fault-every-s one fault is drawn (seeded)
@@ -39,7 +39,7 @@ from typing import Any
 import grpc
 
 from lemix._proto.lemix.v1 import gateway_pb2
-from lemix.fault_harness import (
+from lemix.harness.faults import (
     FinalWatcher,
     Load,
     account,
@@ -47,8 +47,8 @@ from lemix.fault_harness import (
     fault_stack,
     wait_ready,
 )
-from lemix.launcher import Stack
-from lemix.redis_client import RedisClientConfig, connect
+from lemix.infra.store.client import RedisClientConfig, connect
+from lemix.stack.launcher import Stack
 
 FAULTS = ("executor-kill", "executor-stop", "scheduler-kill", "redis-kill", "gateway-kill")
 _STOP_S = 10.0
@@ -153,10 +153,13 @@ def _rss_report(samples: Samples) -> dict[str, Any]:
         for _, pid, rss in late:
             spans.setdefault(pid, []).append(rss)
         longest = max(spans.values(), key=len)
-        report[name] = {"first_mib": round(longest[0] / 2**20, 1),
-                        "last_mib": round(longest[-1] / 2**20, 1),
-                        "growth": round(longest[-1] / longest[0] - 1, 3),
-                        "num_lifetimes": len(spans), "num_samples": len(longest)}
+        report[name] = {
+            "first_mib": round(longest[0] / 2**20, 1),
+            "last_mib": round(longest[-1] / 2**20, 1),
+            "growth": round(longest[-1] / longest[0] - 1, 3),
+            "num_lifetimes": len(spans),
+            "num_samples": len(longest),
+        }
     return report
 
 
@@ -166,18 +169,24 @@ async def main_async(args: argparse.Namespace) -> int:
     samples = Samples()
     faults: list[tuple[float, str]] = []
     with tempfile.TemporaryDirectory(prefix="lemix-soak-") as tmp:
-        env = ({"LEMIX_FINISHED_TASK_TTL_S": repr(args.finished_task_ttl_s)}
-               if args.finished_task_ttl_s else {})
-        async with fault_stack(Path(tmp), time_scale=args.time_scale, extra_env=env,
-                               is_fast=False) as (stack, stub):
+        env = (
+            {"LEMIX_FINISHED_TASK_TTL_S": repr(args.finished_task_ttl_s)}
+            if args.finished_task_ttl_s
+            else {}
+        )
+        async with fault_stack(
+            Path(tmp), time_scale=args.time_scale, extra_env=env, is_fast=False
+        ) as (stack, stub):
             await wait_ready(stub)
             load = Load(stub)
             started_s = time.monotonic()
             until_s = started_s + args.duration_s
             watcher = FinalWatcher(stub, load)
-            drivers = [asyncio.create_task(_poisson(load, args.rate_rps, until_s, rng)),
-                       asyncio.create_task(_training(load, args.train_sps, until_s)),
-                       asyncio.create_task(watcher.run(until_s))]
+            drivers = [
+                asyncio.create_task(_poisson(load, args.rate_rps, until_s, rng)),
+                asyncio.create_task(_training(load, args.train_sps, until_s)),
+                asyncio.create_task(watcher.run(until_s)),
+            ]
             next_fault_s = started_s + args.fault_every_s
             next_sample_s = started_s
             while time.monotonic() < until_s:
@@ -203,28 +212,40 @@ async def main_async(args: argparse.Namespace) -> int:
             ghosts = await audit_clean(stub)
             redis_keys = await _redis_breakdown(stack)
     found = sum(1 for info in result.states.values() if info is not None)
-    lost = sorted({*result.lost, *result.missing_training, *result.inconsistent,
-                   *watcher.expired})
+    lost = sorted({*result.lost, *result.missing_training, *result.inconsistent, *watcher.expired})
     redis_mib = [b / 2**20 for _, b in samples.redis_bytes]
     # Redis memory at the end of each minute: flat once finished records expire.
     by_minute: dict[int, float] = {}
     for t_s, b in samples.redis_bytes:
         by_minute[int(t_s // 60)] = round(b / 2**20, 1)
     out = {
-        "date": time.strftime("%Y-%m-%d"), "duration_s": args.duration_s,
-        "rate_rps": args.rate_rps, "train_sps": args.train_sps, "time_scale": args.time_scale,
-        "seed": args.seed, "finished_task_ttl_s": args.finished_task_ttl_s, "faults": faults,
+        "date": time.strftime("%Y-%m-%d"),
+        "duration_s": args.duration_s,
+        "rate_rps": args.rate_rps,
+        "train_sps": args.train_sps,
+        "time_scale": args.time_scale,
+        "seed": args.seed,
+        "finished_task_ttl_s": args.finished_task_ttl_s,
+        "faults": faults,
         "num_task_ids": len(result.states),
-        "num_acked": found, "num_lost": len(lost), "lost_ids": lost[:20],
+        "num_acked": found,
+        "num_lost": len(lost),
+        "lost_ids": lost[:20],
         "num_recorded_while_running": len(watcher.final),
-        "num_ghosts": len(ghosts), "num_no_reason": len(result.no_reason),
+        "num_ghosts": len(ghosts),
+        "num_no_reason": len(result.no_reason),
         "by_state": result.by_state(),
         "drain_s": round(drain_s, 1),
         "mean_busy_fraction": round(statistics.fmean(samples.busy), 3) if samples.busy else None,
         "rss": _rss_report(samples),
         "redis_at_end": redis_keys,
-        "redis_mib": {"first": round(redis_mib[0], 1), "peak": round(max(redis_mib), 1),
-                      "last": round(redis_mib[-1], 1)} if redis_mib else None,
+        "redis_mib": {
+            "first": round(redis_mib[0], 1),
+            "peak": round(max(redis_mib), 1),
+            "last": round(redis_mib[-1], 1),
+        }
+        if redis_mib
+        else None,
         "redis_mib_by_minute": by_minute,
     }
     print(json.dumps(out, indent=2))
@@ -243,8 +264,12 @@ def main() -> int:
     parser.add_argument("--fault-every-s", type=float, default=60.0)
     parser.add_argument("--sample-s", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--finished-task-ttl-s", type=float, default=300.0,
-                        help="the scheduler's finished_task_ttl_s (0 = its default, 24 h)")
+    parser.add_argument(
+        "--finished-task-ttl-s",
+        type=float,
+        default=300.0,
+        help="the scheduler's finished_task_ttl_s (0 = its default, 24 h)",
+    )
     parser.add_argument("--json", type=Path)
     return asyncio.run(main_async(parser.parse_args()))
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from gateway.config import from_env_and_args
 from gateway.service import GatewayService
-from lemix.service_main import run_service
+from lemix.infra.service_main import run_service
 
 
 def main(argv: Sequence[str] | None = None) -> int:

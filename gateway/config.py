@@ -1,55 +1,24 @@
 """The gateway's typed config, and the ONE place env vars and flags map onto it.
 
 Precedence: command-line flag, then ``LEMIX_*`` environment variable, then the
-default. Nothing is read at import time: `from_env_and_args` reads `argv` and
-the environment when called (tests pass both in).
-
-=============================  =========================  ==========================
-field                          flag                       environment variable
-=============================  =========================  ==========================
-host                           ``--host``                 ``LEMIX_GATEWAY_HOST``
-port                           ``--port``                 ``LEMIX_GATEWAY_PORT``
-http_port                      ``--http-port``            ``LEMIX_GATEWAY_HTTP_PORT``
-served_model_name              ``--served-model-name``    ``LEMIX_SERVED_MODEL_NAME``
-metrics_port                   ``--metrics-port``         ``LEMIX_GATEWAY_METRICS_PORT``
-is_http_metrics_enabled        ``--http-metrics``         ``LEMIX_GATEWAY_HTTP_METRICS``
-scheduler_address              ``--scheduler``            ``LEMIX_SCHEDULER_ADDRESS``
-redis_url                      ``--redis-url``            ``LEMIX_REDIS_URL``
-namespace                      ``--namespace``            ``LEMIX_NAMESPACE``
-max_context_tokens             ``--max-context-tokens``   ``LEMIX_MAX_CONTEXT_TOKENS``
-max_in_flight                  ``--max-in-flight``        ``LEMIX_MAX_IN_FLIGHT``
-max_train_samples              ``--max-train-samples``    ``LEMIX_MAX_TRAIN_SAMPLES``
-max_train_batch_size           ``--max-train-batch-size`` ``LEMIX_MAX_TRAIN_BATCH_SIZE``
-submit_deadline_s              ``--submit-deadline-s``    ``LEMIX_SUBMIT_DEADLINE_S``
-cancel_deadline_s              ``--cancel-deadline-s``    ``LEMIX_CANCEL_DEADLINE_S``
-stream_idle_timeout_s          ``--stream-idle-timeout-s`` ``LEMIX_STREAM_IDLE_TIMEOUT_S``
-stream_lease_ttl_s             ``--stream-lease-ttl-s``   ``LEMIX_STREAM_LEASE_TTL_S``
-stats_flush_s                  ``--stats-flush-s``        ``LEMIX_STATS_FLUSH_S``
-tokenizer                      ``--tokenizer``            ``LEMIX_TOKENIZER``
-node_check_s                   ``--node-check-s``         ``LEMIX_NODE_CHECK_S``
-shutdown_grace_s               ``--shutdown-grace-s``     ``LEMIX_SHUTDOWN_GRACE_S``
-log_level                      ``--log-level``            ``LEMIX_LOG_LEVEL``
-log_format                     ``--log-format``           ``LEMIX_LOG_FORMAT``
-service_token                  ``--service-token``        ``LEMIX_SERVICE_TOKEN``
-tls_cert_file                  ``--tls-cert-file``        ``LEMIX_GATEWAY_TLS_CERT_FILE``
-tls_key_file                   ``--tls-key-file``         ``LEMIX_GATEWAY_TLS_KEY_FILE``
-tls_client_ca_file             ``--tls-client-ca-file``   ``LEMIX_GATEWAY_TLS_CLIENT_CA_FILE``
-=============================  =========================  ==========================
+default (lemix.infra.settings is the mechanism). Nothing is read at import time:
+`from_env_and_args` reads `argv` and the environment when called (tests pass
+both in). The fields every service shares (host, ports, Redis, logging, the
+service token, the drain grace) come from `lemix.infra.config`;
+`scripts/config_table.py` prints the docs/configuration.md table from `_OPTIONS`.
 """
 
 from __future__ import annotations
 
-import argparse
-import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.validate import DEFAULT_MAX_TRAIN_BATCH_SIZE, DEFAULT_MAX_TRAIN_SAMPLES
-from lemix import settings
-from lemix.redis_keys import DEFAULT_NAMESPACE, STREAM_LEASE_TTL_S, RedisKeys
-from lemix.rpc.auth import SERVICE_TOKEN_OPTION, check_service_token
-from lemix.settings import Option, boolean, port_or_off
+from lemix.infra import settings
+from lemix.infra.address import is_host_port
+from lemix.infra.config import COMMON_CLI_DEFAULTS, GATEWAY, CommonServiceConfig, common_options
+from lemix.infra.settings import Option, boolean, check_finite
+from lemix.infra.store.keys import STREAM_LEASE_TTL_S
 
 # The public port in DESIGN.md; `GatewayConfig()` itself defaults to 0 (a free
 # port), which is what tests and `lemix up` with many stacks want.
@@ -57,27 +26,22 @@ CLI_DEFAULT_PORT = 50051
 CLI_DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible HTTP API (gateway.http_api)
 # Where the scheduler listens unless told otherwise (gateway is 50051).
 DEFAULT_SCHEDULER_ADDRESS = "127.0.0.1:50052"
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-LOG_LEVELS = ("debug", "info", "warning", "error")
-LOG_FORMATS = ("console", "json")
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 @dataclass(frozen=True)
-class GatewayConfig:
-    """Everything the gateway process needs; validated on construction (ValueError)."""
+class GatewayConfig(CommonServiceConfig):
+    """Everything the gateway process needs; validated on construction (ValueError).
 
-    host: str = "127.0.0.1"
-    port: int = 0  # 0 = any free port (the bound one is reported at start)
+    `service_token` (from CommonServiceConfig) is sent to the scheduler; the
+    gateway's own API is public.
+    """
+
     http_port: int = 0  # the OpenAI-compatible HTTP API; 0 = any free port, as `port`
     served_model_name: str = "lemix"  # the `model` the HTTP API lists and accepts
-    metrics_port: int = -1  # Prometheus /metrics on its own port: 0 = a free one, -1 = off
     # Also GET /metrics on the public HTTP API port. A deployment that publishes
     # that port turns it off and scrapes `metrics_port` inside its network.
     is_http_metrics_enabled: bool = True
     scheduler_address: str = DEFAULT_SCHEDULER_ADDRESS  # host:port
-    redis_url: str = DEFAULT_REDIS_URL
-    namespace: str = DEFAULT_NAMESPACE  # Redis key prefix shared with the other services
     max_context_tokens: int = 4096  # prompt + max_tokens must fit
     max_in_flight: int = 1024  # concurrent Generate streams; more get RESOURCE_EXHAUSTED
     # One Train call carries at most this many samples (each becomes Submit work
@@ -92,21 +56,16 @@ class GatewayConfig:
     stream_idle_timeout_s: float = 60.0
     # This gateway's lease on each stream it reads lives this long and is
     # renewed every third of it; if the gateway dies, the leases lapse and the
-    # scheduler cancels the orphaned tasks (`lemix.redis_keys.stream_lease`).
+    # scheduler cancels the orphaned tasks (`lemix.infra.store.keys.stream_lease`).
     stream_lease_ttl_s: float = STREAM_LEASE_TTL_S
     # Request counters are summed in memory and written to Redis this often (one
     # round trip), never once per request on the admission path.
     stats_flush_s: float = 1.0
     tokenizer: str = "approx"  # "approx" (emulated); "bpe:<vocab>", tokenizer.json, model dir
     node_check_s: float = 0.5  # how long "is any executor live?" is cached; 0 = never
-    shutdown_grace_s: float = 5.0  # in-flight streams get this long to finish on stop
-    log_level: str = "info"  # for `python -m gateway`'s logging
-    log_format: str = "console"  # "console" or "json" (one object per line)
-    # Sent to the scheduler (lemix.rpc.auth); the gateway's own API is public.
-    service_token: str = field(default="", repr=False)
     # TLS on the public gRPC and HTTP ports: a PEM certificate (chain) and its
     # key, both or neither; "" = plaintext. Read and checked at start
-    # (`lemix.rpc.tls`). The metrics port stays plain HTTP: Prometheus scrapes
+    # (`lemix.infra.rpc.tls`). The metrics port stays plain HTTP: Prometheus scrapes
     # it inside the deployment's network (compose/k8s never publish it), it
     # carries no request data, and scrapers then need no CA.
     tls_cert_file: str = ""
@@ -119,138 +78,207 @@ class GatewayConfig:
         return bool(self.tls_cert_file)
 
     def __post_init__(self) -> None:
-        if not self.host:
-            raise ValueError("host must be non-empty (e.g. 127.0.0.1 or 0.0.0.0)")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535] (0 = any free port), got {self.port}")
-        if not 0 <= self.http_port <= 65535:
-            raise ValueError(f"http_port must be in [0, 65535] (0 = any free port), "
-                             f"got {self.http_port}")  # fmt: skip
+        super().__post_init__()
+        settings.check_port("http_port", self.http_port)
         if not self.served_model_name or any(ch.isspace() for ch in self.served_model_name):
-            raise ValueError(f"served_model_name must be a non-empty name without spaces, "
-                             f"got {self.served_model_name!r}")  # fmt: skip
-        settings.check_port_or_off("metrics_port", self.metrics_port)
-        _check_address("scheduler_address", self.scheduler_address)
-        if not self.redis_url.startswith(_REDIS_SCHEMES):
             raise ValueError(
-                f"redis_url must start with one of {', '.join(_REDIS_SCHEMES)}, "
-                f"got {self.redis_url!r}"
+                f"served_model_name must be a non-empty name without spaces, "
+                f"got {self.served_model_name!r}"
             )
-        RedisKeys(self.namespace)  # raises ValueError naming the problem
-        for name in ("max_context_tokens", "max_in_flight", "max_train_samples",
-                     "max_train_batch_size"):
+        _check_address("scheduler_address", self.scheduler_address)
+        for name in (
+            "max_context_tokens",
+            "max_in_flight",
+            "max_train_samples",
+            "max_train_batch_size",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("submit_deadline_s", "cancel_deadline_s", "stream_idle_timeout_s",
-                     "stream_lease_ttl_s", "stats_flush_s"):
-            _check_seconds(name, getattr(self, name), allow_zero=False)
-        for name in ("node_check_s", "shutdown_grace_s"):
-            _check_seconds(name, getattr(self, name), allow_zero=True)
+        for name in (
+            "submit_deadline_s",
+            "cancel_deadline_s",
+            "stream_idle_timeout_s",
+            "stream_lease_ttl_s",
+            "stats_flush_s",
+        ):
+            check_finite(name, getattr(self, name), allow_zero=False)
+        check_finite("node_check_s", self.node_check_s, allow_zero=True)
         if not self.tokenizer:
             raise ValueError("tokenizer must be non-empty ('approx' for the emulated backend)")
-        if self.log_level not in LOG_LEVELS:
-            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, "
-                             f"got {self.log_level!r}")  # fmt: skip
-        if self.log_format not in LOG_FORMATS:
-            raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, "
-                             f"got {self.log_format!r}")  # fmt: skip
-        check_service_token(self.service_token)
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            given, missing = (("tls_cert_file", "tls_key_file") if self.tls_cert_file
-                              else ("tls_key_file", "tls_cert_file"))
-            raise ValueError(f"TLS needs both a certificate and its key: {given} is set but "
-                             f"{missing} is not (--tls-cert-file and --tls-key-file, both or "
-                             f"neither)")  # fmt: skip
+            given, missing = (
+                ("tls_cert_file", "tls_key_file")
+                if self.tls_cert_file
+                else ("tls_key_file", "tls_cert_file")
+            )
+            raise ValueError(
+                f"TLS needs both a certificate and its key: {given} is set but "
+                f"{missing} is not (--tls-cert-file and --tls-key-file, both or "
+                f"neither)"
+            )
         if self.tls_client_ca_file and not self.is_tls_enabled:
-            raise ValueError("tls_client_ca_file (mTLS) needs TLS: set --tls-cert-file and "
-                             "--tls-key-file too")
+            raise ValueError(
+                "tls_client_ca_file (mTLS) needs TLS: set --tls-cert-file and --tls-key-file too"
+            )
 
 
 def _check_address(name: str, address: str) -> None:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+    if not is_host_port(address):
         raise ValueError(f"{name} must be host:port, got {address!r}")
-
-
-def _check_seconds(name: str, value: float, *, allow_zero: bool) -> None:
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be a finite number of seconds {bound}, got {value}")
 
 
 # ------------------------------------------------------------------ mapping
 
 
 _OPTIONS: tuple[Option, ...] = (
-    Option("host", "--host", "LEMIX_GATEWAY_HOST", str, "address to bind"),
-    Option("port", "--port", "LEMIX_GATEWAY_PORT", int, "port to bind (0 = any free port)"),
-    Option("http_port", "--http-port", "LEMIX_GATEWAY_HTTP_PORT", int,
-            "OpenAI-compatible HTTP API port (0 = any free port)"),
-    Option("served_model_name", "--served-model-name", "LEMIX_SERVED_MODEL_NAME", str,
-            "model name the HTTP API serves (GET /v1/models)"),
-    Option("metrics_port", "--metrics-port", "LEMIX_GATEWAY_METRICS_PORT", port_or_off,
-            "Prometheus /metrics port (0 = any free port, -1 = off)"),
-    Option("is_http_metrics_enabled", "--http-metrics", "LEMIX_GATEWAY_HTTP_METRICS", boolean,
-            "also serve GET /metrics on the HTTP API port (--no-http-metrics: only on "
-            "--metrics-port)"),
-    Option("scheduler_address", "--scheduler", "LEMIX_SCHEDULER_ADDRESS", str,
-            "the scheduler's host:port"),
-    Option("redis_url", "--redis-url", "LEMIX_REDIS_URL", str, "Redis holding queues/state"),
-    Option("namespace", "--namespace", "LEMIX_NAMESPACE", str,
-            "Redis key prefix shared by the stack's services"),
-    Option("max_context_tokens", "--max-context-tokens", "LEMIX_MAX_CONTEXT_TOKENS", int,
-            "prompt + max_tokens must fit in this many tokens"),
-    Option("max_in_flight", "--max-in-flight", "LEMIX_MAX_IN_FLIGHT", int,
-            "concurrent Generate streams before RESOURCE_EXHAUSTED"),
-    Option("max_train_samples", "--max-train-samples", "LEMIX_MAX_TRAIN_SAMPLES", int,
-            "samples one Train call may carry (split larger sets)"),
-    Option("max_train_batch_size", "--max-train-batch-size", "LEMIX_MAX_TRAIN_BATCH_SIZE", int,
-            "samples per training task (Train's batch_size)"),
-    Option("submit_deadline_s", "--submit-deadline-s", "LEMIX_SUBMIT_DEADLINE_S", float,
-            "deadline of Scheduler.Submit, seconds"),
-    Option("cancel_deadline_s", "--cancel-deadline-s", "LEMIX_CANCEL_DEADLINE_S", float,
-            "deadline of Scheduler.Cancel, seconds"),
-    Option("stream_idle_timeout_s", "--stream-idle-timeout-s", "LEMIX_STREAM_IDLE_TIMEOUT_S",
-            float, "end a stream UNAVAILABLE after this long without output, seconds"),
-    Option("stream_lease_ttl_s", "--stream-lease-ttl-s", "LEMIX_STREAM_LEASE_TTL_S", float,
-            "lease on each stream this gateway reads (renewed every third), seconds"),
-    Option("stats_flush_s", "--stats-flush-s", "LEMIX_STATS_FLUSH_S", float,
-            "write the request counters to Redis this often, seconds"),
-    Option("tokenizer", "--tokenizer", "LEMIX_TOKENIZER", str,
-            "'approx' (emulated backend), 'bpe:<vocab_size>' (trained on the default "
-            "corpus, cached), a tokenizer.json file or a model directory"),
-    Option("node_check_s", "--node-check-s", "LEMIX_NODE_CHECK_S", float,
-            "cache the live-executor check this long, seconds (0 = every request)"),
-    Option("shutdown_grace_s", "--shutdown-grace-s", "LEMIX_SHUTDOWN_GRACE_S", float,
-            "on stop, in-flight streams get this long to finish, seconds"),
-    Option("log_level", "--log-level", "LEMIX_LOG_LEVEL", str, "/".join(LOG_LEVELS)),
-    Option("log_format", "--log-format", "LEMIX_LOG_FORMAT", str, "/".join(LOG_FORMATS)),
-    SERVICE_TOKEN_OPTION,
-    Option("tls_cert_file", "--tls-cert-file", "LEMIX_GATEWAY_TLS_CERT_FILE", str,
-            "PEM certificate (chain) for TLS on the gRPC and HTTP ports, with "
-            "--tls-key-file (\"\" = plaintext; /metrics stays plain HTTP)", "FILE"),
-    Option("tls_key_file", "--tls-key-file", "LEMIX_GATEWAY_TLS_KEY_FILE", str,
-            "PEM private key of --tls-cert-file (unencrypted)", "FILE"),
-    Option("tls_client_ca_file", "--tls-client-ca-file", "LEMIX_GATEWAY_TLS_CLIENT_CA_FILE",
-            str, "mTLS: require client certificates signed by this PEM CA (\"\" = none)",
-            "FILE"),
-)  # fmt: skip
+    *common_options(GATEWAY),
+    Option(
+        "http_port",
+        "--http-port",
+        "LEMIX_GATEWAY_HTTP_PORT",
+        int,
+        "OpenAI-compatible HTTP API port (0 = any free port)",
+    ),
+    Option(
+        "served_model_name",
+        "--served-model-name",
+        "LEMIX_SERVED_MODEL_NAME",
+        str,
+        "model name the HTTP API serves (GET /v1/models)",
+    ),
+    Option(
+        "is_http_metrics_enabled",
+        "--http-metrics",
+        "LEMIX_GATEWAY_HTTP_METRICS",
+        boolean,
+        "also serve GET /metrics on the HTTP API port (--no-http-metrics: only on --metrics-port)",
+    ),
+    Option(
+        "scheduler_address",
+        "--scheduler",
+        "LEMIX_SCHEDULER_ADDRESS",
+        str,
+        "the scheduler's host:port",
+    ),
+    Option(
+        "max_context_tokens",
+        "--max-context-tokens",
+        "LEMIX_MAX_CONTEXT_TOKENS",
+        int,
+        "prompt + max_tokens must fit in this many tokens",
+    ),
+    Option(
+        "max_in_flight",
+        "--max-in-flight",
+        "LEMIX_MAX_IN_FLIGHT",
+        int,
+        "concurrent Generate streams before RESOURCE_EXHAUSTED",
+    ),
+    Option(
+        "max_train_samples",
+        "--max-train-samples",
+        "LEMIX_MAX_TRAIN_SAMPLES",
+        int,
+        "samples one Train call may carry (split larger sets)",
+    ),
+    Option(
+        "max_train_batch_size",
+        "--max-train-batch-size",
+        "LEMIX_MAX_TRAIN_BATCH_SIZE",
+        int,
+        "samples per training task (Train's batch_size)",
+    ),
+    Option(
+        "submit_deadline_s",
+        "--submit-deadline-s",
+        "LEMIX_SUBMIT_DEADLINE_S",
+        float,
+        "deadline of Scheduler.Submit, seconds",
+    ),
+    Option(
+        "cancel_deadline_s",
+        "--cancel-deadline-s",
+        "LEMIX_CANCEL_DEADLINE_S",
+        float,
+        "deadline of Scheduler.Cancel, seconds",
+    ),
+    Option(
+        "stream_idle_timeout_s",
+        "--stream-idle-timeout-s",
+        "LEMIX_STREAM_IDLE_TIMEOUT_S",
+        float,
+        "end a stream UNAVAILABLE after this long without output, seconds",
+    ),
+    Option(
+        "stream_lease_ttl_s",
+        "--stream-lease-ttl-s",
+        "LEMIX_STREAM_LEASE_TTL_S",
+        float,
+        "lease on each stream this gateway reads (renewed every third), seconds",
+    ),
+    Option(
+        "stats_flush_s",
+        "--stats-flush-s",
+        "LEMIX_STATS_FLUSH_S",
+        float,
+        "write the request counters to Redis this often, seconds",
+    ),
+    Option(
+        "tokenizer",
+        "--tokenizer",
+        "LEMIX_TOKENIZER",
+        str,
+        "'approx' (emulated backend), 'bpe:<vocab_size>' (trained on the default "
+        "corpus, cached), a tokenizer.json file or a model directory",
+    ),
+    Option(
+        "node_check_s",
+        "--node-check-s",
+        "LEMIX_NODE_CHECK_S",
+        float,
+        "cache the live-executor check this long, seconds (0 = every request)",
+    ),
+    Option(
+        "tls_cert_file",
+        "--tls-cert-file",
+        "LEMIX_GATEWAY_TLS_CERT_FILE",
+        str,
+        "PEM certificate (chain) for TLS on the gRPC and HTTP ports, with "
+        '--tls-key-file ("" = plaintext; /metrics stays plain HTTP)',
+        "FILE",
+    ),
+    Option(
+        "tls_key_file",
+        "--tls-key-file",
+        "LEMIX_GATEWAY_TLS_KEY_FILE",
+        str,
+        "PEM private key of --tls-cert-file (unencrypted)",
+        "FILE",
+    ),
+    Option(
+        "tls_client_ca_file",
+        "--tls-client-ca-file",
+        "LEMIX_GATEWAY_TLS_CLIENT_CA_FILE",
+        str,
+        'mTLS: require client certificates signed by this PEM CA ("" = none)',
+        "FILE",
+    ),
+)
 
-_CLI_DEFAULTS: dict[str, Any] = {"port": CLI_DEFAULT_PORT, "http_port": CLI_DEFAULT_HTTP_PORT,
-                                 "metrics_port": 0}
+_CLI_DEFAULTS: dict[str, Any] = {
+    **COMMON_CLI_DEFAULTS,
+    "port": CLI_DEFAULT_PORT,
+    "http_port": CLI_DEFAULT_HTTP_PORT,
+}
 
 
-def build_parser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
-    """The gateway's flags; every default is None so env and defaults can apply."""
-    return settings.build_parser(
-        GatewayConfig, _OPTIONS, prog=prog, cli_defaults=_CLI_DEFAULTS,
-        description="LeMix gateway: the public gRPC API (Generate, Train, GetStats) and "
-        "the OpenAI-compatible HTTP API.")
-
-
-def from_env_and_args(
-    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
-) -> GatewayConfig:
-    """Build the config from `argv` and `env` (see lemix.settings)."""
-    return settings.parse_settings(GatewayConfig, build_parser(), _OPTIONS, argv, env,
-                                   _CLI_DEFAULTS)
+SPEC = settings.ConfigSpec(
+    GatewayConfig,
+    _OPTIONS,
+    prog="python -m gateway",
+    description="LeMix gateway: the public gRPC API (Generate, Train, GetStats) and "
+    "the OpenAI-compatible HTTP API.",
+    cli_defaults=_CLI_DEFAULTS,
+)
+build_parser = SPEC.build_parser
+from_env_and_args = SPEC.parse

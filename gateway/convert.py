@@ -1,9 +1,9 @@
 """What leaves the gateway: output-stream messages and Redis state -> protobuf.
 
 Requests coming in are converted by `gateway.validate`; this module builds the
-responses. `OutputStream` follows one task's output stream (PROTOCOL.md, step 3)
+responses. `OutputStream` follows one task's output stream (docs/protocol.md, step 3)
 and turns each message into a `GenerateResponse`, or raises `TaskEnded` for an
-end with status failed/rejected; `status_for_reason` is the one mapping from a
+end with status failed/rejected; `status_for_reason` maps a
 failure reason's prefix to the status the client gets.
 """
 
@@ -14,8 +14,22 @@ from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 
-from gateway.tokenizer import Tokenizer, emulated_token_id
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
+from lemix.infra.store.codec import get_bool, get_int, get_optional_float
+from lemix.infra.store.messages import (
+    LOSS_FIELD,
+    NODE_FIELD,
+    NUM_TOKENS_FIELD,
+    TYPE_FIELD,
+    VERSION_FIELD,
+    OutputType,
+)
+from lemix.infra.store.task_hash import (
+    IS_FINAL_FIELD,
+    REASON_FIELD,
+    STATUS_FIELD,
+    StoredStatus,
+)
 from lemix.model.tokenizer import detokenize_new
 from lemix.outputs import (
     FINISH_LENGTH,
@@ -25,39 +39,25 @@ from lemix.outputs import (
     TOKEN_IDS_FIELD,
     parse_token_ids,
 )
-from lemix.rpc import convert
-from lemix.store import (
-    IS_FINAL_FIELD,
-    REASON_FIELD,
-    STATUS_FIELD,
-    get_bool,
-    get_float,
-    get_int,
-    get_optional_float,
-)
-from lemix.types import NodeSnapshot, TaskStatus
+from lemix.reasons import ReasonCode, reason_code
+from lemix.tokenizer import Tokenizer, emulated_token_id
 
-# Output-stream message fields (PROTOCOL.md, "Flow of one inference request").
-TYPE_FIELD = "type"
-TOKEN_TYPE = "token"
-END_TYPE = "end"
-NUM_TOKENS_FIELD = "n"  # tokens produced so far
-NODE_FIELD = "node"
-VERSION_FIELD = "version"  # training updates in the serving weights (first token)
-LOSS_FIELD = "inference_loss"  # optional, on the end message when a reference was given
-# Optional, from a real model (lemix.outputs): TOKEN_IDS_FIELD on token/end messages,
-# FINISH_REASON_FIELD (FINISH_LENGTH | FINISH_STOP) on the end message.
+# Output-stream message fields: `lemix.infra.store.messages` (docs/protocol.md,
+# "Flow of one inference request"). Optional, from a real model (lemix.outputs):
+# TOKEN_IDS_FIELD on token/end messages, FINISH_REASON_FIELD (FINISH_LENGTH |
+# FINISH_STOP) on the end message.
 
-# Failure-reason prefixes a client may see as their status (PROTOCOL.md,
-# "Task ids and reasons"); any other reason is INTERNAL.
-_REASON_CODES: dict[str, grpc.StatusCode] = {
-    code.name: code
+# Failure-reason codes a client may see as their status (docs/protocol.md,
+# "Task ids and reasons"); any other reason, FAILED_PRECONDITION included, is
+# INTERNAL.
+_CLIENT_CODES: dict[ReasonCode, grpc.StatusCode] = {
+    code: grpc.StatusCode[code.value]
     for code in (
-        grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
+        ReasonCode.INVALID_ARGUMENT,
+        ReasonCode.RESOURCE_EXHAUSTED,
+        ReasonCode.UNAVAILABLE,
+        ReasonCode.CANCELLED,
+        ReasonCode.DEADLINE_EXCEEDED,
     )
 }
 
@@ -77,11 +77,11 @@ def status_for_reason(reason: str) -> tuple[grpc.StatusCode, str]:
     A known prefix gives its status and the text after it; no (or an unknown)
     prefix gives INTERNAL and the whole reason.
     """
-    prefix, sep, rest = reason.partition(":")
-    code = _REASON_CODES.get(prefix.strip()) if sep else None
+    found = reason_code(reason)
+    code = None if found is None else _CLIENT_CODES.get(found)
     if code is None:
         return grpc.StatusCode.INTERNAL, reason or "the task failed without a reason"
-    return code, rest.strip() or code.name
+    return code, reason.partition(":")[2].strip() or code.name
 
 
 class OutputStream:
@@ -122,9 +122,9 @@ class OutputStream:
 
         Raises `TaskEnded` for an end message with a status other than completed.
         """
-        if fields.get(TYPE_FIELD) == END_TYPE or get_bool(fields, IS_FINAL_FIELD):
+        if fields.get(TYPE_FIELD) == OutputType.END or get_bool(fields, IS_FINAL_FIELD):
             return self._on_end(fields)
-        if fields.get(TYPE_FIELD) != TOKEN_TYPE:
+        if fields.get(TYPE_FIELD) != OutputType.TOKEN:
             return None  # a message type this gateway does not know: skip it
         response = self._new_tokens(fields)
         return response if response.token_ids else None
@@ -176,7 +176,7 @@ class OutputStream:
     def _on_end(self, fields: Mapping[str, str]) -> gateway_pb2.GenerateResponse:
         self.is_ended = True
         status = fields.get(STATUS_FIELD, "")
-        if status != TaskStatus.COMPLETED:
+        if status != StoredStatus.COMPLETED:
             reason = fields.get(REASON_FIELD, "") or f"task ended with status {status!r}"
             raise TaskEnded(*status_for_reason(reason))
         response = self._new_tokens(fields)  # tokens the end carries beyond the last message
@@ -212,30 +212,6 @@ COUNTER_FIELDS = (
     "num_failed",
     "num_deferred_training",
 )
-
-
-def node_state_from_fields(node_id: int, fields: Mapping[str, str]) -> common_pb2.NodeState:
-    """A node's Redis state hash (`Store.get_node_states`) -> `NodeState`.
-
-    Field names are `NodeSnapshot`'s plus ``address`` and ``num_stages``;
-    missing ones read as defaults. Raises ValueError on a malformed value.
-    """
-    snapshot = NodeSnapshot(
-        node_id=node_id,
-        now_s=get_float(fields, "now_s"),
-        num_running=get_int(fields, "num_running"),
-        num_waiting=get_int(fields, "num_waiting"),
-        sum_context_tokens=get_int(fields, "sum_context_tokens"),
-        max_remaining_decode_tokens=get_int(fields, "max_remaining_decode_tokens"),
-        kv_used_bytes=get_int(fields, "kv_used_bytes"),
-        memory_capacity_bytes=get_int(fields, "memory_capacity_bytes"),
-        busy_fraction=get_float(fields, "busy_fraction"),
-        num_training_updates=get_int(fields, "num_training_updates"),
-        is_healthy=get_bool(fields, "is_healthy", default=True),
-    )
-    return convert.node_state_to_proto(
-        snapshot, address=fields.get("address", ""), num_stages=get_int(fields, "num_stages")
-    )
 
 
 def stats_to_proto(

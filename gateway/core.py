@@ -19,7 +19,7 @@ in every case. A transient Redis error while reading does not end the stream:
 the read resumes from the last entry seen, with backoff, within the idle
 timeout.
 
-Errors are domain errors (`lemix.rpc.errors`), plus `TaskEnded` for a task that
+Errors are domain errors (`lemix.infra.rpc.errors`), plus `TaskEnded` for a task that
 ended failed or rejected; each protocol maps them to its own status codes.
 """
 
@@ -42,20 +42,22 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.config import GatewayConfig
-from gateway.convert import OutputStream, TaskEnded, node_state_from_fields, stats_to_proto
-from gateway.tokenizer import Tokenizer
+from gateway.convert import OutputStream, TaskEnded, stats_to_proto
 from gateway.upkeep import BatchedCounters, StreamLeases, Upkeep
 from gateway.validate import ANONYMOUS_SCOPE, validate_generate, validate_train
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, scheduler_pb2, scheduler_pb2_grpc
-from lemix.rpc import convert as rpc_convert
-from lemix.rpc.errors import (
+from lemix.infra.rpc import convert as rpc_convert
+from lemix.infra.rpc.errors import (
     InvalidArgument,
     ResourceExhausted,
     ServiceError,
     Unavailable,
     error_from_rpc,
 )
-from lemix.store import Store, TaskIdConflict
+from lemix.infra.store.heartbeat import node_states_from_heartbeats
+from lemix.infra.store.intake import TaskIdConflict
+from lemix.infra.store.store import Store
+from lemix.tokenizer import Tokenizer
 from lemix.types import Task, TaskPayload
 
 log = structlog.get_logger(__name__)
@@ -129,8 +131,7 @@ class GatewayCore:
         self.tokenizer = tokenizer
         self.clock = clock
         self.counters = BatchedCounters(store)
-        self.leases = StreamLeases(store, gateway_id or new_gateway_id(),
-                                   config.stream_lease_ttl_s)
+        self.leases = StreamLeases(store, gateway_id or new_gateway_id(), config.stream_lease_ttl_s)
         self._upkeep = Upkeep(self.counters, self.leases, flush_s=config.stats_flush_s)
         self._num_in_flight = 0
         self._idle = asyncio.Event()
@@ -162,16 +163,19 @@ class GatewayCore:
 
     # ============================================================ operations
 
-    async def admit(self, request: gateway_pb2.GenerateRequest, *,
-                    scope: str = ANONYMOUS_SCOPE) -> tuple[Task, TaskPayload]:  # fmt: skip
+    async def admit(
+        self, request: gateway_pb2.GenerateRequest, *, scope: str = ANONYMOUS_SCOPE
+    ) -> tuple[Task, TaskPayload]:
         """Count and validate a Generate request from a caller in `scope`
         (`gateway.validate.client_scope`); raises `InvalidArgument`. No I/O."""
         self.counters.add(REQUESTS_RECEIVED)
         try:
             return validate_generate(
-                request, tokenizer=self.tokenizer,
-                max_context_tokens=self.config.max_context_tokens, scope=scope,
-            )  # fmt: skip
+                request,
+                tokenizer=self.tokenizer,
+                max_context_tokens=self.config.max_context_tokens,
+                scope=scope,
+            )
         except InvalidArgument:
             self.counters.add(REQUESTS_REJECTED_INVALID)
             raise
@@ -187,7 +191,7 @@ class GatewayCore:
         """Run an admitted task and yield its responses until the final one.
 
         `received_s` (on `clock`) is when the request arrived: TTFT and E2E count
-        from it. `gone_reason()` is the PROTOCOL.md reason to cancel the task
+        from it. `gone_reason()` is the docs/protocol.md reason to cancel the task
         with when the caller goes away (cancellation, or closing this iterator
         early). Raises domain errors, or `TaskEnded` for a failed task.
         """
@@ -226,19 +230,22 @@ class GatewayCore:
                     self.leases.release(task.task_id, drop=is_submitted)
                 self._release_slot()
 
-    async def train(self, request: gateway_pb2.TrainRequest, *,
-                    scope: str = ANONYMOUS_SCOPE) -> list[str]:  # fmt: skip
+    async def train(
+        self, request: gateway_pb2.TrainRequest, *, scope: str = ANONYMOUS_SCOPE
+    ) -> list[str]:
         """Validate and submit training samples; the task ids once every one is
         durable. Raises domain errors."""
         self.counters.add(TRAIN_REQUESTS_RECEIVED)
         config = self.config
         try:
             tasks = validate_train(
-                request, tokenizer=self.tokenizer, max_context_tokens=config.max_context_tokens,
+                request,
+                tokenizer=self.tokenizer,
+                max_context_tokens=config.max_context_tokens,
                 max_samples=config.max_train_samples,
                 max_train_batch_size=config.max_train_batch_size,
                 scope=scope,
-            )  # fmt: skip
+            )
         except InvalidArgument:
             self.counters.add(REQUESTS_REJECTED_INVALID)
             raise
@@ -265,12 +272,9 @@ class GatewayCore:
             log.warning("gateway.counters_flush_failed", error=str(exc))
         counters = await self._redis(self.store.get_stats())
         states = await self._redis(self.store.get_node_states())
-        nodes = []
-        for node_id, fields in sorted(states.items()):
-            try:
-                nodes.append(node_state_from_fields(node_id, fields))
-            except ValueError as exc:  # one bad hash must not hide the others
-                log.warning("gateway.bad_node_state", node_id=node_id, error=str(exc))
+        nodes, bad = node_states_from_heartbeats(states)
+        for node_id, error in bad.items():  # left out: one bad hash must not hide the others
+            log.warning("gateway.bad_node_state", node_id=node_id, error=error)
         return stats_to_proto(counters, nodes, self._num_in_flight)
 
     async def has_live_executor(self) -> bool:
@@ -385,7 +389,8 @@ class GatewayCore:
             left_s = deadline_s - self.clock()
             try:
                 entries = await self.store.read_output(
-                    task_id, last_id, block_ms=max(1, round(left_s * 1000)))
+                    task_id, last_id, block_ms=max(1, round(left_s * 1000))
+                )
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 left_s = deadline_s - self.clock()
                 if left_s <= 0:
@@ -393,8 +398,13 @@ class GatewayCore:
                         f"state store (Redis) unavailable for {timeout_s:g} s while "
                         f"streaming task {task_id} ({exc}); it was cancelled, retry it"
                     ) from exc
-                log.warning("gateway.stream_read_retry", task_id=task_id, last_id=last_id,
-                            retry_s=retry_s, error=str(exc))  # fmt: skip
+                log.warning(
+                    "gateway.stream_read_retry",
+                    task_id=task_id,
+                    last_id=last_id,
+                    retry_s=retry_s,
+                    error=str(exc),
+                )
                 await asyncio.sleep(min(retry_s, left_s))
                 retry_s = min(2 * retry_s, READ_RETRY_CAP_S)
                 continue
@@ -413,12 +423,21 @@ class GatewayCore:
         try:
             await self.scheduler.Cancel(request, timeout=self.config.cancel_deadline_s)
         except grpc.aio.AioRpcError as err:
-            log.warning("gateway.cancel_failed", task_id=task_id, reason=reason,
-                        code=err.code().name, error=err.details())  # fmt: skip
+            log.warning(
+                "gateway.cancel_failed",
+                task_id=task_id,
+                reason=reason,
+                code=err.code().name,
+                error=err.details(),
+            )
         except Exception as exc:  # e.g. the channel closed under us at shutdown
             # Best effort by design: the caller is already failing or gone.
-            log.warning("gateway.cancel_failed", task_id=task_id, reason=reason,
-                        error=f"{type(exc).__name__}: {exc}")  # fmt: skip
+            log.warning(
+                "gateway.cancel_failed",
+                task_id=task_id,
+                reason=reason,
+                error=f"{type(exc).__name__}: {exc}",
+            )
         else:
             log.info("gateway.cancelled", task_id=task_id, reason=reason)
 

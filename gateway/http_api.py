@@ -1,14 +1,14 @@
 """The gateway's OpenAI-compatible HTTP API (aiohttp), in the gRPC server's
 process and event loop.
 
-Routes (README "API" shows them in use):
+Routes (docs/api.md shows them in use):
 
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: non-streaming, or
   ``"stream": true`` as server-sent events (``data: {chunk}`` lines, then
   ``data: [DONE]``; ``stream_options.include_usage`` adds a usage chunk).
 - ``GET /v1/models`` (and ``/v1/models/{model}``): the served model.
 - ``POST /v1/lemix/train``: training samples -> task ids (LeMix's extension).
-- ``GET /v1/lemix/tasks/{id}``: one task's state (`lemix.task_states`), as
+- ``GET /v1/lemix/tasks/{id}``: one task's state (`lemix.infra.task_states`), as
   gRPC's GetTask: 404 for an unknown id, 400 for a malformed one.
 - ``GET /health``: 200 while serving with a live executor, else 503.
 - ``GET /metrics``: Prometheus' default registry (unless
@@ -67,13 +67,13 @@ from gateway.openai_responses import (
 from gateway.tasks import TaskReader
 from gateway.validate import scope_from_headers
 from lemix._proto.lemix.v1 import gateway_pb2
-from lemix.rpc.errors import ServiceError
-from lemix.rpc.server import MAX_MESSAGE_BYTES
-from lemix.task_states import task_info_to_dict
+from lemix.infra.rpc.errors import ServiceError
+from lemix.infra.rpc.server import MAX_MESSAGE_BYTES
+from lemix.infra.task_states import task_info_to_dict
 
 log = structlog.get_logger(__name__)
 
-# The failure reason a task gets when its HTTP client goes away (PROTOCOL.md).
+# The failure reason a task gets when its HTTP client goes away (docs/protocol.md).
 HTTP_GONE_REASON = "CANCELLED: the HTTP client disconnected"
 # How often a non-streaming request checks that its client is still there.
 _DISCONNECT_POLL_S = 0.1
@@ -146,17 +146,21 @@ async def _json(request: web.Request) -> Any:
     except UnicodeDecodeError as exc:
         raise BadRequest(f"the request body is not UTF-8 text: {exc}") from None
     if _is_nested_deeper(text, MAX_JSON_DEPTH):
-        raise BadRequest(f"the request body nests arrays/objects more than {MAX_JSON_DEPTH} "
-                         "levels deep; no field of this API needs that")  # fmt: skip
+        raise BadRequest(
+            f"the request body nests arrays/objects more than {MAX_JSON_DEPTH} "
+            "levels deep; no field of this API needs that"
+        )
     try:
         return json.loads(text)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, too-long ints
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
 
 
-async def _collect_unless_gone(request: web.Request,
-                               responses: AsyncIterator[gateway_pb2.GenerateResponse],
-                               builder: CompletionBuilder) -> bool:
+async def _collect_unless_gone(
+    request: web.Request,
+    responses: AsyncIterator[gateway_pb2.GenerateResponse],
+    builder: CompletionBuilder,
+) -> bool:
     """Add every response to `builder`; False (its task cancelled) when the
     client disconnected first.
 
@@ -165,6 +169,7 @@ async def _collect_unless_gone(request: web.Request,
     swallowed, leaving a non-streaming request generating for nobody. So the
     transport is polled too, and the cancel repeated until the work ends.
     """
+
     async def collect() -> None:
         async for response in responses:
             builder.add(response)
@@ -192,8 +197,9 @@ async def _send(stream: web.StreamResponse, body: Json) -> None:
     await stream.write(f"data: {json.dumps(body)}\n\n".encode())
 
 
-async def _send_chunk(stream: web.StreamResponse, builder: CompletionBuilder,
-                      response: gateway_pb2.GenerateResponse) -> None:  # fmt: skip
+async def _send_chunk(
+    stream: web.StreamResponse, builder: CompletionBuilder, response: gateway_pb2.GenerateResponse
+) -> None:
     chunk = builder.add(response)
     if chunk is not None:
         await _send(stream, chunk)
@@ -202,8 +208,14 @@ async def _send_chunk(stream: web.StreamResponse, builder: CompletionBuilder,
 class HttpApi:
     """The routes over one `GatewayCore`; `is_serving()` is False while stopping."""
 
-    def __init__(self, core: GatewayCore, config: GatewayConfig, is_serving: Callable[[], bool],
-                 *, slo: SloCache | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        core: GatewayCore,
+        config: GatewayConfig,
+        is_serving: Callable[[], bool],
+        *,
+        slo: SloCache | None = None,
+    ) -> None:
         self.core = core
         self.config = config
         self._is_serving = is_serving
@@ -213,16 +225,18 @@ class HttpApi:
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_openai_errors], client_max_size=MAX_MESSAGE_BYTES)
-        app.add_routes([
-            web.post("/v1/completions", self.completions),
-            web.post("/v1/chat/completions", self.chat_completions),
-            web.get("/v1/models", self.models),
-            web.get("/v1/models/{model}", self.model),
-            web.post("/v1/lemix/train", self.train),
-            # `.+`: a client's request_id may contain "/" (it is checked, not routed)
-            web.get("/v1/lemix/tasks/{task_id:.+}", self.task),
-            web.get("/health", self.health),
-        ])  # fmt: skip
+        app.add_routes(
+            [
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat_completions),
+                web.get("/v1/models", self.models),
+                web.get("/v1/models/{model}", self.model),
+                web.post("/v1/lemix/train", self.train),
+                # `.+`: a client's request_id may contain "/" (it is checked, not routed)
+                web.get("/v1/lemix/tasks/{task_id:.+}", self.task),
+                web.get("/health", self.health),
+            ]
+        )
         if self.config.is_http_metrics_enabled:
             app.router.add_get("/metrics", self.metrics)
         return app
@@ -258,13 +272,15 @@ class HttpApi:
         except ServiceError as exc:  # Redis unreachable
             return web.json_response({"status": "unavailable", "reason": str(exc)}, status=503)
         if not is_live:
-            return web.json_response({"status": "unavailable", "reason": NO_EXECUTOR_MESSAGE},
-                                     status=503)  # fmt: skip
+            return web.json_response(
+                {"status": "unavailable", "reason": NO_EXECUTOR_MESSAGE}, status=503
+            )
         return web.json_response({"status": "ok"})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(REGISTRY),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})  # fmt: skip
+        return web.Response(
+            body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
 
     # ============================================================ completions
 
@@ -273,21 +289,31 @@ class HttpApi:
         async with GenerateObservation(self._slo, _http_code_of) as observation:
             return await self._run(request, parse, received_s, observation)
 
-    async def _run(self, request: web.Request, parse: Parse, received_s: float,
-                   observation: GenerateObservation) -> web.StreamResponse:  # fmt: skip
+    async def _run(
+        self,
+        request: web.Request,
+        parse: Parse,
+        received_s: float,
+        observation: GenerateObservation,
+    ) -> web.StreamResponse:
         parsed = parse(await _json(request), self.config.served_model_name)
         generate = parsed.generate
         if not generate.request_id:  # the body's request_id wins over the header
             generate.request_id = request.headers.get(REQUEST_ID_HEADER, "")
         task, payload = await self.core.admit(generate, scope=scope_from_headers(request.headers))
         builder = CompletionBuilder(
-            is_chat=parsed.is_chat, task_id=task.task_id, model=self.config.served_model_name,
-            created=int(time.time()), num_prompt_tokens=task.num_prompt_tokens,
+            is_chat=parsed.is_chat,
+            task_id=task.task_id,
+            model=self.config.served_model_name,
+            created=int(time.time()),
+            num_prompt_tokens=task.num_prompt_tokens,
             tokenizer=self.core.tokenizer,
-        )  # fmt: skip
-        responses = observation.watch(self.core.generate(
-            task, payload, received_s=received_s, gone_reason=lambda: HTTP_GONE_REASON
-        ))  # fmt: skip
+        )
+        responses = observation.watch(
+            self.core.generate(
+                task, payload, received_s=received_s, gone_reason=lambda: HTTP_GONE_REASON
+            )
+        )
         # aclosing: a disconnect (the handler is cancelled) or a failed write
         # closes the core's stream now, so the task is cancelled at once.
         async with contextlib.aclosing(responses):
@@ -325,17 +351,24 @@ class HttpApi:
         return stream
 
     async def _train(self, request: web.Request) -> list[str]:
-        return await self.core.train(parse_train(await _json(request)),
-                                     scope=scope_from_headers(request.headers))
+        return await self.core.train(
+            parse_train(await _json(request)), scope=scope_from_headers(request.headers)
+        )
 
 
 # ------------------------------------------------------------------ server
 
 
-async def start_http(app: web.Application, host: str, port: int, *, shutdown_timeout_s: float,
-                     ssl_context: ssl.SSLContext | None = None) -> tuple[web.AppRunner, int]:
+async def start_http(
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    shutdown_timeout_s: float,
+    ssl_context: ssl.SSLContext | None = None,
+) -> tuple[web.AppRunner, int]:
     """Serve `app` on host:port (0 = a free port); the runner and the bound port.
-    `ssl_context` (`lemix.rpc.tls.ServerTls.ssl_context`) serves HTTPS only;
+    `ssl_context` (`lemix.infra.rpc.tls.ServerTls.ssl_context`) serves HTTPS only;
     None, plain HTTP. Raises OSError when the address cannot be bound."""
     # handler_cancellation: a client that disconnects cancels its handler (and
     # so its task); aiohttp's default since 3.9 is to let the handler run on.

@@ -1,4 +1,4 @@
-"""The gateway's Prometheus instrumentation (`lemix.telemetry`), kept out of
+"""The gateway's Prometheus instrumentation (`lemix.infra.telemetry`), kept out of
 the handlers and shared by both protocols: `GenerateObservation` and
 `observe_training` count a request whichever API it came in by (the gRPC
 servicer through `@observe_generate` / `@observe_train`, the HTTP API
@@ -28,10 +28,10 @@ import structlog
 from redis.exceptions import RedisError
 
 from gateway.convert import TaskEnded
-from lemix import telemetry
 from lemix._proto.lemix.v1 import gateway_pb2
-from lemix.rpc.errors import status_code_for
-from lemix.store import Store
+from lemix.infra import telemetry
+from lemix.infra.rpc.errors import status_code_for
+from lemix.infra.store.store import Store
 
 log = structlog.get_logger(__name__)
 
@@ -45,8 +45,13 @@ CodeOf = Callable[[BaseException], str]
 class SloCache:
     """The SLO the scheduler published in Redis, re-read at most every `refresh_s`."""
 
-    def __init__(self, store: Store, *, refresh_s: float = SLO_REFRESH_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        refresh_s: float = SLO_REFRESH_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._store = store
         self._refresh_s = refresh_s
         self._clock = clock
@@ -68,7 +73,7 @@ class SloCache:
 
 def code_of(exc: BaseException) -> str:
     """The status name of a request `exc` ended: CANCELLED when its caller went
-    away, a failed task's code, else what `lemix.rpc.errors` maps `exc` to."""
+    away, a failed task's code, else what `lemix.infra.rpc.errors` maps `exc` to."""
     if isinstance(exc, asyncio.CancelledError | GeneratorExit):
         return "CANCELLED"
     if isinstance(exc, TaskEnded):
@@ -119,19 +124,27 @@ class GenerateObservation:
                 self._code = self._code_of(exc)
                 raise
 
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         code = self._code if exc is None else self._code_of(exc)
         outcome = telemetry.request_outcome(code, self._ttft_s is not None)
         telemetry.observe_request("inference", outcome, code)
         is_completed = outcome == telemetry.COMPLETED
-        telemetry.observe_inference(self._ttft_s if is_completed else None,
-                                    self._e2e_s if is_completed else None, self._num_tokens,
-                                    self._slo.current)  # fmt: skip
+        telemetry.observe_inference(
+            self._ttft_s if is_completed else None,
+            self._e2e_s if is_completed else None,
+            self._num_tokens,
+            self._slo.current,
+        )
 
 
-async def observe_training(call: Awaitable[T], num_tasks: Callable[[T], int],
-                           code_of: CodeOf = code_of) -> T:  # fmt: skip
+async def observe_training(
+    call: Awaitable[T], num_tasks: Callable[[T], int], code_of: CodeOf = code_of
+) -> T:
     """Await one Train call and count it: its `num_tasks(result)` tasks
     `accepted`, or the call rejected/failed/cancelled."""
     try:
@@ -169,8 +182,9 @@ def observe_generate(
     statuses."""
 
     @functools.wraps(method)
-    async def wrapper(self: _Observed, request: Any,
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def wrapper(
+        self: _Observed, request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
         async with GenerateObservation(self.slo, _grpc_code_of(context)) as observation:
             responses = observation.watch(method(self, request, context))
             async with contextlib.aclosing(responses):
@@ -187,8 +201,10 @@ def observe_train(
 
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await observe_training(method(self, request, context),
-                                      lambda response: len(response.task_ids),
-                                      _grpc_code_of(context))  # fmt: skip
+        return await observe_training(
+            method(self, request, context),
+            lambda response: len(response.task_ids),
+            _grpc_code_of(context),
+        )
 
     return wrapper

@@ -32,15 +32,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
-from lemix.rpc.errors import InvalidArgument, NotFound
+from lemix.infra.rpc.errors import InvalidArgument, NotFound
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; we use it for chat too
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 _MAX_U32 = (1 << 32) - 1
 _MAX_U64 = (1 << 64) - 1
 # OpenAI fields we do not implement: refused when set to anything but "off".
-_UNSUPPORTED_IF_SET = ("stop", "suffix", "echo", "logprobs", "top_logprobs", "logit_bias",
-                       "tools", "functions")  # fmt: skip
+_UNSUPPORTED_IF_SET = (
+    "stop",
+    "suffix",
+    "echo",
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "tools",
+    "functions",
+)
 _UNSUPPORTED_UNLESS = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0}
 
 Json = dict[str, Any]
@@ -132,8 +140,10 @@ def check_model(body: Mapping[str, Any], served_model: str) -> None:
     if model is None:
         return
     if model != served_model:
-        raise ModelNotFound(f"the model {model!r} does not exist; this server serves "
-                            f"{served_model!r} (see GET /v1/models)")  # fmt: skip
+        raise ModelNotFound(
+            f"the model {model!r} does not exist; this server serves "
+            f"{served_model!r} (see GET /v1/models)"
+        )
 
 
 def _check_supported(body: Mapping[str, Any]) -> None:
@@ -142,12 +152,14 @@ def _check_supported(body: Mapping[str, Any]) -> None:
             raise BadRequest(f"{name} is not supported by this server; leave it out", name)
     for name, neutral in _UNSUPPORTED_UNLESS.items():
         if body.get(name) not in (None, neutral):
-            raise BadRequest(f"{name} is not supported by this server (only {neutral}); "
-                          "leave it out", name)  # fmt: skip
+            raise BadRequest(
+                f"{name} is not supported by this server (only {neutral}); leave it out", name
+            )
     response_format = body.get("response_format")
     if response_format not in (None, {"type": "text"}):
-        raise BadRequest("response_format is not supported (only {'type': 'text'})",
-                      "response_format")  # fmt: skip
+        raise BadRequest(
+            "response_format is not supported (only {'type': 'text'})", "response_format"
+        )
 
 
 # ---------------------------------------------------------------- requests
@@ -197,11 +209,13 @@ def parse_completion(body: Any, served_model: str) -> CompletionRequest:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
-            raise BadRequest("batched prompts are not supported: send one prompt per request",
-                          "prompt")  # fmt: skip
+            raise BadRequest(
+                "batched prompts are not supported: send one prompt per request", "prompt"
+            )
         prompt = prompt[0]
-    request = gateway_pb2.GenerateRequest(max_tokens=_max_tokens(body), sampling=_sampling(body),
-                                          request_id=_request_id(body))
+    request = gateway_pb2.GenerateRequest(
+        max_tokens=_max_tokens(body), sampling=_sampling(body), request_id=_request_id(body)
+    )
     if isinstance(prompt, str):
         request.prompt = prompt
     elif isinstance(prompt, list):
@@ -225,16 +239,17 @@ def _content(message: Mapping[str, Any], where: str) -> str:
 def chat_prompt(messages: Any) -> str:
     """The prompt for a chat: the module docstring's template."""
     if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty list of {role, content} objects",
-                      "messages")  # fmt: skip
+        raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
     lines = []
     for i, raw in enumerate(messages):
         where = f"messages[{i}]"
         message = _object(raw, where)
         role = message.get("role")
         if role not in CHAT_ROLES:
-            raise BadRequest(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
-                          f"{where}.role")  # fmt: skip
+            raise BadRequest(
+                f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                f"{where}.role",
+            )
         lines.append(f"<|{role}|>\n{_content(message, where)}\n")
     return "".join(lines) + "<|assistant|>\n"
 

@@ -6,7 +6,7 @@ stream chunks. Text is the gateway tokenizer's decode of the token ids the
 gateway reports, decoded as they stream (`lemix.model.tokenizer.detokenize_new`,
 which holds back a token that ends inside a multibyte character).
 
-`error_for` is the one map from what `gateway.core` raises to an HTTP status
+`error_for` maps what `gateway.core` raises to an HTTP status
 and OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``:
 it reads the same status codes the gRPC API answers with.
 """
@@ -20,10 +20,10 @@ import grpc
 import structlog
 
 from gateway.convert import TaskEnded
-from gateway.tokenizer import Tokenizer
 from lemix._proto.lemix.v1 import gateway_pb2
+from lemix.infra.rpc.errors import ServiceError
 from lemix.model.tokenizer import detokenize_new
-from lemix.rpc.errors import ServiceError
+from lemix.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 
@@ -44,8 +44,9 @@ _TYPE_BY_HTTP = dict(_HTTP_BY_STATUS.values())
 # ------------------------------------------------------------------ errors
 
 
-def error_body(message: str, error_type: str, *, param: str | None = None,
-               code: str | None = None) -> Json:  # fmt: skip
+def error_body(
+    message: str, error_type: str, *, param: str | None = None, code: str | None = None
+) -> Json:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
@@ -58,14 +59,19 @@ def error_for(exc: Exception) -> tuple[int, Json]:
         code, message = exc.code, str(exc) or exc.code.name
     else:
         error_id = uuid.uuid4().hex[:12]
-        log.error("http.internal_error", error_id=error_id,
-                  error=f"{type(exc).__name__}: {exc}", exc_info=exc)  # fmt: skip
+        log.error(
+            "http.internal_error",
+            error_id=error_id,
+            error=f"{type(exc).__name__}: {exc}",
+            exc_info=exc,
+        )
         message = f"internal error {type(exc).__name__} (error_id={error_id})"
         return 500, error_body(message, _SERVER_ERROR[1], code="internal")
     status, error_type = _HTTP_BY_STATUS.get(code, _SERVER_ERROR)
     openai_code = getattr(exc, "openai_code", None) or code.name.lower()
-    return status, error_body(message, error_type, param=getattr(exc, "param", None),
-                              code=openai_code)  # fmt: skip
+    return status, error_body(
+        message, error_type, param=getattr(exc, "param", None), code=openai_code
+    )
 
 
 def error_for_status(status: int, message: str) -> Json:
@@ -95,8 +101,16 @@ class CompletionBuilder:
     text and does not finish); `body()` is the whole non-streaming answer.
     """
 
-    def __init__(self, *, is_chat: bool, task_id: str, model: str, created: int,
-                 num_prompt_tokens: int, tokenizer: Tokenizer) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        is_chat: bool,
+        task_id: str,
+        model: str,
+        created: int,
+        num_prompt_tokens: int,
+        tokenizer: Tokenizer,
+    ) -> None:
         self.is_chat = is_chat
         self.id = ("chatcmpl-" if is_chat else "cmpl-") + task_id
         self.model = model

@@ -2,7 +2,7 @@
 every request goes to `gateway.core.GatewayCore` (validation, admission,
 Submit, the Redis output stream, cancellation), which the OpenAI-compatible
 HTTP API (`gateway.http_api`) shares. Domain errors become status codes in
-`lemix.rpc.errors` via `@handle_errors`; a task's failure arrives as
+`lemix.infra.rpc.errors` via `@handle_errors`; a task's failure arrives as
 `TaskEnded`, whose code `gateway.convert.status_for_reason` chose. Task
 lookups (GetTask, WatchTasks, AuditTasks) go to `gateway.tasks.TaskReader`.
 """
@@ -19,16 +19,16 @@ from gateway.core import GatewayCore
 from gateway.observe import SloCache, observe_generate, observe_train
 from gateway.tasks import TaskReader
 from gateway.validate import scope_from_headers
-from lemix import telemetry
 from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc
-from lemix.rpc.errors import handle_errors
+from lemix.infra import telemetry
+from lemix.infra.rpc.errors import handle_errors
 
 # A context with less than this left has passed its deadline.
 _DEADLINE_SLACK_S = 0.01
 
 
 def _gone_reason(context: grpc.aio.ServicerContext) -> str:
-    """Why a stream's client went away, as a PROTOCOL.md failure reason."""
+    """Why a stream's client went away, as a docs/protocol.md failure reason."""
     remaining_s = context.time_remaining()
     if remaining_s is not None and remaining_s <= _DEADLINE_SLACK_S:
         return "DEADLINE_EXCEEDED: the client's deadline passed"
@@ -37,8 +37,9 @@ def _gone_reason(context: grpc.aio.ServicerContext) -> str:
 
 def _scope(context: grpc.aio.ServicerContext) -> str:
     """The caller's idempotency scope, from its metadata (`gateway.validate`)."""
-    return scope_from_headers({str(key): str(value)
-                               for key, value in context.invocation_metadata() or ()})
+    return scope_from_headers(
+        {str(key): str(value) for key, value in context.invocation_metadata() or ()}
+    )
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):

@@ -1,7 +1,7 @@
 """Per-task truth: what GetTask, WatchTasks, AuditTasks and the HTTP task route
 answer, read from Redis where the other services record a task's life.
 
-Who writes what (services/PROTOCOL.md, "Task states"):
+Who writes what (docs/protocol.md, "Task states"):
 
 ===================  ==============================================  ==================
 written by           when                                            task hash fields
@@ -43,9 +43,23 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
-from lemix.rpc.errors import InvalidArgument, NotFound, Unavailable
-from lemix.store import Fields, Store, StoredTask, get_optional_float, get_optional_int
-from lemix.task_states import FINAL_STATES
+from lemix.infra.rpc.errors import InvalidArgument, NotFound, Unavailable
+from lemix.infra.store.codec import Fields, get_optional_float, get_optional_int
+from lemix.infra.store.store import Store
+from lemix.infra.store.task_hash import (
+    FINISH_T_FIELD,
+    IS_FINAL_FIELD,
+    NODE_ID_FIELD,
+    NUM_OUTPUT_TOKENS_FIELD,
+    REASON_FIELD,
+    STATUS_FIELD,
+    SUBMIT_T_FIELD,
+    WEIGHT_VERSION_FIELD,
+    StoredStatus,
+)
+from lemix.infra.store.tasks import StoredTask
+from lemix.infra.task_states import FINAL_STATES
+from lemix.reasons import ReasonCode, reason_code
 
 T = TypeVar("T")
 
@@ -62,37 +76,47 @@ AUDIT_SCAN_COUNT = 1_000
 # Longest task id looked up: a client's request id (at most 128 characters)
 # plus its client-scope suffix (``@<12 hex>``, gateway.validate), with room.
 MAX_TASK_ID_CHARS = 256
-CANCELLED_PREFIX = "CANCELLED:"
 IN_INTAKE_REASON = "in the intake stream: no scheduler has taken it yet"
 # The state-hash fields a TaskInfo is built from (never the payload).
 INFO_FIELDS = (
-    "kind", "status", "reason", "is_final", "node_id", "submit_t", "queued_t", "placed_t",
-    "finish_t", "num_output_tokens", "training_loss", "weight_version", "inference_loss",
-)  # fmt: skip
+    "kind",
+    STATUS_FIELD,
+    REASON_FIELD,
+    IS_FINAL_FIELD,
+    NODE_ID_FIELD,
+    SUBMIT_T_FIELD,
+    "queued_t",
+    "placed_t",
+    FINISH_T_FIELD,
+    NUM_OUTPUT_TOKENS_FIELD,
+    "training_loss",
+    WEIGHT_VERSION_FIELD,
+    "inference_loss",
+)
 
 _STATUS_STATES: dict[str, gateway_pb2.TaskState] = {
-    "queued": gateway_pb2.TASK_STATE_QUEUED,
-    "requeued": gateway_pb2.TASK_STATE_QUEUED,  # training handed back, to be placed again
-    "placed": gateway_pb2.TASK_STATE_PLACED,
+    StoredStatus.QUEUED: gateway_pb2.TASK_STATE_QUEUED,
+    StoredStatus.REQUEUED: gateway_pb2.TASK_STATE_QUEUED,  # training handed back
+    StoredStatus.PLACED: gateway_pb2.TASK_STATE_PLACED,
+    StoredStatus.COMPLETED: gateway_pb2.TASK_STATE_COMPLETED,
+    StoredStatus.FAILED: gateway_pb2.TASK_STATE_FAILED,
+    StoredStatus.REJECTED: gateway_pb2.TASK_STATE_REJECTED,
+    # Not written today; a hash holding one reads as that state.
     "running": gateway_pb2.TASK_STATE_RUNNING,
-    "completed": gateway_pb2.TASK_STATE_COMPLETED,
-    "failed": gateway_pb2.TASK_STATE_FAILED,
-    "rejected": gateway_pb2.TASK_STATE_REJECTED,
     "cancelled": gateway_pb2.TASK_STATE_CANCELLED,
 }
 _KINDS = {"inference": common_pb2.TASK_KIND_INFERENCE, "training": common_pb2.TASK_KIND_TRAINING}
 
 
 def _state_of(fields: Fields, has_output: bool) -> gateway_pb2.TaskState:
-    status = fields.get("status", "")
+    status = fields.get(STATUS_FIELD, "")
     state = _STATUS_STATES.get(status)
-    if fields.get("is_final") == "1" and state not in FINAL_STATES:
+    if fields.get(IS_FINAL_FIELD) == "1" and state not in FINAL_STATES:
         state = gateway_pb2.TASK_STATE_FAILED  # final with a status this build does not know
     if state is None:  # a transient status this build does not know: not final, not placed
         state = gateway_pb2.TASK_STATE_QUEUED
-    if state == gateway_pb2.TASK_STATE_FAILED and fields.get("reason", "").startswith(
-        CANCELLED_PREFIX
-    ):
+    is_cancelled = reason_code(fields.get(REASON_FIELD, "")) is ReasonCode.CANCELLED
+    if state == gateway_pb2.TASK_STATE_FAILED and is_cancelled:
         return gateway_pb2.TASK_STATE_CANCELLED
     if state == gateway_pb2.TASK_STATE_PLACED and has_output:
         return gateway_pb2.TASK_STATE_RUNNING
@@ -105,29 +129,30 @@ def task_info(task_id: str, stored: StoredTask) -> gateway_pb2.TaskInfo | None:
     if not fields:
         if not stored.is_submitted:
             return None
-        return gateway_pb2.TaskInfo(task_id=task_id, state=gateway_pb2.TASK_STATE_QUEUED,
-                                    reason=IN_INTAKE_REASON)
+        return gateway_pb2.TaskInfo(
+            task_id=task_id, state=gateway_pb2.TASK_STATE_QUEUED, reason=IN_INTAKE_REASON
+        )
     state = _state_of(fields, stored.has_output)
     info = gateway_pb2.TaskInfo(
         task_id=task_id,
         kind=_KINDS.get(fields.get("kind", ""), common_pb2.TASK_KIND_UNSPECIFIED),
         state=state,
-        reason=fields.get("reason", ""),
+        reason=fields.get(REASON_FIELD, ""),
         is_final=state in FINAL_STATES,
-        submitted_at_s=get_optional_float(fields, "submit_t") or 0.0,
+        submitted_at_s=get_optional_float(fields, SUBMIT_T_FIELD) or 0.0,
         queued_at_s=get_optional_float(fields, "queued_t") or 0.0,
         placed_at_s=get_optional_float(fields, "placed_t") or 0.0,
-        finished_at_s=get_optional_float(fields, "finish_t") or 0.0,
-        num_output_tokens=get_optional_int(fields, "num_output_tokens") or 0,
+        finished_at_s=get_optional_float(fields, FINISH_T_FIELD) or 0.0,
+        num_output_tokens=get_optional_int(fields, NUM_OUTPUT_TOKENS_FIELD) or 0,
     )
-    node_id = get_optional_int(fields, "node_id")
+    node_id = get_optional_int(fields, NODE_ID_FIELD)
     if node_id is not None:
         info.node_id = node_id
     for name in ("training_loss", "inference_loss"):
         value = get_optional_float(fields, name)
         if value is not None and math.isfinite(value):
             setattr(info, name, value)
-    version = get_optional_int(fields, "weight_version")
+    version = get_optional_int(fields, WEIGHT_VERSION_FIELD)
     if version is not None:
         info.weight_version = version
     return info
@@ -149,11 +174,13 @@ def check_task_id(what: str, task_id: str) -> str:
     if not task_id:
         raise InvalidArgument(f"{what} is empty: pass a task id (from Train or Generate)")
     if len(task_id) > MAX_TASK_ID_CHARS:
-        raise InvalidArgument(f"{what} is {len(task_id)} characters; task ids have at most "
-                              f"{MAX_TASK_ID_CHARS}")  # fmt: skip
+        raise InvalidArgument(
+            f"{what} is {len(task_id)} characters; task ids have at most {MAX_TASK_ID_CHARS}"
+        )
     if any(ch.isspace() or not ch.isprintable() for ch in task_id):
-        raise InvalidArgument(f"{what} must not contain whitespace or control characters: "
-                              f"{task_id!r}")  # fmt: skip
+        raise InvalidArgument(
+            f"{what} must not contain whitespace or control characters: {task_id!r}"
+        )
     return task_id
 
 
@@ -161,8 +188,13 @@ class TaskReader:
     """Reads task states from a `Store`. `clock` is wall-clock epoch seconds
     (the services stamp task times with it); `sleep` waits between polls."""
 
-    def __init__(self, store: Store, *, clock: Callable[[], float] = time.time,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
         self.store = store
         self.clock = clock
         self.sleep = sleep
@@ -173,15 +205,19 @@ class TaskReader:
         (stored,) = await self._redis(self.store.get_task_states([task_id], INFO_FIELDS))
         info = task_info(task_id, stored)
         if info is None:
-            raise NotFound(f"task {task_id!r} is unknown: this stack never acknowledged it, "
-                           "or its record expired")  # fmt: skip
+            raise NotFound(
+                f"task {task_id!r} is unknown: this stack never acknowledged it, "
+                "or its record expired"
+            )
         return info
 
     async def get_many(self, task_ids: Sequence[str]) -> list[gateway_pb2.TaskInfo]:
         """States in order (UNKNOWN for an unknown id), one round trip."""
         stored = await self._redis(self.store.get_task_states(task_ids, INFO_FIELDS))
-        return [task_info(task_id, s) or unknown_info(task_id)
-                for task_id, s in zip(task_ids, stored, strict=True)]
+        return [
+            task_info(task_id, s) or unknown_info(task_id)
+            for task_id, s in zip(task_ids, stored, strict=True)
+        ]
 
     async def watch(
         self, request: gateway_pb2.WatchTasksRequest, time_remaining_s: Callable[[], float | None]
@@ -192,8 +228,9 @@ class TaskReader:
         task_ids = check_watch_ids(request.task_ids)
         poll_s = _poll_interval_s(request.poll_interval_s)
         if not math.isfinite(request.timeout_s) or request.timeout_s < 0:
-            raise InvalidArgument(f"timeout_s must be >= 0 (0 = the call's deadline), "
-                                  f"got {request.timeout_s}")  # fmt: skip
+            raise InvalidArgument(
+                f"timeout_s must be >= 0 (0 = the call's deadline), got {request.timeout_s}"
+            )
         end_s = time.monotonic() + request.timeout_s if request.timeout_s else math.inf
         last: dict[str, gateway_pb2.TaskInfo] = {}
         pending = list(task_ids)
@@ -225,7 +262,8 @@ class TaskReader:
         cursor = 0
         while True:
             cursor, batch = await self._redis(
-                self.store.scan_task_states(cursor, INFO_FIELDS, AUDIT_SCAN_COUNT))
+                self.store.scan_task_states(cursor, INFO_FIELDS, AUDIT_SCAN_COUNT)
+            )
             num_scanned += len(batch)
             for task_id, fields in batch:
                 if task_id in oldest.task_ids:
@@ -245,18 +283,25 @@ class TaskReader:
         num_scanned += len(entries)
         for entry_id, fields in entries:
             task_id = fields.get("task_id", "")
-            at_s = get_optional_float(fields, "submit_t") or _entry_time_s(entry_id)
+            at_s = get_optional_float(fields, SUBMIT_T_FIELD) or _entry_time_s(entry_id)
             if task_id and task_id not in oldest.task_ids and at_s <= cutoff_s:
-                oldest.add(at_s, gateway_pb2.TaskInfo(
-                    task_id=task_id,
-                    kind=_KINDS.get(fields.get("kind", ""), common_pb2.TASK_KIND_UNSPECIFIED),
-                    state=gateway_pb2.TASK_STATE_QUEUED, reason=IN_INTAKE_REASON,
-                    submitted_at_s=at_s))
+                oldest.add(
+                    at_s,
+                    gateway_pb2.TaskInfo(
+                        task_id=task_id,
+                        kind=_KINDS.get(fields.get("kind", ""), common_pb2.TASK_KIND_UNSPECIFIED),
+                        state=gateway_pb2.TASK_STATE_QUEUED,
+                        reason=IN_INTAKE_REASON,
+                        submitted_at_s=at_s,
+                    ),
+                )
         tasks = oldest.take()
         return gateway_pb2.AuditReply(
-            tasks=tasks, num_scanned=num_scanned,
+            tasks=tasks,
+            num_scanned=num_scanned,
             # limit+1 intake entries read: if all matched, num_matched says so.
-            is_truncated=oldest.num_matched > len(tasks))
+            is_truncated=oldest.num_matched > len(tasks),
+        )
 
     async def _redis(self, awaitable: Awaitable[T]) -> T:
         try:
@@ -270,8 +315,10 @@ def check_watch_ids(task_ids: Sequence[str]) -> list[str]:
     if not task_ids:
         raise InvalidArgument("task_ids is empty: pass the ids to watch")
     if len(task_ids) > MAX_WATCH_TASKS:
-        raise InvalidArgument(f"{len(task_ids)} task ids; at most {MAX_WATCH_TASKS} per call "
-                              "(split them over several calls)")  # fmt: skip
+        raise InvalidArgument(
+            f"{len(task_ids)} task ids; at most {MAX_WATCH_TASKS} per call "
+            "(split them over several calls)"
+        )
     seen: set[str] = set()
     for i, task_id in enumerate(task_ids):
         check_task_id(f"task_ids[{i}]", task_id)
@@ -308,8 +355,10 @@ def _poll_interval_s(value: float) -> float:
     if not value:
         return DEFAULT_POLL_INTERVAL_S
     if not math.isfinite(value) or value < MIN_POLL_INTERVAL_S:
-        raise InvalidArgument(f"poll_interval_s must be >= {MIN_POLL_INTERVAL_S} "
-                              f"(0 = {DEFAULT_POLL_INTERVAL_S}), got {value}")  # fmt: skip
+        raise InvalidArgument(
+            f"poll_interval_s must be >= {MIN_POLL_INTERVAL_S} "
+            f"(0 = {DEFAULT_POLL_INTERVAL_S}), got {value}"
+        )
     return value
 
 

@@ -27,7 +27,7 @@ from collections import Counter
 import structlog
 from redis.exceptions import RedisError
 
-from lemix.store import Store
+from lemix.infra.store.store import Store
 
 log = structlog.get_logger(__name__)
 
@@ -140,8 +140,7 @@ class Upkeep:
     """Runs the counters' flush loop and the leases' loop; `stop` ends both
     after a last flush and with every lease dropped."""
 
-    def __init__(self, counters: BatchedCounters, leases: StreamLeases, *,
-                 flush_s: float) -> None:  # fmt: skip
+    def __init__(self, counters: BatchedCounters, leases: StreamLeases, *, flush_s: float) -> None:
         if flush_s <= 0:
             raise ValueError(f"flush_s must be > 0, got {flush_s}")
         self.counters = counters
@@ -153,8 +152,10 @@ class Upkeep:
     def start(self) -> None:
         if self._loops:
             raise RuntimeError("Upkeep is already started")
-        self._loops = [asyncio.create_task(self._flush_loop(), name="gateway-counters"),
-                       asyncio.create_task(self._lease_loop(), name="gateway-leases")]
+        self._loops = [
+            asyncio.create_task(self._flush_loop(), name="gateway-counters"),
+            asyncio.create_task(self._lease_loop(), name="gateway-leases"),
+        ]
 
     async def stop(self) -> None:
         """Stop the loops; then flush and drop every lease (best effort, logged)."""
@@ -177,8 +178,9 @@ class Upkeep:
         try:
             await self.counters.flush()
         except (RedisError, OSError) as exc:
-            log.warning("gateway.counters_lost_at_stop", pending=self.counters.pending,
-                        error=str(exc))  # fmt: skip
+            log.warning(
+                "gateway.counters_lost_at_stop", pending=self.counters.pending, error=str(exc)
+            )
 
     async def _flush_loop(self) -> None:
         while not self._is_stopping:
@@ -201,11 +203,11 @@ class Upkeep:
             try:
                 await leases.sync(renew=is_renewal)
             except (RedisError, OSError) as exc:
-                log.warning("gateway.lease_sync_failed", num_live=len(leases.live_ids),
-                            error=str(exc))  # fmt: skip
+                log.warning(
+                    "gateway.lease_sync_failed", num_live=len(leases.live_ids), error=str(exc)
+                )
                 if is_renewal:  # the leases are running out: try again soon
-                    next_renew_s = time.monotonic() + min(leases.renew_interval_s,
-                                                          RENEW_RETRY_S)
+                    next_renew_s = time.monotonic() + min(leases.renew_interval_s, RENEW_RETRY_S)
                 continue
             if is_renewal:
                 next_renew_s = time.monotonic() + leases.renew_interval_s

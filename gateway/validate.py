@@ -1,16 +1,16 @@
 """Pure validation of the public requests: protobuf in, domain tasks out.
 
-Every check raises `lemix.rpc.errors.InvalidArgument` with a message that says
+Every check raises `lemix.infra.rpc.errors.InvalidArgument` with a message that says
 what to change; the servicer's `@handle_errors` turns it into
 INVALID_ARGUMENT. No I/O here: the tokenizer and the limits are arguments.
 
 Ids: a task is named by the client's `request_id` (its idempotency key) or
-``inf-<12 hex>`` / ``trn-<12 hex>`` (PROTOCOL.md). Training tasks whose samples
+``inf-<12 hex>`` / ``trn-<12 hex>`` (docs/protocol.md). Training tasks whose samples
 all carry a `sample_id` get an id derived from them, so resubmitting the same
 batch is idempotent too.
 
 proto3 cannot tell unset from zero: `max_tokens` 0 is an error, `batch_size`
-0 means 1 and `sampling.top_p` 0 means off (1.0), as in `lemix.rpc.convert`.
+0 means 1 and `sampling.top_p` 0 means off (1.0), as in `lemix.infra.rpc.convert`.
 
 Degenerate sampling values are refused here, not in the middle of a batch:
 `temperature` is 0 (greedy) or in [`MIN_TEMPERATURE`, `MAX_TEMPERATURE`]
@@ -33,9 +33,9 @@ import math
 import uuid
 from collections.abc import Mapping, Sequence
 
-from gateway.tokenizer import Tokenizer, encode_prompt
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
-from lemix.rpc.errors import InvalidArgument
+from lemix.infra.rpc.errors import InvalidArgument
+from lemix.tokenizer import Tokenizer, encode_prompt
 from lemix.types import Task, TaskKind, TaskPayload
 
 INFERENCE_ID_PREFIX = "inf-"
@@ -69,8 +69,10 @@ def scope_from_headers(headers: Mapping[str, str]) -> str:
     or a case-insensitive mapping): ``authorization: Bearer <key>`` and
     ``x-client-id``."""
     scheme, _, api_key = (headers.get(AUTHORIZATION_HEADER) or "").partition(" ")
-    return client_scope(api_key=api_key.strip() if scheme.lower() == "bearer" else "",
-                        client_id=(headers.get(CLIENT_ID_HEADER) or "").strip())
+    return client_scope(
+        api_key=api_key.strip() if scheme.lower() == "bearer" else "",
+        client_id=(headers.get(CLIENT_ID_HEADER) or "").strip(),
+    )
 
 
 def scoped_task_id(request_id: str, scope: str) -> str:
@@ -90,8 +92,9 @@ def _check_id(what: str, value: str) -> str:
             f"{what} is {len(value)} characters; the limit is {MAX_REQUEST_ID_CHARS}"
         )
     if any(ch.isspace() or not ch.isprintable() for ch in value):
-        raise InvalidArgument(f"{what} must not contain whitespace or control characters: "
-                              f"{value!r}")  # fmt: skip
+        raise InvalidArgument(
+            f"{what} must not contain whitespace or control characters: {value!r}"
+        )
     return value
 
 
@@ -122,7 +125,10 @@ def _text_ids(tokenizer: Tokenizer, text: str) -> tuple[int, ...]:
 
 
 def validate_generate(
-    request: gateway_pb2.GenerateRequest, *, tokenizer: Tokenizer, max_context_tokens: int,
+    request: gateway_pb2.GenerateRequest,
+    *,
+    tokenizer: Tokenizer,
+    max_context_tokens: int,
     scope: str = ANONYMOUS_SCOPE,
 ) -> tuple[Task, TaskPayload]:
     """A `GenerateRequest` as the inference `Task` (arrival_s 0: the scheduler
@@ -202,9 +208,7 @@ def _sample_tokens(
         ids = () if tokenizer.is_emulated else (*query_ids, *reference_ids)
         reference = () if tokenizer.is_emulated else tuple(reference_ids)
     else:
-        raise InvalidArgument(
-            f"{where} is empty: send query and/or reference text, or token_ids"
-        )
+        raise InvalidArgument(f"{where} is empty: send query and/or reference text, or token_ids")
     if num_tokens > max_context_tokens:
         raise InvalidArgument(
             f"{where} has {num_tokens} tokens; the context limit is {max_context_tokens} "
@@ -237,7 +241,10 @@ def _check_sample_ids(samples: Sequence[gateway_pb2.TrainSample]) -> None:
 
 
 def validate_train(
-    request: gateway_pb2.TrainRequest, *, tokenizer: Tokenizer, max_context_tokens: int,
+    request: gateway_pb2.TrainRequest,
+    *,
+    tokenizer: Tokenizer,
+    max_context_tokens: int,
     max_samples: int = DEFAULT_MAX_TRAIN_SAMPLES,
     max_train_batch_size: int = DEFAULT_MAX_TRAIN_BATCH_SIZE,
     scope: str = ANONYMOUS_SCOPE,
@@ -273,8 +280,9 @@ def validate_train(
     for start in range(0, len(samples), batch_size):
         batch = sizes[start : start + batch_size]
         task = Task(
-            task_id=_training_task_id([s.sample_id for s in samples[start : start + batch_size]],
-                                      scope),
+            task_id=_training_task_id(
+                [s.sample_id for s in samples[start : start + batch_size]], scope
+            ),
             kind=TaskKind.TRAINING,
             arrival_s=0.0,
             num_prompt_tokens=max(num_tokens for num_tokens, _, _ in batch),
@@ -289,6 +297,7 @@ def validate_train(
             payload = TaskPayload(
                 prompt_token_ids=tuple(i for _, ids, _ in batch for i in ids),
                 sample_lengths=tuple(len(ids) for _, ids, _ in batch),
-                reference_lengths=tuple(len(reference) for _, _, reference in batch))
+                reference_lengths=tuple(len(reference) for _, _, reference in batch),
+            )
         tasks.append((task, payload))
     return tasks

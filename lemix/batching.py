@@ -63,8 +63,10 @@ def admit(
             blocked_by = "batch-full"
             break
         window = config.join_window_s
-        if window is not None and num_running + num_admitted > 0 and not (
-            batch_start_s + window > now_s
+        if (
+            window is not None
+            and num_running + num_admitted > 0
+            and not (batch_start_s + window > now_s)
         ):
             blocked_by = "window"
             break

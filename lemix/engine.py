@@ -20,11 +20,13 @@ import heapq
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from lemix.batching import BatchingConfig, admit
 from lemix.latency import LatencyModel
 from lemix.memory import MemoryConfig, NodeMemory, activation_bytes, kv_bytes
 from lemix.profile import Profile
+from lemix.reasons import ReasonCode, format_reason
 from lemix.types import Task
 
 PRIO_BLOCKING, PRIO_ITERATION, PRIO_BACKWARD, PRIO_FORWARD = 0, 1, 2, 3
@@ -51,17 +53,27 @@ class EngineConfig:
 # ----------------------------------------------------------------- outputs
 
 
+class WorkKind(StrEnum):
+    """What a stage runs: a backend that executes work for real dispatches on it."""
+
+    ITERATION = "iter"  # one inference iteration (prefill and/or decode)
+    FORWARD = "fwd"  # a training task's forward
+    BACKWARD = "bwd"  # a training task's backward
+    BLOCKING = "block"  # a node-wide blocking op (e.g. a weight sync)
+    NONE = ""  # nothing to execute: wait out the duration
+
+
 @dataclass(frozen=True, slots=True)
 class StageStart:
     """Run `stage` for `duration_s` (predicted by the engine's latency model).
 
-    `kind` ("iter" | "fwd" | "bwd" | "block") and `work` say what runs, for
-    backends that execute it for real instead of waiting out the duration.
+    `kind` and `work` say what runs, for backends that execute it for real
+    instead of waiting out the duration.
     """
 
     stage: int
     duration_s: float
-    kind: str = ""
+    kind: WorkKind = WorkKind.NONE
     work: object = None
 
 
@@ -132,7 +144,7 @@ class _Item:
     prio: int
     seq: int
     durations_s: tuple[float, ...]
-    kind: str  # "iter" | "fwd" | "bwd" | "block"
+    kind: WorkKind
     payload: object = None
 
 
@@ -145,8 +157,9 @@ class _Iteration:
 class NodeEngine:
     """Executes placed tasks on one node of S stages."""
 
-    def __init__(self, node_id: int, profile: Profile, truth: LatencyModel,
-                 config: EngineConfig) -> None:
+    def __init__(
+        self, node_id: int, profile: Profile, truth: LatencyModel, config: EngineConfig
+    ) -> None:
         self.node_id = node_id
         self.profile = profile
         self.truth = truth
@@ -184,15 +197,16 @@ class NodeEngine:
             self.waiting.append(_Request(task, now_s))
         return self._kick(now_s, outcomes), outcomes
 
-    def add_blocking(self, tag: str, durations_s: tuple[float, ...], apply_updates: int | None,
-                     now_s: float) -> list[StageStart]:
+    def add_blocking(
+        self, tag: str, durations_s: tuple[float, ...], apply_updates: int | None, now_s: float
+    ) -> list[StageStart]:
         """Occupy every stage for a while (a weight save or load); see `BlockingDone`."""
         self._blocking_left[tag] = self.num_stages
         if apply_updates is not None:
             self._blocking_apply[tag] = apply_updates
         starts = []
         for stage in range(self.num_stages):
-            item = self._new_item(PRIO_BLOCKING, durations_s, "block", tag)
+            item = self._new_item(PRIO_BLOCKING, durations_s, WorkKind.BLOCKING, tag)
             starts += self._enqueue(item, stage)
         return starts
 
@@ -206,14 +220,14 @@ class NodeEngine:
         starts: list[StageStart] = []
         outcomes: list[Outcome] = []
         last = self.num_stages - 1
-        if item.kind == "iter":
+        if item.kind is WorkKind.ITERATION:
             if stage < last:
                 starts += self._enqueue(item, stage + 1)
             else:
                 self._finish_iteration(item.payload, now_s, outcomes)  # type: ignore[arg-type]
-        elif item.kind == "fwd":
+        elif item.kind is WorkKind.FORWARD:
             starts += self._enqueue(item, stage + 1) if stage < last else self._to_backward(item)
-        elif item.kind == "bwd":
+        elif item.kind is WorkKind.BACKWARD:
             if stage > 0:
                 starts += self._enqueue(item, stage - 1)
             else:
@@ -232,7 +246,7 @@ class NodeEngine:
         cannot be cancelled (False); training still waiting can.
         """
         outcomes: list[Outcome] = []
-        reason = "CANCELLED: cancelled by the client"
+        reason = format_reason(ReasonCode.CANCELLED, "cancelled by the client")
         for queue in (self.waiting, self.swapped):
             for req in queue:
                 if req.task.task_id == task_id:
@@ -277,8 +291,9 @@ class NodeEngine:
         """When a memory wait reaches T_max (the driver calls `on_timer` then)."""
         deadlines = []
         if self._train_waiting and self._train_waiting[0].memory_wait_since_s is not None:
-            deadlines.append(self._train_waiting[0].memory_wait_since_s
-                             + self.config.memory.max_wait_s)
+            deadlines.append(
+                self._train_waiting[0].memory_wait_since_s + self.config.memory.max_wait_s
+            )
         if self.waiting and not self.config.memory.is_offload_enabled:
             deadlines.append(self.waiting[0].since_s + self.config.memory.max_wait_s)
         return min(deadlines) if deadlines else None
@@ -293,19 +308,21 @@ class NodeEngine:
 
     @property
     def is_idle(self) -> bool:
-        return (not self._in_flight and not self.waiting and not self.running
-                and not self.swapped and not self._training and not self._train_waiting
-                and all(c is None for c in self._current))
-
-    @property
-    def num_held(self) -> int:
-        return (len(self.waiting) + len(self.running) + len(self.swapped)
-                + len(self._training) + len(self._train_waiting))
+        return (
+            not self._in_flight
+            and not self.waiting
+            and not self.running
+            and not self.swapped
+            and not self._training
+            and not self._train_waiting
+            and all(c is None for c in self._current)
+        )
 
     # ------------------------------------------------------------ internals
 
-    def _new_item(self, prio: int, durations_s: tuple[float, ...], kind: str,
-                  payload: object) -> _Item:
+    def _new_item(
+        self, prio: int, durations_s: tuple[float, ...], kind: WorkKind, payload: object
+    ) -> _Item:
         self._seq += 1
         if self.config.stage_order == "fifo" and prio != PRIO_BLOCKING:
             prio = PRIO_ITERATION
@@ -349,8 +366,9 @@ class NodeEngine:
                         break  # offload at the iteration boundary, when no KV is in use
                     if not self._offload_for(need):
                         self._train_waiting.popleft()
-                        outcomes.append(Requeued(task.task_id,
-                                                 "no activation memory even after KV offload"))
+                        outcomes.append(
+                            Requeued(task.task_id, "no activation memory even after KV offload")
+                        )
                         continue
                 else:
                     self._train_waiting.popleft()
@@ -359,9 +377,13 @@ class NodeEngine:
             self._train_waiting.popleft()
             self.memory.admit(task.task_id, need)
             self._training[task.task_id] = task
-            durations = tuple(self.truth.forward_s(s, task.batch_size, task.num_prompt_tokens)
-                              for s in range(self.num_stages))
-            starts += self._enqueue(self._new_item(PRIO_FORWARD, durations, "fwd", task), 0)
+            durations = tuple(
+                self.truth.forward_s(s, task.batch_size, task.num_prompt_tokens)
+                for s in range(self.num_stages)
+            )
+            starts += self._enqueue(
+                self._new_item(PRIO_FORWARD, durations, WorkKind.FORWARD, task), 0
+            )
         return starts
 
     def _offload_for(self, need: tuple[int, ...]) -> bool:
@@ -373,8 +395,10 @@ class NodeEngine:
         for req in self.running:
             for stage, nbytes in enumerate(self.memory.held_bytes(req.task.task_id)):
                 running_bytes[stage] += nbytes
-        if any(self.memory.used_bytes(s) - running_bytes[s] + need[s]
-               > self.memory.threshold_bytes for s in range(self.num_stages)):
+        if any(
+            self.memory.used_bytes(s) - running_bytes[s] + need[s] > self.memory.threshold_bytes
+            for s in range(self.num_stages)
+        ):
             return False
         for req in sorted(self.running, key=lambda r: -r.task.seq):
             if self.memory.can_admit(need):
@@ -395,8 +419,9 @@ class NodeEngine:
             + self.profile.optimizer_step_s[s]
             for s in range(self.num_stages)
         )
-        return self._enqueue(self._new_item(PRIO_BACKWARD, durations, "bwd", task),
-                             self.num_stages - 1)
+        return self._enqueue(
+            self._new_item(PRIO_BACKWARD, durations, WorkKind.BACKWARD, task), self.num_stages - 1
+        )
 
     def _finish_training(self, task: Task, outcomes: list[Outcome]) -> None:
         del self._training[task.task_id]
@@ -440,8 +465,12 @@ class NodeEngine:
             if self.memory.can_admit(kv_bytes(self.profile.memory, req.task.num_total_tokens)):
                 break  # it fits now; only a lack of memory drops a request
             self.waiting.popleft()
-            outcomes.append(Failed(req.task.task_id,
-                                   "RESOURCE_EXHAUSTED: no KV memory within T_max"))
+            outcomes.append(
+                Failed(
+                    req.task.task_id,
+                    format_reason(ReasonCode.RESOURCE_EXHAUSTED, "no KV memory within T_max"),
+                )
+            )
 
     def _start_iteration(self, now_s: float, outcomes: list[Outcome]) -> list[StageStart]:
         self._resume_swapped()
@@ -463,11 +492,14 @@ class NodeEngine:
         self.running = decode + prefill
         self._in_flight = True
         self.num_iterations += 1
-        item = self._new_item(PRIO_ITERATION, durations, "iter", _Iteration(prefill, decode))
+        item = self._new_item(
+            PRIO_ITERATION, durations, WorkKind.ITERATION, _Iteration(prefill, decode)
+        )
         return self._enqueue(item, 0)
 
-    def _iteration_durations(self, prefill: list[_Request],
-                             decode: list[_Request]) -> tuple[float, ...]:
+    def _iteration_durations(
+        self, prefill: list[_Request], decode: list[_Request]
+    ) -> tuple[float, ...]:
         truth = self.truth
         sum_context = sum(r.context_tokens for r in decode)
         reload_s, self._reload_s = self._reload_s, 0.0
@@ -478,15 +510,18 @@ class NodeEngine:
                 # Ragged (unpadded) prefill, as vLLM/SGLang run it: per-sequence
                 # terms add up, the fixed per-pass cost is paid once.
                 fixed_s = truth.forward_s(s, 1, 0)
-                d += sum(truth.forward_s(s, 1, r.task.num_prompt_tokens) - fixed_s
-                         for r in prefill) + fixed_s
+                d += (
+                    sum(truth.forward_s(s, 1, r.task.num_prompt_tokens) - fixed_s for r in prefill)
+                    + fixed_s
+                )
             if decode:
                 d += truth.decode_step_s(s, len(decode), sum_context)
             out.append(d)
         return tuple(out)
 
-    def _finish_iteration(self, iteration: _Iteration, now_s: float,
-                          outcomes: list[Outcome]) -> None:
+    def _finish_iteration(
+        self, iteration: _Iteration, now_s: float, outcomes: list[Outcome]
+    ) -> None:
         self._in_flight = False
         for req in iteration.prefill:
             req.num_generated = 1
@@ -498,13 +533,18 @@ class NodeEngine:
             req.context_tokens += 1
         emitted = [r for r in iteration.decode if not r.failure]
         if self.config.emit_tokens and emitted:
-            outcomes.append(TokensEmitted(tuple(r.task.task_id for r in emitted),
-                                          tuple(r.num_generated for r in emitted)))
+            outcomes.append(
+                TokensEmitted(
+                    tuple(r.task.task_id for r in emitted), tuple(r.num_generated for r in emitted)
+                )
+            )
         still = []
         for req in self.running:
             if req.is_cancelled or req.failure:
                 self.memory.release(req.task.task_id)
-                reason = req.failure or "CANCELLED: cancelled by the client"
+                reason = req.failure or format_reason(
+                    ReasonCode.CANCELLED, "cancelled by the client"
+                )
                 outcomes.append(Failed(req.task.task_id, reason))
             elif req.is_stopped or req.num_generated >= req.task.max_output_tokens:
                 self.memory.release(req.task.task_id)

@@ -1,4 +1,5 @@
-"""Memory accounting for one node: the one place that decides what fits.
+"""Memory accounting for one node: what fits, and the capacity arithmetic
+(`threshold_bytes`, `dynamic_bytes`) the planner's estimates use.
 
 Each stage GPU has a capacity; work may use at most `κ·capacity`
 (`threshold_bytes`), the rest is headroom for fragmentation and transients.
@@ -43,6 +44,19 @@ def activation_bytes(memory: MemoryProfile, batch_size: int, num_tokens: int) ->
     return tuple(b * batch_size * num_tokens for b in memory.activation_bytes_per_token)
 
 
+def threshold_bytes(memory: MemoryProfile, kappa: float) -> int:
+    """What work may use of each stage GPU: `κ·capacity`."""
+    return int(kappa * memory.capacity_bytes)
+
+
+def dynamic_bytes(memory: MemoryProfile, kappa: float, num_stages: int) -> int:
+    """Bytes a node has for dynamic owners (KV, activations) over all its
+    stages, counting each stage as the tightest one (the planner's view of a
+    node: work spreads over every stage)."""
+    threshold = threshold_bytes(memory, kappa)
+    return min(threshold - memory.static_bytes(s) for s in range(num_stages)) * num_stages
+
+
 class NodeMemory:
     """Per-stage GPU ledger plus a host ledger for offloaded KV."""
 
@@ -50,7 +64,7 @@ class NodeMemory:
         self.profile = memory
         self.config = config
         self.num_stages = len(memory.weight_bytes)
-        self.threshold_bytes = int(config.kappa * memory.capacity_bytes)
+        self.threshold_bytes = threshold_bytes(memory, config.kappa)
         self._static = [memory.static_bytes(s) for s in range(self.num_stages)]
         for stage, static in enumerate(self._static):
             if static >= self.threshold_bytes:

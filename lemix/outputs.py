@@ -1,7 +1,7 @@
 """Output-stream fields shared by the executor's Redis sink and the gateway.
 
-PROTOCOL.md ("Flow of one inference request") fixes the messages; this module
-is the one place that writes and reads the optional fields a real model adds:
+docs/protocol.md ("Flow of one inference request") fixes the messages; this module
+writes and reads the optional fields a real model adds:
 the token ids of a `token`/`end` message and the `end` message's finish reason.
 """
 

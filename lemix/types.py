@@ -95,13 +95,16 @@ class TaskPayload:
 
     def _check_samples(self) -> None:
         if len(self.sample_lengths) != len(self.reference_lengths):
-            raise ValueError("sample_lengths and reference_lengths must have one entry per "
-                             "sample")
+            raise ValueError("sample_lengths and reference_lengths must have one entry per sample")
         if sum(self.sample_lengths) != len(self.prompt_token_ids):
-            raise ValueError(f"sample_lengths add up to {sum(self.sample_lengths)} but there "
-                             f"are {len(self.prompt_token_ids)} prompt_token_ids")
-        if any(not 0 <= r <= n for n, r in zip(self.sample_lengths, self.reference_lengths,
-                                               strict=True)):
+            raise ValueError(
+                f"sample_lengths add up to {sum(self.sample_lengths)} but there "
+                f"are {len(self.prompt_token_ids)} prompt_token_ids"
+            )
+        if any(
+            not 0 <= r <= n
+            for n, r in zip(self.sample_lengths, self.reference_lengths, strict=True)
+        ):
             raise ValueError("each reference length must be within its sample's length")
         if self.reference_token_ids:
             raise ValueError("a multi-sample payload carries references as reference_lengths")
@@ -112,7 +115,7 @@ class TaskPayload:
             return [(self.prompt_token_ids, len(self.reference_token_ids))]
         out, start = [], 0
         for n, num_ref in zip(self.sample_lengths, self.reference_lengths, strict=True):
-            out.append((self.prompt_token_ids[start:start + n], num_ref))
+            out.append((self.prompt_token_ids[start : start + n], num_ref))
             start += n
         return out
 

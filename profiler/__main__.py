@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from lemix.service_main import run_service
+from lemix.infra.service_main import run_service
 from profiler.config import from_env_and_args
 from profiler.service import ProfilerService
 

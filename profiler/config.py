@@ -1,60 +1,35 @@
 """The profiler's typed config, and the ONE place env vars and flags map onto it.
 
 Precedence: command-line flag, then ``LEMIX_*`` environment variable, then the
-default. Nothing is read at import time: `from_env_and_args` reads `argv` and
-the environment when called (tests pass both in).
-
-=====================  =========================  ===================================
-field                  flag                       environment variable
-=====================  =========================  ===================================
-host                   ``--host``                 ``LEMIX_PROFILER_HOST``
-port                   ``--port``                 ``LEMIX_PROFILER_PORT``
-metrics_port           ``--metrics-port``         ``LEMIX_PROFILER_METRICS_PORT``
-redis_url              ``--redis-url``            ``LEMIX_REDIS_URL``
-namespace              ``--namespace``            ``LEMIX_NAMESPACE``
-base_profile_path      ``--base-profile``         ``LEMIX_PROFILE``
-measure_deadline_s     ``--measure-deadline-s``   ``LEMIX_PROFILER_MEASURE_DEADLINE_S``
-holdout_fraction       ``--holdout-fraction``     ``LEMIX_PROFILER_HOLDOUT_FRACTION``
-seed                   ``--seed``                 ``LEMIX_PROFILER_SEED``
-shutdown_grace_s       ``--shutdown-grace-s``     ``LEMIX_SHUTDOWN_GRACE_S``
-log_level              ``--log-level``            ``LEMIX_LOG_LEVEL``
-log_format             ``--log-format``           ``LEMIX_LOG_FORMAT``
-service_token          ``--service-token``        ``LEMIX_SERVICE_TOKEN``
-=====================  =========================  ===================================
+default (lemix.infra.settings is the mechanism). Nothing is read at import time:
+`from_env_and_args` reads `argv` and the environment when called (tests pass
+both in). The fields every service shares (host, ports, Redis, logging, the
+service token, the drain grace) come from `lemix.infra.config`;
+`scripts/config_table.py` prints the docs/configuration.md table from `_OPTIONS`.
 """
 
 from __future__ import annotations
 
-import argparse
-import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lemix import settings
+from lemix.infra import settings
+from lemix.infra.config import COMMON_CLI_DEFAULTS, PROFILER, CommonServiceConfig, common_options
+from lemix.infra.settings import Option, check_finite
 from lemix.profile import default_profile_path
-from lemix.redis_keys import DEFAULT_NAMESPACE, RedisKeys
-from lemix.rpc.auth import SERVICE_TOKEN_OPTION, check_service_token
-from lemix.settings import Option, port_or_off
 from profiler.fit import FitConfig
 from profiler.runner import DEFAULT_MEASURE_DEADLINE_S
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-LOG_LEVELS = ("debug", "info", "warning", "error")
-LOG_FORMATS = ("console", "json")
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-
 
 @dataclass(frozen=True)
-class ProfilerConfig:
-    """Everything the profiler process needs; validated on construction (ValueError)."""
+class ProfilerConfig(CommonServiceConfig):
+    """Everything the profiler process needs; validated on construction (ValueError).
 
-    host: str = "127.0.0.1"
-    port: int = 0  # 0 = any free port (the bound one is printed at start)
-    metrics_port: int = -1  # Prometheus /metrics: 0 = any free port, -1 = off
-    redis_url: str = DEFAULT_REDIS_URL
-    namespace: str = DEFAULT_NAMESPACE  # Redis key prefix shared with the other services
+    `service_token` (from CommonServiceConfig) is required on RunProfile and
+    sent to executors; `shutdown_grace_s` is what in-flight RunProfile calls get.
+    """
+
     # Memory, transfer and optimizer figures of every fitted profile come from
     # here (RunProfileRequest has no field for them): the profile the executors
     # run. "" = lemix.profile.default_profile_path(), the executors' default too.
@@ -62,38 +37,11 @@ class ProfilerConfig:
     measure_deadline_s: float = DEFAULT_MEASURE_DEADLINE_S  # one executor Measure call
     holdout_fraction: float = FitConfig().holdout_fraction
     seed: int = FitConfig().seed  # seeds the held-out split
-    shutdown_grace_s: float = 5.0  # in-flight RunProfile calls get this long on stop
-    log_level: str = "info"
-    log_format: str = "console"
-    # Required on RunProfile, sent to executors (lemix.rpc.auth); "" = none.
-    service_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
-        if not self.host or any(ch.isspace() for ch in self.host):
-            raise ValueError(f"host must be a non-empty host name or address, got {self.host!r}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535] (0 = any free port), got {self.port}")
-        settings.check_port_or_off("metrics_port", self.metrics_port)
-        if not self.redis_url.startswith(_REDIS_SCHEMES):
-            raise ValueError(
-                f"redis_url must start with one of {', '.join(_REDIS_SCHEMES)}, "
-                f"got {self.redis_url!r}"
-            )
-        RedisKeys(self.namespace)  # raises ValueError naming the problem
-        if not (math.isfinite(self.measure_deadline_s) and self.measure_deadline_s > 0):
-            raise ValueError(f"measure_deadline_s must be a finite number > 0, "
-                             f"got {self.measure_deadline_s}")  # fmt: skip
-        if not (math.isfinite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0):
-            raise ValueError(f"shutdown_grace_s must be a finite number >= 0, "
-                             f"got {self.shutdown_grace_s}")  # fmt: skip
+        super().__post_init__()
+        check_finite("measure_deadline_s", self.measure_deadline_s, allow_zero=False)
         self.fit_config()  # checks holdout_fraction
-        check_service_token(self.service_token)
-        if self.log_level not in LOG_LEVELS:
-            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, "
-                             f"got {self.log_level!r}")  # fmt: skip
-        if self.log_format not in LOG_FORMATS:
-            raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, "
-                             f"got {self.log_format!r}")  # fmt: skip
 
     def fit_config(self) -> FitConfig:
         return FitConfig(holdout_fraction=self.holdout_fraction, seed=self.seed)
@@ -107,43 +55,43 @@ class ProfilerConfig:
 
 
 _OPTIONS: tuple[Option, ...] = (
-    Option("host", "--host", "LEMIX_PROFILER_HOST", str, "address to bind"),
-    Option("port", "--port", "LEMIX_PROFILER_PORT", int, "port to bind (0 = any free port)"),
-    Option("metrics_port", "--metrics-port", "LEMIX_PROFILER_METRICS_PORT", port_or_off,
-            "Prometheus /metrics port (0 = any free port, -1 = off)"),
-    Option("redis_url", "--redis-url", "LEMIX_REDIS_URL", str, "Redis where profiles are stored"),
-    Option("namespace", "--namespace", "LEMIX_NAMESPACE", str,
-            "Redis key prefix shared by the stack's services"),
-    Option("base_profile_path", "--base-profile", "LEMIX_PROFILE", str,
-            "profile JSON whose memory/transfer/optimizer figures fitted profiles keep "
-            "(default: the shipped A100 one)"),
-    Option("measure_deadline_s", "--measure-deadline-s", "LEMIX_PROFILER_MEASURE_DEADLINE_S",
-            float, "deadline of one executor Measure call, seconds"),
-    Option("holdout_fraction", "--holdout-fraction", "LEMIX_PROFILER_HOLDOUT_FRACTION", float,
-            "share of grid points held out to score the fits"),
+    *common_options(PROFILER),
+    Option(
+        "base_profile_path",
+        "--base-profile",
+        "LEMIX_PROFILE",
+        str,
+        "profile JSON whose memory/transfer/optimizer figures fitted profiles keep "
+        "(default: the shipped A100 one)",
+    ),
+    Option(
+        "measure_deadline_s",
+        "--measure-deadline-s",
+        "LEMIX_PROFILER_MEASURE_DEADLINE_S",
+        float,
+        "deadline of one executor Measure call, seconds",
+    ),
+    Option(
+        "holdout_fraction",
+        "--holdout-fraction",
+        "LEMIX_PROFILER_HOLDOUT_FRACTION",
+        float,
+        "share of grid points held out to score the fits",
+    ),
     Option("seed", "--seed", "LEMIX_PROFILER_SEED", int, "seed of the held-out split"),
-    Option("shutdown_grace_s", "--shutdown-grace-s", "LEMIX_SHUTDOWN_GRACE_S", float,
-            "on stop, in-flight RunProfile calls get this long, seconds"),
-    Option("log_level", "--log-level", "LEMIX_LOG_LEVEL", str, "/".join(LOG_LEVELS)),
-    Option("log_format", "--log-format", "LEMIX_LOG_FORMAT", str, "/".join(LOG_FORMATS)),
-    SERVICE_TOKEN_OPTION,
-)  # fmt: skip
+)
 
 # `python -m profiler` serves metrics unless told not to.
-_CLI_DEFAULTS: dict[str, Any] = {"metrics_port": 0}
+_CLI_DEFAULTS: dict[str, Any] = dict(COMMON_CLI_DEFAULTS)
 
 
-def build_parser(prog: str = "python -m profiler") -> argparse.ArgumentParser:
-    """The profiler's flags; every default is None so env and defaults can apply."""
-    return settings.build_parser(
-        ProfilerConfig, _OPTIONS, prog=prog, cli_defaults=_CLI_DEFAULTS,
-        description="LeMix profiler: measures executors over a (C, l) grid and fits the "
-        "latency models.")
-
-
-def from_env_and_args(
-    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
-) -> ProfilerConfig:
-    """Build the config from `argv` and `env` (see lemix.settings)."""
-    return settings.parse_settings(ProfilerConfig, build_parser(), _OPTIONS, argv, env,
-                                   _CLI_DEFAULTS)
+SPEC = settings.ConfigSpec(
+    ProfilerConfig,
+    _OPTIONS,
+    prog="python -m profiler",
+    description="LeMix profiler: measures executors over a (C, l) grid and fits the "
+    "latency models.",
+    cli_defaults=_CLI_DEFAULTS,
+)
+build_parser = SPEC.build_parser
+from_env_and_args = SPEC.parse

@@ -11,8 +11,9 @@ import json
 from dataclasses import dataclass
 
 from lemix._proto.lemix.v1 import profiler_pb2
-from lemix.redis_keys import RedisKeys
-from lemix.rpc.errors import InvalidArgument
+from lemix.infra.address import is_host_port
+from lemix.infra.rpc.errors import InvalidArgument
+from lemix.infra.store.keys import RedisKeys
 from profiler.runner import (
     DEFAULT_BATCH_SIZES,
     DEFAULT_NUM_REPEATS,
@@ -36,8 +37,7 @@ class ProfileJob:
 
 def job_from_proto(msg: profiler_pb2.RunProfileRequest) -> ProfileJob:
     address = msg.executor_address
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+    if not is_host_port(address):
         raise InvalidArgument(f"executor_address must be host:port, got {address!r}")
     if not msg.name:
         raise InvalidArgument("name is empty; name the profile (it is stored under that name)")
@@ -62,5 +62,6 @@ def profile_json(run: ProfileRun) -> str:
 
 
 def run_to_proto(run: ProfileRun) -> profiler_pb2.RunProfileResponse:
-    return profiler_pb2.RunProfileResponse(profile_json=profile_json(run),
-                                           fit_report_json=json.dumps(run.report))
+    return profiler_pb2.RunProfileResponse(
+        profile_json=profile_json(run), fit_report_json=json.dumps(run.report)
+    )

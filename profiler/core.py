@@ -12,9 +12,9 @@ import asyncio
 import structlog
 from redis.exceptions import RedisError
 
+from lemix.infra.rpc.errors import Unavailable
+from lemix.infra.store.store import Store
 from lemix.profile import Profile
-from lemix.rpc.errors import Unavailable
-from lemix.store import Store
 from profiler.convert import ProfileJob, profile_json
 from profiler.fit import FitConfig
 from profiler.runner import ProfileRun, run_profile
@@ -25,8 +25,15 @@ log = structlog.get_logger(__name__)
 class ProfilerCore:
     """Profiles executors with one base profile and stores fitted profiles in Redis."""
 
-    def __init__(self, store: Store, base_profile: Profile, fit_config: FitConfig,
-                 measure_deadline_s: float, *, service_token: str = "") -> None:
+    def __init__(
+        self,
+        store: Store,
+        base_profile: Profile,
+        fit_config: FitConfig,
+        measure_deadline_s: float,
+        *,
+        service_token: str = "",
+    ) -> None:
         self._store = store
         self._service_token = service_token  # what the executors require
         self._base = base_profile
@@ -41,16 +48,28 @@ class ProfilerCore:
         """
         lock = self._locks.setdefault(job.executor_address, asyncio.Lock())
         async with lock:
-            log.info("profiler.run_started", executor=job.executor_address, name=job.name,
-                     num_repeats=job.num_repeats)
-            run = await run_profile(job.executor_address, job.grid, job.num_repeats, self._base,
-                                    job.name, fit_config=self._fit_config,
-                                    deadline_s=self._measure_deadline_s,
-                                    service_token=self._service_token)
+            log.info(
+                "profiler.run_started",
+                executor=job.executor_address,
+                name=job.name,
+                num_repeats=job.num_repeats,
+            )
+            run = await run_profile(
+                job.executor_address,
+                job.grid,
+                job.num_repeats,
+                self._base,
+                job.name,
+                fit_config=self._fit_config,
+                deadline_s=self._measure_deadline_s,
+                service_token=self._service_token,
+            )
         try:
             await self._store.put_profile(job.name, profile_json(run))
         except RedisError as exc:
-            raise Unavailable(f"fitted profile {job.name!r} but could not store it in Redis: "
-                              f"{type(exc).__name__}: {exc}") from exc
+            raise Unavailable(
+                f"fitted profile {job.name!r} but could not store it in Redis: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
         log.info("profiler.run_stored", executor=job.executor_address, name=job.name)
         return run

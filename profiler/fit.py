@@ -108,8 +108,11 @@ def fit_profile(
     fits = []
     for stage, m in enumerate(measurements):
         try:
-            fits.append(fit_stage_points(m.forward, m.backward, m.decode,
-                                         config.holdout_fraction, config.seed))
+            fits.append(
+                fit_stage_points(
+                    m.forward, m.backward, m.decode, config.holdout_fraction, config.seed
+                )
+            )
         except ValueError as exc:
             raise ValueError(f"stage {stage}: {exc}; measure a larger grid") from exc
     paper, ours = latency_models(fits)
@@ -160,9 +163,7 @@ def _line(points: Sequence[MemoryPoint]) -> tuple[int, int] | None:
     return int(round(float(intercept))), int(round(float(slope)))
 
 
-def fit_report(
-    profile: Profile, memory: Sequence[MeasuredMemory], base: Profile
-) -> dict[str, Any]:
+def fit_report(profile: Profile, memory: Sequence[MeasuredMemory], base: Profile) -> dict[str, Any]:
     """JSON-ready report: fit quality per phase, model and stage, and the memory check."""
     stages: list[dict[str, Any]] = []
     for stage, measured in enumerate(memory):
@@ -171,12 +172,14 @@ def fit_report(
             activation_bytes_per_token=base.memory.activation_bytes_per_token[stage],
             kv_bytes_per_token=base.memory.kv_bytes_per_token[stage],
         )
-        stages.append({
-            "stage": stage,
-            "measured": asdict(measured),
-            "base": asdict(expected),
-            "is_consistent": _is_consistent(measured, expected),
-        })
+        stages.append(
+            {
+                "stage": stage,
+                "measured": asdict(measured),
+                "base": asdict(expected),
+                "is_consistent": _is_consistent(measured, expected),
+            }
+        )
     return {
         "name": profile.name,
         "num_stages": profile.num_stages,
@@ -188,8 +191,11 @@ def fit_report(
 
 def _is_consistent(measured: MeasuredMemory, expected: MeasuredMemory) -> bool | None:
     """Within 1% (or 1 B) of the base on every figure measured; None: nothing measured."""
-    pairs = [(m, e) for m, e in zip(asdict(measured).values(), asdict(expected).values(),
-                                    strict=True) if m is not None]
+    pairs = [
+        (m, e)
+        for m, e in zip(asdict(measured).values(), asdict(expected).values(), strict=True)
+        if m is not None
+    ]
     if not pairs:
         return None
     return all(abs(m - e) <= max(1, 0.01 * abs(e)) for m, e in pairs)
@@ -205,20 +211,26 @@ def fit_quality_rows(profile: Profile) -> list[dict[str, Any]]:
                 continue
             paper = quality[phase]["paper"][stage]
             ours = quality[phase]["ours"][stage]
-            rows.append({
-                "stage": stage,
-                "phase": phase,
-                "paper_r2": paper["r2"],
-                "paper_mape_pct": 100.0 * paper["mape"],
-                "ours_r2": ours["r2"],
-                "ours_mape_pct": 100.0 * ours["mape"],
-                "points": f"{ours['num_fit_points']}/{ours['num_holdout_points']}",
-            })
+            rows.append(
+                {
+                    "stage": stage,
+                    "phase": phase,
+                    "paper_r2": paper["r2"],
+                    "paper_mape_pct": 100.0 * paper["mape"],
+                    "ours_r2": ours["r2"],
+                    "ours_mape_pct": 100.0 * ours["mape"],
+                    "points": f"{ours['num_fit_points']}/{ours['num_holdout_points']}",
+                }
+            )
     return rows
 
 
 FIT_TABLE_COLUMNS: list[tuple[str, str]] = [
-    ("stage", "stage"), ("phase", "phase"), ("paper_r2", "paper R²"),
-    ("paper_mape_pct", "paper MAPE %"), ("ours_r2", "ours R²"),
-    ("ours_mape_pct", "ours MAPE %"), ("points", "fit/held-out"),
-]  # fmt: skip
+    ("stage", "stage"),
+    ("phase", "phase"),
+    ("paper_r2", "paper R²"),
+    ("paper_mape_pct", "paper MAPE %"),
+    ("ours_r2", "ours R²"),
+    ("ours_mape_pct", "ours MAPE %"),
+    ("points", "fit/held-out"),
+]

@@ -9,7 +9,7 @@ point's latency is their median (robust to a stray slow run). Calls go one at
 a time, never concurrently: on a real GPU two measurements at once would time
 each other. Every call carries a deadline.
 
-Errors are the domain errors of `lemix.rpc.errors`: `InvalidArgument` for a
+Errors are the domain errors of `lemix.infra.rpc.errors`: `InvalidArgument` for a
 bad grid (or one the executor refuses), `Unavailable` when the executor cannot
 be reached, fails a call, or answers with no usable samples.
 """
@@ -25,10 +25,10 @@ from typing import Any, TypeVar
 import grpc.aio
 
 from lemix._proto.lemix.v1 import executor_pb2, executor_pb2_grpc
+from lemix.infra.rpc.client import DEFAULT_DEADLINE_S, channel
+from lemix.infra.rpc.errors import InvalidArgument, ServiceError, Unavailable, error_from_rpc
 from lemix.latency import DecodePoint, PhasePoint
 from lemix.profile import Profile
-from lemix.rpc.client import DEFAULT_DEADLINE_S, channel
-from lemix.rpc.errors import InvalidArgument, ServiceError, Unavailable, error_from_rpc
 from profiler.fit import FitConfig, MemoryPoint, StageMeasurements, fit_profile
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
@@ -107,8 +107,9 @@ async def profile_executor(
     Memory, transfer and optimizer figures come from `base_profile` (see
     `profiler.fit`); it must have the executor's number of stages.
     """
-    run = await run_profile(address, grid, num_repeats, base_profile, name,
-                            fit_config=fit_config, deadline_s=deadline_s)
+    run = await run_profile(
+        address, grid, num_repeats, base_profile, name, fit_config=fit_config, deadline_s=deadline_s
+    )
     return run.profile
 
 
@@ -134,25 +135,35 @@ async def run_profile(
         raise InvalidArgument("name the profile (it is stored and looked up by name)")
     async with channel(address, service_token=service_token) as ch:
         stub = executor_pb2_grpc.ExecutorStub(ch)
-        state = await _call(address, "GetNodeState",
-                            stub.GetNodeState(executor_pb2.GetNodeStateRequest(),
-                                              timeout=DEFAULT_DEADLINE_S))
+        state = await _call(
+            address,
+            "GetNodeState",
+            stub.GetNodeState(executor_pb2.GetNodeStateRequest(), timeout=DEFAULT_DEADLINE_S),
+        )
         num_stages = state.num_stages or base_profile.num_stages
         if num_stages != base_profile.num_stages:
             raise InvalidArgument(
                 f"executor {address} has {num_stages} stage(s) but base profile "
                 f"{base_profile.name!r} has {base_profile.num_stages}; pass its own profile"
             )
-        measurements = [await measure_stage(stub, address, stage, grid, num_repeats, deadline_s)
-                        for stage in range(num_stages)]
+        measurements = [
+            await measure_stage(stub, address, stage, grid, num_repeats, deadline_s)
+            for stage in range(num_stages)
+        ]
     provenance = (
         f"measured by the LeMix profiler on executor {address}: forward/backward at "
         f"C in {list(grid.batch_sizes)} x l in {list(grid.num_tokens)}, decode at C x "
         f"sum_context in {list(grid.sum_context_tokens)}, median of {num_repeats} repeat(s); "
         f"memory, transfer and optimizer_step_s copied from base profile {base_profile.name!r}"
     )
-    result = fit_profile(measurements, base_profile, name, fit_config, provenance=provenance,
-                         hardware={"executor_address": address})
+    result = fit_profile(
+        measurements,
+        base_profile,
+        name,
+        fit_config,
+        provenance=provenance,
+        hardware={"executor_address": address},
+    )
     report: dict[str, Any] = {
         **result.report,
         "executor_address": address,
@@ -160,8 +171,10 @@ async def run_profile(
         "num_repeats": num_repeats,
         "num_measure_calls": num_stages * grid.num_calls_per_stage,
         # Work running during the measurement perturbs it on a real GPU.
-        "executor_load_at_start": {"num_running": state.num_running,
-                                   "num_waiting": state.num_waiting},
+        "executor_load_at_start": {
+            "num_running": state.num_running,
+            "num_waiting": state.num_waiting,
+        },
     }
     return ProfileRun(result.profile, report)
 
@@ -176,13 +189,21 @@ async def measure_stage(
 ) -> StageMeasurements:
     """Every grid point of one stage, one `Measure` call each, in order."""
 
-    async def median(phase: _Phase, batch_size: int, num_tokens: int,
-                     sum_context_tokens: int) -> tuple[float, int]:
+    async def median(
+        phase: _Phase, batch_size: int, num_tokens: int, sum_context_tokens: int
+    ) -> tuple[float, int]:
         request = executor_pb2.MeasureRequest(
-            phase=phase, stage=stage, batch_size=batch_size, num_tokens=num_tokens,
-            sum_context_tokens=sum_context_tokens, num_repeats=num_repeats)
-        what = (f"Measure {_Phase.Name(phase)} stage {stage} C={batch_size} "
-                f"l={num_tokens} sum_context={sum_context_tokens}")
+            phase=phase,
+            stage=stage,
+            batch_size=batch_size,
+            num_tokens=num_tokens,
+            sum_context_tokens=sum_context_tokens,
+            num_repeats=num_repeats,
+        )
+        what = (
+            f"Measure {_Phase.Name(phase)} stage {stage} C={batch_size} "
+            f"l={num_tokens} sum_context={sum_context_tokens}"
+        )
         reply = await _call(address, what, stub.Measure(request, timeout=deadline_s))
         return _median_s(address, what, reply.latency_s), reply.peak_memory_bytes
 
@@ -200,14 +221,17 @@ async def measure_stage(
         latency_s, peak_bytes = await median(_Phase.PHASE_DECODE, c, 0, s)
         decode.append(DecodePoint(c, s, latency_s))
         decode_memory.append(MemoryPoint(s, peak_bytes))
-    return StageMeasurements(tuple(forward), tuple(backward), tuple(decode),
-                             tuple(training_memory), tuple(decode_memory))
+    return StageMeasurements(
+        tuple(forward), tuple(backward), tuple(decode), tuple(training_memory), tuple(decode_memory)
+    )
 
 
 def _median_s(address: str, what: str, samples: Sequence[float]) -> float:
     if not samples or not all(math.isfinite(x) and x > 0 for x in samples):
-        raise Unavailable(f"executor {address}: {what} returned no usable samples "
-                          f"(need positive latencies, got {list(samples)[:5]})")
+        raise Unavailable(
+            f"executor {address}: {what} returned no usable samples "
+            f"(need positive latencies, got {list(samples)[:5]})"
+        )
     return statistics.median(samples)
 
 

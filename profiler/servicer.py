@@ -1,6 +1,6 @@
 """The profiler's gRPC servicer: convert -> delegate to `ProfilerCore` -> convert.
 
-Domain errors become status codes in `lemix.rpc.errors.handle_errors`.
+Domain errors become status codes in `lemix.infra.rpc.errors.handle_errors`.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import grpc.aio
 
 from lemix._proto.lemix.v1 import profiler_pb2, profiler_pb2_grpc
-from lemix.rpc.errors import handle_errors
+from lemix.infra.rpc.errors import handle_errors
 from profiler.convert import job_from_proto, run_to_proto
 from profiler.core import ProfilerCore
 

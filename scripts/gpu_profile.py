@@ -34,11 +34,24 @@ from lemix.latency import (  # noqa: E402
     split_holdout,
 )
 
-LLAMA2_7B_STAGE = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=16,
-                       num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
-                       max_position_embeddings=4096)
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=4, vocab_size=256, max_position_embeddings=1024)
+LLAMA2_7B_STAGE = dict(
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=256,
+    max_position_embeddings=1024,
+)
 
 
 def timer(device: str, fn, repeats: int, warmup: int = 2) -> float:
@@ -95,8 +108,11 @@ def measure(args: argparse.Namespace) -> dict:
             t_fwd = timer(args.device, partial(_forward_loss, model, ids), args.repeats)
             t_both = timer(args.device, partial(_forward_backward, model, ids), args.repeats)
             backward.append(PhasePoint(c, n, max(t_both - t_fwd, 1e-6)))
-            print(f"C={c} l={n} fwd={forward[-1].latency_s*1e3:.2f}ms "
-                  f"bwd={backward[-1].latency_s*1e3:.2f}ms", flush=True)
+            print(
+                f"C={c} l={n} fwd={forward[-1].latency_s * 1e3:.2f}ms "
+                f"bwd={backward[-1].latency_s * 1e3:.2f}ms",
+                flush=True,
+            )
     model.eval()
     contexts = [64, 256] if args.tiny else [256, 1024, 2048]
     for c in [1, 8, 32, 64]:
@@ -108,7 +124,7 @@ def measure(args: argparse.Namespace) -> dict:
                 step_fn = partial(model, step, past_key_values=cache, use_cache=True)
                 latency = timer(args.device, step_fn, args.repeats)
             decode.append(DecodePoint(c, c * ctx, latency))
-            print(f"decode C={c} ctx={ctx} step={latency*1e3:.2f}ms", flush=True)
+            print(f"decode C={c} ctx={ctx} step={latency * 1e3:.2f}ms", flush=True)
             del cache
     return {"forward": forward, "backward": backward, "decode": decode}
 
@@ -121,10 +137,22 @@ def fit_report(points: dict) -> dict:
         quad = fit_quad(fit_pts)
         measured = [p.latency_s for p in hold]
         report[phase] = {
-            "paper": {"eta": eta, **vars(fit_quality(
-                [eta * p.batch_size * p.num_tokens**2 for p in hold], measured, len(fit_pts)))},
-            "ours": {**vars(quad), **vars(fit_quality(
-                [quad(p.batch_size, p.num_tokens) for p in hold], measured, len(fit_pts)))},
+            "paper": {
+                "eta": eta,
+                **vars(
+                    fit_quality(
+                        [eta * p.batch_size * p.num_tokens**2 for p in hold], measured, len(fit_pts)
+                    )
+                ),
+            },
+            "ours": {
+                **vars(quad),
+                **vars(
+                    fit_quality(
+                        [quad(p.batch_size, p.num_tokens) for p in hold], measured, len(fit_pts)
+                    )
+                ),
+            },
         }
     fit_pts, hold = split_holdout(points["decode"], 0.25, seed=0)
     dec = fit_decode(fit_pts)
@@ -132,8 +160,14 @@ def fit_report(points: dict) -> dict:
     measured = [p.latency_s for p in hold]
     report["decode"] = {
         "paper": vars(fit_quality([eta_f * p.batch_size for p in hold], measured, len(fit_pts))),
-        "ours": {**vars(dec), **vars(fit_quality(
-            [dec(p.batch_size, p.sum_context_tokens) for p in hold], measured, len(fit_pts)))},
+        "ours": {
+            **vars(dec),
+            **vars(
+                fit_quality(
+                    [dec(p.batch_size, p.sum_context_tokens) for p in hold], measured, len(fit_pts)
+                )
+            ),
+        },
     }
     return report
 
@@ -159,8 +193,10 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     for phase, fits in report["fits"].items():
-        print(f"{phase:8s} paper R2={fits['paper']['r2']:.3f} MAPE={fits['paper']['mape']:.3f} | "
-              f"ours R2={fits['ours']['r2']:.3f} MAPE={fits['ours']['mape']:.3f}")
+        print(
+            f"{phase:8s} paper R2={fits['paper']['r2']:.3f} MAPE={fits['paper']['mape']:.3f} | "
+            f"ours R2={fits['ours']['r2']:.3f} MAPE={fits['ours']['mape']:.3f}"
+        )
     return 0
 
 

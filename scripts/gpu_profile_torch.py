@@ -37,10 +37,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lemix.latency import DecodePoint, PhasePoint  # noqa: E402
-from lemix.metrics import format_table  # noqa: E402
 from lemix.model.presets import ModelSpec, build_model  # noqa: E402
 from lemix.model.staged import StagedModel  # noqa: E402
 from lemix.profile import load_profile, save_profile  # noqa: E402
+from lemix.report.metrics import format_table  # noqa: E402
 from profiler.fit import (  # noqa: E402
     FIT_TABLE_COLUMNS,
     FitConfig,
@@ -71,49 +71,70 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
-def decode_grid(batch_sizes: tuple[int, ...], sum_context: tuple[int, ...],
-                max_positions: int) -> list[tuple[int, int]]:
+def decode_grid(
+    batch_sizes: tuple[int, ...], sum_context: tuple[int, ...], max_positions: int
+) -> list[tuple[int, int]]:
     """(C, Σctx) with each sequence holding between 1 and `max_positions` tokens."""
-    return [(c, s) for c in batch_sizes for s in sum_context
-            if c <= s <= c * max_positions]
+    return [(c, s) for c in batch_sizes for s in sum_context if c <= s <= c * max_positions]
 
 
-def _point(staged: StagedModel, phase: MeasurePhase, stage: int, batch_size: int,
-           num_tokens: int, sum_context: int, repeats: int) -> tuple[float, int]:
+def _point(
+    staged: StagedModel,
+    phase: MeasurePhase,
+    stage: int,
+    batch_size: int,
+    num_tokens: int,
+    sum_context: int,
+    repeats: int,
+) -> tuple[float, int]:
     """(median latency s, peak bytes) of one grid point."""
-    result = measure_stage(staged, MeasureSpec(phase, stage, batch_size, num_tokens,
-                                               sum_context, repeats))
+    result = measure_stage(
+        staged, MeasureSpec(phase, stage, batch_size, num_tokens, sum_context, repeats)
+    )
     return statistics.median(result.latency_s), result.peak_memory_bytes
 
 
 def measure_stages(staged: StagedModel, args: argparse.Namespace) -> list[StageMeasurements]:
     """Every grid point of every stage, one at a time (concurrent runs would time each other)."""
-    decode_points = decode_grid(args.decode_batch_sizes, args.sum_context,
-                                staged.family.max_positions)
+    decode_points = decode_grid(
+        args.decode_batch_sizes, args.sum_context, staged.family.max_positions
+    )
     measurements = []
     for stage in range(staged.num_stages):
         forward: list[PhasePoint] = []
         backward: list[PhasePoint] = []
         training_memory: list[MemoryPoint] = []
-        for phase, points in ((MeasurePhase.FORWARD, forward),
-                              (MeasurePhase.BACKWARD, backward)):
+        for phase, points in ((MeasurePhase.FORWARD, forward), (MeasurePhase.BACKWARD, backward)):
             for c in args.batch_sizes:
                 for n in args.num_tokens:
                     latency_s, peak = _point(staged, phase, stage, c, n, 0, args.repeats)
                     points.append(PhasePoint(c, n, latency_s))
                     training_memory.append(MemoryPoint(c * n, peak))
-                    print(f"stage {stage} {phase:8s} C={c:3d} l={n:5d} "
-                          f"{latency_s * 1e3:9.3f} ms  peak {peak / 2**30:7.2f} GiB", flush=True)
+                    print(
+                        f"stage {stage} {phase:8s} C={c:3d} l={n:5d} "
+                        f"{latency_s * 1e3:9.3f} ms  peak {peak / 2**30:7.2f} GiB",
+                        flush=True,
+                    )
         decode: list[DecodePoint] = []
         decode_memory: list[MemoryPoint] = []
         for c, s in decode_points:
             latency_s, peak = _point(staged, MeasurePhase.DECODE, stage, c, 0, s, args.repeats)
             decode.append(DecodePoint(c, s, latency_s))
             decode_memory.append(MemoryPoint(s, peak))
-            print(f"stage {stage} decode   C={c:3d} ctx={s:6d} "
-                  f"{latency_s * 1e3:9.3f} ms  peak {peak / 2**30:7.2f} GiB", flush=True)
-        measurements.append(StageMeasurements(tuple(forward), tuple(backward), tuple(decode),
-                                              tuple(training_memory), tuple(decode_memory)))
+            print(
+                f"stage {stage} decode   C={c:3d} ctx={s:6d} "
+                f"{latency_s * 1e3:9.3f} ms  peak {peak / 2**30:7.2f} GiB",
+                flush=True,
+            )
+        measurements.append(
+            StageMeasurements(
+                tuple(forward),
+                tuple(backward),
+                tuple(decode),
+                tuple(training_memory),
+                tuple(decode_memory),
+            )
+        )
     return measurements
 
 
@@ -121,8 +142,11 @@ def _hardware(device: torch.device) -> dict[str, Any]:
     info: dict[str, Any] = {"device": str(device), "torch": torch.__version__}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info.update(name=props.name, memory_bytes=int(props.total_memory),
-                    num_sms=props.multi_processor_count)
+        info.update(
+            name=props.name,
+            memory_bytes=int(props.total_memory),
+            num_sms=props.multi_processor_count,
+        )
     else:
         info.update(name="cpu", num_threads=torch.get_num_threads())
     return info
@@ -131,21 +155,40 @@ def _hardware(device: torch.device) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-1b", help="a preset or checkpoint directory")
-    parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu",
-                        help="every stage on this device (a one-GPU node)")
+    parser.add_argument(
+        "--device",
+        default="cuda:0" if torch.cuda.is_available() else "cpu",
+        help="every stage on this device (a one-GPU node)",
+    )
     parser.add_argument("--dtype", default="", help="'' = bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--num-stages", type=int, default=2)
-    parser.add_argument("--batch-sizes", type=_ints, default=_ints(DEFAULT_BATCH_SIZES),
-                        help="C for forward/backward")
-    parser.add_argument("--num-tokens", type=_ints, default=_ints(DEFAULT_NUM_TOKENS),
-                        help="ℓ for forward/backward")
-    parser.add_argument("--decode-batch-sizes", type=_ints,
-                        default=_ints(DEFAULT_DECODE_BATCH_SIZES), help="C for decode")
-    parser.add_argument("--sum-context", type=_ints, default=_ints(DEFAULT_SUM_CONTEXT),
-                        help="Σctx for decode (KV tokens over the batch)")
+    parser.add_argument(
+        "--batch-sizes",
+        type=_ints,
+        default=_ints(DEFAULT_BATCH_SIZES),
+        help="C for forward/backward",
+    )
+    parser.add_argument(
+        "--num-tokens", type=_ints, default=_ints(DEFAULT_NUM_TOKENS), help="ℓ for forward/backward"
+    )
+    parser.add_argument(
+        "--decode-batch-sizes",
+        type=_ints,
+        default=_ints(DEFAULT_DECODE_BATCH_SIZES),
+        help="C for decode",
+    )
+    parser.add_argument(
+        "--sum-context",
+        type=_ints,
+        default=_ints(DEFAULT_SUM_CONTEXT),
+        help="Σctx for decode (KV tokens over the batch)",
+    )
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--base-profile", default=DEFAULT_BASE_PROFILE,
-                        help="memory/transfer/optimizer figures (memory replaced by the model's)")
+    parser.add_argument(
+        "--base-profile",
+        default=DEFAULT_BASE_PROFILE,
+        help="memory/transfer/optimizer figures (memory replaced by the model's)",
+    )
     parser.add_argument("--name", default="", help="profile name ('' = the --out file's stem)")
     parser.add_argument("--out", default="profiles/measured/h200-llama-1b-2stage.json")
     parser.add_argument("--report", default="", help="fit report JSON ('' = <out>.report.json)")
@@ -156,14 +199,18 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     device = torch.device(args.device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    staged = StagedModel(build_model(ModelSpec(args.model, dtype=dtype)), args.num_stages,
-                         [device] * args.num_stages)
+    staged = StagedModel(
+        build_model(ModelSpec(args.model, dtype=dtype)), args.num_stages, [device] * args.num_stages
+    )
     devices = [str(device)] * args.num_stages
     base = model_profile(load_profile(args.base_profile), staged, devices, 0)
     if base.num_stages != args.num_stages:
         parser.error(f"--base-profile has {base.num_stages} stages, not {args.num_stages}")
-    print(f"{args.model} ({dtype}) in {args.num_stages} stages on {device}; built in "
-          f"{time.perf_counter() - started:.1f} s", flush=True)
+    print(
+        f"{args.model} ({dtype}) in {args.num_stages} stages on {device}; built in "
+        f"{time.perf_counter() - started:.1f} s",
+        flush=True,
+    )
 
     measurements = measure_stages(staged, args)
     out = Path(args.out)
@@ -176,8 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         f"of {args.repeats}; memory from the model, transfer and optimizer_step_s from "
         f"{args.base_profile}"
     )
-    result = fit_profile(measurements, base, name, FitConfig(), provenance=provenance,
-                         hardware=_hardware(device))
+    result = fit_profile(
+        measurements, base, name, FitConfig(), provenance=provenance, hardware=_hardware(device)
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     save_profile(result.profile, out)
     report = {
@@ -185,9 +233,14 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "dtype": dtype,
         "hardware": _hardware(device),
-        "points": [{"forward": [vars(p) for p in m.forward],
-                    "backward": [vars(p) for p in m.backward],
-                    "decode": [vars(p) for p in m.decode]} for m in measurements],
+        "points": [
+            {
+                "forward": [vars(p) for p in m.forward],
+                "backward": [vars(p) for p in m.backward],
+                "decode": [vars(p) for p in m.decode],
+            }
+            for m in measurements
+        ],
         "wall_s": time.perf_counter() - started,
     }
     report_path = Path(args.report) if args.report else out.with_suffix(".report.json")

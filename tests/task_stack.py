@@ -43,21 +43,36 @@ class TaskStack:
     gateways: list[GatewayService] = field(default_factory=list)
 
     async def start_scheduler(self, profile: Profile) -> SchedulerService:
-        self.scheduler = SchedulerService(SchedulerConfig(
-            redis_url=self.redis_url, namespace=self.namespace, num_nodes=1, slo_ttft_s=1.0,
-            slo_tbt_s=0.5, node_poll_s=0.05, read_block_s=0.1, stop_grace_s=0.5,
-            # Deferred training is released within 1 s (default 30 s): short tests.
-            max_defer_s=1.0, consumer=f"{self.namespace}-scheduler"),
-            profile=profile)  # fmt: skip
+        self.scheduler = SchedulerService(
+            SchedulerConfig(
+                redis_url=self.redis_url,
+                namespace=self.namespace,
+                num_nodes=1,
+                slo_ttft_s=1.0,
+                slo_tbt_s=0.5,
+                node_poll_s=0.05,
+                read_block_s=0.1,
+                shutdown_grace_s=0.5,
+                # Deferred training is released within 1 s (default 30 s): short tests.
+                max_defer_s=1.0,
+                consumer=f"{self.namespace}-scheduler",
+            ),
+            profile=profile,
+        )
         await self.scheduler.start()
         return self.scheduler
 
     async def start_executor(self, node_id: int = 0, **overrides: Any) -> ExecutorService:
         values: dict[str, Any] = {
-            "node_id": node_id, "redis_url": self.redis_url, "namespace": self.namespace,
-            "profile_path": self.profile_path, "time_scale": TIME_SCALE, "heartbeat_s": 0.05,
-            "shutdown_grace_s": 0.5, **overrides,
-        }  # fmt: skip
+            "node_id": node_id,
+            "redis_url": self.redis_url,
+            "namespace": self.namespace,
+            "profile_path": self.profile_path,
+            "time_scale": TIME_SCALE,
+            "heartbeat_s": 0.05,
+            "shutdown_grace_s": 0.5,
+            **overrides,
+        }
         executor = ExecutorService(ExecutorConfig(**values))
         await executor.start()
         self.executors.append(executor)
@@ -66,10 +81,16 @@ class TaskStack:
     async def start_gateway(self, **overrides: Any) -> GatewayService:
         assert self.scheduler is not None, "start the scheduler first"
         values: dict[str, Any] = {
-            "port": 0, "http_port": 0, "scheduler_address": self.scheduler.address,
-            "redis_url": self.redis_url, "namespace": self.namespace, "node_check_s": 0.0,
-            "stream_idle_timeout_s": 10.0, "shutdown_grace_s": 0.5, **overrides,
-        }  # fmt: skip
+            "port": 0,
+            "http_port": 0,
+            "scheduler_address": self.scheduler.address,
+            "redis_url": self.redis_url,
+            "namespace": self.namespace,
+            "node_check_s": 0.0,
+            "stream_idle_timeout_s": 10.0,
+            "shutdown_grace_s": 0.5,
+            **overrides,
+        }
         gateway = GatewayService(GatewayConfig(**values))
         await gateway.start()
         self.gateways.append(gateway)
@@ -84,8 +105,14 @@ class TaskStack:
             await executor.stop(grace_s=0.2)
 
 
-async def start_stack(redis_url: str, namespace: str, tmp_path: Path, *,
-                      num_executors: int = 1, **executor_overrides: Any) -> TaskStack:
+async def start_stack(
+    redis_url: str,
+    namespace: str,
+    tmp_path: Path,
+    *,
+    num_executors: int = 1,
+    **executor_overrides: Any,
+) -> TaskStack:
     """Scheduler, `num_executors` executors (`ExecutorConfig` overrides) and
     one gateway, started."""
     profile = test_profile()
@@ -102,8 +129,9 @@ async def start_stack(redis_url: str, namespace: str, tmp_path: Path, *,
     return stack
 
 
-async def eventually(predicate: Callable[[], Any], timeout_s: float = 10.0,
-                     what: str = "condition") -> None:
+async def eventually(
+    predicate: Callable[[], Any], timeout_s: float = 10.0, what: str = "condition"
+) -> None:
     """Poll `predicate` (sync, or returning an awaitable) until truthy, or fail."""
     deadline = time.monotonic() + timeout_s
     while True:

@@ -46,6 +46,9 @@ def stage_used_bytes(stage: Stage, optimizer: torch.optim.Optimizer | None = Non
     for p in stage.parameters():
         total += _tensor_bytes(p) + _tensor_bytes(p.grad)
         if optimizer is not None:
-            total += sum(_tensor_bytes(v) for v in optimizer.state.get(p, {}).values()
-                         if isinstance(v, torch.Tensor))
+            total += sum(
+                _tensor_bytes(v)
+                for v in optimizer.state.get(p, {}).values()
+                if isinstance(v, torch.Tensor)
+            )
     return total

@@ -56,8 +56,9 @@ class Family(Protocol):
         """ids, positions [N] (long) -> x [1, N, hidden]."""
         ...
 
-    def layer_forward(self, index: int, x: torch.Tensor, positions: torch.Tensor,
-                      attend: Attend) -> torch.Tensor:
+    def layer_forward(
+        self, index: int, x: torch.Tensor, positions: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
         """x [1, N, hidden] through layer `index` -> [1, N, hidden]."""
         ...
 
@@ -80,8 +81,9 @@ class LlamaFamily:
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = (getattr(config, "head_dim", None)
-                         or config.hidden_size // config.num_attention_heads)
+        self.head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
         self.max_positions = config.max_position_embeddings
@@ -100,8 +102,9 @@ class LlamaFamily:
     def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model.model.embed_tokens(ids)[None]
 
-    def layer_forward(self, index: int, x: torch.Tensor, positions: torch.Tensor,
-                      attend: Attend) -> torch.Tensor:
+    def layer_forward(
+        self, index: int, x: torch.Tensor, positions: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
         layer = self._layers[index]
         attn = layer.self_attn
         n = x.shape[1]
@@ -148,8 +151,9 @@ class GPT2Family:
         t = self.model.transformer
         return (t.wte(ids) + t.wpe(positions))[None]
 
-    def layer_forward(self, index: int, x: torch.Tensor, positions: torch.Tensor,
-                      attend: Attend) -> torch.Tensor:
+    def layer_forward(
+        self, index: int, x: torch.Tensor, positions: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
         block = self._blocks[index]
         n = x.shape[1]
         q, k, v = block.attn.c_attn(block.ln_1(x)).split(self.hidden_size, dim=2)
@@ -167,11 +171,11 @@ def attention_scale(model: Any, index: int, head_dim: int) -> float:
     """The softmax scale HF uses for layer `index`."""
     config = model.config
     if getattr(config, "model_type", "") == "gpt2":
-        scale = head_dim ** -0.5 if config.scale_attn_weights else 1.0
+        scale = head_dim**-0.5 if config.scale_attn_weights else 1.0
         if config.scale_attn_by_inverse_layer_idx:
             scale /= float(index + 1)
         return scale
-    return head_dim ** -0.5
+    return head_dim**-0.5
 
 
 def family_for(model: Any) -> Family:

@@ -40,9 +40,16 @@ class RequestKV:
 class KVStore:
     """KV buffers of every request held on one stage."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *,
-                 dtype: torch.dtype, device: torch.device | str,
-                 host_device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        host_device: torch.device | str = "cpu",
+    ) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -62,10 +69,14 @@ class KVStore:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         shape = (self.num_kv_heads, capacity, self.head_dim)
         entry = RequestKV(
-            keys=[torch.empty(shape, dtype=self.dtype, device=self.device)
-                  for _ in range(self.num_layers)],
-            values=[torch.empty(shape, dtype=self.dtype, device=self.device)
-                    for _ in range(self.num_layers)],
+            keys=[
+                torch.empty(shape, dtype=self.dtype, device=self.device)
+                for _ in range(self.num_layers)
+            ],
+            values=[
+                torch.empty(shape, dtype=self.dtype, device=self.device)
+                for _ in range(self.num_layers)
+            ],
         )
         with self._lock:
             if key in self._entries:

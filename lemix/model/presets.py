@@ -18,17 +18,40 @@ import torch
 from torch import nn
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny-llama": {"model_type": "llama", "hidden_size": 128, "intermediate_size": 352,
-                   "num_hidden_layers": 4, "num_attention_heads": 4,
-                   "num_key_value_heads": 2, "max_position_embeddings": 2048},
-    "small-llama": {"model_type": "llama", "hidden_size": 384, "intermediate_size": 1024,
-                    "num_hidden_layers": 8, "num_attention_heads": 6,
-                    "num_key_value_heads": 2, "max_position_embeddings": 2048},
-    "tiny-gpt2": {"model_type": "gpt2", "n_embd": 128, "n_layer": 4, "n_head": 4,
-                  "n_positions": 2048},
-    "llama-1b": {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632,
-                 "num_hidden_layers": 22, "num_attention_heads": 32,
-                 "num_key_value_heads": 4, "max_position_embeddings": 2048},
+    "tiny-llama": {
+        "model_type": "llama",
+        "hidden_size": 128,
+        "intermediate_size": 352,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+    },
+    "small-llama": {
+        "model_type": "llama",
+        "hidden_size": 384,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+    },
+    "tiny-gpt2": {
+        "model_type": "gpt2",
+        "n_embd": 128,
+        "n_layer": 4,
+        "n_head": 4,
+        "n_positions": 2048,
+    },
+    "llama-1b": {
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 2048,
+    },
 }
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,24 +96,35 @@ def build_model(spec: ModelSpec) -> Any:
         fields: dict[str, Any] = dict(PRESETS[spec.name])
         model_type = fields.pop("model_type")
         vocab_size = spec.vocab_size or 8192
-        special: dict[str, Any] = {"bos_token_id": spec.bos_id, "eos_token_id": spec.eos_id,
-                   "pad_token_id": spec.pad_id}
+        special: dict[str, Any] = {
+            "bos_token_id": spec.bos_id,
+            "eos_token_id": spec.eos_id,
+            "pad_token_id": spec.pad_id,
+        }
         if model_type == "gpt2":
             # No dropout: serving and training see the same function, and the
             # staged forward equals the HF forward in train mode too.
             config: Any = transformers.GPT2Config(
-                vocab_size=vocab_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                tie_word_embeddings=False, **special, **fields)
+                vocab_size=vocab_size,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                tie_word_embeddings=False,
+                **special,
+                **fields,
+            )
             cls: Any = transformers.GPT2LMHeadModel
         else:
-            config = transformers.LlamaConfig(vocab_size=vocab_size,
-                                              tie_word_embeddings=False, **special, **fields)
+            config = transformers.LlamaConfig(
+                vocab_size=vocab_size, tie_word_embeddings=False, **special, **fields
+            )
             cls = transformers.LlamaForCausalLM
         torch.manual_seed(spec.seed)
         model = cls(config)
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            spec.name, local_files_only=True, torch_dtype=spec.torch_dtype)
+            spec.name, local_files_only=True, torch_dtype=spec.torch_dtype
+        )
     model = model.to(spec.torch_dtype)
     _untie_head(model)
     model.eval()
@@ -109,7 +143,3 @@ def _untie_head(model: Any) -> None:
     if head is not None and embed is not None and head.weight is embed.weight:
         head.weight = nn.Parameter(embed.weight.detach().clone())
         model.config.tie_word_embeddings = False
-
-
-def num_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

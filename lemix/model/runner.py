@@ -58,8 +58,9 @@ def sample_next(logits: torch.Tensor, req: GenRequest) -> int:
     if not bool(torch.isfinite(logits).all()):
         raise ValueError("the model produced non-finite logits for this request")
     if not 0.0 <= req.temperature < math.inf or not 0.0 < req.top_p <= 1.0:
-        raise ValueError(f"invalid sampling values: temperature={req.temperature}, "
-                         f"top_p={req.top_p}")
+        raise ValueError(
+            f"invalid sampling values: temperature={req.temperature}, top_p={req.top_p}"
+        )
     if req.temperature == 0.0:
         return int(torch.argmax(logits))
     scaled = logits.float() / req.temperature
@@ -98,8 +99,10 @@ class InferenceRunner:
             raise ValueError(f"request {req.key!r} has no prompt token ids")
         total = len(req.prompt_ids) + req.max_tokens
         if total > self.staged.family.max_positions:
-            raise ValueError(f"request {req.key!r}: {total} tokens exceed the model's "
-                             f"{self.staged.family.max_positions} positions")
+            raise ValueError(
+                f"request {req.key!r}: {total} tokens exceed the model's "
+                f"{self.staged.family.max_positions} positions"
+            )
         for stage in self.staged.stages:
             stage.kv.allocate(req.key, total)
         with self._lock:
@@ -123,8 +126,9 @@ class InferenceRunner:
         return sum(stage.kv.reload(key) for stage in self.staged.stages)
 
     @torch.no_grad()
-    def run_stage(self, stage_index: int, iteration: int, prefill: Sequence[str],
-                  decode: Sequence[str]) -> list[str]:
+    def run_stage(
+        self, stage_index: int, iteration: int, prefill: Sequence[str], decode: Sequence[str]
+    ) -> list[str]:
         """Run one iteration's work on one stage.
 
         `iteration` identifies the iteration across its stages. Returns, on the
@@ -146,8 +150,9 @@ class InferenceRunner:
             return []
         return self._sample(out[0], prefill, decode, segments)
 
-    def _pack(self, prefill: Sequence[str],
-              decode: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor, list[Segment]]:
+    def _pack(
+        self, prefill: Sequence[str], decode: Sequence[str]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[Segment]]:
         ids: list[int] = []
         positions: list[int] = []
         segments: list[Segment] = []
@@ -166,8 +171,13 @@ class InferenceRunner:
             segments.append(Segment(start, start + 1, key, 1))
         return torch.tensor(ids), torch.tensor(positions), segments
 
-    def _sample(self, logits: torch.Tensor, prefill: Sequence[str], decode: Sequence[str],
-                segments: Sequence[Segment]) -> list[str]:
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        segments: Sequence[Segment],
+    ) -> list[str]:
         """logits [N, vocab]: next token per request; the inference loss of prefills.
 
         A request whose sampling fails is recorded in `failures` (key -> reason)
@@ -180,7 +190,7 @@ class InferenceRunner:
             row = seg.start + num_prompt - 1 if key in prefill else seg.start
             try:
                 if req.reference_ids and not req.generated:
-                    rows = logits[row: row + len(req.reference_ids)]
+                    rows = logits[row : row + len(req.reference_ids)]
                     target = torch.tensor(req.reference_ids, device=rows.device)
                     req.inference_loss = float(F.cross_entropy(rows, target))
                 token = sample_next(logits[row], req)

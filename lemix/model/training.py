@@ -86,8 +86,13 @@ def pack_samples(samples: Sequence[Sample]) -> _Packed:
         first = max(first, 1)
         index.extend(start + p - 1 for p in range(first, n))
         targets.extend(sample.token_ids[first:])
-    return _Packed(torch.tensor(ids), torch.tensor(positions), segments,
-                   torch.tensor(index, dtype=torch.long), torch.tensor(targets))
+    return _Packed(
+        torch.tensor(ids),
+        torch.tensor(positions),
+        segments,
+        torch.tensor(index, dtype=torch.long),
+        torch.tensor(targets),
+    )
 
 
 class PipelineTrainer:
@@ -97,8 +102,12 @@ class PipelineTrainer:
         self.staged = staged
         self.config = config
         self.optimizers = [
-            torch.optim.AdamW(stage.parameters(), lr=config.learning_rate,
-                              betas=config.betas, weight_decay=config.weight_decay)
+            torch.optim.AdamW(
+                stage.parameters(),
+                lr=config.learning_rate,
+                betas=config.betas,
+                weight_decay=config.weight_decay,
+            )
             for stage in staged.stages
         ]
         self.stashes = [WeightStash(stage.parameters()) for stage in staged.stages]

@@ -83,13 +83,16 @@ class DecodeAwareCostEstimator:
         if num_running == 0:
             step = (0.0,) * view.num_stages
         else:
-            step = tuple(self.latency.decode_step_s(s, num_running, sum_context)
-                         for s in range(view.num_stages))
+            step = tuple(
+                self.latency.decode_step_s(s, num_running, sum_context)
+                for s in range(view.num_stages)
+            )
         view.cached["iteration_s"] = (view.version, step)
         return step
 
-    def _slot_wait_s(self, view: NodeView, task: Task, period_s: float,
-                     mean_output: float) -> float:
+    def _slot_wait_s(
+        self, view: NodeView, task: Task, period_s: float, mean_output: float
+    ) -> float:
         """Expected wait for a free batch slot (and KV room when memory-aware)."""
         num_slots = self.max_batch_size
         if self.is_memory_aware and view.requests:
@@ -113,8 +116,11 @@ class DecodeAwareCostEstimator:
             )
             # Joining happens at an iteration boundary: half a period on average.
             delay_s = 0.5 * period_s + self._slot_wait_s(view, task, period_s, mean_output)
-            return TaskCosts(forward_s=forward, start_delay_s=delay_s,
-                             time_between_tokens_s=self._tbt_after_join_s(view, task, now_s))
+            return TaskCosts(
+                forward_s=forward,
+                start_delay_s=delay_s,
+                time_between_tokens_s=self._tbt_after_join_s(view, task, now_s),
+            )
         # Inference goes first at each stage, so a training item waits out the
         # decode item in progress: half a step on average.
         forward = tuple(
@@ -130,9 +136,11 @@ class DecodeAwareCostEstimator:
         # What the node's running batch would see per token with this task
         # added to its training load: placement steers training to idle time.
         work_s = max(f + b for f, b in zip(forward, backward, strict=True))
-        return TaskCosts(forward_s=forward, backward_s=backward,
-                         time_between_tokens_s=self._batch_tbt_with_training_s(view, now_s,
-                                                                               work_s))
+        return TaskCosts(
+            forward_s=forward,
+            backward_s=backward,
+            time_between_tokens_s=self._batch_tbt_with_training_s(view, now_s, work_s),
+        )
 
     def _tbt_after_join_s(self, view: NodeView, task: Task, now_s: float) -> float:
         """Predicted time between tokens for `task` once it joins the batch.
@@ -148,8 +156,9 @@ class DecodeAwareCostEstimator:
         num_running, sum_context, _, _ = self._batch_state(view)
         num_after = min(num_running + 1, self.max_batch_size)
         context_after = sum_context + task.num_prompt_tokens + task.max_output_tokens // 2
-        period_s = sum(self.latency.decode_step_s(s, num_after, context_after)
-                       for s in range(view.num_stages))
+        period_s = sum(
+            self.latency.decode_step_s(s, num_after, context_after) for s in range(view.num_stages)
+        )
         busy_fraction, mean_item_s = view.training_load(now_s, TRAINING_LOAD_WINDOW_S)
         return period_s + view.num_stages * min(busy_fraction, 1.0) * mean_item_s
 

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from lemix.memory import dynamic_bytes, threshold_bytes
 from lemix.planner.base import PlacementPolicy, PlannerConfig, PolicyContext, Ranked
 from lemix.planner.costs import CostEstimator
 from lemix.planner.snapshot import (
@@ -31,11 +32,12 @@ from lemix.planner.snapshot import (
 )
 from lemix.planner.trace import NodeView, Prediction, compute_idleness
 from lemix.profile import MemoryProfile
+from lemix.reasons import ReasonCode, format_reason
 from lemix.types import Decision, Deferral, Placement, Rejection, Task, TaskKind, WeightSync
 
 _TOKEN_EPSILON = 1e-9
 _MAX_DEFER_CANDIDATES = 3  # nodes a training task is checked against before deferral
-NO_NODE_REASON = "UNAVAILABLE: no live executor can take this task"
+NO_NODE_REASON = format_reason(ReasonCode.UNAVAILABLE, "no live executor can take this task")
 
 
 @dataclass(slots=True)
@@ -64,12 +66,10 @@ class Planner:
         self._task_node: dict[str, int] = {}
         self._recent_arrivals: deque[float] = deque()
         self._memory = memory
-        self._threshold_bytes = int(kappa * memory.capacity_bytes)
         self._kv_bytes_per_token = sum(memory.kv_bytes_per_token)
         self._act_bytes_per_token = sum(memory.activation_bytes_per_token)
-        self._dynamic_bytes = min(
-            self._threshold_bytes - memory.static_bytes(s) for s in range(config.num_stages)
-        ) * config.num_stages
+        self._threshold_bytes = threshold_bytes(memory, kappa)
+        self._dynamic_bytes = dynamic_bytes(memory, kappa, config.num_stages)
         if self._dynamic_bytes <= 0:
             raise ValueError("the model's static memory does not fit under the threshold")
         self._inference_len_mean = 0.0
@@ -96,8 +96,9 @@ class Planner:
             self._inference_len_mean += (task.num_prompt_tokens - self._inference_len_mean) / n
             self._inference_out_mean += (task.max_output_tokens - self._inference_out_mean) / n
 
-    def on_task_finished(self, task_id: str, now_s: float,
-                         is_success: bool = True) -> list[Decision]:
+    def on_task_finished(
+        self, task_id: str, now_s: float, is_success: bool = True
+    ) -> list[Decision]:
         """A node reports a task done (completed or failed). May emit weight syncs."""
         node_id = self._task_node.pop(task_id, None)
         if node_id is None:
@@ -194,12 +195,14 @@ class Planner:
         check_snapshot(snapshot, self.config, self.policy.name)
         views = [view_from_state(v) for v in snapshot["views"]]
         if [(v.node_id, v.num_stages) for v in views] != [
-                (v.node_id, v.num_stages) for v in self.views]:
+            (v.node_id, v.num_stages) for v in self.views
+        ]:
             raise ValueError("the snapshot's nodes do not match this planner's")
         self.views = views
         self._intake = deque(task_from_state(t) for t in snapshot["intake"])
-        self._deferred = deque(_Deferred(task_from_state(t), float(since_s))
-                               for t, since_s in snapshot["deferred"])
+        self._deferred = deque(
+            _Deferred(task_from_state(t), float(since_s)) for t, since_s in snapshot["deferred"]
+        )
         self._task_node = {str(t): int(n) for t, n in snapshot["task_node"].items()}
         self._recent_arrivals = deque(float(t) for t in snapshot["recent_arrivals"])
         self._inference_len_mean = float(snapshot["inference_len_mean"])
@@ -294,8 +297,10 @@ class Planner:
             need = bytes_per_token * num_tokens
             room = self._threshold_bytes - memory.static_bytes(stage)
             if need > room:
-                return (f"RESOURCE_EXHAUSTED: {what} need {need} B on stage {stage} but it has "
-                        f"{room} B for them; {fix}")
+                return format_reason(
+                    ReasonCode.RESOURCE_EXHAUSTED,
+                    f"{what} need {need} B on stage {stage} but it has {room} B for them; {fix}",
+                )
         return None
 
     def _place(self, task: Task, now_s: float, context: PolicyContext) -> Decision:
@@ -312,8 +317,9 @@ class Planner:
         prediction = choice.prediction
         if prediction is None:  # policies without Algorithm 1 still keep the trace
             costs = self.estimator.costs(view, task, now_s)
-            prediction = compute_idleness(view, task, now_s, costs,
-                                          self.estimator.decode_load(view, now_s))
+            prediction = compute_idleness(
+                view, task, now_s, costs, self.estimator.decode_load(view, now_s)
+            )
         view.commit(task, prediction, now_s)
         self._task_node[task.task_id] = choice.node_id
         return Placement(task.task_id, choice.node_id, prediction.response_s, choice.score)
@@ -343,8 +349,7 @@ class Planner:
         """Rate-limit forced releases (token bucket, refilled by time passed in)."""
         rate = self.config.aged_release_rps_per_node * self.config.num_nodes
         elapsed_s = max(now_s - self._aged_tokens_at_s, 0.0)
-        self._aged_tokens = min(float(self.config.num_nodes),
-                                self._aged_tokens + elapsed_s * rate)
+        self._aged_tokens = min(float(self.config.num_nodes), self._aged_tokens + elapsed_s * rate)
         self._aged_tokens_at_s = now_s
         if self._aged_tokens < 1.0 - _TOKEN_EPSILON:  # float residue from the refill
             return False
@@ -367,11 +372,14 @@ class Planner:
             max_output_tokens=max(1, round(self._inference_out_mean)),
         )
         costs = self.estimator.costs(view, probe, now_s)
-        prediction = compute_idleness(view, probe, now_s, costs,
-                                      self.estimator.decode_load(view, now_s))
+        prediction = compute_idleness(
+            view, probe, now_s, costs, self.estimator.decode_load(view, now_s)
+        )
         headroom = self.config.slo_headroom
-        return (prediction.response_s > headroom * self.config.slo_ttft_s
-                or prediction.time_between_tokens_s > headroom * self.config.slo_tbt_s)
+        return (
+            prediction.response_s > headroom * self.config.slo_ttft_s
+            or prediction.time_between_tokens_s > headroom * self.config.slo_tbt_s
+        )
 
     # ------------------------------------------------------------ accounting
 

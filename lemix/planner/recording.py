@@ -60,8 +60,12 @@ def decision_key(decision: Decision) -> tuple[Any, ...]:
         return ("Placement", decision.task_id, decision.node_id)
     if isinstance(decision, Deferral | Rejection):
         return (type(decision).__name__, decision.task_id)
-    return ("WeightSync", decision.source_node_id, tuple(decision.target_node_ids),
-            decision.num_training_updates)
+    return (
+        "WeightSync",
+        decision.source_node_id,
+        tuple(decision.target_node_ids),
+        decision.num_training_updates,
+    )
 
 
 class RecordingPlanner:
@@ -75,17 +79,20 @@ class RecordingPlanner:
         self._sink({"input": "submit", "now_s": now_s, "task": task_to_event(task)})
         self.planner.submit(task, now_s)
 
-    def on_task_finished(self, task_id: str, now_s: float,
-                         is_success: bool = True) -> list[Decision]:
-        self._sink({"input": "finished", "now_s": now_s, "task_id": task_id,
-                    "is_success": is_success})
+    def on_task_finished(
+        self, task_id: str, now_s: float, is_success: bool = True
+    ) -> list[Decision]:
+        self._sink(
+            {"input": "finished", "now_s": now_s, "task_id": task_id, "is_success": is_success}
+        )
         decisions = self.planner.on_task_finished(task_id, now_s, is_success)
         self._record(decisions)
         return decisions
 
     def on_node_health(self, node_id: int, is_healthy: bool, now_s: float) -> None:
-        self._sink({"input": "health", "now_s": now_s, "node_id": node_id,
-                    "is_healthy": is_healthy})
+        self._sink(
+            {"input": "health", "now_s": now_s, "node_id": node_id, "is_healthy": is_healthy}
+        )
         self.planner.on_node_health(node_id, is_healthy, now_s)
 
     def plan(self, now_s: float) -> list[Decision]:
@@ -93,6 +100,18 @@ class RecordingPlanner:
         decisions = self.planner.plan(now_s)
         self._record(decisions)
         return decisions
+
+    # Queries change nothing, so they are not recorded.
+
+    def node_of(self, task_id: str) -> int | None:
+        return self.planner.node_of(task_id)
+
+    def next_wakeup_s(self) -> float | None:
+        return self.planner.next_wakeup_s()
+
+    @property
+    def num_deferred(self) -> int:
+        return self.planner.num_deferred
 
     def _record(self, decisions: list[Decision]) -> None:
         for decision in decisions:
@@ -107,11 +126,13 @@ def replay(events: Iterable[Event], planner: Planner) -> list[Decision]:
         if kind == "submit":
             planner.submit(task_from_event(event["task"]), float(event["now_s"]))
         elif kind == "finished":
-            decisions += planner.on_task_finished(str(event["task_id"]), float(event["now_s"]),
-                                                  bool(event["is_success"]))
+            decisions += planner.on_task_finished(
+                str(event["task_id"]), float(event["now_s"]), bool(event["is_success"])
+            )
         elif kind == "health":
-            planner.on_node_health(int(event["node_id"]), bool(event["is_healthy"]),
-                                   float(event["now_s"]))
+            planner.on_node_health(
+                int(event["node_id"]), bool(event["is_healthy"]), float(event["now_s"])
+            )
         elif kind == "plan":
             decisions += planner.plan(float(event["now_s"]))
     return decisions
@@ -130,7 +151,12 @@ def recorded_decision_keys(events: Iterable[Event]) -> list[tuple[Any, ...]]:
         elif kind in ("Deferral", "Rejection"):
             keys.append((kind, out["task_id"]))
         else:
-            keys.append(("WeightSync", int(out["source_node_id"]),
-                         tuple(int(x) for x in out["target_node_ids"]),
-                         int(out["num_training_updates"])))
+            keys.append(
+                (
+                    "WeightSync",
+                    int(out["source_node_id"]),
+                    tuple(int(x) for x in out["target_node_ids"]),
+                    int(out["num_training_updates"]),
+                )
+            )
     return keys

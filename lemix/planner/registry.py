@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lemix.latency import PaperLatencyModel
-from lemix.memory import MemoryConfig
+from lemix.memory import MemoryConfig, dynamic_bytes
 from lemix.planner.base import PlacementPolicy, PlannerConfig
 from lemix.planner.costs import CostEstimator, DecodeAwareCostEstimator, PaperCostEstimator
 from lemix.planner.planner import Planner
@@ -44,32 +44,65 @@ def _lemix(**kw: Any) -> Callable[[PlannerConfig], PlacementPolicy]:
 
 
 def _paper_form(config: PlannerConfig) -> PlacementPolicy:
-    return LemixPolicy(name="lemix-paper", form="paper", lambda_response=config.lambda_response,
-                       lambda_length=config.lambda_length)
+    return LemixPolicy(
+        name="lemix-paper",
+        form="paper",
+        lambda_response=config.lambda_response,
+        lambda_length=config.lambda_length,
+    )
 
 
 POLICIES: dict[str, PolicySpec] = {
     spec.name: spec
     for spec in [
         PolicySpec("lemix", "ours: decode-aware Algorithm 1, normalized score", _lemix()),
-        PolicySpec("lemix-paper", "the prototype's exact score and prefill-only model",
-                   _paper_form, estimator="paper"),
-        PolicySpec("lemix-noprofile", "ours without the profile (prototype default η)",
-                   _lemix(name="lemix-noprofile"), estimator="noprofile"),
-        PolicySpec("lemix-nodeprio", "ours without deprioritization of training",
-                   _lemix(name="lemix-nodeprio"), is_deprioritization_enabled=False),
-        PolicySpec("lemix-nomem", "ours without memory awareness (wait-then-drop)",
-                   _lemix(name="lemix-nomem"), is_memory_aware=False),
-        PolicySpec("lemix-nolc", "ours without length consistency",
-                   _lemix(name="lemix-nolc", is_length_consistency_enabled=False)),
-        PolicySpec("separate", "dedicated training/serving nodes, sync every K",
-                   lambda c: SeparatePolicy(), is_colocated=False),
-        PolicySpec("separate-dynamic", "SEPARATE with serving share growing with load",
-                   lambda c: SeparatePolicy(name="separate-dynamic", is_dynamic=True),
-                   is_colocated=False),
+        PolicySpec(
+            "lemix-paper",
+            "the prototype's exact score and prefill-only model",
+            _paper_form,
+            estimator="paper",
+        ),
+        PolicySpec(
+            "lemix-noprofile",
+            "ours without the profile (prototype default η)",
+            _lemix(name="lemix-noprofile"),
+            estimator="noprofile",
+        ),
+        PolicySpec(
+            "lemix-nodeprio",
+            "ours without deprioritization of training",
+            _lemix(name="lemix-nodeprio"),
+            is_deprioritization_enabled=False,
+        ),
+        PolicySpec(
+            "lemix-nomem",
+            "ours without memory awareness (wait-then-drop)",
+            _lemix(name="lemix-nomem"),
+            is_memory_aware=False,
+        ),
+        PolicySpec(
+            "lemix-nolc",
+            "ours without length consistency",
+            _lemix(name="lemix-nolc", is_length_consistency_enabled=False),
+        ),
+        PolicySpec(
+            "separate",
+            "dedicated training/serving nodes, sync every K",
+            lambda c: SeparatePolicy(),
+            is_colocated=False,
+        ),
+        PolicySpec(
+            "separate-dynamic",
+            "SEPARATE with serving share growing with load",
+            lambda c: SeparatePolicy(name="separate-dynamic", is_dynamic=True),
+            is_colocated=False,
+        ),
         PolicySpec("mix-rr", "co-located, round-robin", lambda c: MixRoundRobinPolicy()),
-        PolicySpec("mix-luf", "co-located, least-utilized (memory) first",
-                   lambda c: MixLeastUtilizedPolicy()),
+        PolicySpec(
+            "mix-luf",
+            "co-located, least-utilized (memory) first",
+            lambda c: MixLeastUtilizedPolicy(),
+        ),
     ]
 }
 
@@ -81,28 +114,37 @@ def get_spec(name: str) -> PolicySpec:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}") from None
 
 
-def make_estimator(spec: PolicySpec, profile: Profile, config: PlannerConfig,
-                   memory: MemoryConfig) -> CostEstimator:
+def make_estimator(
+    spec: PolicySpec, profile: Profile, config: PlannerConfig, memory: MemoryConfig
+) -> CostEstimator:
     if spec.estimator == "paper":
         return PaperCostEstimator(profile.paper, profile.optimizer_step_s)
     latency = profile.ours
     if spec.estimator == "noprofile":
         stages = profile.num_stages
         return PaperCostEstimator(
-            PaperLatencyModel((NOPROFILE_ETA_FORWARD_S,) * stages,
-                              (NOPROFILE_ETA_BACKWARD_S,) * stages, name="noprofile"),
+            PaperLatencyModel(
+                (NOPROFILE_ETA_FORWARD_S,) * stages,
+                (NOPROFILE_ETA_BACKWARD_S,) * stages,
+                name="noprofile",
+            ),
             (0.0,) * stages,
         )
     kv_per_token = sum(profile.memory.kv_bytes_per_token)
-    threshold = memory.kappa * profile.memory.capacity_bytes
-    kv_capacity = min(threshold - profile.memory.static_bytes(s) for s in range(profile.num_stages))
-    kv_tokens = int(kv_capacity * profile.num_stages // max(kv_per_token, 1))
-    return DecodeAwareCostEstimator(latency, profile.optimizer_step_s, config.max_batch_size,
-                                    kv_tokens, is_memory_aware=spec.is_memory_aware)
+    kv_bytes = dynamic_bytes(profile.memory, memory.kappa, profile.num_stages)
+    kv_tokens = kv_bytes // max(kv_per_token, 1)
+    return DecodeAwareCostEstimator(
+        latency,
+        profile.optimizer_step_s,
+        config.max_batch_size,
+        kv_tokens,
+        is_memory_aware=spec.is_memory_aware,
+    )
 
 
-def build_planner(name: str, config: PlannerConfig, profile: Profile,
-                  memory: MemoryConfig) -> Planner:
+def build_planner(
+    name: str, config: PlannerConfig, profile: Profile, memory: MemoryConfig
+) -> Planner:
     """The one way sim and scheduler construct a planner from a policy name."""
     spec = get_spec(name)
     if not spec.is_deprioritization_enabled:

@@ -14,8 +14,9 @@ _SQRT_2PI = math.sqrt(2.0 * math.pi)
 _MIN_RESPONSE_S = 1e-9  # guards the paper form's division
 
 
-def idleness_profit(idleness_increase_s: float, num_stages: int, arrival_gap_s: float,
-                    tau_s: float) -> float:
+def idleness_profit(
+    idleness_increase_s: float, num_stages: int, arrival_gap_s: float, tau_s: float
+) -> float:
     """IP = −max(II/S − Δa, τ)."""
     return -max(idleness_increase_s / num_stages - arrival_gap_s, tau_s)
 
@@ -36,16 +37,25 @@ def length_consistency_normalized(length: float, mean: float, std: float) -> flo
     return math.exp(-0.5 * z * z)
 
 
-def paper_score(ip: float, lc: float, response_s: float, lambda_response: float,
-                lambda_length: float) -> float:
+def paper_score(
+    ip: float, lc: float, response_s: float, lambda_response: float, lambda_length: float
+) -> float:
     """f = (IP + λ2·LC) / (λ1·R), exactly as the prototype computes it."""
     return (ip + lambda_length * lc) / (lambda_response * max(response_s, _MIN_RESPONSE_S))
 
 
-def normalized_score(ip: float, lc_normalized: float, response_s: float, tau_s: float,
-                     slo_s: float, lambda_response: float, lambda_length: float,
-                     tbt_s: float = 0.0, slo_tbt_s: float = 1.0,
-                     lambda_tbt: float = 0.0) -> float:
+def normalized_score(
+    ip: float,
+    lc_normalized: float,
+    response_s: float,
+    tau_s: float,
+    slo_s: float,
+    lambda_response: float,
+    lambda_length: float,
+    tbt_s: float = 0.0,
+    slo_tbt_s: float = 1.0,
+    lambda_tbt: float = 0.0,
+) -> float:
     """Ours: f = IP/τ − λ1·R/τ_R − λ3·TBT/τ_TBT + λ2·LC_norm (higher is better).
 
     IP/τ ≤ −1 and is −1 unless the task opens idle time beyond the arrival gap;
@@ -53,5 +63,9 @@ def normalized_score(ip: float, lc_normalized: float, response_s: float, tau_s: 
     (decode-aware estimators only) steers requests away from nodes whose
     batches, or pending training, would slow their tokens.
     """
-    return (ip / tau_s - lambda_response * response_s / slo_s
-            - lambda_tbt * tbt_s / slo_tbt_s + lambda_length * lc_normalized)
+    return (
+        ip / tau_s
+        - lambda_response * response_s / slo_s
+        - lambda_tbt * tbt_s / slo_tbt_s
+        + lambda_length * lc_normalized
+    )

@@ -44,8 +44,9 @@ class SnapshotMismatch(ValueError):
 def config_fingerprint(config: PlannerConfig, policy_name: str) -> str:
     """What a snapshot must agree with to be restored: the planner config and
     the policy's name (they fix the state's shape and meaning)."""
-    text = json.dumps({"config": asdict(config), "policy": policy_name}, sort_keys=True,
-                      separators=(",", ":"))
+    text = json.dumps(
+        {"config": asdict(config), "policy": policy_name}, sort_keys=True, separators=(",", ":")
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -53,8 +54,9 @@ def check_snapshot(snapshot: Mapping[str, Any], config: PlannerConfig, policy_na
     """Raise `SnapshotMismatch` unless `snapshot` fits a planner of this setup."""
     version = snapshot.get("version")
     if version != SNAPSHOT_VERSION:
-        raise SnapshotMismatch(f"planner snapshot format {version!r} is not the supported "
-                               f"{SNAPSHOT_VERSION}")
+        raise SnapshotMismatch(
+            f"planner snapshot format {version!r} is not the supported {SNAPSHOT_VERSION}"
+        )
     if snapshot.get("fingerprint") != config_fingerprint(config, policy_name):
         have = snapshot.get("config") or {}
         diff = sorted(k for k, v in asdict(config).items() if have.get(k) != v)
@@ -62,7 +64,8 @@ def check_snapshot(snapshot: Mapping[str, Any], config: PlannerConfig, policy_na
             diff.insert(0, "policy")
         raise SnapshotMismatch(
             f"the planner snapshot was taken with another setup ({', '.join(diff) or '?'} "
-            "differ); restore it into a planner built with the same config and policy")
+            "differ); restore it into a planner built with the same config and policy"
+        )
 
 
 # ------------------------------------------------------------------ values
@@ -82,18 +85,27 @@ def float_from_state(value: float | None) -> float:
 
 
 def task_to_state(task: Task) -> State:
-    return {"task_id": task.task_id, "kind": task.kind.value, "arrival_s": task.arrival_s,
-            "num_prompt_tokens": task.num_prompt_tokens,
-            "max_output_tokens": task.max_output_tokens, "batch_size": task.batch_size,
-            "seq": task.seq}
+    return {
+        "task_id": task.task_id,
+        "kind": task.kind.value,
+        "arrival_s": task.arrival_s,
+        "num_prompt_tokens": task.num_prompt_tokens,
+        "max_output_tokens": task.max_output_tokens,
+        "batch_size": task.batch_size,
+        "seq": task.seq,
+    }
 
 
 def task_from_state(state: Mapping[str, Any]) -> Task:
-    return Task(task_id=str(state["task_id"]), kind=TaskKind(state["kind"]),
-                arrival_s=float(state["arrival_s"]),
-                num_prompt_tokens=int(state["num_prompt_tokens"]),
-                max_output_tokens=int(state["max_output_tokens"]),
-                batch_size=int(state["batch_size"]), seq=int(state["seq"]))
+    return Task(
+        task_id=str(state["task_id"]),
+        kind=TaskKind(state["kind"]),
+        arrival_s=float(state["arrival_s"]),
+        num_prompt_tokens=int(state["num_prompt_tokens"]),
+        max_output_tokens=int(state["max_output_tokens"]),
+        batch_size=int(state["batch_size"]),
+        seq=int(state["seq"]),
+    )
 
 
 def _floats(values: Iterable[float]) -> tuple[float, ...]:
@@ -101,14 +113,21 @@ def _floats(values: Iterable[float]) -> tuple[float, ...]:
 
 
 def window_to_state(window: TrainWindow) -> State:
-    return {"task_id": window.task_id, "backward_begin_s": list(window.backward_begin_s),
-            "backward_end_s": list(window.backward_end_s),
-            "backward_s": list(window.backward_s)}
+    return {
+        "task_id": window.task_id,
+        "backward_begin_s": list(window.backward_begin_s),
+        "backward_end_s": list(window.backward_end_s),
+        "backward_s": list(window.backward_s),
+    }
 
 
 def window_from_state(state: Mapping[str, Any]) -> TrainWindow:
-    return TrainWindow(str(state["task_id"]), _floats(state["backward_begin_s"]),
-                       _floats(state["backward_end_s"]), _floats(state["backward_s"]))
+    return TrainWindow(
+        str(state["task_id"]),
+        _floats(state["backward_begin_s"]),
+        _floats(state["backward_end_s"]),
+        _floats(state["backward_s"]),
+    )
 
 
 # ------------------------------------------------------------------ node views
@@ -127,8 +146,9 @@ def view_to_state(view: NodeView) -> State:
         "length_mean": view.length_mean,
         "length_m2": view.length_m2,
         # [prompt, max output] per held request, in insertion order
-        "requests": {t: [r.num_prompt_tokens, r.max_output_tokens]
-                     for t, r in view.requests.items()},
+        "requests": {
+            t: [r.num_prompt_tokens, r.max_output_tokens] for t, r in view.requests.items()
+        },
         "training_tasks": dict(view.training_tasks),
         "training_work_s": dict(view.training_work_s),
         "sum_training_work_s": view.sum_training_work_s,
@@ -154,8 +174,9 @@ def view_from_state(state: Mapping[str, Any]) -> NodeView:
         num_lengths=int(state["num_lengths"]),
         length_mean=float(state["length_mean"]),
         length_m2=float(state["length_m2"]),
-        requests={str(t): OutstandingRequest(int(p), int(o))
-                  for t, (p, o) in state["requests"].items()},
+        requests={
+            str(t): OutstandingRequest(int(p), int(o)) for t, (p, o) in state["requests"].items()
+        },
         training_tasks={str(t): int(n) for t, n in state["training_tasks"].items()},
         training_work_s={str(t): float(w) for t, w in state["training_work_s"].items()},
         sum_training_work_s=float(state["sum_training_work_s"]),

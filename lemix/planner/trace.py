@@ -169,8 +169,9 @@ class NodeView:
             )
             self.sum_request_prompt_tokens += task.num_prompt_tokens
             self.sum_request_output_tokens += task.max_output_tokens
-            self.max_request_output_tokens = max(self.max_request_output_tokens,
-                                                 task.max_output_tokens)
+            self.max_request_output_tokens = max(
+                self.max_request_output_tokens, task.max_output_tokens
+            )
 
     def finish(self, task_id: str) -> None:
         """Forget a task the node reported finished (completed, failed or dropped)."""
@@ -181,7 +182,8 @@ class NodeView:
             self.sum_request_output_tokens -= request.max_output_tokens
             if request.max_output_tokens >= self.max_request_output_tokens:
                 self.max_request_output_tokens = max(
-                    (r.max_output_tokens for r in self.requests.values()), default=0)
+                    (r.max_output_tokens for r in self.requests.values()), default=0
+                )
         if self.training_tasks.pop(task_id, None) is not None:
             self.sum_training_work_s -= self.training_work_s.pop(task_id, 0.0)
             if not self.training_tasks:
@@ -229,12 +231,14 @@ def _busiest_stage_work_s(prediction: Prediction) -> float:
     return max(
         (end - begin) + (backward[s] if backward else 0.0)
         for s, (begin, end) in enumerate(
-            zip(prediction.forward_begin_s, prediction.forward_end_s, strict=True))
+            zip(prediction.forward_begin_s, prediction.forward_end_s, strict=True)
+        )
     )
 
 
-def _busy_overlap_s(decode: DecodeLoad | None, stage: int, begin_s: float, end_s: float,
-                    now_s: float) -> float:
+def _busy_overlap_s(
+    decode: DecodeLoad | None, stage: int, begin_s: float, end_s: float, now_s: float
+) -> float:
     """Decode-busy time on `stage` inside [begin_s, end_s] (not idleness)."""
     if decode is None or end_s <= begin_s:
         return 0.0
@@ -243,8 +247,9 @@ def _busy_overlap_s(decode: DecodeLoad | None, stage: int, begin_s: float, end_s
     return max(hi - lo, 0.0) * decode.busy_fraction[stage]
 
 
-def _backward_overlap_s(windows: list[TrainWindow], stage: int, begin_s: float,
-                        end_s: float) -> float:
+def _backward_overlap_s(
+    windows: list[TrainWindow], stage: int, begin_s: float, end_s: float
+) -> float:
     """Backward time of pending training tasks on `stage` inside [begin_s, end_s]."""
     busy_s = 0.0
     for window in windows:
@@ -306,8 +311,9 @@ def compute_idleness(
         begins.append(begin_s)
         ends.append(end_s)
         begin_s = end_s  # the next stage needs this stage's output
-    window_out = (_backward_chain(task.task_id, ends[-1], costs.backward_s)
-                  if costs.backward_s else None)
+    window_out = (
+        _backward_chain(task.task_id, ends[-1], costs.backward_s) if costs.backward_s else None
+    )
     gap_s = 0.0 if view.last_arrival_s is None else max(arrival_s - view.last_arrival_s, 0.0)
     return Prediction(
         node_id=view.node_id,
@@ -322,8 +328,9 @@ def compute_idleness(
     )
 
 
-def _backward_chain(task_id: str, last_forward_end_s: float,
-                    backward_s: tuple[float, ...]) -> TrainWindow:
+def _backward_chain(
+    task_id: str, last_forward_end_s: float, backward_s: tuple[float, ...]
+) -> TrainWindow:
     """Backward from the last stage to the first, each starting when the next ends."""
     num_stages = len(backward_s)
     begins = [0.0] * num_stages

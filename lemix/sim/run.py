@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,45 +10,13 @@ from typing import Any
 from lemix.batching import BatchingConfig
 from lemix.engine import EngineConfig, NodeEngine
 from lemix.memory import MemoryConfig
-from lemix.planner.base import PlannerConfig
+from lemix.noise import NoisyLatency
+from lemix.planner.configure import build_planner_config
 from lemix.planner.registry import build_planner, get_spec
 from lemix.profile import Profile
-from lemix.sim.simulator import NoisyLatency, SimResult, Simulator
-from lemix.types import Task, TaskKind
-
-
-@dataclass(frozen=True)
-class SloConfig:
-    """One SLO for every policy in a comparison, computed the same way."""
-
-    multiplier: float = 5.0  # × the standalone (unloaded) latency
-
-    def __post_init__(self) -> None:
-        if self.multiplier <= 0:
-            raise ValueError("SLO multiplier must be > 0")
-
-
-@dataclass(frozen=True)
-class Slo:
-    ttft_s: float
-    tbt_s: float
-
-
-def compute_slo(profile: Profile, tasks: Sequence[Task], config: SloConfig) -> Slo:
-    """TTFT SLO = k × unloaded prefill of the median prompt; TBT SLO = k × unloaded
-    decode step at the median mid-decode context. Depends on the workload and the
-    profile only, never on the policy."""
-    inference = [t for t in tasks if t.kind is TaskKind.INFERENCE]
-    if inference:
-        prompt = int(statistics.median(t.num_prompt_tokens for t in inference))
-        context = int(statistics.median(t.num_prompt_tokens + t.max_output_tokens // 2
-                                        for t in inference))
-    else:
-        prompt, context = 512, 512
-    return Slo(
-        ttft_s=config.multiplier * profile.standalone_prefill_s(prompt),
-        tbt_s=config.multiplier * profile.standalone_decode_step_s(context),
-    )
+from lemix.sim.simulator import SimResult, Simulator
+from lemix.slo import Slo, SloConfig, compute_slo
+from lemix.types import Task
 
 
 @dataclass(frozen=True)
@@ -79,14 +46,14 @@ class SimRunConfig:
             raise ValueError("latency_noise_cv must be >= 0")
 
 
-def build_simulator(config: SimRunConfig, profile: Profile, tasks: Sequence[Task],
-                    slo: Slo) -> Simulator:
+def build_simulator(
+    config: SimRunConfig, profile: Profile, tasks: Sequence[Task], slo: Slo
+) -> Simulator:
     spec = get_spec(config.policy)
-    planner_config = PlannerConfig(
+    planner_config = build_planner_config(
         num_nodes=config.num_nodes,
-        num_stages=profile.num_stages,
-        slo_ttft_s=slo.ttft_s,
-        slo_tbt_s=slo.tbt_s,
+        profile=profile,
+        slo=slo,
         max_batch_size=config.batching.max_batch_size,
         max_defer_s=config.max_defer_s,
         defer_recheck_s=config.defer_recheck_s,
@@ -95,30 +62,48 @@ def build_simulator(config: SimRunConfig, profile: Profile, tasks: Sequence[Task
     )
     memory = config.memory
     if not spec.is_memory_aware:
-        memory = MemoryConfig(kappa=memory.kappa, max_wait_s=memory.max_wait_s,
-                              is_offload_enabled=False)
+        memory = MemoryConfig(
+            kappa=memory.kappa, max_wait_s=memory.max_wait_s, is_offload_enabled=False
+        )
     planner = build_planner(config.policy, planner_config, profile, memory)
-    engine_config = EngineConfig(config.batching, memory, config.stage_order,
-                                 config.max_training_in_flight)
+    engine_config = EngineConfig(
+        config.batching, memory, config.stage_order, config.max_training_in_flight
+    )
     # Noise streams derive from the run seed, so every policy sees the same draws
     # per node for the same sequence of work.
     engines = [
-        NodeEngine(i, profile,
-                   NoisyLatency(profile.ours, config.latency_noise_cv,
-                                random.Random(config.seed * 1_000_003 + i)),
-                   engine_config)
+        NodeEngine(
+            i,
+            profile,
+            NoisyLatency(
+                profile.ours, config.latency_noise_cv, random.Random(config.seed * 1_000_003 + i)
+            ),
+            engine_config,
+        )
         for i in range(config.num_nodes)
     ]
-    return Simulator(planner, engines, tasks, profile, drain_limit_s=config.drain_limit_s,
-                     measure_decision_latency=config.measure_decision_latency,
-                     keep_decisions=config.keep_decisions)
+    return Simulator(
+        planner,
+        engines,
+        tasks,
+        profile,
+        drain_limit_s=config.drain_limit_s,
+        measure_decision_latency=config.measure_decision_latency,
+        keep_decisions=config.keep_decisions,
+    )
 
 
-def run_simulation(config: SimRunConfig, profile: Profile, tasks: Sequence[Task], *,
-                   request_rate: float, duration_s: float,
-                   slo: Slo | None = None) -> tuple[dict[str, Any], SimResult]:
+def run_simulation(
+    config: SimRunConfig,
+    profile: Profile,
+    tasks: Sequence[Task],
+    *,
+    request_rate: float,
+    duration_s: float,
+    slo: Slo | None = None,
+) -> tuple[dict[str, Any], SimResult]:
     """Run one simulation; return (metrics JSON object, raw result)."""
-    from lemix.metrics import summarize
+    from lemix.report.metrics import summarize
 
     slo = slo or compute_slo(profile, tasks, config.slo)
     sim = build_simulator(config, profile, tasks, slo)

@@ -10,8 +10,6 @@ with that reason and counted, never silently dropped.
 from __future__ import annotations
 
 import heapq
-import math
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,7 +24,6 @@ from lemix.engine import (
     Requeued,
     StageStart,
 )
-from lemix.latency import LatencyModel
 from lemix.planner.planner import Planner
 from lemix.profile import Profile
 from lemix.sim.events import (
@@ -49,35 +46,6 @@ from lemix.types import (
 )
 
 
-@dataclass(frozen=True)
-class NoisyLatency:
-    """Ground truth = model × lognormal(σ) noise with mean 1, from a seeded RNG."""
-
-    base: LatencyModel
-    cv: float
-    rng: random.Random
-    name: str = "noisy"
-
-    @property
-    def num_stages(self) -> int:
-        return self.base.num_stages
-
-    def _factor(self) -> float:
-        if self.cv <= 0:
-            return 1.0
-        sigma = math.sqrt(math.log1p(self.cv * self.cv))
-        return self.rng.lognormvariate(-0.5 * sigma * sigma, sigma)
-
-    def forward_s(self, stage: int, batch_size: int, num_tokens: int) -> float:
-        return self.base.forward_s(stage, batch_size, num_tokens) * self._factor()
-
-    def backward_s(self, stage: int, batch_size: int, num_tokens: int) -> float:
-        return self.base.backward_s(stage, batch_size, num_tokens) * self._factor()
-
-    def decode_step_s(self, stage: int, batch_size: int, sum_context_tokens: int) -> float:
-        return self.base.decode_step_s(stage, batch_size, sum_context_tokens) * self._factor()
-
-
 @dataclass
 class SimResult:
     records: list[TaskRecord]
@@ -93,9 +61,17 @@ class SimResult:
 
 
 class Simulator:
-    def __init__(self, planner: Planner, engines: Sequence[NodeEngine], tasks: Sequence[Task],
-                 profile: Profile, *, drain_limit_s: float = 600.0,
-                 measure_decision_latency: bool = True, keep_decisions: bool = False) -> None:
+    def __init__(
+        self,
+        planner: Planner,
+        engines: Sequence[NodeEngine],
+        tasks: Sequence[Task],
+        profile: Profile,
+        *,
+        drain_limit_s: float = 600.0,
+        measure_decision_latency: bool = True,
+        keep_decisions: bool = False,
+    ) -> None:
         self.planner = planner
         self.engines = list(engines)
         self.profile = profile
@@ -106,8 +82,14 @@ class Simulator:
         self._seq = 0
         self._tasks = {t.task_id: t for t in tasks}
         self.records = {
-            t.task_id: TaskRecord(t.task_id, t.kind, t.arrival_s, t.num_prompt_tokens,
-                                  t.max_output_tokens, t.batch_size)
+            t.task_id: TaskRecord(
+                t.task_id,
+                t.kind,
+                t.arrival_s,
+                t.num_prompt_tokens,
+                t.max_output_tokens,
+                t.batch_size,
+            )
             for t in tasks
         }
         self._wake_at: float | None = None
@@ -191,8 +173,9 @@ class Simulator:
         starts, outcomes = self.engines[node_id].on_timer(now_s)
         self._after_engine(node_id, starts, outcomes, now_s)
 
-    def _after_engine(self, node_id: int, starts: list[StageStart], outcomes: list[Outcome],
-                      now_s: float) -> None:
+    def _after_engine(
+        self, node_id: int, starts: list[StageStart], outcomes: list[Outcome], now_s: float
+    ) -> None:
         for start in starts:
             if self._first_busy[node_id] is None:
                 self._first_busy[node_id] = now_s
@@ -273,7 +256,8 @@ class Simulator:
             if record.status is None:
                 record.status = TaskStatus.FAILED
                 record.reason = (
-                    f"unfinished when the run ended (drain limit {self.drain_limit_s:g} s)")
+                    f"unfinished when the run ended (drain limit {self.drain_limit_s:g} s)"
+                )
         finish_times = [r.finish_s for r in self.records.values() if r.finish_s is not None]
         makespan_s = max(finish_times, default=0.0)
         num_stage_slots = len(self.engines) * self.profile.num_stages

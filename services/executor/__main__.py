@@ -13,14 +13,18 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from lemix.service_main import run_service
+from lemix.infra.service_main import run_service
 from services.executor.config import ExecutorConfig
 from services.executor.service import ExecutorService
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_service(argv, ExecutorConfig.from_env_and_args, ExecutorService,
-                       lambda c: f"executor node={c.node_id}")
+    return run_service(
+        argv,
+        ExecutorConfig.from_env_and_args,
+        ExecutorService,
+        lambda c: f"executor node={c.node_id}",
+    )
 
 
 if __name__ == "__main__":

@@ -2,53 +2,48 @@
 maps ``LEMIX_*`` environment variables and command-line flags onto it.
 
 Precedence: a flag given on the command line, else its environment variable,
-else the default (lemix.settings is the mechanism). Nothing is read at import
+else the default (lemix.infra.settings is the mechanism). Nothing is read at import
 time; `from_env_and_args` reads `os.environ` when called (or the mapping it is
-given, for tests). `scripts/config_table.py` prints the README table from
-`_OPTIONS`.
+given, for tests). The fields every service shares (host, ports, Redis,
+logging, the service token, the drain grace) come from `lemix.infra.config`;
+`scripts/config_table.py` prints the docs/configuration.md table from `_OPTIONS`.
 """
 
 from __future__ import annotations
 
-import argparse
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lemix import settings
 from lemix.batching import BatchingConfig
 from lemix.engine import EngineConfig
+from lemix.infra import settings
+from lemix.infra.config import COMMON_CLI_DEFAULTS, EXECUTOR, CommonServiceConfig, common_options
+from lemix.infra.settings import Option, boolean, check_finite
 from lemix.memory import MemoryConfig
-from lemix.redis_keys import DEFAULT_NAMESPACE, RedisKeys
-from lemix.rpc.auth import SERVICE_TOKEN_OPTION, check_service_token
-from lemix.settings import Option, boolean, port_or_off
 
 if TYPE_CHECKING:
     from services.executor.torch_setup import TorchBackendConfig
 
 BACKENDS = ("emulated", "torch")
-LOG_FORMATS = ("console", "json")
-LOG_LEVELS = ("debug", "info", "warning", "error")
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
 _MAX_NODE_ID = (1 << 32) - 1  # NodeState.node_id is a uint32 on the wire
-_TTL_PER_HEARTBEAT = 3.0  # PROTOCOL.md: heartbeat TTL defaults to 3x the period
+_TTL_PER_HEARTBEAT = 3.0  # docs/protocol.md: heartbeat TTL defaults to 3x the period
 
 
 @dataclass(frozen=True)
-class ExecutorConfig:
+class ExecutorConfig(CommonServiceConfig):
     """Everything one executor process (one node) needs. Times are wall seconds
     unless they say otherwise; engine times (`join_window_s`, `max_wait_s`) are
-    profile seconds, which `time_scale` shrinks or stretches."""
+    profile seconds, which `time_scale` shrinks or stretches.
+
+    From CommonServiceConfig: `port` 0 = any free port (see
+    ExecutorService.bound_port); `shutdown_grace_s` is how long stop() lets
+    running work finish; `service_token` must be on every call but health
+    checks ("" = unauthenticated)."""
 
     node_id: int = 0
-    host: str = "127.0.0.1"  # gRPC bind address
-    port: int = 0  # 0 = any free port (see ExecutorService.bound_port)
-    metrics_port: int = -1  # Prometheus /metrics: 0 = any free port, -1 = off
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    namespace: str = DEFAULT_NAMESPACE  # Redis key prefix shared by one stack
     profile_path: Path | None = None  # None = lemix.profile.default_profile_path()
     backend: str = "emulated"
     time_scale: float = 1.0  # wall seconds per profile second (emulated backend)
@@ -62,15 +57,10 @@ class ExecutorConfig:
     max_wait_s: float = MemoryConfig().max_wait_s  # T_max (profile s)
     is_offload_enabled: bool = True  # False: wait-then-drop
     advertise_host: str = ""  # host others dial; "" = host (or this machine's name)
-    shutdown_grace_s: float = 5.0  # how long stop() lets running work finish
     stage_timeout_s: float = 300.0  # a stage item running longer marks the node unhealthy
     # SyncWeights reads and writes only under this directory (the scheduler's
     # weight_sync_dir, the same LEMIX_WEIGHT_SYNC_DIR): any other location is refused.
     weight_sync_dir: str = "/tmp/lemix-weights"
-    # Calls but health checks must carry it (lemix.rpc.auth); "" = unauthenticated.
-    service_token: str = field(default="", repr=False)
-    log_format: str = "console"
-    log_level: str = "info"
     # torch backend (see services/executor/torch_setup.py)
     model: str = "tiny-llama"  # a preset name or a local checkpoint directory
     tokenizer: str = "bpe:8192"  # the gateway must use the same
@@ -83,26 +73,16 @@ class ExecutorConfig:
     torch_threads: int = 0  # intra-op threads; 0 = torch's default
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 0 <= self.node_id <= _MAX_NODE_ID:
             raise ValueError(f"node_id must be in [0, {_MAX_NODE_ID}], got {self.node_id}")
-        if not self.host or any(ch.isspace() for ch in self.host):
-            raise ValueError(f"host must be a non-empty host name or address, got {self.host!r}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535] (0 = any free port), got {self.port}")
-        settings.check_port_or_off("metrics_port", self.metrics_port)
-        if not self.redis_url.startswith(_REDIS_SCHEMES):
-            raise ValueError(
-                f"redis_url must start with one of {', '.join(_REDIS_SCHEMES)}, "
-                f"got {self.redis_url!r}"
-            )
-        RedisKeys(self.namespace)  # raises ValueError on an empty or spaced namespace
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        _positive("time_scale", self.time_scale)
-        _non_negative("latency_noise_cv", self.latency_noise_cv)
+        check_finite("time_scale", self.time_scale, allow_zero=False)
+        check_finite("latency_noise_cv", self.latency_noise_cv, allow_zero=True)
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
-        _positive("heartbeat_s", self.heartbeat_s)
+        check_finite("heartbeat_s", self.heartbeat_s, allow_zero=False)
         if self.node_ttl_s is not None and not self.node_ttl_s > self.heartbeat_s:
             raise ValueError(
                 f"node_ttl_s ({self.node_ttl_s}) must exceed heartbeat_s ({self.heartbeat_s}), "
@@ -110,38 +90,43 @@ class ExecutorConfig:
             )
         if any(ch.isspace() for ch in self.advertise_host):
             raise ValueError(f"advertise_host must not contain spaces: {self.advertise_host!r}")
-        _non_negative("shutdown_grace_s", self.shutdown_grace_s)
-        _positive("stage_timeout_s", self.stage_timeout_s)
+        check_finite("stage_timeout_s", self.stage_timeout_s, allow_zero=False)
         if not self.weight_sync_dir or "\0" in self.weight_sync_dir:
             raise ValueError(f"weight_sync_dir must name a directory, got {self.weight_sync_dir!r}")
-        check_service_token(self.service_token)
-        if self.log_format not in LOG_FORMATS:
-            raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
-        if self.log_level not in LOG_LEVELS:
-            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         self.engine_config()  # batching/memory ranges are checked by their own configs
         if self.backend == "torch":
             if self.time_scale != 1.0:
-                raise ValueError("time_scale applies to the emulated backend only; the torch "
-                                 "backend runs in real time (leave it at 1)")
+                raise ValueError(
+                    "time_scale applies to the emulated backend only; the torch "
+                    "backend runs in real time (leave it at 1)"
+                )
             self.torch_config()
 
     def torch_config(self) -> TorchBackendConfig:
         from services.executor.torch_setup import TorchBackendConfig
 
         return TorchBackendConfig(
-            model=self.model, tokenizer=self.tokenizer, devices=self.devices, dtype=self.dtype,
-            seed=self.model_seed, learning_rate=self.learning_rate,
-            max_grad_norm=self.max_grad_norm, memory_budget_bytes=self.memory_budget_bytes,
-            num_threads=self.torch_threads)
+            model=self.model,
+            tokenizer=self.tokenizer,
+            devices=self.devices,
+            dtype=self.dtype,
+            seed=self.model_seed,
+            learning_rate=self.learning_rate,
+            max_grad_norm=self.max_grad_norm,
+            memory_budget_bytes=self.memory_budget_bytes,
+            num_threads=self.torch_threads,
+        )
 
     # ------------------------------------------------------------ derived
 
     @property
     def heartbeat_ttl_s(self) -> float:
         """TTL of each node-state write: `node_ttl_s`, or 3 x `heartbeat_s`."""
-        return self.node_ttl_s if self.node_ttl_s is not None else (
-            _TTL_PER_HEARTBEAT * self.heartbeat_s)
+        return (
+            self.node_ttl_s
+            if self.node_ttl_s is not None
+            else (_TTL_PER_HEARTBEAT * self.heartbeat_s)
+        )
 
     def engine_config(self) -> EngineConfig:
         """The node engine's config (streaming executors need every token)."""
@@ -165,93 +150,198 @@ class ExecutorConfig:
         cls, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     ) -> ExecutorConfig:
         """Build the config from `env` (default `os.environ`) and `argv` (default
-        `sys.argv[1:]`), through lemix.settings. Bad flags exit via argparse
+        `sys.argv[1:]`), through lemix.infra.settings. Bad flags exit via argparse
         (status 2); a bad environment value or an out-of-range setting raises
         `ValueError`."""
-        return settings.parse_settings(cls, build_parser(), _OPTIONS, argv, env, _CLI_DEFAULTS)
-
-
-def _positive(name: str, value: float) -> None:
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
-
-
-def _non_negative(name: str, value: float) -> None:
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        return SPEC.parse(argv, env)
 
 
 _OPTIONS: tuple[Option, ...] = (
+    *common_options(EXECUTOR),
     Option("node_id", "--node-id", "LEMIX_NODE_ID", int, "this node's id", "N"),
-    Option("host", "--host", "LEMIX_EXECUTOR_HOST", str, "gRPC bind address", "HOST"),
-    Option("port", "--port", "LEMIX_EXECUTOR_PORT", int, "gRPC port (0 = any free port)",
-           "PORT"),
-    Option("metrics_port", "--metrics-port", "LEMIX_EXECUTOR_METRICS_PORT", port_or_off,
-           "Prometheus /metrics port (0 = any free port, -1 = off)", "PORT"),
-    Option("redis_url", "--redis-url", "LEMIX_REDIS_URL", str, "Redis URL", "URL"),
-    Option("namespace", "--namespace", "LEMIX_NAMESPACE", str, "Redis key prefix", "NS"),
-    Option("profile_path", "--profile", "LEMIX_PROFILE", Path,
-           "profile JSON (default: the shipped A100 profile)", "FILE"),
-    Option("backend", "--backend", "LEMIX_EXECUTOR_BACKEND", str,
-           f"stage backend: {', '.join(BACKENDS)}", "NAME"),
-    Option("time_scale", "--time-scale", "LEMIX_TIME_SCALE", float,
-           "wall seconds per profile second (emulated)", "X"),
-    Option("latency_noise_cv", "--latency-noise-cv", "LEMIX_LATENCY_NOISE_CV", float,
-           "CV of the emulated latency noise (0 = exact profile)", "CV"),
+    Option(
+        "profile_path",
+        "--profile",
+        "LEMIX_PROFILE",
+        Path,
+        "profile JSON (default: the shipped A100 profile)",
+        "FILE",
+    ),
+    Option(
+        "backend",
+        "--backend",
+        "LEMIX_EXECUTOR_BACKEND",
+        str,
+        f"stage backend: {', '.join(BACKENDS)}",
+        "NAME",
+    ),
+    Option(
+        "time_scale",
+        "--time-scale",
+        "LEMIX_TIME_SCALE",
+        float,
+        "wall seconds per profile second (emulated)",
+        "X",
+    ),
+    Option(
+        "latency_noise_cv",
+        "--latency-noise-cv",
+        "LEMIX_LATENCY_NOISE_CV",
+        float,
+        "CV of the emulated latency noise (0 = exact profile)",
+        "CV",
+    ),
     Option("seed", "--seed", "LEMIX_SEED", int, "noise RNG seed (plus node id)", "N"),
-    Option("heartbeat_s", "--heartbeat-s", "LEMIX_HEARTBEAT_S", float,
-           "node-state write period, s", "S"),
-    Option("node_ttl_s", "--node-ttl-s", "LEMIX_NODE_TTL_S", float,
-           "node-state TTL, s (default 3x heartbeat)", "S"),
-    Option("max_batch_size", "--max-batch-size", "LEMIX_MAX_BATCH_SIZE", int,
-           "C, the running-batch cap", "C"),
-    Option("join_window_s", "--join-window-s", "LEMIX_JOIN_WINDOW_S", float,
-           "T_w, profile s (default: join at any iteration)", "S"),
+    Option(
+        "heartbeat_s",
+        "--heartbeat-s",
+        "LEMIX_HEARTBEAT_S",
+        float,
+        "node-state write period, s",
+        "S",
+    ),
+    Option(
+        "node_ttl_s",
+        "--node-ttl-s",
+        "LEMIX_NODE_TTL_S",
+        float,
+        "node-state TTL, s (default 3x heartbeat)",
+        "S",
+    ),
+    Option(
+        "max_batch_size",
+        "--max-batch-size",
+        "LEMIX_MAX_BATCH_SIZE",
+        int,
+        "C, the running-batch cap",
+        "C",
+    ),
+    Option(
+        "join_window_s",
+        "--join-window-s",
+        "LEMIX_JOIN_WINDOW_S",
+        float,
+        "T_w, profile s (default: join at any iteration)",
+        "S",
+    ),
     Option("kappa", "--kappa", "LEMIX_KAPPA", float, "usable fraction of GPU memory", "K"),
-    Option("max_wait_s", "--max-wait-s", "LEMIX_MAX_WAIT_S", float,
-           "T_max, profile s a task may wait for memory", "S"),
-    Option("is_offload_enabled", "--offload", "LEMIX_OFFLOAD", boolean,
-           "offload KV to host after T_max (--no-offload: wait, then drop)"),
-    Option("advertise_host", "--advertise-host", "LEMIX_ADVERTISE_HOST", str,
-           "host others dial (default: --host, or this machine's name for a wildcard)",
-           "HOST"),
-    Option("shutdown_grace_s", "--shutdown-grace-s", "LEMIX_SHUTDOWN_GRACE_S", float,
-           "how long shutdown lets running work finish, s", "S"),
-    Option("stage_timeout_s", "--stage-timeout-s", "LEMIX_STAGE_TIMEOUT_S", float,
-           "a stage item running longer (wall s) marks the node unhealthy", "S"),
-    Option("weight_sync_dir", "--weight-sync-dir", "LEMIX_WEIGHT_SYNC_DIR", str,
-           "SyncWeights reads and writes only under this directory", "DIR"),
-    SERVICE_TOKEN_OPTION,
-    Option("log_format", "--log-format", "LEMIX_LOG_FORMAT", str,
-           f"log format: {', '.join(LOG_FORMATS)}", "FMT"),
-    Option("log_level", "--log-level", "LEMIX_LOG_LEVEL", str,
-           f"log level: {', '.join(LOG_LEVELS)}", "LEVEL"),
-    Option("model", "--model", "LEMIX_MODEL", str,
-           "torch: model preset or local checkpoint directory", "NAME|DIR"),
-    Option("tokenizer", "--tokenizer", "LEMIX_TOKENIZER", str,
-           "torch: tokenizer spec (bpe:N, tokenizer.json, model dir)", "SPEC"),
-    Option("devices", "--devices", "LEMIX_DEVICES", str,
-           "torch: per-stage devices, comma-separated (default cuda:0.. or cpu)", "LIST"),
-    Option("dtype", "--dtype", "LEMIX_DTYPE", str,
-           "torch: float32 | bfloat16 | float16 (default by device)", "DTYPE"),
-    Option("model_seed", "--model-seed", "LEMIX_MODEL_SEED", int,
-           "torch: preset weight-init seed", "N"),
-    Option("learning_rate", "--learning-rate", "LEMIX_LEARNING_RATE", float,
-           "torch: AdamW learning rate", "LR"),
-    Option("max_grad_norm", "--max-grad-norm", "LEMIX_MAX_GRAD_NORM", float,
-           "torch: per-stage gradient clipping (0 = off)", "N"),
-    Option("memory_budget_bytes", "--memory-budget-bytes", "LEMIX_MEMORY_BUDGET_BYTES", int,
-           "torch on CPU: memory per stage, bytes (0 = 4 GiB)", "B"),
-    Option("torch_threads", "--torch-threads", "LEMIX_TORCH_THREADS", int,
-           "torch: intra-op threads (0 = default)", "N"),
+    Option(
+        "max_wait_s",
+        "--max-wait-s",
+        "LEMIX_MAX_WAIT_S",
+        float,
+        "T_max, profile s a task may wait for memory",
+        "S",
+    ),
+    Option(
+        "is_offload_enabled",
+        "--offload",
+        "LEMIX_OFFLOAD",
+        boolean,
+        "offload KV to host after T_max (--no-offload: wait, then drop)",
+    ),
+    Option(
+        "advertise_host",
+        "--advertise-host",
+        "LEMIX_ADVERTISE_HOST",
+        str,
+        "host others dial (default: --host, or this machine's name for a wildcard)",
+        "HOST",
+    ),
+    Option(
+        "stage_timeout_s",
+        "--stage-timeout-s",
+        "LEMIX_STAGE_TIMEOUT_S",
+        float,
+        "a stage item running longer (wall s) marks the node unhealthy",
+        "S",
+    ),
+    Option(
+        "weight_sync_dir",
+        "--weight-sync-dir",
+        "LEMIX_WEIGHT_SYNC_DIR",
+        str,
+        "SyncWeights reads and writes only under this directory",
+        "DIR",
+    ),
+    Option(
+        "model",
+        "--model",
+        "LEMIX_MODEL",
+        str,
+        "torch: model preset or local checkpoint directory",
+        "NAME|DIR",
+    ),
+    Option(
+        "tokenizer",
+        "--tokenizer",
+        "LEMIX_TOKENIZER",
+        str,
+        "torch: tokenizer spec (bpe:N, tokenizer.json, model dir)",
+        "SPEC",
+    ),
+    Option(
+        "devices",
+        "--devices",
+        "LEMIX_DEVICES",
+        str,
+        "torch: per-stage devices, comma-separated (default cuda:0.. or cpu)",
+        "LIST",
+    ),
+    Option(
+        "dtype",
+        "--dtype",
+        "LEMIX_DTYPE",
+        str,
+        "torch: float32 | bfloat16 | float16 (default by device)",
+        "DTYPE",
+    ),
+    Option(
+        "model_seed", "--model-seed", "LEMIX_MODEL_SEED", int, "torch: preset weight-init seed", "N"
+    ),
+    Option(
+        "learning_rate",
+        "--learning-rate",
+        "LEMIX_LEARNING_RATE",
+        float,
+        "torch: AdamW learning rate",
+        "LR",
+    ),
+    Option(
+        "max_grad_norm",
+        "--max-grad-norm",
+        "LEMIX_MAX_GRAD_NORM",
+        float,
+        "torch: per-stage gradient clipping (0 = off)",
+        "N",
+    ),
+    Option(
+        "memory_budget_bytes",
+        "--memory-budget-bytes",
+        "LEMIX_MEMORY_BUDGET_BYTES",
+        int,
+        "torch on CPU: memory per stage, bytes (0 = 4 GiB)",
+        "B",
+    ),
+    Option(
+        "torch_threads",
+        "--torch-threads",
+        "LEMIX_TORCH_THREADS",
+        int,
+        "torch: intra-op threads (0 = default)",
+        "N",
+    ),
 )
 
 # `python -m services.executor` serves metrics unless told not to.
-_CLI_DEFAULTS: dict[str, Any] = {"metrics_port": 0}
+_CLI_DEFAULTS: dict[str, Any] = dict(COMMON_CLI_DEFAULTS)
 
 
-def build_parser(prog: str = "python -m services.executor") -> argparse.ArgumentParser:
-    """The executor's flags; each names its environment variable."""
-    return settings.build_parser(
-        ExecutorConfig, _OPTIONS, prog=prog, cli_defaults=_CLI_DEFAULTS,
-        description="LeMix executor: one process per node (torch or emulated stage backend).")
+SPEC = settings.ConfigSpec(
+    ExecutorConfig,
+    _OPTIONS,
+    prog="python -m services.executor",
+    description="LeMix executor: one process per node (torch or emulated stage backend).",
+    cli_defaults=_CLI_DEFAULTS,
+)
+build_parser = SPEC.build_parser

@@ -1,8 +1,8 @@
 """Protobuf <-> domain for the executor-only messages (Dispatch, Measure, SyncWeights).
 
-Tasks and node states convert in `lemix.rpc.convert`, shared by every service;
+Tasks and node states convert in `lemix.infra.rpc.convert`, shared by every service;
 this module adds what only the executor speaks. Bad values raise
-`InvalidArgument`. As in `lemix.rpc.convert`, a proto3 zero that can only mean
+`InvalidArgument`. As in `lemix.infra.rpc.convert`, a proto3 zero that can only mean
 "unset" reads as the default: `batch_size` 0 -> 1, `num_repeats` 0 -> 1.
 """
 
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from lemix._proto.lemix.v1 import executor_pb2
-from lemix.rpc.convert import task_from_proto
-from lemix.rpc.errors import InvalidArgument
+from lemix.infra.rpc.convert import task_from_proto
+from lemix.infra.rpc.errors import InvalidArgument
 from lemix.types import Task, TaskPayload
 
 MAX_MEASURE_REPEATS = 10_000  # one Measure call; the profiler loops for more
@@ -64,7 +64,7 @@ class WeightSyncResult:
 @dataclass(frozen=True, slots=True)
 class DispatchSpec:
     """One placement to run: the task, its payload, and its attempt number
-    (the fencing token, services/PROTOCOL.md; 0: sent without one)."""
+    (the fencing token, docs/protocol.md; 0: sent without one)."""
 
     task: Task
     payload: TaskPayload
@@ -101,13 +101,15 @@ def measure_from_proto(msg: executor_pb2.MeasureRequest) -> MeasureSpec:
         raise InvalidArgument(
             f"num_repeats must be <= {MAX_MEASURE_REPEATS}, got {num_repeats}; call again for more"
         )
-    return MeasureSpec(phase, msg.stage, msg.batch_size or 1, msg.num_tokens,
-                       msg.sum_context_tokens, num_repeats)
+    return MeasureSpec(
+        phase, msg.stage, msg.batch_size or 1, msg.num_tokens, msg.sum_context_tokens, num_repeats
+    )
 
 
 def measure_to_proto(result: MeasureResult) -> executor_pb2.MeasureResponse:
-    return executor_pb2.MeasureResponse(latency_s=result.latency_s,
-                                        peak_memory_bytes=result.peak_memory_bytes)
+    return executor_pb2.MeasureResponse(
+        latency_s=result.latency_s, peak_memory_bytes=result.peak_memory_bytes
+    )
 
 
 def sync_from_proto(msg: executor_pb2.SyncWeightsRequest) -> WeightSyncSpec:
@@ -121,5 +123,6 @@ def sync_from_proto(msg: executor_pb2.SyncWeightsRequest) -> WeightSyncSpec:
 
 
 def sync_to_proto(result: WeightSyncResult) -> executor_pb2.SyncWeightsResponse:
-    return executor_pb2.SyncWeightsResponse(duration_s=result.duration_s,
-                                            num_bytes=result.num_bytes)
+    return executor_pb2.SyncWeightsResponse(
+        duration_s=result.duration_s, num_bytes=result.num_bytes
+    )

@@ -1,11 +1,12 @@
 """Drives a `NodeEngine` in real time: the executor's plan → execute → update loop.
 
-The engine (pure) says which stage runs what for how long; a `StageBackend`
-executes it (the emulated backend sleeps for the profiled duration, scaled;
-the torch backend will run the real stage); when it returns, the engine is told
-and answers with the next work and the outcomes. Outcomes go, in order, to an
-`OutcomeSink` (Redis in the service, a list in tests) through one writer task,
-which batches whatever has accumulated into one call.
+The engine (pure) says which stage runs what for how long; an
+`ExecutorBackend` (services/executor/backends/) executes it (the emulated
+backend sleeps for the profiled duration, scaled; the torch backend runs the
+real stage); when it returns, the engine is told and answers with the next
+work and the outcomes. Outcomes go, in order, to an `OutcomeSink` (Redis in
+the service, a list in tests) through one writer task, which batches whatever
+has accumulated into one call.
 
 Engine time is "profile seconds": wall time since start divided by
 `time_scale`, so a scaled run keeps every engine rule (T_max waits, batching
@@ -16,78 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Protocol
 
 import structlog
 
 from lemix.engine import NodeEngine, Outcome, StageStart
-from lemix.types import Task, TaskPayload
-from services.executor.convert import MeasureResult, MeasureSpec, SyncDirection
+from lemix.types import Task
+from services.executor.backends.base import ExecutorBackend, RequestsFailed
 
 log = structlog.get_logger(__name__)
 
 # How long stop() waits for the outcome writer beyond the drain timeout.
 _WRITER_STOP_S = 2.0
-
-
-class RequestsFailed(Exception):  # noqa: N818 - it is an outcome, not a misuse
-    """A backend could not run these requests (they end Failed, `reason`).
-
-    `stopped` are requests of the same item that ended normally (end of
-    sequence): one bad request must not take its batch-mates down with it.
-    """
-
-    def __init__(self, task_ids: Sequence[str], reason: str,
-                 stopped: Sequence[str] = ()) -> None:
-        super().__init__(reason)
-        self.task_ids = tuple(task_ids)
-        self.reason = reason
-        self.stopped = tuple(stopped)
-
-
-class StageBackend(Protocol):
-    """Executes one stage's work item."""
-
-    async def execute(self, start: StageStart) -> Sequence[str] | None:
-        """Run it; return the ids of requests that ended early (end-of-sequence)."""
-        ...
-
-
-@dataclass(frozen=True)
-class EmulatedBackend:
-    """Stage timing from the profile: sleep the predicted duration × time_scale."""
-
-    time_scale: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.time_scale <= 0:
-            raise ValueError("time_scale must be > 0")
-
-    async def execute(self, start: StageStart) -> Sequence[str] | None:
-        if start.duration_s > 0:
-            await asyncio.sleep(start.duration_s * self.time_scale)
-        return None
-
-
-@runtime_checkable
-class ModelBackend(Protocol):
-    """A backend that runs a real model: it keeps per-task model state.
-
-    The node calls these around the engine; the sink reads token ids and end
-    fields from it. (`EmulatedBackend` has no model and implements none.)
-    """
-
-    def bind(self, engine: NodeEngine) -> None: ...
-    def on_dispatch(self, task: Task, payload: TaskPayload) -> None: ...
-    def forget(self, task_id: str) -> None: ...
-    def output_ids(self, task_id: str) -> Sequence[int]: ...
-    def end_fields(self, task_id: str) -> dict[str, str | float]: ...
-    def prepare_sync(self, tag: str, direction: SyncDirection, location: str) -> None: ...
-    async def measure(self, spec: MeasureSpec) -> MeasureResult: ...
-    def used_bytes(self) -> list[int]: ...
-    def close(self) -> None: ...
 
 
 class OutcomeSink(Protocol):
@@ -97,11 +39,18 @@ class OutcomeSink(Protocol):
 
 
 class NodeDriver:
-    """Runs one node's engine against a backend and a sink."""
+    """Runs one node's engine against a backend (bound to the engine here) and a sink."""
 
-    def __init__(self, engine: NodeEngine, backend: StageBackend, sink: OutcomeSink, *,
-                 time_scale: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        engine: NodeEngine,
+        backend: ExecutorBackend,
+        sink: OutcomeSink,
+        *,
+        time_scale: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        backend.bind(engine)
         self.engine = engine
         self.backend = backend
         self.sink = sink
@@ -169,8 +118,9 @@ class NodeDriver:
         self._after(starts, outcomes, now_s)
         return is_found
 
-    def add_blocking(self, tag: str, durations_s: tuple[float, ...],
-                     apply_updates: int | None) -> None:
+    def add_blocking(
+        self, tag: str, durations_s: tuple[float, ...], apply_updates: int | None
+    ) -> None:
         now_s = self._tick()
         starts = self.engine.add_blocking(tag, durations_s, apply_updates, now_s)
         self._after(starts, [], now_s)
@@ -202,30 +152,28 @@ class NodeDriver:
             self._stage_since.pop(start.stage, None)
 
     async def _run_stage_work(self, start: StageStart, start_at_s: float) -> None:
-        if isinstance(self.backend, EmulatedBackend):
-            # Sleep to the stage's absolute end in profile time, and tell the
-            # engine it ended then: timer overshoot (~0.5 ms a wake-up) would
-            # otherwise add up over every stage of every decode step.
-            end_s = start_at_s + start.duration_s
-            await asyncio.sleep(max(end_s - self.now_s(), 0.0) * self.time_scale)
-            done_at_s = self._tick(end_s)
-        else:
-            try:
-                stopped = await self.backend.execute(start)
-                if stopped:
-                    self.engine.stop_requests(stopped)
-            except asyncio.CancelledError:
-                raise
-            except RequestsFailed as exc:
-                self.num_errors += 1
-                self.engine.fail_requests(exc.task_ids, exc.reason)
-                if exc.stopped:
-                    self.engine.stop_requests(exc.stopped)
-            except Exception:  # a backend failure must not wedge the node: log, count, go on
-                self.num_errors += 1
-                log.exception("stage_failed", node=self.engine.node_id, stage=start.stage,
-                              kind=start.kind)
-            done_at_s = self._tick()
+        end_s = start_at_s + start.duration_s  # the profiled end, in engine time
+        try:
+            stopped = await self.backend.execute(
+                start, max(end_s - self.now_s(), 0.0) * self.time_scale
+            )
+            if stopped:
+                self.engine.stop_requests(stopped)
+        except asyncio.CancelledError:
+            raise
+        except RequestsFailed as exc:
+            self.num_errors += 1
+            self.engine.fail_requests(exc.task_ids, exc.reason)
+            if exc.stopped:
+                self.engine.stop_requests(exc.stopped)
+        except Exception:  # a backend failure must not wedge the node: log, count, go on
+            self.num_errors += 1
+            log.exception(
+                "stage_failed", node=self.engine.node_id, stage=start.stage, kind=start.kind
+            )
+        # Emulated work ends at its profiled end (`ExecutorBackend.is_emulated`);
+        # real work when it returned.
+        done_at_s = self._tick(end_s if self.backend.is_emulated else None)
         starts, outcomes = self.engine.on_stage_done(start.stage, done_at_s)
         self._after(starts, outcomes, done_at_s)
 

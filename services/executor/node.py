@@ -7,7 +7,7 @@ little the service needs around it, none of it scheduling:
   just finished) is accepted and not run twice, unless it is a later attempt
   (the scheduler moved the task away and back): the stale one is let go
   first;
-* fencing (services/PROTOCOL.md): the attempt each held task was dispatched
+* fencing (docs/protocol.md): the attempt each held task was dispatched
   with, for the sink (`attempt_of`); a task the sink found fenced is
   cancelled here (`on_fenced`), which frees its KV;
 * a refusal up front of work that could never fit the node's memory, which
@@ -17,9 +17,10 @@ little the service needs around it, none of it scheduling:
 * on shutdown, an `UNAVAILABLE` end for inference still held, and a requeue
   of training still held, so no client waits on a dead node.
 
-Measure and the weight transfer time are the emulated backend's (they come from
-the profile and the engine's ground-truth latency); a torch backend brings its
-own stage execution through `StageBackend` and would override these two.
+What differs between an emulated node and one running a real model lives in
+its `ExecutorBackend` (services/executor/backends/): stage execution, the
+per-task model state, measuring, the weight files. The weight transfer time
+the engine books is the profile's (host link bandwidth) for both.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from collections.abc import Iterable
 
 import structlog
 
-from lemix import telemetry
 from lemix.engine import (
     BlockingDone,
     Failed,
@@ -42,19 +42,20 @@ from lemix.engine import (
     Requeued,
     TokensEmitted,
 )
+from lemix.infra import telemetry
+from lemix.infra.rpc.errors import InvalidArgument, ResourceExhausted, Unavailable
 from lemix.memory import activation_bytes, kv_bytes
 from lemix.profile import Profile
-from lemix.rpc.errors import InvalidArgument, ResourceExhausted, Unavailable
 from lemix.types import NodeSnapshot, Task, TaskPayload
+from services.executor.backends.base import ExecutorBackend
 from services.executor.convert import (
-    MeasurePhase,
     MeasureResult,
     MeasureSpec,
     SyncDirection,
     WeightSyncResult,
     WeightSyncSpec,
 )
-from services.executor.driver import ModelBackend, NodeDriver, OutcomeSink, StageBackend
+from services.executor.driver import NodeDriver, OutcomeSink
 from services.executor.sink import LedgerSink
 
 log = structlog.get_logger(__name__)
@@ -92,7 +93,7 @@ class BusyMeter:
 
 class _ObservedSink:
     """Passes batches to the real sink, tells the node what ended and counts
-    it in `lemix.telemetry` (once per batch written: a failed write is retried
+    it in `lemix.infra.telemetry` (once per batch written: a failed write is retried
     by the driver and counted when it succeeds)."""
 
     def __init__(self, node: ExecutorNode, inner: OutcomeSink) -> None:
@@ -107,8 +108,9 @@ class _ObservedSink:
         self._observe(batch)  # before on_ended: it needs the tasks still held
         self._node.on_ended(o.task_id for _, o in batch if isinstance(o, Finished | Failed))
         # Requeued training comes back under the same id: do not treat it as a duplicate.
-        self._node.on_ended((o.task_id for _, o in batch if isinstance(o, Requeued)),
-                            is_final=False)
+        self._node.on_ended(
+            (o.task_id for _, o in batch if isinstance(o, Requeued)), is_final=False
+        )
 
     def _observe(self, batch: list[tuple[float, Outcome]]) -> None:
         node_id = self._node.node_id
@@ -123,13 +125,19 @@ class _ObservedSink:
                 if isinstance(outcome, Finished):
                     self._count_tokens(outcome.task_id, outcome.num_output_tokens)
                 is_training = task.is_training if task else isinstance(outcome, Requeued)
-                outcome_name = {Finished: telemetry.COMPLETED, Failed: telemetry.FAILED,
-                                Requeued: "requeued"}[type(outcome)]
+                outcome_name = {
+                    Finished: telemetry.COMPLETED,
+                    Failed: telemetry.FAILED,
+                    Requeued: "requeued",
+                }[type(outcome)]
                 if self._node.is_fenced(outcome.task_id):
                     outcome_name = "fenced"  # it ended elsewhere, not here
                 telemetry.observe_task_ended(
-                    node_id, "training" if is_training else "inference", outcome_name,
-                    num_samples=task.batch_size if task else 0)
+                    node_id,
+                    "training" if is_training else "inference",
+                    outcome_name,
+                    num_samples=task.batch_size if task else 0,
+                )
                 self._num_tokens.pop(outcome.task_id, None)
 
     def _count_tokens(self, task_id: str, num_so_far: int) -> None:
@@ -142,8 +150,15 @@ class _ObservedSink:
 class ExecutorNode:
     """One node: dispatch, cancel, report, sync weights, measure."""
 
-    def __init__(self, engine: NodeEngine, backend: StageBackend, sink: OutcomeSink, *,
-                 time_scale: float = 1.0, stage_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        engine: NodeEngine,
+        backend: ExecutorBackend,
+        sink: OutcomeSink,
+        *,
+        time_scale: float = 1.0,
+        stage_timeout_s: float = 300.0,
+    ) -> None:
         self.engine = engine
         # A stage item running longer than this (wall s) means a hung stage:
         # the node reports itself unhealthy so the scheduler stops placing on it.
@@ -151,8 +166,8 @@ class ExecutorNode:
         self.profile: Profile = engine.profile
         self.node_id = engine.node_id
         self.sink = sink
-        self.driver = NodeDriver(engine, backend, _ObservedSink(self, sink),
-                                 time_scale=time_scale)
+        self.backend = backend
+        self.driver = NodeDriver(engine, backend, _ObservedSink(self, sink), time_scale=time_scale)
         self.address = ""  # host:port, set once the gRPC server is bound
         self.is_stopping = False
         self._held: dict[str, Task] = {}  # dispatched and not ended, by id
@@ -165,11 +180,6 @@ class ExecutorNode:
         self._blocking: dict[str, asyncio.Future[None]] = {}
         self._sync_seq = itertools.count(1)
         self._busy = BusyMeter()
-        # The real model behind the stages (torch backend), or None (emulated).
-        self.model: ModelBackend | None = None
-        if isinstance(backend, ModelBackend):
-            backend.bind(engine)
-            self.model = backend
         if isinstance(sink, LedgerSink):
             sink.bind(self)  # attempts to the sink, fenced tasks back to us
 
@@ -191,16 +201,18 @@ class ExecutorNode:
             raise Unavailable(f"executor node {self.node_id} is shutting down")
         held = self._attempts.get(task_id) if task_id in self._held else None
         if held is not None and attempt > held:
-            raise Unavailable(f"task {task_id!r}: its attempt {held} still runs on node "
-                              f"{self.node_id}; place attempt {attempt} elsewhere")
+            raise Unavailable(
+                f"task {task_id!r}: its attempt {held} still runs on node "
+                f"{self.node_id}; place attempt {attempt} elsewhere"
+            )
         done = self._recent_done.get(task_id)
         if held is not None or (done is not None and attempt <= done):
-            log.info("executor.duplicate_dispatch", node=self.node_id, task_id=task_id,
-                     attempt=attempt)
+            log.info(
+                "executor.duplicate_dispatch", node=self.node_id, task_id=task_id, attempt=attempt
+            )
             return False
         self._check_could_fit(task)
-        if self.model is not None:
-            self.model.on_dispatch(task, payload)  # InvalidArgument when it can't run
+        self.backend.on_dispatch(task, payload)  # InvalidArgument when it can't run
         self._recent_done.pop(task_id, None)  # a later attempt: this is a new placement
         self._held[task_id] = task
         self._attempts[task_id] = attempt
@@ -227,7 +239,8 @@ class ExecutorNode:
         except TimeoutError:
             raise Unavailable(
                 f"task {task_id!r}: an earlier attempt still runs on node {self.node_id} "
-                "(running training cannot be cancelled); place it elsewhere") from None
+                "(running training cannot be cancelled); place it elsewhere"
+            ) from None
 
     def cancel(self, task_id: str) -> bool:
         """Cancel a held task; its `end` (CANCELLED) follows through the sink."""
@@ -237,8 +250,9 @@ class ExecutorNode:
         """Occupy every stage for the weight transfer; return when all are done.
 
         LOAD makes `spec.weight_version` the version later first tokens carry.
-        Emulated: each stage moves its weights over the host link. A caller
-        that gives up (deadline) does not undo it; the stages still run it.
+        The engine books each stage's weights moving over the host link; the
+        backend moves real weights (or none, emulated). A caller that gives up
+        (deadline) does not undo it; the stages still run it.
         """
         if self.is_stopping:
             raise Unavailable(f"executor node {self.node_id} is shutting down")
@@ -246,21 +260,24 @@ class ExecutorNode:
         rate = self.profile.transfer.host_link_bytes_s
         durations_s = tuple(nbytes / rate for nbytes in weight_bytes)
         tag = f"{spec.direction}-{spec.weight_version}-{next(self._sync_seq)}"
+        # InvalidArgument (no location for a real model) before anything is booked.
+        self.backend.prepare_sync(tag, spec.direction, spec.location)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._blocking[tag] = done
         start_s = self.driver.now_s()
         apply = spec.weight_version if spec.direction is SyncDirection.LOAD else None
-        if self.model is not None:
-            if not spec.location:
-                raise InvalidArgument("a weight sync of a real model needs a location")
-            self.model.prepare_sync(tag, spec.direction, spec.location)
         try:
             self.driver.add_blocking(tag, durations_s, apply)
             await done
         finally:
             self._blocking.pop(tag, None)
-        log.info("executor.weights_synced", node=self.node_id, direction=str(spec.direction),
-                 version=spec.weight_version, location=spec.location)
+        log.info(
+            "executor.weights_synced",
+            node=self.node_id,
+            direction=str(spec.direction),
+            version=spec.weight_version,
+            location=spec.location,
+        )
         return WeightSyncResult(self.driver.now_s() - start_s, sum(weight_bytes))
 
     async def measure(self, spec: MeasureSpec) -> MeasureResult:
@@ -271,25 +288,7 @@ class ExecutorNode:
             raise InvalidArgument(
                 f"stage {spec.stage} out of range; this node has {self.engine.num_stages} stages"
             )
-        if self.model is not None:
-            if not self.engine.is_idle:
-                raise Unavailable(f"node {self.node_id} is busy; profile an idle node")
-            return await self.model.measure(spec)
-        truth, stage, memory = self.engine.truth, spec.stage, self.profile.memory
-        if spec.phase is MeasurePhase.FORWARD:
-            samples = [truth.forward_s(stage, spec.batch_size, spec.num_tokens)
-                       for _ in range(spec.num_repeats)]
-        elif spec.phase is MeasurePhase.BACKWARD:
-            samples = [truth.backward_s(stage, spec.batch_size, spec.num_tokens)
-                       for _ in range(spec.num_repeats)]
-        else:
-            samples = [truth.decode_step_s(stage, spec.batch_size, spec.sum_context_tokens)
-                       for _ in range(spec.num_repeats)]
-        if spec.phase is MeasurePhase.DECODE:
-            dynamic = memory.kv_bytes_per_token[stage] * spec.sum_context_tokens
-        else:
-            dynamic = memory.activation_bytes_per_token[stage] * spec.batch_size * spec.num_tokens
-        return MeasureResult(tuple(samples), memory.static_bytes(stage) + dynamic)
+        return await self.backend.measure(spec)
 
     def snapshot(self) -> NodeSnapshot:
         """The node's state now, in engine (profile) seconds."""
@@ -307,10 +306,12 @@ class ExecutorNode:
             num_running=len(running),
             # Swapped-out requests wait too (for their KV to come back).
             num_waiting=len(engine.waiting) + len(engine.swapped),
-            sum_context_tokens=sum(max(r.context_tokens, r.task.num_prompt_tokens)
-                                   for r in running),
+            sum_context_tokens=sum(
+                max(r.context_tokens, r.task.num_prompt_tokens) for r in running
+            ),
             max_remaining_decode_tokens=max(
-                (r.task.max_output_tokens - r.num_generated for r in running), default=0),
+                (r.task.max_output_tokens - r.num_generated for r in running), default=0
+            ),
             kv_used_bytes=max(kv_per_stage, default=0),
             memory_capacity_bytes=engine.memory.threshold_bytes,
             busy_fraction=self._busy.update(now_s, mean_busy_s),
@@ -358,8 +359,7 @@ class ExecutorNode:
                 attempt = self._attempts.pop(task_id, 0)
                 self._fenced.discard(task_id)
                 self.payloads.pop(task_id, None)
-                if self.model is not None:
-                    self.model.forget(task_id)
+                self.backend.forget(task_id)
                 gone = self._releasing.pop(task_id, None)
                 if gone is not None and not gone.done():
                     gone.set_result(None)
@@ -386,8 +386,11 @@ class ExecutorNode:
         await self.driver.stop(drain_timeout_s=max(0.0, deadline - loop.time()))
         for tag, done in list(self._blocking.items()):
             if not done.done():
-                done.set_exception(Unavailable(f"executor node {self.node_id} shut down "
-                                               f"before weight sync {tag} finished"))
+                done.set_exception(
+                    Unavailable(
+                        f"executor node {self.node_id} shut down before weight sync {tag} finished"
+                    )
+                )
         now_s = self.driver.now_s()
         reason = f"UNAVAILABLE: executor node {self.node_id} shut down"
         leftovers: list[tuple[float, Outcome]] = [

@@ -6,37 +6,39 @@
     await service.stop(grace_s)  # NOT_SERVING, node state gone, work drained
 
 Start order: profile -> engine -> Redis (pinged, so a bad URL fails fast) ->
-driver -> gRPC server -> first heartbeat -> heartbeat loop. Stop reverses it,
-flipping health to NOT_SERVING and withdrawing the node state first so the
-scheduler stops placing work here while what is running drains.
+driver -> gRPC server -> first heartbeat -> heartbeat loop. Stop
+(`lemix.infra.lifecycle`): new work refused and health NOT_SERVING, then the
+heartbeat stops and the node state is withdrawn, so the scheduler stops
+placing work here while what is running drains; then the server (calls in
+flight get `_RPC_GRACE_S`) and Redis.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import random
 import socket
 import time
 
-import grpc.aio
-import redis.asyncio as aioredis
 import structlog
-from grpc_health.v1 import health
 
-from lemix import telemetry
 from lemix._proto.lemix.v1 import executor_pb2_grpc
 from lemix.engine import NodeEngine
+from lemix.infra import telemetry
+from lemix.infra.address import join_host_port
+from lemix.infra.lifecycle import Service
+from lemix.infra.rpc import EXECUTOR_SERVICE
+from lemix.infra.rpc.server import start_server, stop_server
+from lemix.infra.store.client import RedisClientConfig, connect
+from lemix.infra.store.codec import FieldValue
+from lemix.infra.store.heartbeat import heartbeat_fields
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.store import Store
+from lemix.noise import NoisyLatency
 from lemix.profile import Profile, default_profile_path, load_profile
-from lemix.redis_client import RedisClientConfig, connect
-from lemix.redis_keys import RedisKeys
-from lemix.rpc import EXECUTOR_SERVICE
-from lemix.rpc.server import start_server, stop_server
-from lemix.sim.simulator import NoisyLatency
-from lemix.store import FieldValue, Store
+from services.executor.backends import EmulatedBackend, ExecutorBackend
 from services.executor.config import ExecutorConfig
-from services.executor.driver import EmulatedBackend, ModelBackend, StageBackend
 from services.executor.node import ExecutorNode
 from services.executor.servicer import ExecutorServicer
 from services.executor.sink import RedisOutcomeSink
@@ -55,28 +57,24 @@ _RPC_GRACE_S = 1.0
 
 
 def node_state_fields(node: ExecutorNode) -> dict[str, FieldValue]:
-    """One heartbeat: the `NodeState` fields (proto names) plus `t` (epoch s)."""
-    fields: dict[str, FieldValue] = dict(dataclasses.asdict(node.snapshot()))
-    fields.update(address=node.address, num_stages=node.engine.num_stages, t=time.time())
-    return fields
+    """One heartbeat of `node` (`lemix.infra.store.heartbeat`), stamped now."""
+    return heartbeat_fields(
+        node.snapshot(), address=node.address, num_stages=node.engine.num_stages, t=time.time()
+    )
 
 
-class ExecutorService:
+class ExecutorService(Service):
     """One executor process: a node engine behind gRPC, reporting to Redis."""
 
     def __init__(self, config: ExecutorConfig, *, profile: Profile | None = None) -> None:
+        super().__init__("executor", default_grace_s=config.shutdown_grace_s)
         self.config = config
         self._profile = profile  # None: load config.profile_path at start()
         self.node: ExecutorNode | None = None
-        self._redis: aioredis.Redis | None = None
         self._store: Store | None = None
-        self._server: grpc.aio.Server | None = None
-        self._health: health.aio.HealthServicer | None = None
         self._bound_port: int | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._heartbeat_stop = asyncio.Event()
-        self._is_started = False
-        self._is_stopped = False
         self._num_offloads_seen = 0
 
     @property
@@ -99,95 +97,98 @@ class ExecutorService:
             raise RuntimeError("the executor service is not started")
         return self._store
 
-    async def start(self) -> None:
-        """Bring the node up; on failure, undo what was started and re-raise."""
-        if self._is_started:
-            raise RuntimeError("the executor service is already started")
-        self._is_started = True
-        try:
-            await self._start()
-        except BaseException:
-            await self.stop(grace_s=0.0)
-            raise
-
     async def _start(self) -> None:
         config = self.config
         profile = self._profile or load_profile(config.profile_path or default_profile_path())
-        backend: StageBackend = EmulatedBackend(config.time_scale)
+        backend: ExecutorBackend = EmulatedBackend()
         if config.backend == "torch":
             from services.executor.torch_setup import build_torch_node
 
             node_id = config.node_id
             # Building the model (and a first-use tokenizer) takes seconds: off the loop.
             backend, profile = await asyncio.to_thread(
-                build_torch_node, config.torch_config(), profile,
+                build_torch_node,
+                config.torch_config(),
+                profile,
                 on_training_loss=lambda loss: telemetry.observe_training_loss(node_id, loss),
-                on_inference_loss=lambda loss: telemetry.observe_inference_loss(node_id, loss))
-        truth = NoisyLatency(profile.ours, config.latency_noise_cv,
-                             random.Random(config.seed + config.node_id))
+                on_inference_loss=lambda loss: telemetry.observe_inference_loss(node_id, loss),
+            )
+        truth = NoisyLatency(
+            profile.ours, config.latency_noise_cv, random.Random(config.seed + config.node_id)
+        )
         engine = NodeEngine(config.node_id, profile, truth, config.engine_config())
         # Writers only: the outcome sink (one batch at a time), the heartbeat
         # loop and the odd RPC-side read; a few spare for overlap. Writes
         # only, so no blocking read needs the socket timeout to outlast it.
-        self._redis = connect(RedisClientConfig(
-            config.redis_url, max_connections=_REDIS_MAX_CONNECTIONS, socket_timeout_s=30.0))
-        await self._redis.ping()
-        self._store = Store(self._redis, RedisKeys(config.namespace))
-        model = backend if isinstance(backend, ModelBackend) else None
-        self.node = ExecutorNode(engine, backend,
-                                 RedisOutcomeSink(self._store, config.node_id, model=model),
-                                 time_scale=config.time_scale,
-                                 stage_timeout_s=config.stage_timeout_s)
-        await self.node.start()
-        servicer = ExecutorServicer(self.node, weight_sync_dir=config.weight_sync_dir)
-        self._server, self._bound_port, self._health = await start_server(
+        redis = connect(
+            RedisClientConfig(
+                config.redis_url, max_connections=_REDIS_MAX_CONNECTIONS, socket_timeout_s=30.0
+            )
+        )
+        self.lifecycle.add_client("redis", redis.aclose)
+        await redis.ping()
+        self._store = Store(redis, RedisKeys(config.namespace))
+        node = self.node = ExecutorNode(
+            engine,
+            backend,
+            RedisOutcomeSink(self._store, config.node_id, backend=backend),
+            time_scale=config.time_scale,
+            stage_timeout_s=config.stage_timeout_s,
+        )
+        self.lifecycle.on_stopping(node.begin_stop)  # Dispatch answers UNAVAILABLE
+        await node.start()
+        self.lifecycle.add_work("node", self._stop_node)
+        servicer = ExecutorServicer(node, weight_sync_dir=config.weight_sync_dir)
+        server, self._bound_port, health = await start_server(
             [(executor_pb2_grpc.add_ExecutorServicer_to_server, servicer)],
-            config.host, config.port, service_names=[EXECUTOR_SERVICE],
+            config.host,
+            config.port,
+            service_names=[EXECUTOR_SERVICE],
             service_token=config.service_token,
         )
+        self.lifecycle.on_stopping(health.enter_graceful_shutdown)
+        # The work drained, calls still in flight get a fixed grace, not stop()'s.
+        self.lifecycle.add_server(
+            "grpc", lambda _grace_s: stop_server(server, health, grace_s=_RPC_GRACE_S)
+        )
         host = config.advertised_host(socket.gethostname())
-        self.node.address = f"[{host}]:{self._bound_port}" if ":" in host else (
-            f"{host}:{self._bound_port}")
+        node.address = join_host_port(host, self._bound_port)
         await self._put_state()  # live in Redis before anyone is told we serve
-        self._heartbeat = asyncio.create_task(self._heartbeat_loop(),
-                                              name=f"node{config.node_id}-heartbeat")
-        log.info("executor.started", node=config.node_id, address=self.node.address,
-                 profile=profile.name, stages=profile.num_stages, backend=config.backend,
-                 time_scale=config.time_scale)
+        self._heartbeat = asyncio.create_task(
+            self._heartbeat_loop(), name=f"node{config.node_id}-heartbeat"
+        )
+        self.lifecycle.add_work("heartbeat", self._stop_heartbeat)
+        log.info(
+            "executor.started",
+            node=config.node_id,
+            address=node.address,
+            profile=profile.name,
+            stages=profile.num_stages,
+            backend=config.backend,
+            time_scale=config.time_scale,
+        )
 
-    async def stop(self, grace_s: float | None = None) -> None:
-        """NOT_SERVING, withdraw the node state, drain for up to `grace_s`
-        (default `config.shutdown_grace_s`), stop the server, close Redis.
-        Safe on a partly started service and when called twice."""
-        if self._is_stopped:
+    async def _stop_node(self, grace_s: float) -> None:
+        """Let held work drain for up to `grace_s`, end the rest, close the backend."""
+        assert self.node is not None  # registered once it exists
+        await self.node.stop(grace_s)
+        self.node.backend.close()
+
+    async def _stop_heartbeat(self, grace_s: float) -> None:
+        """Stop beating, then withdraw the node state (the scheduler sees it gone)."""
+        if self._heartbeat is None:
             return
-        self._is_stopped = True
-        grace_s = self.config.shutdown_grace_s if grace_s is None else grace_s
-        node_id = self.config.node_id
-        if self.node is not None:
-            self.node.begin_stop()
-        if self._health is not None:
-            await self._health.enter_graceful_shutdown()
-        if self._heartbeat is not None:
-            # Asked to stop, not cancelled: a cancellation can be lost inside a
-            # redis-py call on Python 3.11 (see NodeDriver.stop).
-            self._heartbeat_stop.set()
-            await asyncio.wait({self._heartbeat}, timeout=_HEARTBEAT_STOP_S)
-            if not self._heartbeat.done():
-                self._heartbeat.cancel()
-            self._heartbeat = None
-            await self._withdraw_state()
-        if self.node is not None:
-            await self.node.stop(grace_s)
-            if self.node.model is not None:
-                self.node.model.close()
-        if self._server is not None and self._health is not None:
-            await stop_server(self._server, self._health, grace_s=_RPC_GRACE_S)
-            self._server = None
-        if self._redis is not None:
-            await self._redis.aclose()
-            self._redis = None
-        log.info("executor.stopped", node=node_id)
+        # Asked to stop, not cancelled: a cancellation can be lost inside a
+        # redis-py call on Python 3.11 (see NodeDriver.stop).
+        self._heartbeat_stop.set()
+        await asyncio.wait({self._heartbeat}, timeout=_HEARTBEAT_STOP_S)
+        if not self._heartbeat.done():
+            self._heartbeat.cancel()
+        self._heartbeat = None
+        await self._withdraw_state()
+
+    def _on_stopped(self) -> None:
+        log.info("executor.stopped", node=self.config.node_id)
 
     # ------------------------------------------------------------ heartbeats
 
@@ -195,8 +196,9 @@ class ExecutorService:
         assert self.node is not None and self._store is not None  # set by _start
         fields = node_state_fields(self.node)
         self._export_metrics(fields)
-        await self._store.put_node_state(self.config.node_id, fields,
-                                         ttl_s=self.config.heartbeat_ttl_s)
+        await self._store.put_node_state(
+            self.config.node_id, fields, ttl_s=self.config.heartbeat_ttl_s
+        )
 
     def _export_metrics(self, fields: dict[str, FieldValue]) -> None:
         """This heartbeat's gauges, and the KV offloads since the last one."""
@@ -204,15 +206,17 @@ class ExecutorService:
         engine = self.node.engine
         stages = range(engine.num_stages)
         telemetry.set_node_state(
-            self.config.node_id, busy_fraction=float(fields["busy_fraction"] or 0.0),
+            self.config.node_id,
+            busy_fraction=float(fields["busy_fraction"] or 0.0),
             num_running=int(fields["num_running"] or 0),
             num_waiting=int(fields["num_waiting"] or 0),
             used_bytes=[engine.memory.used_bytes(s) for s in stages],
-            capacity_bytes=[engine.memory.threshold_bytes for _ in stages])
-        if self.node.model is not None:
-            telemetry.set_measured_memory(self.config.node_id, self.node.model.used_bytes())
-        telemetry.observe_kv_offloads(self.config.node_id,
-                                      engine.num_offloads - self._num_offloads_seen)
+            capacity_bytes=[engine.memory.threshold_bytes for _ in stages],
+        )
+        telemetry.set_measured_memory(self.config.node_id, self.node.backend.used_bytes())
+        telemetry.observe_kv_offloads(
+            self.config.node_id, engine.num_offloads - self._num_offloads_seen
+        )
         self._num_offloads_seen = engine.num_offloads
 
     async def _heartbeat_loop(self) -> None:
@@ -225,16 +229,23 @@ class ExecutorService:
             try:
                 await self._put_state()
             except Exception as exc:  # Redis hiccup: keep beating; the TTL tells the truth
-                log.warning("executor.heartbeat_failed", node=self.config.node_id,
-                            error=f"{type(exc).__name__}: {exc}")
+                log.warning(
+                    "executor.heartbeat_failed",
+                    node=self.config.node_id,
+                    error=f"{type(exc).__name__}: {exc}",
+                )
 
     async def _withdraw_state(self) -> None:
         """A last, unhealthy node state that expires at once: the node is gone."""
         if self.node is None or self._store is None:
             return
         try:
-            await self._store.put_node_state(self.config.node_id,
-                                             node_state_fields(self.node), ttl_s=_GONE_TTL_S)
+            await self._store.put_node_state(
+                self.config.node_id, node_state_fields(self.node), ttl_s=_GONE_TTL_S
+            )
         except Exception as exc:  # it expires within the TTL anyway
-            log.warning("executor.withdraw_failed", node=self.config.node_id,
-                        error=f"{type(exc).__name__}: {exc}")
+            log.warning(
+                "executor.withdraw_failed",
+                node=self.config.node_id,
+                error=f"{type(exc).__name__}: {exc}",
+            )

@@ -1,8 +1,8 @@
 """The executor's gRPC servicer: validate -> convert -> delegate to `ExecutorNode`.
 
 No logic lives here. Domain errors (`InvalidArgument`, `ResourceExhausted`,
-`Unavailable`) become status codes in `lemix.rpc.errors.handle_errors`, the
-one place that maps them. SyncWeights' location is checked here, before the
+`Unavailable`) become status codes in `lemix.infra.rpc.errors.handle_errors`, which
+maps them. SyncWeights' location is checked here, before the
 node sees it: it must lie under the weight-sync directory.
 """
 
@@ -15,8 +15,8 @@ import grpc.aio
 import structlog
 
 from lemix._proto.lemix.v1 import common_pb2, executor_pb2, executor_pb2_grpc
-from lemix.rpc.convert import node_state_to_proto
-from lemix.rpc.errors import InvalidArgument, handle_errors
+from lemix.infra.rpc.convert import node_state_to_proto
+from lemix.infra.rpc.errors import InvalidArgument, handle_errors
 from services.executor.convert import (
     dispatch_from_proto,
     measure_from_proto,
@@ -41,8 +41,13 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     ) -> executor_pb2.DispatchResponse:
         spec = dispatch_from_proto(request)
         is_new = await self._node.accept(spec.task, spec.payload, spec.attempt)
-        log.debug("executor.dispatched", task_id=spec.task.task_id, attempt=spec.attempt,
-                  is_new=is_new, predicted_response_s=request.predicted_response_s)
+        log.debug(
+            "executor.dispatched",
+            task_id=spec.task.task_id,
+            attempt=spec.attempt,
+            is_new=is_new,
+            predicted_response_s=request.predicted_response_s,
+        )
         # A duplicate is accepted too: the node already runs (or ran) it.
         return executor_pb2.DispatchResponse(is_accepted=True)
 
@@ -53,16 +58,20 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         if not request.task_id:
             raise InvalidArgument("task_id is empty; name the task to cancel")
         is_found = self._node.cancel(request.task_id)
-        log.info("executor.cancel", task_id=request.task_id, is_found=is_found,
-                 reason=request.reason)
+        log.info(
+            "executor.cancel", task_id=request.task_id, is_found=is_found, reason=request.reason
+        )
         return common_pb2.CancelResponse(is_found=is_found)
 
     @handle_errors
     async def GetNodeState(
         self, request: executor_pb2.GetNodeStateRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.NodeState:
-        return node_state_to_proto(self._node.snapshot(), address=self._node.address,
-                                   num_stages=self._node.engine.num_stages)
+        return node_state_to_proto(
+            self._node.snapshot(),
+            address=self._node.address,
+            num_stages=self._node.engine.num_stages,
+        )
 
     @handle_errors
     async def SyncWeights(
@@ -70,7 +79,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     ) -> executor_pb2.SyncWeightsResponse:
         spec = sync_from_proto(request)
         spec = dataclasses.replace(
-            spec, location=confine_location(spec.location, self._weight_sync_dir))
+            spec, location=confine_location(spec.location, self._weight_sync_dir)
+        )
         result = await self._node.sync_weights(spec)
         return sync_to_proto(result)
 

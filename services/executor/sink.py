@@ -1,4 +1,4 @@
-"""Writes a node's engine outcomes to Redis, as services/PROTOCOL.md fixes them.
+"""Writes a node's engine outcomes to Redis, as docs/protocol.md fixes them.
 
 Per `write` (one driver flush, usually one iteration):
 
@@ -13,7 +13,7 @@ fails the driver retries the whole batch: token messages may then repeat
 (readers go by ``n``), ``finish_task`` is a no-op the second time, and a
 completion may repeat (the scheduler treats completions by task id).
 
-Fencing (services/PROTOCOL.md): every write carries the attempt number the
+Fencing (docs/protocol.md): every write carries the attempt number the
 task was dispatched with (`TaskLedger.attempt_of`) and lands only while it is
 the task's current one. A fenced task was placed again elsewhere (this node
 was declared dead, then came back): its writes are dropped and counted
@@ -31,7 +31,6 @@ from typing import Protocol, runtime_checkable
 
 import structlog
 
-from lemix import telemetry
 from lemix.engine import (
     BlockingDone,
     Failed,
@@ -41,17 +40,28 @@ from lemix.engine import (
     Requeued,
     TokensEmitted,
 )
+from lemix.infra import telemetry
+from lemix.infra.store.codec import FieldValue
+from lemix.infra.store.fencing import FinishOutcome
+from lemix.infra.store.messages import (
+    completion_fields,
+    end_message,
+    first_token_message,
+    token_message,
+)
+from lemix.infra.store.store import Store
+from lemix.infra.store.task_hash import (
+    FINISH_T_FIELD,
+    NODE_ID_FIELD,
+    NUM_OUTPUT_TOKENS_FIELD,
+    WEIGHT_VERSION_FIELD,
+    StoredStatus,
+)
 from lemix.outputs import TOKEN_IDS_FIELD, format_token_ids
-from lemix.store import ATTEMPT_FIELD, FieldValue, FinishOutcome, Store
-from services.executor.driver import ModelBackend
+from services.executor.backends.base import ExecutorBackend
+from services.executor.backends.emulated import EmulatedBackend
 
 log = structlog.get_logger(__name__)
-
-# Output-stream message types (PROTOCOL.md, "Flow of one inference request").
-TOKEN_MESSAGE = "token"
-END_MESSAGE = "end"
-# Completion statuses the scheduler consumes.
-COMPLETED, FAILED, REQUEUED = "completed", "failed", "requeued"
 
 
 class TaskLedger(Protocol):
@@ -76,16 +86,22 @@ class LedgerSink(Protocol):
 class RedisOutcomeSink:
     """`OutcomeSink` for `NodeDriver`: outcomes -> output streams, task states,
     the completions stream and the stats counters. Unbound (no `TaskLedger`),
-    every write carries attempt 0."""
+    every write carries attempt 0. `backend` (default: emulated) gives the
+    token ids and end fields."""
 
-    def __init__(self, store: Store, node_id: int, *,
-                 clock: Callable[[], float] = time.time,
-                 model: ModelBackend | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        node_id: int,
+        *,
+        clock: Callable[[], float] = time.time,
+        backend: ExecutorBackend | None = None,
+    ) -> None:
         self.store = store
         self.node_id = node_id
         # A real model's token ids and end fields (finish reason, inference
         # loss) ride on the messages; the emulated backend has none.
-        self.model = model
+        self.backend: ExecutorBackend = backend if backend is not None else EmulatedBackend()
         self._clock = clock  # epoch seconds for the `t` fields
         self._num_tokens: dict[str, int] = {}  # tokens emitted so far, by live task id
         # Weight version that served each live inference task (its first token
@@ -101,24 +117,20 @@ class RedisOutcomeSink:
 
     async def write(self, batch: list[tuple[float, Outcome]]) -> None:
         t = self._clock()
-        node = str(self.node_id)
         tokens: list[tuple[str, int, dict[str, FieldValue]]] = []
         ends: list[Finished | Failed | Requeued] = []
         for _, outcome in batch:
             if isinstance(outcome, FirstToken):
                 self._num_tokens[outcome.task_id] = 1
                 self._weight_versions[outcome.task_id] = outcome.weight_updates
-                fields: dict[str, FieldValue] = {
-                    "type": TOKEN_MESSAGE, "n": 1, "first": True, "node": node,
-                    "version": outcome.weight_updates, "t": t,
-                }
+                fields = first_token_message(self.node_id, outcome.weight_updates, t)
                 self._add_ids(fields, outcome.task_id, 0, 1)
                 tokens.append((outcome.task_id, self._attempt(outcome.task_id), fields))
             elif isinstance(outcome, TokensEmitted):
                 for task_id, n in zip(outcome.task_ids, outcome.num_generated, strict=True):
                     previous = self._num_tokens.get(task_id, n - 1)
                     self._num_tokens[task_id] = n
-                    fields = {"type": TOKEN_MESSAGE, "n": n, "node": node, "t": t}
+                    fields = token_message(n, self.node_id, t)
                     self._add_ids(fields, task_id, previous, n)
                     tokens.append((task_id, self._attempt(task_id), fields))
             elif isinstance(outcome, Finished | Failed | Requeued):
@@ -157,15 +169,15 @@ class RedisOutcomeSink:
         if self._is_fenced(task_id, attempt):
             return
         self._fenced[task_id] = attempt
-        log.warning("executor.fenced", node=self.node_id, task_id=task_id, attempt=attempt,
-                    what=what)
+        log.warning(
+            "executor.fenced", node=self.node_id, task_id=task_id, attempt=attempt, what=what
+        )
         if self._ledger is not None:
             self._ledger.on_fenced(task_id)
 
-    def _add_ids(self, fields: dict[str, FieldValue], task_id: str, start: int,
-                 end: int) -> None:
-        if self.model is not None:
-            fields[TOKEN_IDS_FIELD] = format_token_ids(self.model.output_ids(task_id)[start:end])
+    def _add_ids(self, fields: dict[str, FieldValue], task_id: str, start: int, end: int) -> None:
+        if self.backend.produces_tokens:
+            fields[TOKEN_IDS_FIELD] = format_token_ids(self.backend.output_ids(task_id)[start:end])
 
     async def _write_end(self, outcome: Finished | Failed | Requeued, t: float) -> str:
         """Write one task's end; returns the name of the counter it bumps."""
@@ -174,27 +186,32 @@ class RedisOutcomeSink:
         if isinstance(outcome, Requeued):
             # Training handed back: the scheduler re-submits it, so the task is
             # not final and gets no `end` message.
-            await self._append_completion(task_id, REQUEUED, outcome.reason, t, attempt)
+            await self._append_completion(
+                task_id, StoredStatus.REQUEUED, outcome.reason, t, attempt
+            )
             self._fenced.pop(task_id, None)
             return "requeued_training"
         if isinstance(outcome, Finished):
-            status, reason, n = COMPLETED, "", outcome.num_output_tokens
+            status, reason, n = StoredStatus.COMPLETED, "", outcome.num_output_tokens
             # Training finishes with 0 output tokens; inference always has >= 1.
             stat = "num_completed_inference" if n > 0 else "num_completed_training"
         else:
-            status, reason, n = FAILED, outcome.reason, self._num_tokens.get(task_id, 0)
+            status, reason = StoredStatus.FAILED, outcome.reason
+            n = self._num_tokens.get(task_id, 0)
             stat = "num_failed"
-        output_fields: dict[str, FieldValue] = {"type": END_MESSAGE, "n": n,
-                                                "node": str(self.node_id), "t": t}
-        state_fields: dict[str, FieldValue] = {"node_id": self.node_id, "finish_t": t,
-                                               "num_output_tokens": n}
+        output_fields = end_message(n, self.node_id, t)
+        state_fields: dict[str, FieldValue] = {
+            NODE_ID_FIELD: self.node_id,
+            FINISH_T_FIELD: t,
+            NUM_OUTPUT_TOKENS_FIELD: n,
+        }
         version = self._weight_versions.get(task_id)
         if version is not None:
-            state_fields["weight_version"] = version
-        if self.model is not None and isinstance(outcome, Finished):
-            # Inference: finish reason, inference loss; training: its loss.
-            # The hash keeps them for GetTask (gateway.tasks).
-            end_fields = self.model.end_fields(task_id)
+            state_fields[WEIGHT_VERSION_FIELD] = version
+        if isinstance(outcome, Finished):
+            # Inference: finish reason, inference loss; training: its loss
+            # (none, emulated). The hash keeps them for GetTask (gateway.tasks).
+            end_fields = self.backend.end_fields(task_id)
             state_fields.update(end_fields)
             if n > 0:
                 output_fields.update(end_fields)
@@ -202,7 +219,8 @@ class RedisOutcomeSink:
             finish = FinishOutcome.FENCED
         else:
             finish = await self.store.finish_task_fenced(
-                task_id, attempt, status, reason, output_fields, state_fields=state_fields)
+                task_id, attempt, status, reason, output_fields, state_fields=state_fields
+            )
         if finish is FinishOutcome.FENCED:
             self._fence(task_id, attempt, "end")
         # Always report it, even when the task was already final (a redelivery):
@@ -217,9 +235,9 @@ class RedisOutcomeSink:
         # Count each task once.
         return stat if finish is FinishOutcome.ENDED else "num_duplicate_ends"
 
-    async def _append_completion(self, task_id: str, status: str, reason: str,
-                                 t: float, attempt: int) -> None:
+    async def _append_completion(
+        self, task_id: str, status: str, reason: str, t: float, attempt: int
+    ) -> None:
         await self.store.append_completion(
-            {"task_id": task_id, "node_id": self.node_id, "status": status, "reason": reason,
-             "t": t, ATTEMPT_FIELD: attempt}
+            completion_fields(task_id, status, reason, node_id=self.node_id, t=t, attempt=attempt)
         )

@@ -49,8 +49,11 @@ def _saved_bytes(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal total
-        if isinstance(t, torch.nn.Parameter) or t._base is not None and isinstance(
-                t._base, torch.nn.Parameter):
+        if (
+            isinstance(t, torch.nn.Parameter)
+            or t._base is not None
+            and isinstance(t._base, torch.nn.Parameter)
+        ):
             return t  # weights are static memory, counted apart
         # By base address, without wrapping the storage in a Python object
         # from inside a hook (see lemix.model.stash).
@@ -84,8 +87,9 @@ def measure_stage(staged: StagedModel, spec: MeasureSpec) -> MeasureResult:
     return MeasureResult(tuple(samples), peak)
 
 
-def _measure_pass(stage: Stage, spec: MeasureSpec,
-                  generator: torch.Generator) -> tuple[list[float], int]:
+def _measure_pass(
+    stage: Stage, spec: MeasureSpec, generator: torch.Generator
+) -> tuple[list[float], int]:
     positions, segments = _packed(spec.batch_size, spec.num_tokens)
     is_backward = spec.phase is MeasurePhase.BACKWARD
     samples: list[float] = []
@@ -95,6 +99,7 @@ def _measure_pass(stage: Stage, spec: MeasureSpec,
 
         def run(x: torch.Tensor = x) -> torch.Tensor:
             return stage.forward(x, positions, segments)
+
         if x.is_floating_point():
             x.requires_grad_(is_backward)
         if is_backward:
@@ -120,8 +125,9 @@ def _measure_pass(stage: Stage, spec: MeasureSpec,
     return samples, saved
 
 
-def _measure_decode(stage: Stage, spec: MeasureSpec,
-                    generator: torch.Generator) -> tuple[list[float], int]:
+def _measure_decode(
+    stage: Stage, spec: MeasureSpec, generator: torch.Generator
+) -> tuple[list[float], int]:
     """One decode step of `batch_size` requests holding `sum_context_tokens` in KV."""
     context = max(1, spec.sum_context_tokens // max(spec.batch_size, 1))
     keys = [f"{_MEASURE_KEY}{i}" for i in range(spec.batch_size)]

@@ -25,7 +25,7 @@ from lemix.model.runner import InferenceRunner
 from lemix.model.staged import StagedModel
 from lemix.model.training import PipelineTrainer, TrainingConfig
 from lemix.profile import Profile
-from services.executor.torch_backend import TorchBackend, set_torch_threads
+from services.executor.backends.torch import TorchBackend, set_torch_threads
 
 DEFAULT_CPU_BUDGET_BYTES = 4 << 30  # per stage, when there is no GPU to ask
 # AdamW keeps two moments per parameter, plus the gradient: 3 copies.
@@ -63,10 +63,13 @@ class TorchBackendConfig:
         return ["cpu"] * num_stages
 
 
-def build_torch_node(config: TorchBackendConfig, profile: Profile, *,
-                     on_training_loss: Callable[[float], None] | None = None,
-                     on_inference_loss: Callable[[float], None] | None = None,
-                     ) -> tuple[TorchBackend, Profile]:
+def build_torch_node(
+    config: TorchBackendConfig,
+    profile: Profile,
+    *,
+    on_training_loss: Callable[[float], None] | None = None,
+    on_inference_loss: Callable[[float], None] | None = None,
+) -> tuple[TorchBackend, Profile]:
     """The backend and the profile its engine must use (memory from the model)."""
     from lemix.model.tokenizer import load_tokenizer
 
@@ -78,22 +81,35 @@ def build_torch_node(config: TorchBackendConfig, profile: Profile, *,
     dtype = config.dtype or ("bfloat16" if devices[0].startswith("cuda") else "float32")
     bos = getattr(tokenizer, "bos_id", None)
     pad = getattr(tokenizer, "pad_id", None)
-    spec = ModelSpec(name=config.model, vocab_size=int(getattr(tokenizer, "vocab_size", 0)),
-                     seed=config.seed, dtype=dtype, eos_id=tokenizer.eos_id,
-                     bos_id=bos if bos is not None else tokenizer.eos_id,
-                     pad_id=pad if pad is not None else tokenizer.eos_id)
+    spec = ModelSpec(
+        name=config.model,
+        vocab_size=int(getattr(tokenizer, "vocab_size", 0)),
+        seed=config.seed,
+        dtype=dtype,
+        eos_id=tokenizer.eos_id,
+        bos_id=bos if bos is not None else tokenizer.eos_id,
+        pad_id=pad if pad is not None else tokenizer.eos_id,
+    )
     staged = StagedModel(build_model(spec), profile.num_stages, devices)
     runner = InferenceRunner(staged, tokenizer.eos_id)
-    trainer = PipelineTrainer(staged, TrainingConfig(learning_rate=config.learning_rate,
-                                                     max_grad_norm=config.max_grad_norm))
-    backend = TorchBackend(staged, runner, trainer, on_training_loss=on_training_loss,
-                           on_inference_loss=on_inference_loss,
-                           num_threads=config.num_threads)
+    trainer = PipelineTrainer(
+        staged,
+        TrainingConfig(learning_rate=config.learning_rate, max_grad_norm=config.max_grad_norm),
+    )
+    backend = TorchBackend(
+        staged,
+        runner,
+        trainer,
+        on_training_loss=on_training_loss,
+        on_inference_loss=on_inference_loss,
+        num_threads=config.num_threads,
+    )
     return backend, model_profile(profile, staged, devices, config.memory_budget_bytes)
 
 
-def model_profile(profile: Profile, staged: StagedModel, devices: list[str],
-                  budget_bytes: int) -> Profile:
+def model_profile(
+    profile: Profile, staged: StagedModel, devices: list[str], budget_bytes: int
+) -> Profile:
     """`profile` with memory figures of the real model on these devices."""
     if devices[0].startswith("cuda"):
         capacity = min(device_total_bytes(torch.device(d)) or 0 for d in devices)
@@ -108,6 +124,10 @@ def model_profile(profile: Profile, staged: StagedModel, devices: list[str],
         kv_bytes_per_token=tuple(staged.kv_bytes_per_token()),
     )
     hf_model: Any = staged.model
-    model = dict(profile.model, staged_from=hf_model.config.model_type,
-                 num_layers=staged.family.num_layers, hidden_size=staged.family.hidden_size)
+    model = dict(
+        profile.model,
+        staged_from=hf_model.config.model_type,
+        num_layers=staged.family.num_layers,
+        hidden_size=staged.family.hidden_size,
+    )
     return dataclasses.replace(profile, memory=memory, model=model)

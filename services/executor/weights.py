@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lemix.rpc.errors import InvalidArgument
+from lemix.infra.rpc.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from lemix.model.staged import Stage
@@ -34,14 +34,17 @@ def confine_location(location: str, root: str | Path) -> str:
     if not location:
         return location
     if "\0" in location:
-        raise InvalidArgument("location must be a path under the weight-sync directory; it "
-                              "contains a NUL byte")
+        raise InvalidArgument(
+            "location must be a path under the weight-sync directory; it contains a NUL byte"
+        )
     base = Path(root).resolve()
     resolved = (base / location).resolve()  # joining an absolute location yields it
     if not resolved.is_relative_to(base):
-        raise InvalidArgument(f"location must be under {base}, got {location!r} (resolves to "
-                              f"{resolved}); this executor's weight-sync directory is "
-                              "LEMIX_WEIGHT_SYNC_DIR")
+        raise InvalidArgument(
+            f"location must be under {base}, got {location!r} (resolves to "
+            f"{resolved}); this executor's weight-sync directory is "
+            "LEMIX_WEIGHT_SYNC_DIR"
+        )
     return str(resolved)
 
 
@@ -50,8 +53,9 @@ def save_stage(stage: Stage, path: Path) -> int:
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {name: p.detach().to("cpu").contiguous()
-               for name, p in stage.modules.named_parameters()}
+    tensors = {
+        name: p.detach().to("cpu").contiguous() for name, p in stage.modules.named_parameters()
+    }
     tmp = path.with_suffix(path.suffix + ".tmp")
     save_file(tensors, str(tmp))
     os.replace(tmp, path)
@@ -73,13 +77,16 @@ def load_stage(stage: Stage, path: Path) -> int:
     if set(tensors) != set(params):
         missing = sorted(set(params) - set(tensors))[:3]
         extra = sorted(set(tensors) - set(params))[:3]
-        raise ValueError(f"{path} does not match stage {stage.index}: missing {missing}, "
-                         f"unexpected {extra}")
+        raise ValueError(
+            f"{path} does not match stage {stage.index}: missing {missing}, unexpected {extra}"
+        )
     with torch.no_grad():
         for name, p in params.items():
             src = tensors[name]
             if src.shape != p.shape:
-                raise ValueError(f"{path}: {name} has shape {tuple(src.shape)}, the stage "
-                                 f"expects {tuple(p.shape)}")
+                raise ValueError(
+                    f"{path}: {name} has shape {tuple(src.shape)}, the stage "
+                    f"expects {tuple(p.shape)}"
+                )
             p.copy_(src.to(p.device, p.dtype))
     return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -29,11 +29,20 @@ import structlog
 from redis.exceptions import RedisError
 
 from lemix._proto.lemix.v1 import common_pb2, executor_pb2, executor_pb2_grpc
+from lemix.infra.rpc.client import channel
+from lemix.infra.rpc.convert import task_to_proto
+from lemix.infra.rpc.errors import InvalidArgument, Unavailable, error_from_rpc
+from lemix.infra.store.codec import FieldValue
+from lemix.infra.store.messages import end_message
+from lemix.infra.store.store import Store
+from lemix.infra.store.task_hash import (
+    FINISH_T_FIELD,
+    IS_FINAL_FIELD,
+    NODE_ID_FIELD,
+    STATUS_FIELD,
+    StoredStatus,
+)
 from lemix.planner.recording import Event
-from lemix.rpc.client import channel
-from lemix.rpc.convert import task_to_proto
-from lemix.rpc.errors import InvalidArgument, Unavailable, error_from_rpc
-from lemix.store import IS_FINAL_FIELD, STATUS_FIELD, FieldValue, Store
 from lemix.types import Placement, Task, TaskPayload, WeightSync
 from services.scheduler.codec import EVENT_FIELD, event_to_fields
 from services.scheduler.ports import DispatchError, StateWrite, TaskProgress, TaskRefused
@@ -48,12 +57,19 @@ _LOAD = executor_pb2.SyncWeightsRequest.DIRECTION_LOAD
 # not answer: it is marked down and the task goes elsewhere. Any other status
 # is the executor's verdict on THIS task (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
 # FAILED_PRECONDITION, INTERNAL...): the task ends, the node stays up.
-_NODE_FAULT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                               grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN})
+_NODE_FAULT_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+    }
+)
 # Of those, the ones where the request may have reached the executor (its
 # answer was lost or late): the task may run there, so it is revoked.
-_MAYBE_TAKEN_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-                                grpc.StatusCode.UNKNOWN})
+_MAYBE_TAKEN_CODES = frozenset(
+    {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN}
+)
 
 
 def dispatch_error(node_id: int, err: grpc.aio.AioRpcError) -> DispatchError:
@@ -74,11 +90,16 @@ class GrpcDispatcher:
     with the Dispatch; 0 sends none.
     """
 
-    def __init__(self, *, deadline_s: float, weight_sync_deadline_s: float,
-                 weight_sync_dir: str,
-                 payload_of: Callable[[str], TaskPayload | None] = lambda _: None,
-                 attempt_of: Callable[[str], int] = lambda _: 0,
-                 service_token: str = "") -> None:
+    def __init__(
+        self,
+        *,
+        deadline_s: float,
+        weight_sync_deadline_s: float,
+        weight_sync_dir: str,
+        payload_of: Callable[[str], TaskPayload | None] = lambda _: None,
+        attempt_of: Callable[[str], int] = lambda _: 0,
+        service_token: str = "",
+    ) -> None:
         self.deadline_s = deadline_s
         self._service_token = service_token  # every executor call carries it
         self.weight_sync_deadline_s = weight_sync_deadline_s
@@ -143,16 +164,19 @@ class GrpcDispatcher:
         except InvalidArgument as exc:  # Submit validated it: a bug, not a node fault
             raise RuntimeError(f"cannot encode task {task.task_id}: {exc}") from exc
         request = executor_pb2.DispatchRequest(
-            task=message, predicted_response_s=placement.predicted_response_s,
-            attempt=self._attempt_of(task.task_id))
+            task=message,
+            predicted_response_s=placement.predicted_response_s,
+            attempt=self._attempt_of(task.task_id),
+        )
         stub = self._stub(placement.node_id)
         try:
             reply = await stub.Dispatch(request, timeout=self.deadline_s)
         except grpc.aio.AioRpcError as err:
             raise dispatch_error(placement.node_id, err) from err
         if not reply.is_accepted:
-            raise TaskRefused("FAILED_PRECONDITION",
-                              f"node {placement.node_id} did not accept the task")
+            raise TaskRefused(
+                "FAILED_PRECONDITION", f"node {placement.node_id} did not accept the task"
+            )
 
     async def cancel(self, node_id: int, task_id: str, reason: str) -> bool:
         """Executor Cancel; returns its is_found. Raises `Unavailable` (or the
@@ -185,30 +209,42 @@ class GrpcDispatcher:
                     await self._run_sync(sync)
                     self.num_syncs_done += 1
                 except DispatchError as exc:
-                    log.warning("weight_sync_failed", source=sync.source_node_id,
-                                targets=list(sync.target_node_ids), error=str(exc))
+                    log.warning(
+                        "weight_sync_failed",
+                        source=sync.source_node_id,
+                        targets=list(sync.target_node_ids),
+                        error=str(exc),
+                    )
 
     async def _run_sync(self, sync: WeightSync) -> None:
-        location = str(PurePosixPath(self.weight_sync_dir)
-                       / f"node{sync.source_node_id}-v{sync.num_training_updates}")
+        location = str(
+            PurePosixPath(self.weight_sync_dir)
+            / f"node{sync.source_node_id}-v{sync.num_training_updates}"
+        )
         started = time.monotonic()
         await self._sync_call(sync.source_node_id, _SAVE, location, sync.num_training_updates)
         for target in sync.target_node_ids:
             await self._sync_call(target, _LOAD, location, sync.num_training_updates)
-        log.info("weight_sync_done", source=sync.source_node_id,
-                 targets=list(sync.target_node_ids), version=sync.num_training_updates,
-                 duration_s=round(time.monotonic() - started, 3))
+        log.info(
+            "weight_sync_done",
+            source=sync.source_node_id,
+            targets=list(sync.target_node_ids),
+            version=sync.num_training_updates,
+            duration_s=round(time.monotonic() - started, 3),
+        )
 
-    async def _sync_call(self, node_id: int, direction: int, location: str,
-                         version: int) -> None:
+    async def _sync_call(self, node_id: int, direction: int, location: str, version: int) -> None:
         request = executor_pb2.SyncWeightsRequest(
             direction=direction,  # type: ignore[arg-type]
-            location=location, weight_version=version)
+            location=location,
+            weight_version=version,
+        )
         try:
             await self._stub(node_id).SyncWeights(request, timeout=self.weight_sync_deadline_s)
         except grpc.aio.AioRpcError as err:
-            raise DispatchError(f"SyncWeights on node {node_id}: "
-                                f"{err.code().name}: {err.details()}") from err
+            raise DispatchError(
+                f"SyncWeights on node {node_id}: {err.code().name}: {err.details()}"
+            ) from err
 
 
 class RedisResultWriter:
@@ -230,23 +266,33 @@ class RedisResultWriter:
         t = time.time()
         updates: list[tuple[str, dict[str, FieldValue]]] = []
         for write in writes:
-            if write.status == "placed":
-                updates.append((write.task_id, {"status": "placed", "node_id": write.node_id,
-                                                "placed_t": t}))
-            elif write.status == "queued":  # taken back from a node: no node now
-                updates.append((write.task_id, {"status": "queued", "node_id": "",
-                                                "requeued_t": t}))
+            if write.status == StoredStatus.PLACED:
+                fields: dict[str, FieldValue] = {
+                    STATUS_FIELD: StoredStatus.PLACED,
+                    NODE_ID_FIELD: write.node_id,
+                    "placed_t": t,
+                }
+                updates.append((write.task_id, fields))
+            elif write.status == StoredStatus.QUEUED:  # taken back from a node: no node now
+                fields = {STATUS_FIELD: StoredStatus.QUEUED, NODE_ID_FIELD: "", "requeued_t": t}
+                updates.append((write.task_id, fields))
         # A state write never overwrites a final state (`Store.set_task_state`).
         await self.store.set_task_states(updates)
         ends = [(w.task_id, w.status, w.reason) for w in writes if w.is_final]
         if not ends:
             return
         is_first = await self.store.finish_tasks(
-            ends, output_fields={"type": "end", "n": "0", "t": t}, state_fields={"finish_t": t},
-            ttl_s=self.finished_ttl_s)
+            ends,
+            output_fields=end_message(0, None, t),
+            state_fields={FINISH_T_FIELD: t},
+            ttl_s=self.finished_ttl_s,
+        )
         # Count each task once (a retried or redelivered end ends nothing new).
-        num_rejected = sum(1 for (_, s, _), first in zip(ends, is_first, strict=True)
-                           if first and s == "rejected")
+        num_rejected = sum(
+            1
+            for (_, s, _), first in zip(ends, is_first, strict=True)
+            if first and s == StoredStatus.REJECTED
+        )
         num_failed = sum(is_first) - num_rejected
         for name, count in (("num_rejected", num_rejected), ("num_failed", num_failed)):
             if count:
@@ -254,19 +300,27 @@ class RedisResultWriter:
 
     async def progress(self, task_ids: Sequence[str]) -> list[TaskProgress]:
         stored = await self.store.get_task_states(task_ids, [IS_FINAL_FIELD, STATUS_FIELD])
-        return [TaskProgress(is_final=s.fields.get(IS_FINAL_FIELD) == "1",
-                             status=s.fields.get(STATUS_FIELD, ""), has_output=s.has_output)
-                for s in stored]
+        return [
+            TaskProgress(
+                is_final=s.fields.get(IS_FINAL_FIELD) == "1",
+                status=s.fields.get(STATUS_FIELD, ""),
+                has_output=s.has_output,
+            )
+            for s in stored
+        ]
 
     # ------------------------------------------------------------ AttemptLedger
 
-    async def begin_attempts(self, task_ids: Sequence[str],
-                             check_cancelled: Sequence[str]) -> tuple[list[int], list[bool]]:
+    async def begin_attempts(
+        self, task_ids: Sequence[str], check_cancelled: Sequence[str]
+    ) -> tuple[list[int], list[bool]]:
         return await self.store.begin_attempts(task_ids, check_cancelled)
 
     async def fence(self, taken: Sequence[tuple[str, int]]) -> list[TaskProgress]:
-        return [TaskProgress(is_final=p.is_final, status=p.status, has_output=p.has_output)
-                for p in await self.store.fence_attempts(taken)]
+        return [
+            TaskProgress(is_final=p.is_final, status=p.status, has_output=p.has_output)
+            for p in await self.store.fence_attempts(taken)
+        ]
 
 
 _EVENTS_PER_TRIP = 500
@@ -369,8 +423,9 @@ class RedisEventSink:
             num_trimmed = await self.store.trim_events_before(self._trim_before_id)
             self._trim_before_id = None
             self.num_trimmed_events += num_trimmed
-            log.info("events_compacted", num_trimmed=num_trimmed,
-                     snapshot_bytes=self.last_snapshot_bytes)
+            log.info(
+                "events_compacted", num_trimmed=num_trimmed, snapshot_bytes=self.last_snapshot_bytes
+            )
 
     def _on_snapshot_stored(self, entry_id: str, num_bytes: int) -> None:
         self._trim_before_id = entry_id

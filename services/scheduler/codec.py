@@ -5,10 +5,12 @@
   it). One pair, so the two sides cannot drift.
 * A planner event in the events stream: one field, ``json``, holding the
   RecordingPlanner's event dict (it nests dicts, so a flat hash will not do).
-* A node's heartbeat hash (written by executors with the `NodeState` field
-  names) as a `NodeState` message, for GetState.
 
-Task fields (all strings, numbers via `lemix.store.encode_value`):
+A node's heartbeat hash has its own codec (`lemix.infra.store.heartbeat`),
+shared with the gateway; the fields other services add to a task's state hash
+are named in `lemix.infra.store.task_hash`.
+
+Task fields (all strings, numbers via `lemix.infra.store.codec.encode_value`):
 
 =====================  ===========================================================
 field                  value
@@ -39,12 +41,11 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from lemix._proto.lemix.v1 import common_pb2
+from lemix.infra.store.codec import FieldValue, get_bool, get_float, get_int
+from lemix.infra.store.task_hash import SUBMIT_T_FIELD, TASK_ID_FIELD
 from lemix.planner.recording import Event
-from lemix.store import Fields, FieldValue, get_bool, get_float, get_int
 from lemix.types import Task, TaskKind, TaskPayload
 
-SUBMIT_T_FIELD = "submit_t"
 EVENT_FIELD = "json"
 
 
@@ -56,11 +57,12 @@ def _ids_from_text(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(",")) if text else ()
 
 
-def task_to_fields(task: Task, payload: TaskPayload, *,
-                   submit_t: float | None = None) -> dict[str, FieldValue]:
+def task_to_fields(
+    task: Task, payload: TaskPayload, *, submit_t: float | None = None
+) -> dict[str, FieldValue]:
     """A task and its payload as intake/state-hash fields (see the module table)."""
     return {
-        "task_id": task.task_id,
+        TASK_ID_FIELD: task.task_id,
         "kind": task.kind.value,
         "arrival_s": task.arrival_s,
         "num_prompt_tokens": task.num_prompt_tokens,
@@ -79,15 +81,16 @@ def task_to_fields(task: Task, payload: TaskPayload, *,
     }
 
 
-def task_from_fields(fields: Mapping[str, str], *,
-                     arrival_s: float | None = None) -> tuple[Task, TaskPayload]:
+def task_from_fields(
+    fields: Mapping[str, str], *, arrival_s: float | None = None
+) -> tuple[Task, TaskPayload]:
     """Fields -> (task, payload); `arrival_s` replaces the stored arrival.
 
     Raises `ValueError` (or `KeyError` for a missing ``task_id``/``kind``) on
     fields no Submit could have written.
     """
     task = Task(
-        task_id=fields["task_id"],
+        task_id=fields[TASK_ID_FIELD],
         kind=TaskKind(fields["kind"]),
         arrival_s=get_float(fields, "arrival_s") if arrival_s is None else arrival_s,
         num_prompt_tokens=get_int(fields, "num_prompt_tokens"),
@@ -129,37 +132,3 @@ def event_has_key(fields: Mapping[str, str], key: str) -> bool:
     snapshot event is large; recovery looks for the last one)."""
     prefix = json.dumps({key: 0}, separators=(",", ":"))[:-2]  # '{"key":'
     return fields.get(EVENT_FIELD, "").startswith(prefix)
-
-
-# ------------------------------------------------------------------ nodes
-
-_NODE_U32 = ("num_running", "num_waiting", "num_stages", "max_remaining_decode_tokens")
-_NODE_U64 = ("sum_context_tokens", "kv_used_bytes", "memory_capacity_bytes",
-             "num_training_updates")
-
-
-def node_state_from_fields(node_id: int, fields: Fields) -> common_pb2.NodeState:
-    """An executor's heartbeat hash (NodeState field names) -> `NodeState`.
-
-    Missing or malformed numbers read as 0, so one odd executor cannot break
-    GetState for the whole cluster.
-    """
-
-    def number(name: str, parse: type[int] | type[float]) -> Any:
-        try:
-            return parse(fields.get(name, "") or 0)
-        except ValueError:
-            return parse(0)
-
-    def uint(name: str, bits: int) -> int:
-        return min(max(int(number(name, int)), 0), (1 << bits) - 1)
-
-    return common_pb2.NodeState(
-        node_id=node_id,
-        now_s=number("now_s", float),
-        busy_fraction=number("busy_fraction", float),
-        is_healthy=get_bool(fields, "is_healthy", True),
-        address=fields.get("address", ""),
-        **{name: uint(name, 32) for name in _NODE_U32},
-        **{name: uint(name, 64) for name in _NODE_U64},
-    )

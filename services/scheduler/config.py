@@ -1,38 +1,37 @@
 """The scheduler's configuration, and the ONE place that maps env vars and flags to it.
 
 Precedence: a command-line flag, else its ``LEMIX_*`` environment variable,
-else the default (lemix.settings is the mechanism). Nothing is read at import
+else the default (lemix.infra.settings is the mechanism). Nothing is read at import
 time: `from_env_and_args` reads `os.environ` (or the mapping it is given) when
-called. `scripts/config_table.py` prints the README table from `_OPTIONS`.
+called. The fields every service shares (host, ports, Redis, logging, the
+service token, the drain grace) come from `lemix.infra.config`;
+`scripts/config_table.py` prints the docs/configuration.md table from `_OPTIONS`.
+
+`shutdown_grace_s` was `stop_grace_s` here: ``--stop-grace-s`` and
+``LEMIX_STOP_GRACE_S`` are still read, as deprecated aliases (with a warning).
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import socket
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lemix import settings
 from lemix.batching import BatchingConfig
+from lemix.infra import settings
+from lemix.infra.config import COMMON_CLI_DEFAULTS, SCHEDULER, CommonServiceConfig, common_options
+from lemix.infra.settings import Option, option
+from lemix.infra.store.keys import NODE_HEARTBEAT_TTL_S, STREAM_LEASE_TTL_S
 from lemix.memory import MemoryConfig
 from lemix.planner.base import PlannerConfig
+from lemix.planner.configure import build_planner_config
 from lemix.planner.registry import POLICIES, get_spec
 from lemix.profile import Profile, default_profile_path
-from lemix.redis_keys import (
-    DEFAULT_NAMESPACE,
-    NODE_HEARTBEAT_TTL_S,
-    STREAM_LEASE_TTL_S,
-    RedisKeys,
-)
-from lemix.rpc.auth import SERVICE_TOKEN_OPTION, check_service_token
-from lemix.settings import Option, port_or_off
-from lemix.sim.run import Slo, SloConfig, compute_slo
+from lemix.slo import Slo, SloConfig, compute_slo
 from lemix.types import Task, TaskKind
 
-_LOG_LEVELS = ("debug", "info", "warning", "error")
 # Redis connections the scheduler's own loops hold at most at once: the intake
 # and completions loops (each parks one on a blocking read), the nodes loop,
 # the event sink, and the core. The core batches its Redis I/O (one round trip
@@ -50,14 +49,13 @@ def _default_consumer() -> str:
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    """Everything the scheduler service needs, explicit and validated."""
+class SchedulerConfig(CommonServiceConfig):
+    """Everything the scheduler service needs, explicit and validated.
 
-    host: str = "127.0.0.1"
-    port: int = 0  # 0 = a free port (the bound one is printed)
-    metrics_port: int = -1  # Prometheus /metrics: 0 = a free port, -1 = off
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    namespace: str = DEFAULT_NAMESPACE  # Redis key prefix shared with gateway and executors
+    From CommonServiceConfig: `shutdown_grace_s` is what in-flight RPCs get on
+    stop; `service_token` is sent to executors and required from the gateway.
+    """
+
     policy: str = "lemix"
     num_nodes: int = 1
     profile_path: str = ""  # "" = lemix.profile.default_profile_path()
@@ -89,7 +87,6 @@ class SchedulerConfig:
     # pending this long. One scheduler runs per namespace, so at start every
     # pending entry is a dead predecessor's: 0 takes them all at once.
     claim_min_idle_s: float = 0.0
-    stop_grace_s: float = 5.0  # in-flight RPCs get this long on stop
     # Dispatch RPCs in flight at once (a 10,000-sample Train places hundreds
     # in one plan); the rest wait their turn.
     max_concurrent_dispatches: int = 32
@@ -117,17 +114,10 @@ class SchedulerConfig:
     # planner into the event log and trims the log before it, so a restart
     # replays at most about this many events (0 = never: the log grows).
     snapshot_every_events: int = 10_000
-    log_level: str = "info"  # debug | info | warning | error
-    log_format: str = "console"  # console | json
-    # Sent to executors and required from the gateway (lemix.rpc.auth); "" = none.
-    service_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         get_spec(self.policy)  # unknown names fail here, with the list of choices
-        RedisKeys(self.namespace)  # namespace must be a non-empty word
-        if not 0 <= self.port < 1 << 16:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        settings.check_port_or_off("metrics_port", self.metrics_port)
         if self.num_nodes < 1:
             raise ValueError(f"num_nodes must be >= 1, got {self.num_nodes}")
         if self.slo_ttft_s < 0 or self.slo_tbt_s < 0:
@@ -153,7 +143,7 @@ class SchedulerConfig:
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
         non_negative = {
-            "claim_min_idle_s": self.claim_min_idle_s, "stop_grace_s": self.stop_grace_s,
+            "claim_min_idle_s": self.claim_min_idle_s,
             "max_task_moves": self.max_task_moves,
             "redis_outage_grace_s": self.redis_outage_grace_s,
             "node_lost_after_s": self.node_lost_after_s,
@@ -163,13 +153,7 @@ class SchedulerConfig:
         for name, value in non_negative.items():
             if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
-        if self.log_level not in _LOG_LEVELS:
-            raise ValueError(f"log_level must be one of {'|'.join(_LOG_LEVELS)}, "
-                             f"got {self.log_level!r}")
-        if self.log_format not in ("console", "json"):
-            raise ValueError(f"log_format must be console or json, got {self.log_format!r}")
         SloConfig(self.slo_multiplier)
-        check_service_token(self.service_token)
         MemoryConfig(kappa=self.kappa)
         BatchingConfig(max_batch_size=self.max_batch_size)
 
@@ -201,23 +185,24 @@ class SchedulerConfig:
             return Slo(ttft_s=self.slo_ttft_s, tbt_s=self.slo_tbt_s)
         reference: list[Task] = []
         if self.slo_prompt_tokens:
-            reference = [Task("slo-reference", TaskKind.INFERENCE, 0.0, self.slo_prompt_tokens,
-                              self.slo_output_tokens)]
+            reference = [
+                Task(
+                    "slo-reference",
+                    TaskKind.INFERENCE,
+                    0.0,
+                    self.slo_prompt_tokens,
+                    self.slo_output_tokens,
+                )
+            ]
         return compute_slo(profile, reference, SloConfig(self.slo_multiplier))
 
     def planner_config(self, profile: Profile) -> PlannerConfig:
-        """The planner's config.
-
-        Mirrors `lemix.sim.run.build_simulator`'s mapping field for field, so the
-        live scheduler and the simulator plan alike. TODO(shared builder): once
-        lemix offers one PlannerConfig builder for both, call it here instead.
-        """
-        slo = self.slo(profile)
-        return PlannerConfig(
+        """The planner's config, mapped exactly as the simulator maps its own
+        (`lemix.planner.configure.build_planner_config`), so both plan alike."""
+        return build_planner_config(
             num_nodes=self.num_nodes,
-            num_stages=profile.num_stages,
-            slo_ttft_s=slo.ttft_s,
-            slo_tbt_s=slo.tbt_s,
+            profile=profile,
+            slo=self.slo(profile),
             max_batch_size=self.max_batch_size,
             max_defer_s=self.max_defer_s,
             defer_recheck_s=self.defer_recheck_s,
@@ -229,77 +214,120 @@ class SchedulerConfig:
 # ------------------------------------------------------------------ env + CLI
 
 
-def _option(field: str, env: str, parse: Callable[[str], Any], help: str) -> Option:
-    """The scheduler's flags are its field names, dashed."""
-    return Option(field, f"--{field.replace('_', '-')}", env, parse, help,
-                  metavar=field.upper())
+def _with_old_names(opt: Option) -> Option:
+    """The scheduler's drain grace was `stop_grace_s`; its old flag and variable
+    stay accepted (deprecated, with a warning) until deployments have moved."""
+    if opt.field != "shutdown_grace_s":
+        return opt
+    return dataclasses.replace(
+        opt, deprecated_flags=("--stop-grace-s",), deprecated_envs=("LEMIX_STOP_GRACE_S",)
+    )
 
 
 _OPTIONS: tuple[Option, ...] = (
-    _option("host", "LEMIX_SCHEDULER_HOST", str, "address to bind the gRPC server to"),
-    _option("port", "LEMIX_SCHEDULER_PORT", int, "gRPC port (0 = a free port)"),
-    _option("metrics_port", "LEMIX_SCHEDULER_METRICS_PORT", port_or_off,
-            "Prometheus /metrics port (0 = a free port, -1 = off)"),
-    _option("redis_url", "LEMIX_REDIS_URL", str, "Redis URL, e.g. redis://host:6379/0"),
-    _option("namespace", "LEMIX_NAMESPACE", str, "Redis key namespace shared by the stack"),
-    _option("policy", "LEMIX_POLICY", str, f"placement policy: {', '.join(POLICIES)}"),
-    _option("num_nodes", "LEMIX_NUM_NODES", int, "executor nodes (ids 0..N-1)"),
-    _option("profile_path", "LEMIX_PROFILE", str,
-            "profile JSON (default: the shipped A100 one)"),
-    _option("slo_ttft_s", "LEMIX_SLO_TTFT_S", float,
-            "TTFT SLO in s (0 = derive from the profile)"),
-    _option("slo_tbt_s", "LEMIX_SLO_TBT_S", float, "TBT SLO in s (0 = derive from the profile)"),
-    _option("slo_multiplier", "LEMIX_SLO_MULTIPLIER", float,
-            "derived SLO = k x unloaded latency"),
-    _option("slo_prompt_tokens", "LEMIX_SLO_PROMPT_TOKENS", int,
-            "reference prompt length for derived SLOs (0 = compute_slo default)"),
-    _option("slo_output_tokens", "LEMIX_SLO_OUTPUT_TOKENS", int,
-            "reference output length for derived SLOs (0 = compute_slo default)"),
-    _option("kappa", "LEMIX_KAPPA", float, "usable fraction of each GPU's memory"),
-    _option("max_batch_size", "LEMIX_MAX_BATCH_SIZE", int, "executors' running-batch cap"),
-    _option("train_rate", "LEMIX_TRAIN_RATE", float, "SEPARATE: training share of nodes"),
-    _option("sync_every_tasks", "LEMIX_SYNC_EVERY_TASKS", int,
-            "SEPARATE: weight sync period K"),
-    _option("max_defer_s", "LEMIX_MAX_DEFER_S", float, "longest a training task is deferred"),
-    _option("defer_recheck_s", "LEMIX_DEFER_RECHECK_S", float,
-            "re-evaluate deferred training every"),
-    _option("dispatch_deadline_s", "LEMIX_DISPATCH_DEADLINE_S", float,
-            "deadline of executor calls"),
-    _option("dispatch_retry_s", "LEMIX_DISPATCH_RETRY_S", float,
-            "pause before a node that failed a dispatch gets work again"),
-    _option("weight_sync_deadline_s", "LEMIX_WEIGHT_SYNC_DEADLINE_S", float,
-            "deadline of one SyncWeights call"),
-    _option("weight_sync_dir", "LEMIX_WEIGHT_SYNC_DIR", str, "where synced weights are saved"),
-    _option("consumer", "LEMIX_SCHEDULER_CONSUMER", str, "intake consumer name"),
-    _option("node_poll_s", "LEMIX_NODE_POLL_S", float, "node heartbeat poll period"),
-    _option("read_block_s", "LEMIX_READ_BLOCK_S", float, "longest blocking Redis read"),
-    _option("intake_batch", "LEMIX_INTAKE_BATCH", int, "intake entries per read"),
-    _option("claim_min_idle_s", "LEMIX_CLAIM_MIN_IDLE_S", float,
-            "take over intake entries pending this long at start"),
-    _option("stop_grace_s", "LEMIX_STOP_GRACE_S", float, "grace for in-flight RPCs on stop"),
-    _option("max_concurrent_dispatches", "LEMIX_MAX_CONCURRENT_DISPATCHES", int,
-            "executor Dispatch calls in flight at once"),
-    _option("max_task_moves", "LEMIX_MAX_TASK_MOVES", int,
-            "re-placements of a task after node failures before it fails"),
-    _option("node_lost_after_s", "LEMIX_NODE_LOST_AFTER_S", float,
-            "a node down this long loses its tasks (re-queued or failed)"),
-    _option("redis_outage_grace_s", "LEMIX_REDIS_OUTAGE_GRACE_S", float,
-            "after a Redis outage, wait this long before declaring silent nodes down"),
-    _option("max_rpc_redis_calls", "LEMIX_MAX_RPC_REDIS_CALLS", int,
-            "scheduler RPCs using Redis at once (sizes the Redis pool)"),
-    _option("lease_check_s", "LEMIX_LEASE_CHECK_S", float,
-            "how often stream leases of held requests are checked"),
-    _option("finished_task_ttl_s", "LEMIX_FINISHED_TASK_TTL_S", float,
-            "finished tasks' state and output expire after (0 = never)"),
-    _option("snapshot_every_events", "LEMIX_SNAPSHOT_EVERY_EVENTS", int,
-            "snapshot the planner into the event log and trim it every N events (0 = never)"),
-    _option("log_level", "LEMIX_LOG_LEVEL", str, "debug|info|warning|error"),
-    _option("log_format", "LEMIX_LOG_FORMAT", str, "console|json"),
-    SERVICE_TOKEN_OPTION,
+    *map(_with_old_names, common_options(SCHEDULER)),
+    option("policy", "LEMIX_POLICY", str, f"placement policy: {', '.join(POLICIES)}"),
+    option("num_nodes", "LEMIX_NUM_NODES", int, "executor nodes (ids 0..N-1)"),
+    option("profile_path", "LEMIX_PROFILE", str, "profile JSON (default: the shipped A100 one)"),
+    option("slo_ttft_s", "LEMIX_SLO_TTFT_S", float, "TTFT SLO in s (0 = derive from the profile)"),
+    option("slo_tbt_s", "LEMIX_SLO_TBT_S", float, "TBT SLO in s (0 = derive from the profile)"),
+    option("slo_multiplier", "LEMIX_SLO_MULTIPLIER", float, "derived SLO = k x unloaded latency"),
+    option(
+        "slo_prompt_tokens",
+        "LEMIX_SLO_PROMPT_TOKENS",
+        int,
+        "reference prompt length for derived SLOs (0 = compute_slo default)",
+    ),
+    option(
+        "slo_output_tokens",
+        "LEMIX_SLO_OUTPUT_TOKENS",
+        int,
+        "reference output length for derived SLOs (0 = compute_slo default)",
+    ),
+    option("kappa", "LEMIX_KAPPA", float, "usable fraction of each GPU's memory"),
+    option("max_batch_size", "LEMIX_MAX_BATCH_SIZE", int, "executors' running-batch cap"),
+    option("train_rate", "LEMIX_TRAIN_RATE", float, "SEPARATE: training share of nodes"),
+    option("sync_every_tasks", "LEMIX_SYNC_EVERY_TASKS", int, "SEPARATE: weight sync period K"),
+    option("max_defer_s", "LEMIX_MAX_DEFER_S", float, "longest a training task is deferred"),
+    option(
+        "defer_recheck_s", "LEMIX_DEFER_RECHECK_S", float, "re-evaluate deferred training every"
+    ),
+    option("dispatch_deadline_s", "LEMIX_DISPATCH_DEADLINE_S", float, "deadline of executor calls"),
+    option(
+        "dispatch_retry_s",
+        "LEMIX_DISPATCH_RETRY_S",
+        float,
+        "pause before a node that failed a dispatch gets work again",
+    ),
+    option(
+        "weight_sync_deadline_s",
+        "LEMIX_WEIGHT_SYNC_DEADLINE_S",
+        float,
+        "deadline of one SyncWeights call",
+    ),
+    option("weight_sync_dir", "LEMIX_WEIGHT_SYNC_DIR", str, "where synced weights are saved"),
+    option("consumer", "LEMIX_SCHEDULER_CONSUMER", str, "intake consumer name"),
+    option("node_poll_s", "LEMIX_NODE_POLL_S", float, "node heartbeat poll period"),
+    option("read_block_s", "LEMIX_READ_BLOCK_S", float, "longest blocking Redis read"),
+    option("intake_batch", "LEMIX_INTAKE_BATCH", int, "intake entries per read"),
+    option(
+        "claim_min_idle_s",
+        "LEMIX_CLAIM_MIN_IDLE_S",
+        float,
+        "take over intake entries pending this long at start",
+    ),
+    option(
+        "max_concurrent_dispatches",
+        "LEMIX_MAX_CONCURRENT_DISPATCHES",
+        int,
+        "executor Dispatch calls in flight at once",
+    ),
+    option(
+        "max_task_moves",
+        "LEMIX_MAX_TASK_MOVES",
+        int,
+        "re-placements of a task after node failures before it fails",
+    ),
+    option(
+        "node_lost_after_s",
+        "LEMIX_NODE_LOST_AFTER_S",
+        float,
+        "a node down this long loses its tasks (re-queued or failed)",
+    ),
+    option(
+        "redis_outage_grace_s",
+        "LEMIX_REDIS_OUTAGE_GRACE_S",
+        float,
+        "after a Redis outage, wait this long before declaring silent nodes down",
+    ),
+    option(
+        "max_rpc_redis_calls",
+        "LEMIX_MAX_RPC_REDIS_CALLS",
+        int,
+        "scheduler RPCs using Redis at once (sizes the Redis pool)",
+    ),
+    option(
+        "lease_check_s",
+        "LEMIX_LEASE_CHECK_S",
+        float,
+        "how often stream leases of held requests are checked",
+    ),
+    option(
+        "finished_task_ttl_s",
+        "LEMIX_FINISHED_TASK_TTL_S",
+        float,
+        "finished tasks' state and output expire after (0 = never)",
+    ),
+    option(
+        "snapshot_every_events",
+        "LEMIX_SNAPSHOT_EVERY_EVENTS",
+        int,
+        "snapshot the planner into the event log and trim it every N events (0 = never)",
+    ),
 )
 
 # `python -m services.scheduler` serves metrics unless told not to.
-_CLI_DEFAULTS: dict[str, Any] = {"metrics_port": 0}
+_CLI_DEFAULTS: dict[str, Any] = dict(COMMON_CLI_DEFAULTS)
 
 
 def env_table() -> list[tuple[str, str, str]]:
@@ -307,20 +335,14 @@ def env_table() -> list[tuple[str, str, str]]:
     return [(o.flag, o.env, o.help) for o in _OPTIONS]
 
 
-def build_parser(prog: str = "python -m services.scheduler") -> argparse.ArgumentParser:
-    """The scheduler's flags; every default is None so env and defaults can apply."""
-    return settings.build_parser(
-        SchedulerConfig, _OPTIONS, prog=prog, cli_defaults=_CLI_DEFAULTS,
-        description="LeMix global scheduler: intake -> planner -> executor dispatch.")
-
-
-def from_env_and_args(
-    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
-) -> SchedulerConfig:
-    """Parse flags (`argv`, default sys.argv[1:]) over env vars (default os.environ).
-
-    `--help` and usage errors exit through argparse (status 0 and 2); a bad
-    value raises `ValueError` naming the flag and its environment variable.
-    """
-    return settings.parse_settings(SchedulerConfig, build_parser(), _OPTIONS, argv, env,
-                                   _CLI_DEFAULTS)
+SPEC = settings.ConfigSpec(
+    SchedulerConfig,
+    _OPTIONS,
+    prog="python -m services.scheduler",
+    description="LeMix global scheduler: intake -> planner -> executor dispatch.",
+    cli_defaults=_CLI_DEFAULTS,
+)
+build_parser = SPEC.build_parser
+# `--help` and usage errors exit through argparse (status 0 and 2); a bad
+# value raises `ValueError` naming the flag and its environment variable.
+from_env_and_args = SPEC.parse

@@ -24,7 +24,7 @@ and inference with no output yet are re-queued, inference mid-stream fails
 ("UNAVAILABLE: ..."), finished ones are only released. Their ids are kept in
 `revoked` so the service cancels them on the node before it gets work again.
 
-Fencing (services/PROTOCOL.md, "Fencing"): every placement gets an attempt
+Fencing (docs/protocol.md, "Fencing"): every placement gets an attempt
 number, counted in the task hash (`AttemptLedger.begin_attempts`, one round
 trip per batch, before any Dispatch of it) and sent with the Dispatch; the
 executor's writes land only while it is current. A task taken away from a
@@ -44,7 +44,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 import structlog
 
-from lemix import telemetry
+from lemix.infra import telemetry
+from lemix.infra.store.task_hash import StoredStatus
 from lemix.planner.recording import RecordingPlanner
 from lemix.types import Decision, Deferral, Placement, Rejection, Task, WeightSync
 from services.scheduler.ports import (
@@ -59,8 +60,17 @@ from services.scheduler.ports import (
 )
 
 # The ports' names are re-exported: callers import them from here too.
-__all__ = ["AttemptLedger", "DispatchError", "Dispatcher", "ResultWriter", "SchedulerCore",
-           "StateWrite", "TaskProgress", "TaskRefused", "rejection_reason"]
+__all__ = [
+    "AttemptLedger",
+    "DispatchError",
+    "Dispatcher",
+    "ResultWriter",
+    "SchedulerCore",
+    "StateWrite",
+    "TaskProgress",
+    "TaskRefused",
+    "rejection_reason",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -81,20 +91,27 @@ class SchedulerCore:
     docstring; None: no fencing, every attempt 0); its one round trip before
     a batch's Dispatches also asks which training was cancelled while it
     waited: that is dropped instead (its end was written by the canceller).
-    `policy` labels the Prometheus counters (`lemix.telemetry`).
+    `policy` labels the Prometheus counters (`lemix.infra.telemetry`).
     At most `max_concurrent_dispatches` Dispatch calls are in flight at once.
     """
 
-    def __init__(self, planner: RecordingPlanner, dispatcher: Dispatcher, writer: ResultWriter,
-                 clock: Callable[[], float], *,
-                 on_forget: Callable[[str], None] | None = None,
-                 ledger: AttemptLedger | None = None,
-                 policy: str = "",
-                 max_concurrent_dispatches: int = DEFAULT_MAX_CONCURRENT_DISPATCHES,
-                 max_task_moves: int = DEFAULT_MAX_TASK_MOVES) -> None:
+    def __init__(
+        self,
+        planner: RecordingPlanner,
+        dispatcher: Dispatcher,
+        writer: ResultWriter,
+        clock: Callable[[], float],
+        *,
+        on_forget: Callable[[str], None] | None = None,
+        ledger: AttemptLedger | None = None,
+        policy: str = "",
+        max_concurrent_dispatches: int = DEFAULT_MAX_CONCURRENT_DISPATCHES,
+        max_task_moves: int = DEFAULT_MAX_TASK_MOVES,
+    ) -> None:
         if max_concurrent_dispatches < 1:
-            raise ValueError(f"max_concurrent_dispatches must be >= 1, "
-                             f"got {max_concurrent_dispatches}")
+            raise ValueError(
+                f"max_concurrent_dispatches must be >= 1, got {max_concurrent_dispatches}"
+            )
         if max_task_moves < 0:
             raise ValueError(f"max_task_moves must be >= 0, got {max_task_moves}")
         self.planner = planner
@@ -133,7 +150,7 @@ class SchedulerCore:
 
     def node_of(self, task_id: str) -> int | None:
         """The node a task is placed on, or None (queued, deferred or unknown)."""
-        return self.planner.planner.node_of(task_id)
+        return self.planner.node_of(task_id)
 
     def task(self, task_id: str) -> Task | None:
         return self._tasks.get(task_id)
@@ -160,8 +177,14 @@ class SchedulerCore:
                 by_node.setdefault(node_id, []).append(task_id)
         return by_node
 
+    @property
+    def num_deferred(self) -> int:
+        """Training the planner holds back for now (deferred, not rejected)."""
+        return self.planner.num_deferred
+
     def next_wakeup_s(self) -> float | None:
-        return self.planner.planner.next_wakeup_s()
+        """When (planner time) deferred work must be looked at again, or None."""
+        return self.planner.next_wakeup_s()
 
     # ------------------------------------------------------------ restart
 
@@ -216,8 +239,14 @@ class SchedulerCore:
             if is_new:
                 await self._apply(self._plan(now_s))
 
-    async def on_finished(self, task_id: str, is_success: bool, is_requeue: bool = False,
-                          node_id: int | None = None, attempt: int | None = None) -> bool:
+    async def on_finished(
+        self,
+        task_id: str,
+        is_success: bool,
+        is_requeue: bool = False,
+        node_id: int | None = None,
+        attempt: int | None = None,
+    ) -> bool:
         """An executor finished (or gave back) a task; False if ignored as stale.
 
         With `node_id` (the reporting node) a report for a task not placed on
@@ -232,15 +261,20 @@ class SchedulerCore:
                 return False
             current = self._attempts.get(task_id)
             if attempt and current is not None and attempt != current:
-                log.info("stale_attempt_completion", task_id=task_id, node_id=node_id,
-                         attempt=attempt, current=current)
+                log.info(
+                    "stale_attempt_completion",
+                    task_id=task_id,
+                    node_id=node_id,
+                    attempt=attempt,
+                    current=current,
+                )
                 return False
             now_s = self.clock()
             task = self._tasks.get(task_id)
             decisions = self.planner.on_task_finished(task_id, now_s, is_success)
             if is_requeue and task is not None:
                 self.planner.submit(task, now_s)  # training goes back, never lost
-                self._note(StateWrite(task_id, "queued"))
+                self._note(StateWrite(task_id, StoredStatus.QUEUED))
             else:
                 self._forget(task_id)
             decisions += self._plan(now_s)
@@ -320,7 +354,7 @@ class SchedulerCore:
     def _note(self, write: StateWrite) -> None:
         self._unwritten[write.task_id] = write  # a later state supersedes an unstored one
 
-    def _end(self, task_id: str, status: str, reason: str) -> None:
+    def _end(self, task_id: str, status: StoredStatus, reason: str) -> None:
         self._forget(task_id)
         self._note(StateWrite(task_id, status, reason=reason))
 
@@ -354,13 +388,16 @@ class SchedulerCore:
         num_moves = self._num_moves.get(task.task_id, 0) + 1
         if num_moves > self.max_task_moves:
             log.warning("task_gave_up", task_id=task.task_id, num_moves=num_moves - 1, why=why)
-            self._end(task.task_id, "failed",
-                      f"{why}; gave up after placing it {num_moves} times")
+            self._end(
+                task.task_id,
+                StoredStatus.FAILED,
+                f"{why}; gave up after placing it {num_moves} times",
+            )
             return False
         self._num_moves[task.task_id] = num_moves
         self.num_moved += 1
         self.planner.submit(task, now_s)
-        self._note(StateWrite(task.task_id, "queued"))
+        self._note(StateWrite(task.task_id, StoredStatus.QUEUED))
         return True
 
     async def _apply(self, decisions: list[Decision]) -> None:
@@ -387,7 +424,9 @@ class SchedulerCore:
                 self.num_rejected += 1
                 rejected = self._tasks.get(decision.task_id)
                 telemetry.observe_rejected(self.policy, rejected.kind.value if rejected else "")
-                self._end(decision.task_id, "rejected", rejection_reason(decision.reason))
+                self._end(
+                    decision.task_id, StoredStatus.REJECTED, rejection_reason(decision.reason)
+                )
             elif isinstance(decision, WeightSync):
                 try:
                     await self.dispatcher.sync_weights(decision)
@@ -416,14 +455,18 @@ class SchedulerCore:
             is_moved |= self._resolve(placement, task, error, self.clock())
         # A Dispatch that may have reached its node: that attempt is fenced
         # now, not only once the task is placed again.
-        await self._fence_quietly([
-            (p.task_id, self._attempts.get(p.task_id, 0))
-            for (p, _), error in zip(sendable, errors, strict=True)
-            if isinstance(error, DispatchError) and error.is_maybe_taken])
+        await self._fence_quietly(
+            [
+                (p.task_id, self._attempts.get(p.task_id, 0))
+                for (p, _), error in zip(sendable, errors, strict=True)
+                if isinstance(error, DispatchError) and error.is_maybe_taken
+            ]
+        )
         return is_moved
 
-    async def _begin_attempts(self, sendable: list[tuple[Placement, Task]],
-                              now_s: float) -> list[tuple[Placement, Task]]:
+    async def _begin_attempts(
+        self, sendable: list[tuple[Placement, Task]], now_s: float
+    ) -> list[tuple[Placement, Task]]:
         """Number each placement (before its Dispatch) and drop training
         cancelled while it waited (inference is checked at intake): one round
         trip. If it fails, nothing is dispatched: an unnumbered Dispatch could
@@ -433,10 +476,14 @@ class SchedulerCore:
         training = [task.task_id for _, task in sendable if task.is_training]
         try:
             attempts, cancelled_flags = await self._ledger.begin_attempts(
-                [task.task_id for _, task in sendable], training)
+                [task.task_id for _, task in sendable], training
+            )
         except Exception as exc:
-            log.warning("placements_deferred", num_placements=len(sendable),
-                        error=f"{type(exc).__name__}: {exc}")
+            log.warning(
+                "placements_deferred",
+                num_placements=len(sendable),
+                error=f"{type(exc).__name__}: {exc}",
+            )
             for _, task in sendable:
                 # Back to the planner, not a move: the node is not at fault.
                 self.planner.on_task_finished(task.task_id, now_s, is_success=False)
@@ -459,11 +506,13 @@ class SchedulerCore:
         try:
             await self._ledger.fence(taken)
         except Exception as exc:
-            log.warning("fence_deferred", num_tasks=len(taken),
-                        error=f"{type(exc).__name__}: {exc}")
+            log.warning(
+                "fence_deferred", num_tasks=len(taken), error=f"{type(exc).__name__}: {exc}"
+            )
 
-    async def _dispatch(self, placement: Placement, task: Task,
-                        failed_nodes: set[int]) -> BaseException | None:
+    async def _dispatch(
+        self, placement: Placement, task: Task, failed_nodes: set[int]
+    ) -> BaseException | None:
         """One Dispatch under the concurrency bound; its error, or None if taken.
 
         Once a node failed one Dispatch of this batch, the batch's calls still
@@ -472,8 +521,9 @@ class SchedulerCore:
         """
         async with self._dispatch_slots:
             if placement.node_id in failed_nodes:
-                return DispatchError(f"skipped: node {placement.node_id} failed another "
-                                     "dispatch of this batch")
+                return DispatchError(
+                    f"skipped: node {placement.node_id} failed another dispatch of this batch"
+                )
             try:
                 await self.dispatcher.dispatch(placement, task)
             except Exception as exc:
@@ -482,14 +532,15 @@ class SchedulerCore:
                 return exc
         return None
 
-    def _resolve(self, placement: Placement, task: Task, error: BaseException | None,
-                 now_s: float) -> bool:
+    def _resolve(
+        self, placement: Placement, task: Task, error: BaseException | None, now_s: float
+    ) -> bool:
         """Settle one dispatched placement; True when the task went back to the planner."""
         node_id, task_id = placement.node_id, placement.task_id
         if error is None:
             self.num_placed += 1
             telemetry.observe_placed(self.policy, task.kind.value)
-            self._note(StateWrite(task_id, "placed", node_id=node_id))
+            self._note(StateWrite(task_id, StoredStatus.PLACED, node_id=node_id))
             return False
         self.planner.on_task_finished(task_id, now_s, is_success=False)
         if isinstance(error, TaskRefused):
@@ -497,7 +548,7 @@ class SchedulerCore:
             # task, not the node. Only the task ends.
             self.num_refused += 1
             log.info("task_refused", task_id=task_id, node_id=node_id, reason=error.reason)
-            self._end(task_id, "rejected", error.reason)
+            self._end(task_id, StoredStatus.REJECTED, error.reason)
             return False
         if isinstance(error, DispatchError):
             self.num_dispatch_failures += 1
@@ -507,11 +558,17 @@ class SchedulerCore:
             self.dispatch_failed_s[node_id] = now_s
             if error.is_maybe_taken:
                 self._revoke(node_id, task_id)
-            return self._move(task, now_s, f"UNAVAILABLE: executor of node {node_id} did not "
-                                           f"take the task ({error})")
+            return self._move(
+                task,
+                now_s,
+                f"UNAVAILABLE: executor of node {node_id} did not take the task ({error})",
+            )
         log.error("dispatch_error", task_id=task_id, node_id=node_id, exc_info=error)
-        return self._move(task, now_s, f"UNAVAILABLE: dispatching to node {node_id} failed "
-                                       f"({type(error).__name__}: {error})")
+        return self._move(
+            task,
+            now_s,
+            f"UNAVAILABLE: dispatching to node {node_id} failed ({type(error).__name__}: {error})",
+        )
 
     async def _evacuate(self, node_id: int, why: str, now_s: float) -> None:
         """Take every task the planner has on `node_id` away from it (module doc)."""
@@ -523,30 +580,46 @@ class SchedulerCore:
             # the node's executor will ever write for these attempts.
             if self._ledger is not None:
                 progress = await self._ledger.fence(
-                    [(t, self._attempts.get(t, 0)) for t in task_ids])
+                    [(t, self._attempts.get(t, 0)) for t in task_ids]
+                )
             else:
                 progress = await self.writer.progress(task_ids)
         except Exception as exc:
-            log.warning("evacuation_deferred", node_id=node_id, num_tasks=len(task_ids),
-                        error=f"{type(exc).__name__}: {exc}")
+            log.warning(
+                "evacuation_deferred",
+                node_id=node_id,
+                num_tasks=len(task_ids),
+                error=f"{type(exc).__name__}: {exc}",
+            )
             return
         num_requeued = num_failed = 0
         for task_id, state in zip(task_ids, progress, strict=True):
             task = self._tasks[task_id]
             if state.is_final:  # it ended; its completion is not applied yet
-                self.planner.on_task_finished(task_id, now_s, state.status == "completed")
+                self.planner.on_task_finished(
+                    task_id, now_s, state.status == StoredStatus.COMPLETED
+                )
                 self._forget(task_id)
                 continue
             self._revoke(node_id, task_id)
             self.planner.on_task_finished(task_id, now_s, is_success=False)
             if not task.is_training and state.has_output:
                 num_failed += 1
-                self._end(task_id, "failed", f"UNAVAILABLE: executor of node {node_id} {why} "
-                                             "while streaming; retry")
+                self._end(
+                    task_id,
+                    StoredStatus.FAILED,
+                    f"UNAVAILABLE: executor of node {node_id} {why} while streaming; retry",
+                )
             elif self._move(task, now_s, f"UNAVAILABLE: executor of node {node_id} {why}"):
                 num_requeued += 1
-        log.info("node_evacuated", node_id=node_id, why=why, num_tasks=len(task_ids),
-                 num_requeued=num_requeued, num_failed=num_failed)
+        log.info(
+            "node_evacuated",
+            node_id=node_id,
+            why=why,
+            num_tasks=len(task_ids),
+            num_requeued=num_requeued,
+            num_failed=num_failed,
+        )
 
     async def _flush_writes(self) -> None:
         if not self._unwritten:
@@ -555,8 +628,11 @@ class SchedulerCore:
         try:
             await self.writer.write_states(writes)
         except Exception as exc:
-            log.warning("state_writes_deferred", num_writes=len(writes),
-                        error=f"{type(exc).__name__}: {exc}")
+            log.warning(
+                "state_writes_deferred",
+                num_writes=len(writes),
+                error=f"{type(exc).__name__}: {exc}",
+            )
             return
         for write in writes:
             if self._unwritten.get(write.task_id) is write:

@@ -15,11 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from lemix.infra.store.task_hash import StoredStatus
+from lemix.reasons import ReasonCode, format_reason, reason_code
 from lemix.types import Placement, Task, WeightSync
-
-# Status names a failure reason may start with (services/PROTOCOL.md).
-STATUS_PREFIXES = ("INVALID_ARGUMENT:", "RESOURCE_EXHAUSTED:", "UNAVAILABLE:", "CANCELLED:",
-                   "DEADLINE_EXCEEDED:", "FAILED_PRECONDITION:")
 
 
 def rejection_reason(reason: str) -> str:
@@ -29,9 +27,9 @@ def rejection_reason(reason: str) -> str:
     ...") and "can never fit", which the protocol names RESOURCE_EXHAUSTED; a
     reason without a prefix would otherwise reach the client as INTERNAL.
     """
-    if reason.startswith(STATUS_PREFIXES):
+    if reason_code(reason) is not None:  # docs/protocol.md, "Task ids and reasons"
         return reason
-    return f"RESOURCE_EXHAUSTED: {reason}"
+    return format_reason(ReasonCode.RESOURCE_EXHAUSTED, reason)
 
 
 class DispatchError(Exception):
@@ -65,13 +63,13 @@ class StateWrite:
     """A task state the core wants stored; kept and retried until it is."""
 
     task_id: str
-    status: str  # "placed" | "queued" (not final) | "failed" | "rejected" (final)
+    status: str  # a `StoredStatus`: placed | queued (not final) | failed | rejected (final)
     node_id: int | None = None  # for "placed"
     reason: str = ""  # for final states: "STATUS_NAME: text"
 
     @property
     def is_final(self) -> bool:
-        return self.status not in ("placed", "queued")
+        return self.status not in (StoredStatus.PLACED, StoredStatus.QUEUED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,10 +96,11 @@ class Dispatcher(Protocol):
 
 class AttemptLedger(Protocol):
     """Attempt numbers in Redis: the fencing tokens of placements
-    (services/PROTOCOL.md, "Fencing"). Each call is one round trip."""
+    (docs/protocol.md, "Fencing"). Each call is one round trip."""
 
-    async def begin_attempts(self, task_ids: Sequence[str],
-                             check_cancelled: Sequence[str]) -> tuple[list[int], list[bool]]:
+    async def begin_attempts(
+        self, task_ids: Sequence[str], check_cancelled: Sequence[str]
+    ) -> tuple[list[int], list[bool]]:
         """Number a new placement of each task, before its Dispatch (the
         attempts, in order), and tell which of `check_cancelled` were cancelled."""
         ...

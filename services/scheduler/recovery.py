@@ -26,11 +26,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lemix.infra.store.codec import Entry
 from lemix.planner.base import PlannerConfig
 from lemix.planner.planner import Planner
 from lemix.planner.recording import Event, replay, task_from_event
 from lemix.planner.snapshot import task_from_state, task_to_state
-from lemix.store import Entry
 from lemix.types import Task
 from services.scheduler.codec import event_from_fields, event_has_key
 
@@ -73,22 +73,29 @@ class LogTally:
             self.live.pop(str(out["task_id"]), None)
 
     def to_state(self) -> dict[str, Any]:
-        return {"live": [task_to_state(t) for t in self.live.values()],
-                "num_placed": self.num_placed, "num_rejected": self.num_rejected,
-                "num_runs": self.num_runs, "last_start": self.last_start}
+        return {
+            "live": [task_to_state(t) for t in self.live.values()],
+            "num_placed": self.num_placed,
+            "num_rejected": self.num_rejected,
+            "num_runs": self.num_runs,
+            "last_start": self.last_start,
+        }
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> LogTally:
         live = [task_from_state(t) for t in state["live"]]
-        return cls(live={t.task_id: t for t in live}, num_placed=int(state["num_placed"]),
-                   num_rejected=int(state["num_rejected"]), num_runs=int(state["num_runs"]),
-                   last_start=state.get("last_start"))
+        return cls(
+            live={t.task_id: t for t in live},
+            num_placed=int(state["num_placed"]),
+            num_rejected=int(state["num_rejected"]),
+            num_runs=int(state["num_runs"]),
+            last_start=state.get("last_start"),
+        )
 
 
 def snapshot_event(planner: Planner, tally: LogTally, wall_t: float) -> Event:
     """The compaction record: all a restart needs from the log before it."""
-    return {SNAPSHOT_MARKER: {"planner": planner.snapshot(), "log": tally.to_state(),
-                              "t": wall_t}}
+    return {SNAPSHOT_MARKER: {"planner": planner.snapshot(), "log": tally.to_state(), "t": wall_t}}
 
 
 class SnapshottingSink:
@@ -96,9 +103,16 @@ class SnapshottingSink:
     `sink`; once `snapshot_every_events` events (0: never) went by since the
     last snapshot, records a new one first (module docstring)."""
 
-    def __init__(self, sink: Callable[[Event], None], planner: Planner, tally: LogTally, *,
-                 snapshot_every_events: int, wall_clock: Callable[[], float],
-                 num_events_since_snapshot: int = 0) -> None:
+    def __init__(
+        self,
+        sink: Callable[[Event], None],
+        planner: Planner,
+        tally: LogTally,
+        *,
+        snapshot_every_events: int,
+        wall_clock: Callable[[], float],
+        num_events_since_snapshot: int = 0,
+    ) -> None:
         if snapshot_every_events < 0:
             raise ValueError(f"snapshot_every_events must be >= 0, got {snapshot_every_events}")
         self._sink = sink
@@ -177,7 +191,8 @@ def check_config(events: Iterable[Event], config: PlannerConfig, policy: str) ->
         raise ValueError(
             "the event log in this namespace was recorded by a scheduler with a different "
             f"planner setup ({', '.join(diff)}: recorded {have}); restart with the same "
-            "settings, or use a fresh namespace")
+            "settings, or use a fresh namespace"
+        )
 
 
 def recover(events: Sequence[Event], planner: Planner) -> Recovered:
@@ -189,10 +204,16 @@ def recover(events: Sequence[Event], planner: Planner) -> Recovered:
         snapshot = events[index][SNAPSHOT_MARKER]
         planner.restore(snapshot["planner"])
         tally = LogTally.from_state(snapshot["log"])
-        events = events[index + 1:]
+        events = events[index + 1 :]
     replay(events, planner)
     for event in events:
         tally.apply(event)
-    return Recovered(tasks=list(tally.live.values()), num_placed=tally.num_placed,
-                     num_rejected=tally.num_rejected, num_events=len(events),
-                     num_runs=tally.num_runs, is_from_snapshot=index is not None, tally=tally)
+    return Recovered(
+        tasks=list(tally.live.values()),
+        num_placed=tally.num_placed,
+        num_rejected=tally.num_rejected,
+        num_events=len(events),
+        num_runs=tally.num_runs,
+        is_from_snapshot=index is not None,
+        tally=tally,
+    )

@@ -35,24 +35,32 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-import grpc.aio
 import redis.asyncio as aioredis
 import structlog
-from grpc_health.v1 import health
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from lemix import telemetry
 from lemix._proto.lemix.v1 import scheduler_pb2_grpc
+from lemix.infra import telemetry
+from lemix.infra.lifecycle import Service
+from lemix.infra.rpc import SCHEDULER_SERVICE
+from lemix.infra.rpc.errors import InvalidArgument, Unavailable
+from lemix.infra.rpc.server import start_server, stop_server
+from lemix.infra.store.client import RedisClientConfig, connect
+from lemix.infra.store.codec import Entry, Fields, get_optional_int
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.messages import completion_from_fields
+from lemix.infra.store.store import Store
+from lemix.infra.store.task_hash import (
+    ATTEMPT_FIELD,
+    IS_FINAL_FIELD,
+    STATUS_FIELD,
+    TASK_ID_FIELD,
+    StoredStatus,
+)
 from lemix.planner.recording import RecordingPlanner
 from lemix.planner.registry import build_planner
 from lemix.profile import Profile, load_profile
-from lemix.redis_client import RedisClientConfig, connect
-from lemix.redis_keys import RedisKeys
-from lemix.rpc import SCHEDULER_SERVICE
-from lemix.rpc.errors import InvalidArgument, Unavailable
-from lemix.rpc.server import start_server, stop_server
-from lemix.store import ATTEMPT_FIELD, IS_FINAL_FIELD, Entry, Fields, Store, get_optional_int
 from lemix.types import Task, TaskKind, TaskPayload
 from services.scheduler.adapters import GrpcDispatcher, RedisEventSink, RedisResultWriter
 from services.scheduler.codec import task_from_fields, task_to_fields
@@ -98,8 +106,7 @@ def describe_redis_error(exc: BaseException) -> str:
     connection stayed busy past its wait: overload, not an unreachable Redis.
     """
     if isinstance(exc, RedisConnectionError) and "No connection available" in str(exc):
-        return ("every pooled Redis connection stayed busy past the pool's wait "
-                "(overloaded)")
+        return "every pooled Redis connection stayed busy past the pool's wait (overloaded)"
     if isinstance(exc, RedisTimeoutError):
         return f"Redis did not answer in time ({exc})"
     return f"Redis is unreachable ({type(exc).__name__}: {exc})"
@@ -121,20 +128,29 @@ def check_task_id(task_id: str) -> None:
     if len(task_id) > MAX_TASK_ID_CHARS or any(ch.isspace() for ch in task_id):
         raise InvalidArgument(
             f"task_id must be at most {MAX_TASK_ID_CHARS} characters without whitespace, "
-            f"got {task_id[:40]!r}")
+            f"got {task_id[:40]!r}"
+        )
 
 
-class SchedulerService:
+class SchedulerService(Service):
     """The scheduler process: `await start()`, serve, `await stop()`.
 
     `redis_client` and `profile` may be injected (tests); otherwise they come
     from `config` at `start()`. An injected client is not closed on stop.
+    Stop (`lemix.infra.lifecycle`): NOT_SERVING, the loops end (up to the
+    grace plus one blocking read), the events are stored, the server stops
+    (RPCs in flight get the grace), the executor channels and Redis close.
     """
 
-    def __init__(self, config: SchedulerConfig, *, redis_client: aioredis.Redis | None = None,
-                 profile: Profile | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        *,
+        redis_client: aioredis.Redis | None = None,
+        profile: Profile | None = None,
+    ) -> None:
+        super().__init__("scheduler", default_grace_s=config.shutdown_grace_s)
         self.config = config
-        self._owns_redis = redis_client is None
         self._redis = redis_client
         self._profile = profile
         self._stopping = asyncio.Event()
@@ -143,8 +159,6 @@ class SchedulerService:
         self._rpc_redis_slots = asyncio.Semaphore(config.max_rpc_redis_calls)
         self._has_unacked_intake = False
         self._completions_cursor: str | None = None
-        self._server: grpc.aio.Server | None = None
-        self._health: health.aio.HealthServicer | None = None
         self.port = 0
         self.epoch_s = 0.0
         self.num_recovered_events = 0  # events replayed at start (after the snapshot)
@@ -160,15 +174,20 @@ class SchedulerService:
         """Planner time: wall-clock seconds since the namespace's stored epoch."""
         return time.time() - self.epoch_s
 
-    async def start(self) -> None:
+    async def _start(self) -> None:
         """Connect, recover, start the loops and the gRPC server."""
         config = self.config
         if self._redis is None:
             # Sized from our own concurrency (module docstring); blocking reads
             # wait up to read_block_s, so the socket timeout outlasts them.
-            self._redis = connect(RedisClientConfig(
-                url=config.redis_url, max_connections=config.redis_max_connections,
-                socket_timeout_s=config.redis_socket_timeout_s))
+            self._redis = connect(
+                RedisClientConfig(
+                    url=config.redis_url,
+                    max_connections=config.redis_max_connections,
+                    socket_timeout_s=config.redis_socket_timeout_s,
+                )
+            )
+            self.lifecycle.add_client("redis", self._redis.aclose)
         self.store = Store(self._redis, RedisKeys(config.namespace))
         await self._redis.ping()
         self.epoch_s = await self.store.scheduler_epoch(time.time())
@@ -178,8 +197,9 @@ class SchedulerService:
         # planning, so deferred work is not rejected before the first poll).
         await self.core.mark_down(range(config.num_nodes))
         await self.nodes.poll()
-        stale = await self.store.claim_stale(config.consumer_name,
-                                             round(config.claim_min_idle_s * 1000))
+        stale = await self.store.claim_stale(
+            config.consumer_name, round(config.claim_min_idle_s * 1000)
+        )
         if stale:
             log.info("intake_reclaimed", num_entries=len(stale))
             await self._handle_intake(stale)
@@ -189,15 +209,27 @@ class SchedulerService:
             asyncio.create_task(self._run_loop("nodes", self._nodes_step), name="nodes"),
             asyncio.create_task(self._run_loop("timer", self._timer_step), name="timer"),
         ]
-        self._server, self.port, self._health = await start_server(
+        self.lifecycle.add_work("loops", self._stop_loops)
+        server, self.port, health = await start_server(
             [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerServicer(self))],
-            config.host, config.port, service_names=[SCHEDULER_SERVICE],
-            service_token=config.service_token)
-        log.info("scheduler_started", address=self.address, policy=config.policy,
-                 num_nodes=config.num_nodes, namespace=config.namespace,
-                 recovered_events=self.num_recovered_events,
-                 from_snapshot=self.is_recovered_from_snapshot,
-                 recovered_tasks=self.core.num_tasks, live_nodes=self.live_node_ids)
+            config.host,
+            config.port,
+            service_names=[SCHEDULER_SERVICE],
+            service_token=config.service_token,
+        )
+        self.lifecycle.on_stopping(health.enter_graceful_shutdown)
+        self.lifecycle.add_server("grpc", lambda grace_s: stop_server(server, health, grace_s))
+        log.info(
+            "scheduler_started",
+            address=self.address,
+            policy=config.policy,
+            num_nodes=config.num_nodes,
+            namespace=config.namespace,
+            recovered_events=self.num_recovered_events,
+            from_snapshot=self.is_recovered_from_snapshot,
+            recovered_tasks=self.core.num_tasks,
+            live_nodes=self.live_node_ids,
+        )
 
     async def _build_core(self) -> None:
         config = self.config
@@ -214,25 +246,42 @@ class SchedulerService:
         self.num_recovered_events = recovered.num_events
         self.is_recovered_from_snapshot = recovered.is_from_snapshot
         self.events = RedisEventSink(self.store)
+        # Registered before it runs: events recorded so far are stored inline.
+        self.lifecycle.add_work("events", self._stop_events)
         # Every event goes through the recorder: it keeps the log's tally and
         # records a snapshot every `snapshot_every_events` (recovery.py).
         self.recorder = SnapshottingSink(
-            self.events, planner, recovered.tally,
-            snapshot_every_events=config.snapshot_every_events, wall_clock=time.time,
-            num_events_since_snapshot=recovered.num_events)
+            self.events,
+            planner,
+            recovered.tally,
+            snapshot_every_events=config.snapshot_every_events,
+            wall_clock=time.time,
+            num_events_since_snapshot=recovered.num_events,
+        )
         self.recorder(start_event(planner_config, config.policy, time.time()))
         self.dispatcher = GrpcDispatcher(
             deadline_s=config.dispatch_deadline_s,
             weight_sync_deadline_s=config.weight_sync_deadline_s,
-            weight_sync_dir=config.weight_sync_dir, payload_of=self._payloads.get,
-            attempt_of=self._attempt_of, service_token=config.service_token)
-        self.writer = RedisResultWriter(self.store,
-                                        finished_ttl_s=config.finished_task_ttl_s or None)
+            weight_sync_dir=config.weight_sync_dir,
+            payload_of=self._payloads.get,
+            attempt_of=self._attempt_of,
+            service_token=config.service_token,
+        )
+        self.lifecycle.add_client("executor channels", self.dispatcher.close)
+        self.writer = RedisResultWriter(
+            self.store, finished_ttl_s=config.finished_task_ttl_s or None
+        )
         self.core = SchedulerCore(
-            RecordingPlanner(planner, self.recorder), self.dispatcher, self.writer, self.clock,
-            on_forget=self._forget_task, ledger=self.writer,
-            policy=config.policy, max_concurrent_dispatches=config.max_concurrent_dispatches,
-            max_task_moves=config.max_task_moves)
+            RecordingPlanner(planner, self.recorder),
+            self.dispatcher,
+            self.writer,
+            self.clock,
+            on_forget=self._forget_task,
+            ledger=self.writer,
+            policy=config.policy,
+            max_concurrent_dispatches=config.max_concurrent_dispatches,
+            max_task_moves=config.max_task_moves,
+        )
         self.core.restore(recovered.tasks, recovered.num_placed, recovered.num_rejected)
         self.nodes = NodeSupervisor(config, self.store, self.core, self.dispatcher)
         self.leases = LeaseWatch(self.store, config.lease_check_s)
@@ -247,14 +296,18 @@ class SchedulerService:
         states: list[Fields] = []
         for i in range(0, len(tasks), _RECOVER_BATCH):  # a round trip per batch, not per task
             states += await self.store.get_task_state_hashes(
-                [t.task_id for t in tasks[i:i + _RECOVER_BATCH]])
+                [t.task_id for t in tasks[i : i + _RECOVER_BATCH]]
+            )
         for task, state in zip(tasks, states, strict=True):
             if not state:  # deferred or requeued work still needs its payload
                 log.warning("payload_lost", task_id=task.task_id)
                 continue
             self._payloads[task.task_id] = task_from_fields(state)[1]
             attempts[task.task_id] = get_optional_int(state, ATTEMPT_FIELD) or 0
-            if self.core.node_of(task.task_id) is not None and state.get("status") == "queued":
+            if (
+                self.core.node_of(task.task_id) is not None
+                and state.get(STATUS_FIELD) == StoredStatus.QUEUED
+            ):
                 unconfirmed.append(task.task_id)
         # Before the requeue below: it revokes (and so fences) those attempts.
         self.core.restore_attempts(attempts)
@@ -267,30 +320,26 @@ class SchedulerService:
         held = await self.store.stream_leases_held(inference)
         self.leases.note([t for t, is_leased in zip(inference, held, strict=True) if is_leased])
 
-    async def stop(self, grace_s: float | None = None) -> None:
-        """NOT_SERVING, stop the loops, store the events, stop the server, close Redis."""
-        grace = self.config.stop_grace_s if grace_s is None else grace_s
-        if self._health is not None:
-            await self._health.enter_graceful_shutdown()
+    async def _stop_loops(self, grace_s: float) -> None:
+        """Ask the loops to stop; cancel those still running after the grace
+        plus one blocking read."""
         self._stopping.set()
-        if self._loops:
-            _, pending = await asyncio.wait(self._loops, timeout=grace + self.config.read_block_s)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*self._loops, return_exceptions=True)
-            self._loops = []
-        if hasattr(self, "events"):
-            try:
-                await self.events.stop(timeout_s=max(grace, 1.0))
-            except TimeoutError:
-                log.error("events_flush_timeout", pending=self.events.num_pending)
-        if self._server is not None and self._health is not None:
-            await stop_server(self._server, self._health, grace)
-            self._server = None
-        if hasattr(self, "dispatcher"):
-            await self.dispatcher.close()
-        if self._redis is not None and self._owns_redis:
-            await self._redis.aclose()
+        loops, self._loops = self._loops, []
+        if not loops:
+            return
+        _, pending = await asyncio.wait(loops, timeout=grace_s + self.config.read_block_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+
+    async def _stop_events(self, grace_s: float) -> None:
+        """Store the events recorded so far (at least 1 s to try), then stop the sink."""
+        try:
+            await self.events.stop(timeout_s=max(grace_s, 1.0))
+        except TimeoutError:
+            log.error("events_flush_timeout", pending=self.events.num_pending)
+
+    def _on_stopped(self) -> None:
         log.info("scheduler_stopped")
 
     # ============================================================ RPC-facing
@@ -311,7 +360,7 @@ class SchedulerService:
                 await self.store.mark_cancelled(task_id)  # the intake drops it if unread
                 if self.core.knows(task_id):
                     # Deferred: end it now; the core drops it when it would place it.
-                    await self.writer.end_task(task_id, "failed", f"CANCELLED: {reason}")
+                    await self.writer.end_task(task_id, StoredStatus.FAILED, f"CANCELLED: {reason}")
                     return True
                 state = await self.store.get_task_state(task_id)
             node_id = self.core.node_of(task_id)  # placed while we were marking it?
@@ -330,7 +379,7 @@ class SchedulerService:
         return SchedulerSnapshot(
             policy=self.config.policy,
             num_placed=self.core.num_placed,
-            num_deferred=self.core.planner.planner.num_deferred,
+            num_deferred=self.core.num_deferred,
             num_rejected=self.core.num_rejected,
             nodes=nodes,
         )
@@ -398,8 +447,11 @@ class SchedulerService:
             if stale:
                 await self._handle_intake(stale)
             self._has_unacked_intake = False
-        entries = await self._until_stop(self.store.read_intake(
-            self.config.consumer_name, self.config.intake_batch, self._block_ms))
+        entries = await self._until_stop(
+            self.store.read_intake(
+                self.config.consumer_name, self.config.intake_batch, self._block_ms
+            )
+        )
         if entries:
             self._has_unacked_intake = True
             await self._handle_intake(entries)
@@ -413,11 +465,14 @@ class SchedulerService:
         accepted = []
         leased = []
         for (task, payload, fields), (is_final, is_cancelled, has_lease) in zip(
-                taken, lookup, strict=True):
+            taken, lookup, strict=True
+        ):
             if is_final:
                 continue  # finished before a restart; its result stands
             if is_cancelled:
-                await self.writer.end_task(task.task_id, "failed", CANCELLED_BEFORE_PLACEMENT)
+                await self.writer.end_task(
+                    task.task_id, StoredStatus.FAILED, CANCELLED_BEFORE_PLACEMENT
+                )
                 continue
             self._payloads[task.task_id] = payload
             accepted.append((task, fields))
@@ -425,10 +480,20 @@ class SchedulerService:
                 leased.append(task.task_id)
         # The task's fields go to its state hash too: a restart finds the
         # payload of deferred training there (the intake entry is deleted).
-        await self.store.set_task_states([
-            (task.task_id, {**fields, "status": "queued", "arrival_s": task.arrival_s,
-                            "queued_t": time.time()})
-            for task, fields in accepted])
+        await self.store.set_task_states(
+            [
+                (
+                    task.task_id,
+                    {
+                        **fields,
+                        STATUS_FIELD: StoredStatus.QUEUED,
+                        "arrival_s": task.arrival_s,
+                        "queued_t": time.time(),
+                    },
+                )
+                for task, fields in accepted
+            ]
+        )
         self.leases.note(leased)  # before the core: it may end them at once
         await self.core.on_tasks([task for task, _ in accepted])
         # Write-ahead: the decisions these entries caused are stored before the
@@ -439,14 +504,17 @@ class SchedulerService:
 
     async def _parse(self, fields: Fields) -> tuple[Task, TaskPayload, Fields] | None:
         """The entry's task, or None when it is malformed (ended) or already known."""
-        task_id = fields.get("task_id", "")
+        task_id = fields.get(TASK_ID_FIELD, "")
         try:
             task, payload = task_from_fields(fields, arrival_s=self.clock())
         except (KeyError, ValueError) as exc:
             log.error("intake_malformed", task_id=task_id, error=str(exc))
             if task_id:
-                await self.writer.end_task(task_id, "rejected",
-                                           f"INVALID_ARGUMENT: malformed task fields ({exc})")
+                await self.writer.end_task(
+                    task_id,
+                    StoredStatus.REJECTED,
+                    f"INVALID_ARGUMENT: malformed task fields ({exc})",
+                )
             return None
         if self.core.knows(task_id):
             return None  # redelivered; the planner has it
@@ -467,7 +535,8 @@ class SchedulerService:
                 if self._completions_cursor is None:
                     self._completions_cursor = await self.store.get_completions_cursor()
                 entries = await self._until_stop(
-                    self.store.read_completions(self._completions_cursor, self._block_ms))
+                    self.store.read_completions(self._completions_cursor, self._block_ms)
+                )
                 if entries:
                     await self._handle_completions(entries)
             except asyncio.CancelledError:
@@ -479,15 +548,26 @@ class SchedulerService:
     async def _handle_completions(self, entries: list[Entry]) -> None:
         ended = []
         for entry_id, fields in entries:
-            status = fields.get("status", "")
-            task_id = fields.get("task_id", "")
-            if task_id:
+            if fields.get(TASK_ID_FIELD):  # an entry without a task id is skipped
+                try:
+                    completion = completion_from_fields(fields)
+                except ValueError as exc:
+                    # Malformed (a foreign or corrupted writer): it can never be
+                    # applied, and retrying it would hold every later completion
+                    # behind it. Skipped and logged; the task's own hash still
+                    # has its end, which GetTask and the audit read.
+                    log.error("bad_completion", entry_id=entry_id, fields=fields, error=str(exc))
+                    self._completions_cursor = entry_id
+                    continue
                 is_applied = await self.core.on_finished(
-                    task_id, is_success=status == "completed", is_requeue=status == "requeued",
-                    node_id=get_optional_int(fields, "node_id"),
-                    attempt=get_optional_int(fields, ATTEMPT_FIELD))
-                if is_applied and status != "requeued":
-                    ended.append(task_id)
+                    completion.task_id,
+                    is_success=completion.status == StoredStatus.COMPLETED,
+                    is_requeue=completion.status == StoredStatus.REQUEUED,
+                    node_id=completion.node_id,
+                    attempt=completion.attempt,
+                )
+                if is_applied and completion.status != StoredStatus.REQUEUED:
+                    ended.append(completion.task_id)
             # Advanced per entry: after an error the loop resumes after the last
             # entry applied, never applying one twice within this process.
             self._completions_cursor = entry_id
@@ -511,7 +591,7 @@ class SchedulerService:
 
     async def _export_queue_depths(self) -> None:
         telemetry.set_queue_depth("intake_pending", await self.store.pending_count())
-        telemetry.set_queue_depth("deferred_training", self.core.planner.planner.num_deferred)
+        telemetry.set_queue_depth("deferred_training", self.core.num_deferred)
         telemetry.set_queue_depth("held", self.core.num_tasks)
 
     async def _cancel_orphans(self) -> None:
@@ -523,8 +603,9 @@ class SchedulerService:
                 log.warning("orphan_cancel_failed", task_id=task_id, error=str(exc))
                 continue
             except Exception as exc:  # the executor answered no: asking again won't help
-                log.warning("orphan_cancel_refused", task_id=task_id,
-                            error=f"{type(exc).__name__}: {exc}")
+                log.warning(
+                    "orphan_cancel_refused", task_id=task_id, error=f"{type(exc).__name__}: {exc}"
+                )
             else:
                 log.info("orphan_cancelled", task_id=task_id)
             self.leases.forget(task_id)
@@ -543,8 +624,9 @@ class SchedulerService:
         woken = asyncio.ensure_future(self.core.wakeup.wait())
         stop = asyncio.ensure_future(self._stopping.wait())
         try:
-            done, _ = await asyncio.wait({woken, stop}, timeout=delay_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {woken, stop}, timeout=delay_s, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             woken.cancel()
             stop.cancel()

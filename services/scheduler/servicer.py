@@ -1,7 +1,7 @@
 """The Scheduler gRPC servicer: validate -> convert -> delegate -> map errors.
 
-Every method wears `handle_errors`, the one place domain errors become status
-codes (`InvalidArgument` -> INVALID_ARGUMENT, `Unavailable` -> UNAVAILABLE, ...).
+Every method wears `handle_errors` (`lemix.infra.rpc.errors`), which turns domain
+errors into status codes (`InvalidArgument` -> INVALID_ARGUMENT, `Unavailable` -> UNAVAILABLE, ...).
 The work happens in `SchedulerService`.
 """
 
@@ -10,14 +10,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import grpc.aio
+import structlog
 
 from lemix._proto.lemix.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from lemix.rpc.convert import task_from_proto
-from lemix.rpc.errors import InvalidArgument, handle_errors
-from services.scheduler.codec import node_state_from_fields
+from lemix.infra.rpc.convert import task_from_proto
+from lemix.infra.rpc.errors import InvalidArgument, handle_errors
+from lemix.infra.store.heartbeat import node_states_from_heartbeats
 
 if TYPE_CHECKING:
     from services.scheduler.service import SchedulerService
+
+log = structlog.get_logger(__name__)
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -25,8 +28,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._service = service
 
     @handle_errors
-    async def Submit(self, request: scheduler_pb2.SubmitRequest,
-                     context: grpc.aio.ServicerContext) -> scheduler_pb2.SubmitResponse:
+    async def Submit(
+        self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.SubmitResponse:
         if not request.HasField("task"):
             raise InvalidArgument("SubmitRequest.task is missing")
         task, payload = task_from_proto(request.task)
@@ -34,20 +38,24 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.SubmitResponse(task_id=task.task_id, is_duplicate=not is_new)
 
     @handle_errors
-    async def Cancel(self, request: common_pb2.CancelRequest,
-                     context: grpc.aio.ServicerContext) -> common_pb2.CancelResponse:
+    async def Cancel(
+        self, request: common_pb2.CancelRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.CancelResponse:
         is_found = await self._service.cancel(request.task_id, request.reason)
         return common_pb2.CancelResponse(is_found=is_found)
 
     @handle_errors
-    async def GetState(self, request: scheduler_pb2.GetStateRequest,
-                       context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerState:
+    async def GetState(
+        self, request: scheduler_pb2.GetStateRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.SchedulerState:
         snapshot = await self._service.snapshot()
+        nodes, bad = node_states_from_heartbeats(snapshot.nodes)
+        for node_id, error in bad.items():  # left out: one bad hash must not hide the others
+            log.warning("bad_node_state", node_id=node_id, error=error)
         return scheduler_pb2.SchedulerState(
             policy=snapshot.policy,
             num_placed=snapshot.num_placed,
             num_deferred=snapshot.num_deferred,
             num_rejected=snapshot.num_rejected,
-            nodes=[node_state_from_fields(node_id, fields)
-                   for node_id, fields in sorted(snapshot.nodes.items())],
+            nodes=nodes,
         )

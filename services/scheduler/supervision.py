@@ -37,8 +37,10 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
-from lemix.rpc.errors import Unavailable
-from lemix.store import Fields, Store, get_bool, get_optional_float
+from lemix.infra.rpc.errors import Unavailable
+from lemix.infra.store.codec import Fields, get_bool, get_optional_float
+from lemix.infra.store.heartbeat import ADDRESS_FIELD, IS_HEALTHY_FIELD, NOW_S_FIELD
+from lemix.infra.store.store import Store
 from services.scheduler.adapters import GrpcDispatcher
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
@@ -53,9 +55,15 @@ _RESTART_SLACK_S = 1e-3
 class NodeSupervisor:
     """Turns polled heartbeats into node health (see the module docstring)."""
 
-    def __init__(self, config: SchedulerConfig, store: Store, core: SchedulerCore,
-                 dispatcher: GrpcDispatcher, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        store: Store,
+        core: SchedulerCore,
+        dispatcher: GrpcDispatcher,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.store = store
         self.core = core
@@ -85,8 +93,11 @@ class NodeSupervisor:
         states = await self.store.get_node_states()
         if is_suspect or (self._run_id is not None and run_id != self._run_id):
             self._grace_until_s = self._clock() + self.config.redis_outage_grace_s
-            log.warning("redis_back_node_grace", grace_s=self.config.redis_outage_grace_s,
-                        is_restarted=self._run_id is not None and run_id != self._run_id)
+            log.warning(
+                "redis_back_node_grace",
+                grace_s=self.config.redis_outage_grace_s,
+                is_restarted=self._run_id is not None and run_id != self._run_id,
+            )
         self._run_id = run_id
         self._warn_out_of_range(states)
         by_node = self.core.tasks_by_node()
@@ -95,8 +106,9 @@ class NodeSupervisor:
 
     async def _apply(self, node_id: int, fields: Fields | None, has_tasks: bool) -> None:
         core = self.core
-        address = (fields or {}).get("address", "")
-        is_live = bool(address) and get_bool(fields or {}, "is_healthy", True)
+        # Liveness reads these fields leniently (lemix.infra.store.heartbeat).
+        address = (fields or {}).get(ADDRESS_FIELD, "")
+        is_live = bool(address) and get_bool(fields or {}, IS_HEALTHY_FIELD, True)
         if is_live:
             self._down_since_s.pop(node_id, None)
             await self.dispatcher.set_address(node_id, address)
@@ -129,7 +141,7 @@ class NodeSupervisor:
 
     def _has_restarted(self, node_id: int, fields: Fields) -> bool:
         try:
-            now_s = get_optional_float(fields, "now_s")
+            now_s = get_optional_float(fields, NOW_S_FIELD)
         except ValueError:
             return False
         if now_s is None:
@@ -154,23 +166,30 @@ class NodeSupervisor:
                 except Unavailable:
                     return False
                 except Exception as exc:  # answered, e.g. INVALID_ARGUMENT: nothing to redo
-                    log.warning("revoke_cancel_failed", node_id=node_id, task_id=task_id,
-                                error=f"{type(exc).__name__}: {exc}")
+                    log.warning(
+                        "revoke_cancel_failed",
+                        node_id=node_id,
+                        task_id=task_id,
+                        error=f"{type(exc).__name__}: {exc}",
+                    )
                 return True
 
         answered = await asyncio.gather(*(cancel(t) for t in task_ids))
         done = [t for t, ok in zip(task_ids, answered, strict=True) if ok]
         self.core.clear_revoked(node_id, done)
-        log.info("node_revoked_cancelled", node_id=node_id, num_cancelled=len(done),
-                 num_unanswered=len(task_ids) - len(done))
+        log.info(
+            "node_revoked_cancelled",
+            node_id=node_id,
+            num_cancelled=len(done),
+            num_unanswered=len(task_ids) - len(done),
+        )
         return len(done) == len(task_ids)
 
     def _warn_out_of_range(self, states: dict[int, Fields]) -> None:
         for node_id in sorted(set(states) - set(range(self.config.num_nodes))):
             if node_id not in self._unknown_nodes:
                 self._unknown_nodes.add(node_id)
-                log.warning("node_out_of_range", node_id=node_id,
-                            num_nodes=self.config.num_nodes)
+                log.warning("node_out_of_range", node_id=node_id, num_nodes=self.config.num_nodes)
 
 
 class LeaseWatch:
@@ -180,8 +199,9 @@ class LeaseWatch:
     to the scheduler (no gateway) is never cancelled for lacking one.
     """
 
-    def __init__(self, store: Store, check_s: float, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, store: Store, check_s: float, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.store = store
         self.check_s = check_s
         self._clock = clock

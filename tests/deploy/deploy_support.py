@@ -61,8 +61,9 @@ def _construct_any(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
 
 
 _ComposeLoader.add_constructor("!reset", lambda loader, node: RESET)
-_ComposeLoader.add_constructor("!override",
-                               lambda loader, node: Override(_construct_any(loader, node)))
+_ComposeLoader.add_constructor(
+    "!override", lambda loader, node: Override(_construct_any(loader, node))
+)
 
 
 def load_compose_file(path: Path) -> dict[str, Any]:
@@ -74,8 +75,10 @@ def load_compose_file(path: Path) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ interpolation
 
-_VAR = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<name>[A-Za-z_]\w*)"
-                  r"(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\}|(?P<bare>[A-Za-z_]\w*))")
+_VAR = re.compile(
+    r"\$(?:(?P<escaped>\$)|\{(?P<name>[A-Za-z_]\w*)"
+    r"(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\}|(?P<bare>[A-Za-z_]\w*))"
+)
 
 
 def interpolate(value: Any, env: Mapping[str, str]) -> Any:
@@ -145,8 +148,10 @@ def strip_tags(value: Any) -> Any:
 
 # What an operator must set before `docker compose up` (the files refuse to
 # interpolate without it); a stand-in for the tests.
-REQUIRED_ENV = {"LEMIX_SERVICE_TOKEN": "stand-in-service-token-for-deploy-tests",
-                "LEMIX_REDIS_PASSWORD": "stand-in-redis-password-for-deploy-tests"}
+REQUIRED_ENV = {
+    "LEMIX_SERVICE_TOKEN": "stand-in-service-token-for-deploy-tests",
+    "LEMIX_REDIS_PASSWORD": "stand-in-redis-password-for-deploy-tests",
+}
 
 
 def compose_config(*paths: Path, env: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -162,8 +167,11 @@ def compose_config(*paths: Path, env: Mapping[str, str] | None = None) -> dict[s
 
 def active_services(model: Mapping[str, Any], profiles: tuple[str, ...] = ()) -> dict[str, Any]:
     """Services `up` starts: those without profiles, or with one of `profiles` enabled."""
-    return {name: svc for name, svc in model["services"].items()
-            if not svc.get("profiles") or set(svc["profiles"]) & set(profiles)}
+    return {
+        name: svc
+        for name, svc in model["services"].items()
+        if not svc.get("profiles") or set(svc["profiles"]) & set(profiles)
+    }
 
 
 # ------------------------------------------------------------------ schema
@@ -180,8 +188,10 @@ def compose_schema_validator() -> jsonschema.protocols.Validator:
 
 def schema_errors(doc: Mapping[str, Any]) -> list[str]:
     validator = compose_schema_validator()
-    return [f"{'/'.join(map(str, e.absolute_path)) or '(top)'}: {e.message}"
-            for e in validator.iter_errors(doc)]
+    return [
+        f"{'/'.join(map(str, e.absolute_path)) or '(top)'}: {e.message}"
+        for e in validator.iter_errors(doc)
+    ]
 
 
 # ------------------------------------------------------------------ LeMix services
@@ -190,21 +200,32 @@ GATEWAY_PORTS = {50051, 8000}  # DESIGN.md: gRPC and HTTP
 # LeMix service module → (its own env/flag parser, the config field of its drain grace)
 PARSERS: dict[str, tuple[Callable[[Mapping[str, str]], Any], str]] = {
     "gateway": (lambda env: gateway_config.from_env_and_args([], env), "shutdown_grace_s"),
-    "services.scheduler": (lambda env: scheduler_config.from_env_and_args([], env),
-                           "stop_grace_s"),
-    "services.executor": (lambda env: executor_config.ExecutorConfig.from_env_and_args([], env),
-                          "shutdown_grace_s"),
+    "services.scheduler": (
+        lambda env: scheduler_config.from_env_and_args([], env),
+        "shutdown_grace_s",
+    ),
+    "services.executor": (
+        lambda env: executor_config.ExecutorConfig.from_env_and_args([], env),
+        "shutdown_grace_s",
+    ),
     "profiler": (lambda env: profiler_config.from_env_and_args([], env), "shutdown_grace_s"),
 }
 
 
 def known_env(module: str) -> set[str]:
     """The LEMIX_* variables a LeMix service reads (as its --help lists them)."""
-    configs = {"gateway": gateway_config, "services.scheduler": scheduler_config,
-               "services.executor": executor_config, "profiler": profiler_config}
+    configs = {
+        "gateway": gateway_config,
+        "services.scheduler": scheduler_config,
+        "services.executor": executor_config,
+        "profiler": profiler_config,
+    }
     parser = configs[module].build_parser()
-    return {name for action in parser._actions
-            for name in re.findall(r"LEMIX_[A-Z0-9_]+", action.help or "")}
+    return {
+        name
+        for action in parser._actions
+        for name in re.findall(r"LEMIX_[A-Z0-9_]+", action.help or "")
+    }
 
 
 def service_ports(env: Mapping[str, str]) -> set[int]:
@@ -228,9 +249,10 @@ def process_env(environment: Mapping[str, Any], command: list[str]) -> dict[str,
     paths in the image mapped to the repo, wrapper-resolved values filled in."""
     env = {k: "" if v is None else str(v) for k, v in environment.items()}
     if env.get("LEMIX_PROFILE", "").startswith(IMAGE_PROFILES_DIR):
-        env["LEMIX_PROFILE"] = str(REPO / "profiles" / env["LEMIX_PROFILE"].removeprefix(
-            IMAGE_PROFILES_DIR))
-    if "lemix.node_identity" in python_modules(command):
+        env["LEMIX_PROFILE"] = str(
+            REPO / "profiles" / env["LEMIX_PROFILE"].removeprefix(IMAGE_PROFILES_DIR)
+        )
+    if "lemix.infra.store.node_identity" in python_modules(command):
         # What the wrapper hands the executor in place of "auto".
         stand_ins = {"LEMIX_NODE_ID": "0", "LEMIX_ADVERTISE_HOST": "10.0.0.2"}
         env.update({k: v for k, v in stand_ins.items() if env.get(k) == "auto"})

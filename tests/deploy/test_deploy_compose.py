@@ -42,8 +42,11 @@ IDS = [c[0] for c in CONFIGS]
 # ------------------------------------------------------------------ schema
 
 
-@pytest.mark.parametrize("paths", [(COMPOSE,), (COMPOSE_CPU,), (COMPOSE, COMPOSE_CPU)],
-                         ids=["base", "cpu-alone", "base+cpu"])
+@pytest.mark.parametrize(
+    "paths",
+    [(COMPOSE,), (COMPOSE_CPU,), (COMPOSE, COMPOSE_CPU)],
+    ids=["base", "cpu-alone", "base+cpu"],
+)
 def test_compose_spec_schema(paths: tuple[Path, ...]) -> None:
     doc = compose_config(*paths) if len(paths) > 1 else strip_tags(load_compose_file(paths[0]))
     assert schema_errors(doc) == []
@@ -58,8 +61,9 @@ def test_schema_check_catches_mistakes() -> None:
 
 
 def test_interpolation_reads_the_environment() -> None:
-    model = compose_config(COMPOSE, env={**REQUIRED_ENV, "LEMIX_NUM_NODES": "4",
-                                         "LEMIX_PUBLISH_HTTP_PORT": "9000"})
+    model = compose_config(
+        COMPOSE, env={**REQUIRED_ENV, "LEMIX_NUM_NODES": "4", "LEMIX_PUBLISH_HTTP_PORT": "9000"}
+    )
     assert model["services"]["scheduler"]["environment"]["LEMIX_NUM_NODES"] == "4"
     assert "9000:8000" in model["services"]["gateway"]["ports"]
 
@@ -68,8 +72,9 @@ def test_interpolation_reads_the_environment() -> None:
 
 
 @pytest.mark.parametrize("name,model,services", CONFIGS, ids=IDS)
-def test_every_service_has_healthcheck_and_restart_policy(name: str, model: Any,
-                                                           services: dict[str, Any]) -> None:
+def test_every_service_has_healthcheck_and_restart_policy(
+    name: str, model: Any, services: dict[str, Any]
+) -> None:
     for svc_name, svc in model["services"].items():
         assert svc.get("healthcheck", {}).get("test"), f"{svc_name}: no healthcheck"
         assert not svc["healthcheck"].get("disable"), svc_name
@@ -77,8 +82,7 @@ def test_every_service_has_healthcheck_and_restart_policy(name: str, model: Any,
 
 
 @pytest.mark.parametrize("name,model,services", CONFIGS, ids=IDS)
-def test_only_the_gateway_publishes_ports(name: str, model: Any,
-                                          services: dict[str, Any]) -> None:
+def test_only_the_gateway_publishes_ports(name: str, model: Any, services: dict[str, Any]) -> None:
     publishing = {n for n, svc in model["services"].items() if svc.get("ports")}
     assert publishing == {"gateway"}
     targets = {int(str(p).rsplit(":", 1)[-1]) for p in model["services"]["gateway"]["ports"]}
@@ -86,8 +90,7 @@ def test_only_the_gateway_publishes_ports(name: str, model: Any,
 
 
 @pytest.mark.parametrize("name,model,services", CONFIGS, ids=IDS)
-def test_commands_are_modules_of_this_repo(name: str, model: Any,
-                                           services: dict[str, Any]) -> None:
+def test_commands_are_modules_of_this_repo(name: str, model: Any, services: dict[str, Any]) -> None:
     for svc_name, svc in services.items():
         argvs = [svc.get("command", []), svc["healthcheck"]["test"][1:]]
         for module in (m for argv in argvs for m in python_modules(argv)):
@@ -99,8 +102,9 @@ def test_commands_are_modules_of_this_repo(name: str, model: Any,
 
 
 @pytest.mark.parametrize("name,model,services", CONFIGS, ids=IDS)
-def test_settings_parse_and_stop_outlasts_the_drain(name: str, model: Any,
-                                                    services: dict[str, Any]) -> None:
+def test_settings_parse_and_stop_outlasts_the_drain(
+    name: str, model: Any, services: dict[str, Any]
+) -> None:
     for svc_name, svc in services.items():
         module = lemix_module(svc)
         stop_s = duration_s(svc.get("stop_grace_period", "10s"))  # Docker's default is 10 s
@@ -124,8 +128,7 @@ def test_dependencies_wait_for_health(name: str, model: Any, services: dict[str,
 
 
 @pytest.mark.parametrize("name,model,services", CONFIGS, ids=IDS)
-def test_services_agree_on_stack_wiring(name: str, model: Any,
-                                        services: dict[str, Any]) -> None:
+def test_services_agree_on_stack_wiring(name: str, model: Any, services: dict[str, Any]) -> None:
     shared = model["x-lemix-env"]
     for svc_name, svc in services.items():
         if svc_name == "redis":
@@ -139,15 +142,18 @@ def test_services_agree_on_stack_wiring(name: str, model: Any,
     password = REQUIRED_ENV["LEMIX_REDIS_PASSWORD"]
     for svc_name, svc in services.items():
         if svc_name != "redis":
-            assert svc["environment"]["LEMIX_REDIS_URL"] == (
-                f"redis://:{password}@redis:6379/0"), svc_name
+            assert svc["environment"]["LEMIX_REDIS_URL"] == (f"redis://:{password}@redis:6379/0"), (
+                svc_name
+            )
     assert services["gateway"]["environment"]["LEMIX_SCHEDULER_ADDRESS"] == (
-        f"scheduler:{services['scheduler']['environment']['LEMIX_SCHEDULER_PORT']}")
+        f"scheduler:{services['scheduler']['environment']['LEMIX_SCHEDULER_PORT']}"
+    )
 
 
 @pytest.mark.parametrize("name,model,services", CONFIGS, ids=IDS)
-def test_every_variable_is_read_by_its_service(name: str, model: Any,
-                                               services: dict[str, Any]) -> None:
+def test_every_variable_is_read_by_its_service(
+    name: str, model: Any, services: dict[str, Any]
+) -> None:
     """A renamed or misspelt LEMIX_* variable would be ignored silently."""
     read_by_any = set().union(*(known_env(m) for m in PARSERS))
     for svc_name, svc in services.items():
@@ -155,7 +161,7 @@ def test_every_variable_is_read_by_its_service(name: str, model: Any,
         if module is None:
             continue
         own = set(svc["environment"]) - set(model["x-lemix-env"])
-        if "lemix.node_identity" in python_modules(svc["command"]):
+        if "lemix.infra.store.node_identity" in python_modules(svc["command"]):
             own -= {"LEMIX_NUM_NODES"}  # the wrapper reads it too
         assert own <= known_env(module), (svc_name, own - known_env(module))
         assert service_ports(service_env(svc)) <= known_ports(svc), svc_name
@@ -169,16 +175,21 @@ def known_ports(svc: Any) -> set[int]:
 
 
 @pytest.mark.parametrize("name,model,services", CONFIGS, ids=IDS)
-def test_gateway_and_executors_tokenize_alike(name: str, model: Any,
-                                              services: dict[str, Any]) -> None:
-    tokenizers = {svc["environment"]["LEMIX_TOKENIZER"] for svc in services.values()
-                  if lemix_module(svc) in ("gateway", "services.executor")}
+def test_gateway_and_executors_tokenize_alike(
+    name: str, model: Any, services: dict[str, Any]
+) -> None:
+    tokenizers = {
+        svc["environment"]["LEMIX_TOKENIZER"]
+        for svc in services.values()
+        if lemix_module(svc) in ("gateway", "services.executor")
+    }
     assert len(tokenizers) == 1, tokenizers
 
 
 @pytest.mark.parametrize("name,model,services", CONFIGS, ids=IDS)
-def test_executors_share_the_weight_sync_dir(name: str, model: Any,
-                                             services: dict[str, Any]) -> None:
+def test_executors_share_the_weight_sync_dir(
+    name: str, model: Any, services: dict[str, Any]
+) -> None:
     """SEPARATE's weight sync: the scheduler names files under its dir, one
     executor saves them, the others load them, so each mounts one shared
     named volume at the scheduler's path."""
@@ -188,8 +199,10 @@ def test_executors_share_the_weight_sync_dir(name: str, model: Any,
     volumes = set()
     for svc_name, svc in executors.items():
         assert svc["environment"]["LEMIX_WEIGHT_SYNC_DIR"] == sync_dir, svc_name
-        mounts = {target: source for source, target, *_ in
-                  (str(v).split(":") for v in svc.get("volumes", []))}  # short syntax
+        mounts = {
+            target: source
+            for source, target, *_ in (str(v).split(":") for v in svc.get("volumes", []))
+        }  # short syntax
         assert sync_dir in mounts, f"{svc_name} does not mount {sync_dir}"
         volumes.add(mounts[sync_dir])
     (volume,) = volumes  # one volume for all of them
@@ -216,8 +229,9 @@ def test_compose_refuses_to_run_without_a_service_token(paths: tuple[Path, ...])
 
 
 @pytest.mark.parametrize("name,model,services", CONFIGS, ids=IDS)
-def test_every_lemix_service_gets_the_same_token(name: str, model: Any,
-                                                 services: dict[str, Any]) -> None:
+def test_every_lemix_service_gets_the_same_token(
+    name: str, model: Any, services: dict[str, Any]
+) -> None:
     """The scheduler, executors and profiler require it; the gateway sends it."""
     assert "LEMIX_SERVICE_TOKEN" not in model["x-lemix-env"]  # that block is the ConfigMap
     for svc_name, svc in services.items():
@@ -231,8 +245,9 @@ def test_every_lemix_service_gets_the_same_token(name: str, model: Any,
 
 
 @pytest.mark.parametrize("name,model,services", CONFIGS, ids=IDS)
-def test_metrics_are_not_published_with_the_gateway(name: str, model: Any,
-                                                    services: dict[str, Any]) -> None:
+def test_metrics_are_not_published_with_the_gateway(
+    name: str, model: Any, services: dict[str, Any]
+) -> None:
     """Prometheus scrapes each container's 9090 inside the compose network; the
     gateway's published HTTP port serves the API without /metrics."""
     gateway = services["gateway"]
@@ -251,7 +266,7 @@ def test_redis_persists_with_aof_and_requires_the_password() -> None:
     redis = BASE["services"]["redis"]
     command = redis["command"]
     assert command[command.index("--appendonly") + 1] == "yes"
-    # Written before each reply, fsynced each second (lemix/redis_server.py says why).
+    # Written before each reply, fsynced each second (lemix/infra/store/server.py says why).
     assert command[command.index("--appendfsync") + 1] == "everysec"
     assert any(v.endswith(":/data") and not v.startswith(("/", ".")) for v in redis["volumes"])
     password = REQUIRED_ENV["LEMIX_REDIS_PASSWORD"]
@@ -323,7 +338,7 @@ def test_cpu_override_has_no_gpus_and_scales() -> None:
     # `--scale executor=N` needs replicas that differ in nothing fixed per container.
     for key in ("container_name", "hostname", "ports"):
         assert key not in executor, key
-    assert executor["command"][:4] == ["python", "-m", "lemix.node_identity", "--from"]
+    assert executor["command"][:4] == ["python", "-m", "lemix.infra.store.node_identity", "--from"]
     assert executor["environment"]["LEMIX_NODE_ID"] == "auto"
     assert executor["deploy"]["replicas"] == CPU["x-lemix-env"]["LEMIX_NUM_NODES"]
 

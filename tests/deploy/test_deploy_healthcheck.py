@@ -1,4 +1,4 @@
-"""`python -m lemix.healthcheck`: the probe the compose healthchecks run."""
+"""`python -m lemix.infra.healthcheck`: the probe the compose healthchecks run."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from lemix import healthcheck
-from lemix.redis_server import find_free_port
-from lemix.rpc import SCHEDULER_SERVICE
+from lemix.infra import healthcheck
+from lemix.infra.rpc import SCHEDULER_SERVICE
+from lemix.infra.store.server import find_free_port
 
 
 @pytest.fixture
@@ -55,8 +55,9 @@ def test_nothing_listening_fails_within_the_deadline() -> None:
     assert not is_serving and seen.startswith(("UNAVAILABLE", "DEADLINE_EXCEEDED"))
 
 
-def test_main_exit_codes_and_messages(server: tuple[str, health.HealthServicer],
-                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_main_exit_codes_and_messages(
+    server: tuple[str, health.HealthServicer], capsys: pytest.CaptureFixture[str]
+) -> None:
     address, servicer = server
     assert healthcheck.main([address, SCHEDULER_SERVICE]) == 0
     assert f"healthy: {address} {SCHEDULER_SERVICE} is SERVING" in capsys.readouterr().out
@@ -70,7 +71,11 @@ def test_main_exit_codes_and_messages(server: tuple[str, health.HealthServicer],
 
 def test_module_entry_point(server: tuple[str, health.HealthServicer]) -> None:
     address, _ = server
-    done = subprocess.run([sys.executable, "-m", "lemix.healthcheck", address],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "lemix.infra.healthcheck", address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert "SERVING" in done.stdout

@@ -31,8 +31,18 @@ MODELS: dict[tuple[str, str], type[pydantic.BaseModel]] = {
     ("v1", "PersistentVolumeClaim"): k8s.V1PersistentVolumeClaim,
     ("networking.k8s.io/v1", "NetworkPolicy"): k8s.V1NetworkPolicy,
 }
-KUSTOMIZATION_KEYS = {"apiVersion", "kind", "namespace", "labels", "commonLabels", "resources",
-                      "images", "configMapGenerator", "patches", "namePrefix"}
+KUSTOMIZATION_KEYS = {
+    "apiVersion",
+    "kind",
+    "namespace",
+    "labels",
+    "commonLabels",
+    "resources",
+    "images",
+    "configMapGenerator",
+    "patches",
+    "namePrefix",
+}
 MANIFESTS = sorted(p for p in K8S_DIR.glob("*.yaml") if p.name != "kustomization.yaml")
 DOCS = [(p.name, doc) for p in MANIFESTS for doc in yaml.safe_load_all(p.read_text()) if doc]
 COMPOSE_MODEL = compose_config(COMPOSE)
@@ -147,12 +157,13 @@ def test_executors_one_pod_per_node_with_its_gpus() -> None:
     pod = executor["spec"]["template"]["spec"]
     rules = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert [r["topologyKey"] for r in rules] == ["kubernetes.io/hostname"]
-    compose_gpus = COMPOSE_MODEL["services"]["executor-0"]["deploy"]["resources"][
-        "reservations"]["devices"][0]["device_ids"]
+    compose_gpus = COMPOSE_MODEL["services"]["executor-0"]["deploy"]["resources"]["reservations"][
+        "devices"
+    ][0]["device_ids"]
     assert container(executor)["resources"]["limits"]["nvidia.com/gpu"] == str(len(compose_gpus))
     assert executor["spec"]["replicas"] == int(CONFIG["LEMIX_NUM_NODES"])
     command = container(executor)["command"]
-    assert command[:5] == ["python", "-m", "lemix.node_identity", "--from", "hostname"]
+    assert command[:5] == ["python", "-m", "lemix.infra.store.node_identity", "--from", "hostname"]
     env = {v["name"]: v for v in container(executor)["env"]}
     assert env["LEMIX_NODE_ID"]["value"] == "auto"
     assert env["LEMIX_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
@@ -213,8 +224,10 @@ def test_same_command_ports_env_and_grace_as_compose(name: str) -> None:
 # ------------------------------------------------------------------ security
 
 LEMIX_WORKLOADS = sorted(n for n in WORKLOADS if n != "redis")
-PROMETHEUS = {"namespaceSelector": {},
-              "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+PROMETHEUS = {
+    "namespaceSelector": {},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+}
 
 
 def _selected_names(selector: dict[str, Any]) -> set[str]:
@@ -267,10 +280,14 @@ def test_network_policy_lets_each_caller_reach_what_it_calls() -> None:
     rules = _ingress_by_workload()
 
     def admitted(name: str, port: str) -> set[str]:
-        return {caller for rule in rules[name] if "from" in rule
-                and port in {p["port"] for p in rule["ports"]}
-                for peer in rule["from"] if "podSelector" in peer and peer != PROMETHEUS
-                for caller in _selected_names(peer["podSelector"])}
+        return {
+            caller
+            for rule in rules[name]
+            if "from" in rule and port in {p["port"] for p in rule["ports"]}
+            for peer in rule["from"]
+            if "podSelector" in peer and peer != PROMETHEUS
+            for caller in _selected_names(peer["podSelector"])
+        }
 
     assert "gateway" in admitted("scheduler", "grpc")
     assert {"scheduler", "profiler"} <= admitted("executor", "grpc")

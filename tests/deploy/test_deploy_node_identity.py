@@ -1,4 +1,4 @@
-"""lemix.node_identity: distinct node ids for identical executor replicas."""
+"""lemix.infra.store.node_identity: distinct node ids for identical executor replicas."""
 
 from __future__ import annotations
 
@@ -13,22 +13,25 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from lemix import node_identity
-from lemix.node_identity import NodeClaim, ordinal_from_hostname
-from lemix.redis_keys import RedisKeys
-from lemix.redis_server import EmbeddedRedis
+from lemix.infra.store import node_identity
+from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.node_identity import NodeClaim, ordinal_from_hostname
+from lemix.infra.store.server import EmbeddedRedis
 
 KEYS = RedisKeys("test")
 PRINT_ID = [sys.executable, "-c", "import os; print(os.environ['LEMIX_NODE_ID'], flush=True)"]
 
 
-def make_claim(client: aioredis.Redis, owner: str, num_nodes: int = 2,
-               ttl_s: float = 5.0) -> NodeClaim:
+def make_claim(
+    client: aioredis.Redis, owner: str, num_nodes: int = 2, ttl_s: float = 5.0
+) -> NodeClaim:
     return NodeClaim(client, KEYS, num_nodes, owner, ttl_s=ttl_s)
 
 
-@pytest.mark.parametrize("hostname,ordinal", [
-    ("executor-0", 0), ("executor-12", 12), ("lemix-executor-3.executor.default.svc", 3)])
+@pytest.mark.parametrize(
+    "hostname,ordinal",
+    [("executor-0", 0), ("executor-12", 12), ("lemix-executor-3.executor.default.svc", 3)],
+)
 def test_ordinal_from_hostname(hostname: str, ordinal: int) -> None:
     assert ordinal_from_hostname(hostname) == ordinal
 
@@ -65,27 +68,41 @@ async def test_renew_and_lost_claims(redis_client: aioredis.Redis) -> None:
     assert await redis_client.get(KEYS.node_claim(0)) == "b"
 
 
-async def test_run_with_claim_sets_the_id_and_releases(redis_client: aioredis.Redis,
-                                                       tmp_path: Path) -> None:
+async def test_run_with_claim_sets_the_id_and_releases(
+    redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
     out = tmp_path / "id"
-    command = [sys.executable, "-c",
-               f"import os, pathlib; pathlib.Path({str(out)!r}).write_text("
-               "os.environ['LEMIX_NODE_ID']); raise SystemExit(3)"]
+    command = [
+        sys.executable,
+        "-c",
+        f"import os, pathlib; pathlib.Path({str(out)!r}).write_text("
+        "os.environ['LEMIX_NODE_ID']); raise SystemExit(3)",
+    ]
     await make_claim(redis_client, "other").claim()  # id 0 is taken
-    status = await node_identity.run_with_claim(command, dict(os.environ),
-                                                make_claim(redis_client, "me"), ttl_s=5.0)
+    status = await node_identity.run_with_claim(
+        command, dict(os.environ), make_claim(redis_client, "me"), ttl_s=5.0
+    )
     assert status == 3 and out.read_text() == "1"
     assert await redis_client.get(KEYS.node_claim(1)) is None
 
 
 def _run_module(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "lemix.node_identity", *args],
-                          env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "lemix.infra.store.node_identity", *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_module_claims_from_redis(redis_server: EmbeddedRedis) -> None:
-    env = {"LEMIX_REDIS_URL": redis_server.url, "LEMIX_NAMESPACE": "cli",
-           "LEMIX_NUM_NODES": "3", "LEMIX_NODE_ID": "auto"}
+    env = {
+        "LEMIX_REDIS_URL": redis_server.url,
+        "LEMIX_NAMESPACE": "cli",
+        "LEMIX_NUM_NODES": "3",
+        "LEMIX_NODE_ID": "auto",
+    }
     done = _run_module(["--from", "redis", "--", *PRINT_ID], env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "0" and "claimed node id 0" in done.stderr
@@ -105,8 +122,9 @@ def _fake_exec(file: str, args: list[str], env: dict[str, str]) -> None:
     raise _Exec(args, env)
 
 
-def test_from_hostname_execs_with_the_ordinal(monkeypatch: pytest.MonkeyPatch,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_from_hostname_execs_with_the_ordinal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setattr(node_identity.socket, "gethostname", lambda: "executor-5")
     monkeypatch.setattr(node_identity.socket, "gethostbyname", lambda name: "10.1.2.3")
     monkeypatch.setattr(node_identity.os, "execvpe", _fake_exec)
@@ -117,19 +135,39 @@ def test_from_hostname_execs_with_the_ordinal(monkeypatch: pytest.MonkeyPatch,
     assert args == ["python", "-m", "x"]
     assert (child_env["LEMIX_NODE_ID"], child_env["LEMIX_ADVERTISE_HOST"]) == ("5", "10.1.2.3")
     # An ordinal the scheduler would ignore is an error, not a silent idle node.
-    assert node_identity.main(["--from", "hostname", "--", "true"],
-                              {**env, "LEMIX_NUM_NODES": "4"}) == 2
+    assert (
+        node_identity.main(["--from", "hostname", "--", "true"], {**env, "LEMIX_NUM_NODES": "4"})
+        == 2
+    )
     assert "LEMIX_NUM_NODES" in capsys.readouterr().err
 
 
 def test_module_passes_sigterm_on_and_releases(redis_server: EmbeddedRedis) -> None:
     """`docker compose stop` signals the wrapper (PID 1); the executor must drain."""
-    env = {**os.environ, "LEMIX_REDIS_URL": redis_server.url, "LEMIX_NAMESPACE": "sig",
-           "LEMIX_NUM_NODES": "1"}
-    child = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); "
-             "print('up', flush=True); time.sleep(60)")
-    proc = subprocess.Popen([sys.executable, "-m", "lemix.node_identity", "--", sys.executable,
-                             "-c", child], env=env, stdout=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "LEMIX_REDIS_URL": redis_server.url,
+        "LEMIX_NAMESPACE": "sig",
+        "LEMIX_NUM_NODES": "1",
+    }
+    child = (
+        "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); "
+        "print('up', flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lemix.infra.store.node_identity",
+            "--",
+            sys.executable,
+            "-c",
+            child,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "up"

@@ -28,29 +28,50 @@ from hypothesis import strategies as st
 from task_stack import TaskStack, eventually, start_stack
 
 from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc
-from lemix.redis_server import EmbeddedRedis
-from lemix.rpc.client import channel
+from lemix.infra.rpc.client import channel
+from lemix.infra.store.server import EmbeddedRedis
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 
 T = TypeVar("T")
-FUZZ = settings(max_examples=120, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=120,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 UNARY = ("Train", "GetStats", "GetTask", "AuditTasks")
 STREAMING = ("Generate", "WatchTasks")
 BAD_GRPC = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNIMPLEMENTED}
 CALL_TIMEOUT_S = 10.0
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True)
-    | st.text(max_size=40),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner,
-                                                                 max_size=4),
-    max_leaves=20)
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=40),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
 # Bodies near the real shape get past the first checks and exercise the rest.
-known_keys = st.sampled_from(["model", "prompt", "messages", "max_tokens", "temperature",
-                              "top_p", "stream", "seed", "stop", "n", "request_id",
-                              "stream_options", "logprobs", "user"])
+known_keys = st.sampled_from(
+    [
+        "model",
+        "prompt",
+        "messages",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "stream",
+        "seed",
+        "stop",
+        "n",
+        "request_id",
+        "stream_options",
+        "logprobs",
+        "user",
+    ]
+)
 shaped_bodies = st.dictionaries(known_keys, json_values, max_size=6)
 
 
@@ -66,6 +87,7 @@ async def stack(redis_server: EmbeddedRedis, tmp_path: Path) -> AsyncIterator[Ta
 def _on(loop: asyncio.AbstractEventLoop) -> Callable[[Awaitable[T]], T]:
     def run(aw: Awaitable[T]) -> T:
         return asyncio.run_coroutine_threadsafe(aw, loop).result(timeout=60)  # type: ignore[arg-type]
+
     return run
 
 
@@ -84,8 +106,12 @@ async def _raw_call(chan: grpc.aio.Channel, method: str, body: bytes) -> grpc.St
 
 
 async def _post(session: aiohttp.ClientSession, url: str, data: bytes) -> tuple[int, str]:
-    async with session.post(url, data=data, headers={"Content-Type": "application/json"},
-                            timeout=aiohttp.ClientTimeout(total=CALL_TIMEOUT_S)) as reply:
+    async with session.post(
+        url,
+        data=data,
+        headers={"Content-Type": "application/json"},
+        timeout=aiohttp.ClientTimeout(total=CALL_TIMEOUT_S),
+    ) as reply:
         return reply.status, await reply.text()
 
 
@@ -99,6 +125,7 @@ async def _no_ghosts(stub: gateway_pb2_grpc.GatewayStub) -> None:
     async def is_clean() -> bool:
         reply = await stub.AuditTasks(gateway_pb2.AuditRequest(min_age_s=0.0), timeout=10)
         return not reply.tasks
+
     await eventually(is_clean, timeout_s=60, what="every fuzzed task final")
 
 
@@ -132,9 +159,10 @@ async def test_arbitrary_json_never_gets_a_500(stack: TaskStack) -> None:
     async with aiohttp.ClientSession() as session, channel(gateway.address) as chan:
 
         @FUZZ
-        @given(route=st.sampled_from(["/v1/completions", "/v1/chat/completions",
-                                      "/v1/lemix/train"]),
-               body=json_values | shaped_bodies)
+        @given(
+            route=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/lemix/train"]),
+            body=json_values | shaped_bodies,
+        )
         def fuzz(route: str, body: Any) -> None:
             data = json.dumps(body, allow_nan=True).encode()
             status, text = run(_post(session, base + route, data))

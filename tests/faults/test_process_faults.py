@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from lemix._proto.lemix.v1 import gateway_pb2
-from lemix.fault_harness import (
+from lemix.harness.faults import (
     Load,
     account,
     audit_clean,
@@ -32,8 +32,9 @@ from lemix.fault_harness import (
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 
 
-async def _run_with_fault(tmp_path: Path, name: str, sig: int, *,
-                          resume_after_s: float | None = None) -> None:
+async def _run_with_fault(
+    tmp_path: Path, name: str, sig: int, *, resume_after_s: float | None = None
+) -> None:
     async with fault_stack(tmp_path) as (stack, stub):
         await wait_ready(stub)
         load = Load(stub)
@@ -96,8 +97,12 @@ async def test_gateway_sigkill_cancels_its_orphaned_streams(tmp_path: Path) -> N
         # leases lapse (3 s TTL, checked every 0.5 s), long before they end.
         states = await final_states(stub, set(ids), timeout_s=30)
         ended_s = time.monotonic() - killed_s
-        assert all(states[i] is not None and states[i].state  # type: ignore[union-attr]
-                   == gateway_pb2.TASK_STATE_CANCELLED for i in ids), states
+        assert all(
+            states[i] is not None
+            and states[i].state  # type: ignore[union-attr]
+            == gateway_pb2.TASK_STATE_CANCELLED
+            for i in ids
+        ), states
         assert ended_s < 20.0
         assert await audit_clean(stub) == []
 

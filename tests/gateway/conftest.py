@@ -27,12 +27,12 @@ from gateway_fakes import FAKE_NODE_ID, FakeScheduler, GatewayFactory  # noqa: E
 from gateway.config import GatewayConfig  # noqa: E402
 from gateway.service import GatewayService  # noqa: E402
 from lemix._proto.lemix.v1 import gateway_pb2_grpc, scheduler_pb2_grpc  # noqa: E402
-from lemix.redis_keys import RedisKeys  # noqa: E402
-from lemix.redis_server import EmbeddedRedis  # noqa: E402
-from lemix.rpc import SCHEDULER_SERVICE  # noqa: E402
-from lemix.rpc.client import channel  # noqa: E402
-from lemix.rpc.server import start_server  # noqa: E402
-from lemix.store import Store  # noqa: E402
+from lemix.infra.rpc import SCHEDULER_SERVICE  # noqa: E402
+from lemix.infra.rpc.client import channel  # noqa: E402
+from lemix.infra.rpc.server import start_server  # noqa: E402
+from lemix.infra.store.keys import RedisKeys  # noqa: E402
+from lemix.infra.store.server import EmbeddedRedis  # noqa: E402
+from lemix.infra.store.store import Store  # noqa: E402
 
 
 @pytest.fixture
@@ -51,13 +51,19 @@ async def store(redis_server: EmbeddedRedis, namespace: str) -> AsyncIterator[St
 
 @pytest.fixture
 async def live_node(store: Store) -> int:
-    """One executor heartbeat, as an executor writes it (PROTOCOL.md)."""
+    """One executor heartbeat, as an executor writes it (docs/protocol.md)."""
     await store.put_node_state(
         FAKE_NODE_ID,
-        {"now_s": 1.5, "num_running": 0, "is_healthy": True, "address": "127.0.0.1:1",
-         "num_stages": 2, "memory_capacity_bytes": 8 << 30},
+        {
+            "now_s": 1.5,
+            "num_running": 0,
+            "is_healthy": True,
+            "address": "127.0.0.1:1",
+            "num_stages": 2,
+            "memory_capacity_bytes": 8 << 30,
+        },
         ttl_s=60.0,
-    )  # fmt: skip
+    )
     return FAKE_NODE_ID
 
 
@@ -66,8 +72,10 @@ async def fake_scheduler(store: Store) -> AsyncIterator[FakeScheduler]:
     fake = FakeScheduler(store)
     server, port, _ = await start_server(
         [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, fake)],
-        "127.0.0.1", 0, service_names=[SCHEDULER_SERVICE],
-    )  # fmt: skip
+        "127.0.0.1",
+        0,
+        service_names=[SCHEDULER_SERVICE],
+    )
     fake.address = f"127.0.0.1:{port}"
     try:
         yield fake

@@ -4,7 +4,7 @@
 stores the task as the scheduler does (`Store.submit_task`: duplicates and
 reused ids with another request, ALREADY_EXISTS, are decided there),
 acknowledges it and, for a new inference task, plays its executor's part per
-services/PROTOCOL.md: token messages on ``output:{task_id}`` (the first with
+docs/protocol.md: token messages on ``output:{task_id}`` (the first with
 ``first``/``version``), then an ``end`` message written with
 `Store.finish_task`. On Cancel it records the call, stops the run and writes
 the executor's ``CANCELLED`` end. A `Script` says how the next tasks go.
@@ -22,8 +22,9 @@ import grpc
 import grpc.aio
 
 from lemix._proto.lemix.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from lemix.rpc import convert
-from lemix.store import Store, TaskIdConflict
+from lemix.infra.rpc import convert
+from lemix.infra.store.intake import TaskIdConflict
+from lemix.infra.store.store import Store
 from lemix.types import Task, TaskKind, TaskPayload
 from services.scheduler.codec import task_to_fields
 
@@ -86,9 +87,11 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         if run is not None:
             run.cancel()
         await self.store.finish_task(
-            request.task_id, "failed", request.reason or "CANCELLED: cancelled",
+            request.task_id,
+            "failed",
+            request.reason or "CANCELLED: cancelled",
             output_fields={"type": "end", "node": FAKE_NODE_ID, "t": time.time()},
-        )  # fmt: skip
+        )
         return common_pb2.CancelResponse(is_found=run is not None)
 
     async def GetState(
@@ -103,18 +106,22 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             if script.token_delay_s:
                 await asyncio.sleep(script.token_delay_s)
             fields: dict[str, str | int | float] = {
-                "type": "token", "n": n, "node": FAKE_NODE_ID, "t": time.time(),
-            }  # fmt: skip
+                "type": "token",
+                "n": n,
+                "node": FAKE_NODE_ID,
+                "t": time.time(),
+            }
             if n == 1:
                 fields |= {"first": "1", "version": FAKE_WEIGHT_VERSION}
             await self.store.append_output(task.task_id, fields)
             if n == 1 and script.is_held:
                 await asyncio.Event().wait()  # until Cancel cancels this run
         await self.store.finish_task(
-            task.task_id, script.end_status, script.end_reason,
-            output_fields={"type": "end", "n": num_tokens, "node": FAKE_NODE_ID,
-                           "t": time.time()},
-        )  # fmt: skip
+            task.task_id,
+            script.end_status,
+            script.end_reason,
+            output_fields={"type": "end", "n": num_tokens, "node": FAKE_NODE_ID, "t": time.time()},
+        )
         self._runs.pop(task.task_id, None)
 
     def cancelled_ids(self) -> list[str]:

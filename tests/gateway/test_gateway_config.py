@@ -36,8 +36,12 @@ def test_flags_override_env_which_overrides_defaults() -> None:
 
 
 def test_isolation_limits_come_from_env() -> None:
-    env = {"LEMIX_MAX_TRAIN_SAMPLES": "64", "LEMIX_MAX_TRAIN_BATCH_SIZE": "8",
-           "LEMIX_STREAM_LEASE_TTL_S": "3", "LEMIX_STATS_FLUSH_S": "0.5"}  # fmt: skip
+    env = {
+        "LEMIX_MAX_TRAIN_SAMPLES": "64",
+        "LEMIX_MAX_TRAIN_BATCH_SIZE": "8",
+        "LEMIX_STREAM_LEASE_TTL_S": "3",
+        "LEMIX_STATS_FLUSH_S": "0.5",
+    }
     config = from_env_and_args([], env=env)
     assert (config.max_train_samples, config.max_train_batch_size) == (64, 8)
     assert (config.stream_lease_ttl_s, config.stats_flush_s) == (3.0, 0.5)

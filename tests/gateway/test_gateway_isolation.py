@@ -24,9 +24,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from gateway.service import GatewayService
 from gateway.upkeep import BatchedCounters
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from lemix.redis_server import EmbeddedRedis, find_free_port
-from lemix.rpc.client import channel
-from lemix.store import Store, TaskIdConflict
+from lemix.infra.rpc.client import channel
+from lemix.infra.store.intake import TaskIdConflict
+from lemix.infra.store.server import EmbeddedRedis, find_free_port
+from lemix.infra.store.store import Store
 from lemix.types import Task, TaskKind, TaskPayload
 from services.scheduler.codec import task_to_fields
 
@@ -35,19 +36,23 @@ pytestmark = pytest.mark.usefixtures("live_node")
 DEADLINE_S = 10.0
 
 
-def _generate(prompt: str = "hello world", max_tokens: int = 4, **kw: Any
-              ) -> gateway_pb2.GenerateRequest:  # fmt: skip
+def _generate(
+    prompt: str = "hello world", max_tokens: int = 4, **kw: Any
+) -> gateway_pb2.GenerateRequest:
     return gateway_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, **kw)
 
 
-async def _collect(stub: gateway_pb2_grpc.GatewayStub, request: gateway_pb2.GenerateRequest,
-                   metadata: tuple[tuple[str, str], ...] = ()
-                   ) -> list[gateway_pb2.GenerateResponse]:  # fmt: skip
+async def _collect(
+    stub: gateway_pb2_grpc.GatewayStub,
+    request: gateway_pb2.GenerateRequest,
+    metadata: tuple[tuple[str, str], ...] = (),
+) -> list[gateway_pb2.GenerateResponse]:
     return [r async for r in stub.Generate(request, timeout=DEADLINE_S, metadata=metadata)]
 
 
-async def _eventually(predicate: Callable[[], bool | Awaitable[bool]],
-                      timeout_s: float = 5.0) -> None:  # fmt: skip
+async def _eventually(
+    predicate: Callable[[], bool | Awaitable[bool]], timeout_s: float = 5.0
+) -> None:
     """Poll `predicate` (sync or async) until true, failing after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -71,8 +76,9 @@ async def _read_all(call: Any) -> list[gateway_pb2.GenerateResponse]:
 async def _commands_processed(store: Store) -> Counter[str]:
     """Calls per Redis command so far (INFO commandstats)."""
     info = await store.client.info("commandstats")
-    return Counter({name.removeprefix("cmdstat_"): int(stats["calls"])
-                    for name, stats in info.items()})  # fmt: skip
+    return Counter(
+        {name.removeprefix("cmdstat_"): int(stats["calls"]) for name, stats in info.items()}
+    )
 
 
 # ------------------------------------------------------------------ admission
@@ -88,8 +94,9 @@ async def test_a_flood_gets_results_or_resource_exhausted_without_redis_io(
     async with channel(gateway.address) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
         before = await _commands_processed(store)
-        calls = [stub.Generate(_generate(max_tokens=50), timeout=DEADLINE_S)
-                 for _ in range(num_requests)]  # fmt: skip
+        calls = [
+            stub.Generate(_generate(max_tokens=50), timeout=DEADLINE_S) for _ in range(num_requests)
+        ]
 
         async def first_of(call: Any) -> str:
             try:
@@ -142,7 +149,8 @@ async def test_lease_is_renewed_while_streaming_and_dropped_after(
     lease = store.keys.stream_lease("held-1")
     async with channel(gateway.address) as ch:
         call = gateway_pb2_grpc.GatewayStub(ch).Generate(
-            _generate(request_id="held-1", max_tokens=50), timeout=DEADLINE_S)
+            _generate(request_id="held-1", max_tokens=50), timeout=DEADLINE_S
+        )
         assert (await call.read()).num_output_tokens == 1
         assert await store.client.get(lease) == gateway.servicer.core.leases.owner
         # Held for several TTLs: only renewals keep it.
@@ -160,11 +168,11 @@ async def test_lease_is_renewed_while_streaming_and_dropped_after(
     assert gateway.servicer.core.leases.live_ids == []
 
 
-async def test_lease_of_a_completed_stream_is_dropped(gateway: GatewayService,
-                                                      store: Store) -> None:  # fmt: skip
+async def test_lease_of_a_completed_stream_is_dropped(
+    gateway: GatewayService, store: Store
+) -> None:
     async with channel(gateway.address) as ch:
-        responses = await _collect(gateway_pb2_grpc.GatewayStub(ch),
-                                   _generate(request_id="done-1"))  # fmt: skip
+        responses = await _collect(gateway_pb2_grpc.GatewayStub(ch), _generate(request_id="done-1"))
     assert responses[-1].is_finished
 
     async def dropped() -> bool:
@@ -187,18 +195,22 @@ async def redis_proxy(redis_server: EmbeddedRedis) -> AsyncIterator[TcpProxy]:
 
 
 async def test_stream_resumes_from_the_last_entry_after_a_redis_outage(
-    redis_proxy: TcpProxy, redis_server: EmbeddedRedis, make_gateway: GatewayFactory,
+    redis_proxy: TcpProxy,
+    redis_server: EmbeddedRedis,
+    make_gateway: GatewayFactory,
     fake_scheduler: FakeScheduler,
 ) -> None:
     # (redis_proxy first: set up first, so torn down after the gateway stops)
     num_tokens = 30
     fake_scheduler.script = Script(token_delay_s=0.05)  # ~1.5 s of output
-    gateway = await make_gateway(redis_url=redis_proxy.url_for(redis_server.url),
-                                 stream_idle_timeout_s=5.0)
+    gateway = await make_gateway(
+        redis_url=redis_proxy.url_for(redis_server.url), stream_idle_timeout_s=5.0
+    )
     responses = []
     async with channel(gateway.address) as ch:
         call = gateway_pb2_grpc.GatewayStub(ch).Generate(
-            _generate(max_tokens=num_tokens), timeout=DEADLINE_S)
+            _generate(max_tokens=num_tokens), timeout=DEADLINE_S
+        )
         responses.append(await call.read())
         # Every gateway connection to Redis drops, and new ones are refused for
         # longer than the client's own one quick retry covers.
@@ -220,7 +232,8 @@ async def test_stream_survives_client_kill_of_its_redis_connections(
     gateway = await make_gateway()
     async with channel(gateway.address) as ch:
         call = gateway_pb2_grpc.GatewayStub(ch).Generate(
-            _generate(max_tokens=num_tokens), timeout=DEADLINE_S)
+            _generate(max_tokens=num_tokens), timeout=DEADLINE_S
+        )
         responses = [await call.read()]
         for _ in range(3):  # the blocked XREAD's connection, again and again
             for client in await store.client.client_list():
@@ -234,16 +247,20 @@ async def test_stream_survives_client_kill_of_its_redis_connections(
 
 
 async def test_redis_down_past_the_idle_timeout_ends_the_stream_unavailable(
-    redis_proxy: TcpProxy, redis_server: EmbeddedRedis, make_gateway: GatewayFactory,
+    redis_proxy: TcpProxy,
+    redis_server: EmbeddedRedis,
+    make_gateway: GatewayFactory,
     fake_scheduler: FakeScheduler,
 ) -> None:
     # (redis_proxy first: set up first, so torn down after the gateway stops)
     fake_scheduler.script = Script(is_held=True)
-    gateway = await make_gateway(redis_url=redis_proxy.url_for(redis_server.url),
-                                 stream_idle_timeout_s=0.5)
+    gateway = await make_gateway(
+        redis_url=redis_proxy.url_for(redis_server.url), stream_idle_timeout_s=0.5
+    )
     async with channel(gateway.address) as ch:
         call = gateway_pb2_grpc.GatewayStub(ch).Generate(
-            _generate(request_id="cut-off", max_tokens=50), timeout=DEADLINE_S)
+            _generate(request_id="cut-off", max_tokens=50), timeout=DEADLINE_S
+        )
         assert (await call.read()).num_output_tokens == 1
         await redis_proxy.cut()
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -268,16 +285,20 @@ async def test_redis_down_past_the_idle_timeout_ends_the_stream_unavailable(
     ids=["tiny-temperature", "huge-temperature", "nan-temperature", "inf-top-p"],
 )
 async def test_degenerate_sampling_is_invalid_argument(
-    gateway: GatewayService, stub: gateway_pb2_grpc.GatewayStub, fake_scheduler: FakeScheduler,
-    sampling: common_pb2.SamplingParams, details: str,
+    gateway: GatewayService,
+    stub: gateway_pb2_grpc.GatewayStub,
+    fake_scheduler: FakeScheduler,
+    sampling: common_pb2.SamplingParams,
+    details: str,
 ) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await _collect(stub, _generate(sampling=sampling))
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert details in (info.value.details() or "")
     assert fake_scheduler.submitted == []
-    responses = await _collect(stub, _generate(
-        sampling=common_pb2.SamplingParams(temperature=0.01)))  # the floor itself is fine
+    responses = await _collect(
+        stub, _generate(sampling=common_pb2.SamplingParams(temperature=0.01))
+    )  # the floor itself is fine
     assert responses[-1].is_finished
 
 
@@ -292,16 +313,20 @@ async def test_train_limits_are_invalid_argument_naming_the_limit(
             await stub.Train(gateway_pb2.TrainRequest(samples=samples), timeout=DEADLINE_S)
         assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert "9 samples in one Train call; the limit (max_train_samples) is 8" in (
-            info.value.details() or "")
+            info.value.details() or ""
+        )
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await stub.Train(gateway_pb2.TrainRequest(samples=samples[:8], batch_size=5),
-                             timeout=DEADLINE_S)  # fmt: skip
+            await stub.Train(
+                gateway_pb2.TrainRequest(samples=samples[:8], batch_size=5), timeout=DEADLINE_S
+            )
         assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert "batch_size 5 exceeds the limit (max_train_batch_size) of 4" in (
-            info.value.details() or "")
+            info.value.details() or ""
+        )
         assert fake_scheduler.submitted == []
-        reply = await stub.Train(gateway_pb2.TrainRequest(samples=samples[:8], batch_size=4),
-                                 timeout=DEADLINE_S)  # fmt: skip
+        reply = await stub.Train(
+            gateway_pb2.TrainRequest(samples=samples[:8], batch_size=4), timeout=DEADLINE_S
+        )
     assert len(reply.task_ids) == 2
 
 
@@ -309,7 +334,9 @@ async def test_train_limits_are_invalid_argument_naming_the_limit(
 
 
 async def test_request_id_reused_for_another_prompt_is_already_exists(
-    gateway: GatewayService, stub: gateway_pb2_grpc.GatewayStub, fake_scheduler: FakeScheduler,
+    gateway: GatewayService,
+    stub: gateway_pb2_grpc.GatewayStub,
+    fake_scheduler: FakeScheduler,
     store: Store,
 ) -> None:
     first = await _collect(stub, _generate("one prompt", request_id="r-1"))
@@ -319,7 +346,8 @@ async def test_request_id_reused_for_another_prompt_is_already_exists(
         await _collect(stub, _generate("a longer, different prompt", request_id="r-1"))
     assert info.value.code() is grpc.StatusCode.ALREADY_EXISTS
     assert info.value.details() == (
-        "request_id 'r-1' was already used with a different request; use a new id")
+        "request_id 'r-1' was already used with a different request; use a new id"
+    )
     assert fake_scheduler.cancelled == []
     stats = await flushed_stats(gateway, store)
     assert stats["num_inference"] == 1
@@ -332,8 +360,9 @@ async def test_a_conflicting_request_leaves_the_original_stream_alone(
     gateway = await make_gateway(stream_lease_ttl_s=0.6)
     async with channel(gateway.address) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
-        call = stub.Generate(_generate("original", request_id="r-2", max_tokens=50),
-                             timeout=DEADLINE_S)  # fmt: skip
+        call = stub.Generate(
+            _generate("original", request_id="r-2", max_tokens=50), timeout=DEADLINE_S
+        )
         assert (await call.read()).num_output_tokens == 1
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await _collect(stub, _generate("an impostor prompt", request_id="r-2"))
@@ -359,14 +388,16 @@ async def test_request_ids_are_scoped_per_client(
 
 
 async def test_resubmit_at_another_time_is_a_duplicate_not_a_conflict(store: Store) -> None:
-    task = Task("t-time", TaskKind.INFERENCE, arrival_s=0.0, num_prompt_tokens=3,
-                max_output_tokens=4)  # fmt: skip
+    task = Task(
+        "t-time", TaskKind.INFERENCE, arrival_s=0.0, num_prompt_tokens=3, max_output_tokens=4
+    )
     payload = TaskPayload(prompt_token_ids=(1, 2, 3), temperature=0.7, seed=5)
     assert await store.submit_task(task_to_fields(task, payload, submit_t=100.0))
     assert not await store.submit_task(task_to_fields(task, payload, submit_t=200.0))
     with pytest.raises(TaskIdConflict):
-        await store.submit_task(task_to_fields(task, TaskPayload(prompt_token_ids=(1, 2, 4),
-                                                                 temperature=0.7, seed=5)))
+        await store.submit_task(
+            task_to_fields(task, TaskPayload(prompt_token_ids=(1, 2, 4), temperature=0.7, seed=5))
+        )
 
 
 async def test_a_dedupe_marker_without_a_hash_reads_as_the_same_request(store: Store) -> None:

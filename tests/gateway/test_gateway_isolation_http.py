@@ -19,21 +19,23 @@ from test_http_api import HttpStack, stack  # noqa: F401 - the real stack's fixt
 
 from gateway.http_api import MAX_JSON_DEPTH
 from gateway.service import GatewayService
-from lemix.rpc.server import MAX_MESSAGE_BYTES
-from lemix.store import Store
+from lemix.infra.rpc.server import MAX_MESSAGE_BYTES
+from lemix.infra.store.store import Store
 
 Json = dict[str, Any]
 
 
-async def _post(gateway: GatewayService, path: str, data: str | bytes,
-                headers: dict[str, str] | None = None) -> tuple[int, Json, Any]:  # fmt: skip
+async def _post(
+    gateway: GatewayService, path: str, data: str | bytes, headers: dict[str, str] | None = None
+) -> tuple[int, Json, Any]:
     """(status, body, response headers) of a POST on the HTTP API."""
     url = f"http://{gateway.http_address}{path}"
     async with (
         aiohttp.ClientSession() as session,
-        session.post(url, data=data, headers={"Content-Type": "application/json",
-                                               **(headers or {})}) as response,
-    ):  # fmt: skip
+        session.post(
+            url, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+        ) as response,
+    ):
         return response.status, await response.json(), response.headers
 
 
@@ -49,26 +51,44 @@ def _completion(**fields: Any) -> str:
     ("body", "message"),
     [
         ("[" * 100_000 + "]" * 100_000, f"more than {MAX_JSON_DEPTH} levels deep"),
-        ('{"prompt": ' + "[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1) + "}",
-         f"more than {MAX_JSON_DEPTH} levels deep"),
-        ('{"prompt": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[", "max_tokens": "x"}',
-         "max_tokens must be an integer"),  # brackets inside a string do not nest
+        (
+            '{"prompt": ' + "[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1) + "}",
+            f"more than {MAX_JSON_DEPTH} levels deep",
+        ),
+        (
+            '{"prompt": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[", "max_tokens": "x"}',
+            "max_tokens must be an integer",
+        ),  # brackets inside a string do not nest
         ("[1, 2]", "the request body must be a JSON object, got list"),
         ('"text"', "the request body must be a JSON object, got str"),
         ("null", "the request body must be a JSON object, got NoneType"),
         ('{"prompt": 1' + "0" * 5000 + "}", "not valid JSON"),  # an int too long to parse
-        ('{"prompt": "hi", "max_tokens": 3, "temperature": 1e-300}',
-         "must be 0 (greedy) or in [0.01, 100]"),
-        ('{"prompt": "hi", "max_tokens": 3, "temperature": Infinity}',
-         "temperature must be a number"),
+        (
+            '{"prompt": "hi", "max_tokens": 3, "temperature": 1e-300}',
+            "must be 0 (greedy) or in [0.01, 100]",
+        ),
+        (
+            '{"prompt": "hi", "max_tokens": 3, "temperature": Infinity}',
+            "temperature must be a number",
+        ),
         ('{"prompt": "hi", "max_tokens": 3, "top_p": 0}', "top_p must be in (0, 1]"),
         ('{"prompt": "hi", "max_tokens": 3, "request_id": 7}', "request_id must be a string"),
     ],
-    ids=["deep-array", "depth-over-limit", "brackets-in-string", "list", "string", "null",
-         "huge-int", "tiny-temperature", "infinite-temperature", "top-p-0", "request-id-type"],
-)  # fmt: skip
-async def test_malformed_bodies_are_400(gateway: GatewayService, body: str,
-                                        message: str) -> None:  # fmt: skip
+    ids=[
+        "deep-array",
+        "depth-over-limit",
+        "brackets-in-string",
+        "list",
+        "string",
+        "null",
+        "huge-int",
+        "tiny-temperature",
+        "infinite-temperature",
+        "top-p-0",
+        "request-id-type",
+    ],
+)
+async def test_malformed_bodies_are_400(gateway: GatewayService, body: str, message: str) -> None:
     status, reply, _ = await _post(gateway, "/v1/completions", body)
     assert status == 400 and message in reply["error"]["message"], reply
     assert reply["error"]["type"] == "invalid_request_error"
@@ -101,8 +121,9 @@ async def test_non_utf8_body_is_400(gateway: GatewayService) -> None:
 
 
 @pytest.mark.usefixtures("live_node")
-async def test_busy_is_429_with_retry_after(make_gateway: GatewayFactory,
-                                            fake_scheduler: FakeScheduler) -> None:  # fmt: skip
+async def test_busy_is_429_with_retry_after(
+    make_gateway: GatewayFactory, fake_scheduler: FakeScheduler
+) -> None:
     fake_scheduler.script = Script(is_held=True)
     gateway = await make_gateway(max_in_flight=1)
     url = f"http://{gateway.http_address}/v1/completions"
@@ -116,6 +137,7 @@ async def test_busy_is_429_with_retry_after(make_gateway: GatewayFactory,
     assert "server busy: 1 requests in flight (limit 1)" in reply["error"]["message"]
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("live_node")
 async def test_an_http_flood_gets_results_or_429_never_503(
     make_gateway: GatewayFactory, fake_scheduler: FakeScheduler, store: Store
@@ -151,22 +173,29 @@ async def test_request_id_reuse_is_409_unless_it_is_the_same_request(
     stack: HttpStack,  # noqa: F811 - the fixture imported above
 ) -> None:
     gateway = await stack.make_gateway()
-    status, first, _ = await _post(gateway, "/v1/completions",
-                                   _completion(request_id="job-7", seed=3))  # fmt: skip
+    status, first, _ = await _post(
+        gateway, "/v1/completions", _completion(request_id="job-7", seed=3)
+    )
     assert status == 200, first
-    status, again, _ = await _post(gateway, "/v1/completions",
-                                   _completion(request_id="job-7", seed=3))  # fmt: skip
+    status, again, _ = await _post(
+        gateway, "/v1/completions", _completion(request_id="job-7", seed=3)
+    )
     assert status == 200 and again["id"] == first["id"]
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
 
-    status, reply, _ = await _post(gateway, "/v1/completions",
-                                   _completion(request_id="job-7", seed=4))  # fmt: skip
+    status, reply, _ = await _post(
+        gateway, "/v1/completions", _completion(request_id="job-7", seed=4)
+    )
     assert status == 409, reply
     assert reply["error"]["message"] == (
-        "request_id 'job-7' was already used with a different request; use a new id")
+        "request_id 'job-7' was already used with a different request; use a new id"
+    )
     assert reply["error"]["type"] == "conflict_error"
     # The header form, and another client's scope: its own task, no conflict.
-    status, other, _ = await _post(gateway, "/v1/completions", _completion(seed=4),
-                                   headers={"X-Request-Id": "job-7",
-                                            "X-Client-Id": "someone-else"})  # fmt: skip
+    status, other, _ = await _post(
+        gateway,
+        "/v1/completions",
+        _completion(seed=4),
+        headers={"X-Request-Id": "job-7", "X-Client-Id": "someone-else"},
+    )
     assert status == 200 and other["id"] != first["id"] and other["id"].startswith("cmpl-job-7@")

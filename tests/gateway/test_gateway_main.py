@@ -11,9 +11,9 @@ from pathlib import Path
 
 from gateway_fakes import FakeScheduler
 
-from lemix.redis_server import EmbeddedRedis
-from lemix.rpc import GATEWAY_SERVICE
-from lemix.rpc.client import wait_for_serving
+from lemix.infra.rpc import GATEWAY_SERVICE
+from lemix.infra.rpc.client import wait_for_serving
+from lemix.infra.store.server import EmbeddedRedis
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "SERVING gateway address="
@@ -22,8 +22,12 @@ PREFIX = "SERVING gateway address="
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "gateway", *args],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, env=env,
-    )  # fmt: skip
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
 
 
 def test_help_exits_zero_and_names_the_env_vars() -> None:
@@ -46,12 +50,27 @@ async def test_serves_then_stops_cleanly_on_sigterm(
     redis_server: EmbeddedRedis, fake_scheduler: FakeScheduler, namespace: str
 ) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "--port", "0", "--http-port", "0",
-         "--redis-url", redis_server.url,
-         "--scheduler", fake_scheduler.address, "--namespace", namespace],
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--redis-url",
+            redis_server.url,
+            "--scheduler",
+            fake_scheduler.address,
+            "--namespace",
+            namespace,
+        ],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "LEMIX_LOG_FORMAT": "json"},
-    )  # fmt: skip
+    )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline().strip()
@@ -64,8 +83,9 @@ async def test_serves_then_stops_cleanly_on_sigterm(
         assert proc.wait(timeout=30) == 0
         assert proc.stderr is not None
         # gRPC core may print its own (non-JSON) lines to stderr too.
-        logs = [json.loads(line) for line in proc.stderr.read().splitlines()
-                if line.startswith("{")]  # fmt: skip
+        logs = [
+            json.loads(line) for line in proc.stderr.read().splitlines() if line.startswith("{")
+        ]
         assert {"gateway.started", "gateway.stopped"} <= {entry["event"] for entry in logs}
     finally:
         if proc.poll() is None:

@@ -14,10 +14,10 @@ from gateway_fakes import FakeScheduler, GatewayFactory
 
 from gateway.service import GatewayService
 from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2_grpc
-from lemix.rpc import SCHEDULER_SERVICE
-from lemix.rpc.client import DEFAULT_DEADLINE_S, channel
-from lemix.rpc.server import start_server
-from lemix.store import Store
+from lemix.infra.rpc import SCHEDULER_SERVICE
+from lemix.infra.rpc.client import DEFAULT_DEADLINE_S, channel
+from lemix.infra.rpc.server import start_server
+from lemix.infra.store.store import Store
 
 TOKEN = "gateway-test-service-token-0123456789"
 
@@ -28,7 +28,11 @@ async def locked_scheduler(store: Store) -> AsyncIterator[FakeScheduler]:
     fake = FakeScheduler(store)
     server, port, _ = await start_server(
         [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, fake)],
-        "127.0.0.1", 0, service_names=[SCHEDULER_SERVICE], service_token=TOKEN)
+        "127.0.0.1",
+        0,
+        service_names=[SCHEDULER_SERVICE],
+        service_token=TOKEN,
+    )
     fake.address = f"127.0.0.1:{port}"
     try:
         yield fake
@@ -38,26 +42,29 @@ async def locked_scheduler(store: Store) -> AsyncIterator[FakeScheduler]:
 
 
 async def _train(gateway: GatewayService) -> gateway_pb2.TrainResponse:
-    samples = [gateway_pb2.TrainSample(query=f"question {i}", reference="answer")
-               for i in range(3)]
+    samples = [gateway_pb2.TrainSample(query=f"question {i}", reference="answer") for i in range(3)]
     async with channel(gateway.address) as ch:  # the public API: no token
         reply: gateway_pb2.TrainResponse = await gateway_pb2_grpc.GatewayStub(ch).Train(
-            gateway_pb2.TrainRequest(samples=samples), timeout=DEFAULT_DEADLINE_S)
+            gateway_pb2.TrainRequest(samples=samples), timeout=DEFAULT_DEADLINE_S
+        )
         return reply
 
 
 async def test_gateway_sends_the_token_to_the_scheduler(
-    make_gateway: GatewayFactory, locked_scheduler: FakeScheduler, live_node: int,
+    make_gateway: GatewayFactory,
+    locked_scheduler: FakeScheduler,
+    live_node: int,
 ) -> None:
-    gateway = await make_gateway(scheduler_address=locked_scheduler.address,
-                                 service_token=TOKEN)
+    gateway = await make_gateway(scheduler_address=locked_scheduler.address, service_token=TOKEN)
     reply = await _train(gateway)
     assert len(reply.task_ids) == 3
     assert sorted(t.task_id for t, _ in locked_scheduler.submitted) == sorted(reply.task_ids)
 
 
 async def test_gateway_without_the_token_submits_nothing(
-    make_gateway: GatewayFactory, locked_scheduler: FakeScheduler, live_node: int,
+    make_gateway: GatewayFactory,
+    locked_scheduler: FakeScheduler,
+    live_node: int,
 ) -> None:
     gateway = await make_gateway(scheduler_address=locked_scheduler.address)
     with pytest.raises(grpc.aio.AioRpcError) as info:

@@ -25,13 +25,13 @@ from gateway_fakes import (
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.service import GatewayService
-from gateway.tokenizer import ApproxTokenizer, emulated_token_id
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from lemix.redis_server import find_free_port
-from lemix.rpc import GATEWAY_SERVICE
-from lemix.rpc.client import channel
-from lemix.rpc.server import MAX_MESSAGE_BYTES
-from lemix.store import Store
+from lemix.infra.rpc import GATEWAY_SERVICE
+from lemix.infra.rpc.client import channel
+from lemix.infra.rpc.server import MAX_MESSAGE_BYTES
+from lemix.infra.store.server import find_free_port
+from lemix.infra.store.store import Store
+from lemix.tokenizer import ApproxTokenizer, emulated_token_id
 from lemix.types import TaskKind
 
 pytestmark = pytest.mark.usefixtures("live_node")
@@ -39,8 +39,9 @@ pytestmark = pytest.mark.usefixtures("live_node")
 DEADLINE_S = 10.0
 
 
-def _generate(prompt: str = "hello world", max_tokens: int = 4, **kw: Any
-              ) -> gateway_pb2.GenerateRequest:  # fmt: skip
+def _generate(
+    prompt: str = "hello world", max_tokens: int = 4, **kw: Any
+) -> gateway_pb2.GenerateRequest:
     return gateway_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, **kw)
 
 
@@ -50,8 +51,9 @@ async def _collect(
     return [r async for r in stub.Generate(request, timeout=DEADLINE_S)]
 
 
-async def _status_of(stub: gateway_pb2_grpc.GatewayStub, request: gateway_pb2.GenerateRequest
-                     ) -> grpc.aio.AioRpcError:  # fmt: skip
+async def _status_of(
+    stub: gateway_pb2_grpc.GatewayStub, request: gateway_pb2.GenerateRequest
+) -> grpc.aio.AioRpcError:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await _collect(stub, request)
     return info.value
@@ -80,7 +82,9 @@ async def _eventually(predicate: Callable[[], bool], timeout_s: float = 5.0) -> 
 
 
 async def test_generate_streams_max_tokens_then_a_final_message(
-    gateway: GatewayService, stub: gateway_pb2_grpc.GatewayStub, fake_scheduler: FakeScheduler,
+    gateway: GatewayService,
+    stub: gateway_pb2_grpc.GatewayStub,
+    fake_scheduler: FakeScheduler,
     store: Store,
 ) -> None:
     responses = await _collect(stub, _generate("hello world", max_tokens=5))
@@ -109,9 +113,11 @@ async def test_request_id_names_the_task_and_token_ids_pass_through(
     stub: gateway_pb2_grpc.GatewayStub, fake_scheduler: FakeScheduler
 ) -> None:
     request = gateway_pb2.GenerateRequest(
-        request_id="client-42", prompt_token_ids=[5, 6, 7, 8], max_tokens=2,
+        request_id="client-42",
+        prompt_token_ids=[5, 6, 7, 8],
+        max_tokens=2,
         sampling=common_pb2.SamplingParams(temperature=0.7, top_p=0.9, seed=11),
-    )  # fmt: skip
+    )
     responses = await _collect(stub, request)
     assert responses[-1].request_id == "client-42" and responses[-1].is_finished
     ((task, payload),) = fake_scheduler.submitted
@@ -126,19 +132,25 @@ async def test_request_id_names_the_task_and_token_ids_pass_through(
 @pytest.mark.parametrize(
     ("request_", "details"),
     [
-        (gateway_pb2.GenerateRequest(max_tokens=4),
-         "prompt is empty: send prompt text or prompt_token_ids"),
+        (
+            gateway_pb2.GenerateRequest(max_tokens=4),
+            "prompt is empty: send prompt text or prompt_token_ids",
+        ),
         (_generate(max_tokens=0), "max_tokens must be > 0"),
-        (gateway_pb2.GenerateRequest(prompt_token_ids=[1] * 4000, max_tokens=100),
-         "prompt (4000 tokens) + max_tokens (100) = 4100 tokens exceeds the context limit "
-         "of 4096 tokens"),
-        (_generate(sampling=common_pb2.SamplingParams(temperature=-0.5)),
-         "sampling.temperature must be a finite number >= 0"),
+        (
+            gateway_pb2.GenerateRequest(prompt_token_ids=[1] * 4000, max_tokens=100),
+            "prompt (4000 tokens) + max_tokens (100) = 4100 tokens exceeds the context limit "
+            "of 4096 tokens",
+        ),
+        (
+            _generate(sampling=common_pb2.SamplingParams(temperature=-0.5)),
+            "sampling.temperature must be a finite number >= 0",
+        ),
         (_generate(sampling=common_pb2.SamplingParams(top_p=1.5)), "sampling.top_p must be"),
         (_generate(request_id="has space"), "request_id must not contain whitespace"),
     ],
     ids=["empty-prompt", "max-tokens-0", "over-context", "temperature", "top-p", "request-id"],
-)  # fmt: skip
+)
 async def test_invalid_requests_are_invalid_argument(
     gateway: GatewayService,
     stub: gateway_pb2_grpc.GatewayStub,
@@ -181,8 +193,9 @@ async def test_in_flight_over_the_bound_is_resource_exhausted(
 
         err = await _status_of(stub, _generate())
         assert err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert err.details() == ("server busy: 1 requests in flight (limit 1); "
-                                 "retry after 1 s with backoff")  # fmt: skip
+        assert err.details() == (
+            "server busy: 1 requests in flight (limit 1); retry after 1 s with backoff"
+        )
 
         held.cancel()
         await _eventually(lambda: gateway.servicer.num_in_flight == 0)
@@ -215,8 +228,9 @@ async def test_live_executor_answer_is_cached_for_node_check_s(
 
 
 async def test_scheduler_down_is_unavailable(make_gateway: GatewayFactory) -> None:
-    gateway = await make_gateway(scheduler_address=f"127.0.0.1:{find_free_port()}",
-                                 submit_deadline_s=2.0)  # fmt: skip
+    gateway = await make_gateway(
+        scheduler_address=f"127.0.0.1:{find_free_port()}", submit_deadline_s=2.0
+    )
     async with channel(gateway.address) as ch:
         err = await _status_of(gateway_pb2_grpc.GatewayStub(ch), _generate())
     assert err.code() is grpc.StatusCode.UNAVAILABLE
@@ -244,14 +258,16 @@ async def test_submit_deadline_is_unavailable_and_cancels_the_task(
 @pytest.mark.parametrize(
     ("reason", "code", "details"),
     [
-        ("RESOURCE_EXHAUSTED: needs 9 GiB of KV; a node has 8", grpc.StatusCode.RESOURCE_EXHAUSTED,
-         "needs 9 GiB of KV; a node has 8"),
+        (
+            "RESOURCE_EXHAUSTED: needs 9 GiB of KV; a node has 8",
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "needs 9 GiB of KV; a node has 8",
+        ),
         ("UNAVAILABLE: no live executor", grpc.StatusCode.UNAVAILABLE, "no live executor"),
-        ("INVALID_ARGUMENT: prompt too long", grpc.StatusCode.INVALID_ARGUMENT,
-         "prompt too long"),
+        ("INVALID_ARGUMENT: prompt too long", grpc.StatusCode.INVALID_ARGUMENT, "prompt too long"),
         ("stage 1 crashed", grpc.StatusCode.INTERNAL, "stage 1 crashed"),
     ],
-)  # fmt: skip
+)
 async def test_rejected_task_aborts_with_the_reason_prefix(
     gateway: GatewayService,
     stub: gateway_pb2_grpc.GatewayStub,
@@ -351,7 +367,9 @@ def _samples(n: int, *, with_ids: bool = False) -> list[gateway_pb2.TrainSample]
 
 
 async def test_train_returns_ids_only_after_every_submit_is_acked(
-    gateway: GatewayService, stub: gateway_pb2_grpc.GatewayStub, fake_scheduler: FakeScheduler,
+    gateway: GatewayService,
+    stub: gateway_pb2_grpc.GatewayStub,
+    fake_scheduler: FakeScheduler,
     store: Store,
 ) -> None:
     fake_scheduler.submit_delay_s = 0.2
@@ -373,7 +391,9 @@ async def test_train_returns_ids_only_after_every_submit_is_acked(
 
 
 async def test_train_with_sample_ids_is_idempotent(
-    gateway: GatewayService, stub: gateway_pb2_grpc.GatewayStub, fake_scheduler: FakeScheduler,
+    gateway: GatewayService,
+    stub: gateway_pb2_grpc.GatewayStub,
+    fake_scheduler: FakeScheduler,
     store: Store,
 ) -> None:
     request = gateway_pb2.TrainRequest(samples=_samples(3, with_ids=True))
@@ -388,10 +408,12 @@ async def test_train_with_sample_ids_is_idempotent(
     ("request_", "details"),
     [
         (gateway_pb2.TrainRequest(), "no samples: send at least one TrainSample"),
-        (gateway_pb2.TrainRequest(samples=[gateway_pb2.TrainSample(sample_id="a")]),
-         "samples[0] is empty"),
+        (
+            gateway_pb2.TrainRequest(samples=[gateway_pb2.TrainSample(sample_id="a")]),
+            "samples[0] is empty",
+        ),
     ],
-)  # fmt: skip
+)
 async def test_train_invalid_is_invalid_argument(
     stub: gateway_pb2_grpc.GatewayStub,
     fake_scheduler: FakeScheduler,
@@ -440,8 +462,9 @@ async def test_stop_lets_in_flight_streams_finish(
     gateway = await make_gateway(shutdown_grace_s=5.0)
     fake_scheduler.script = Script(token_delay_s=0.05)
     async with channel(gateway.address) as ch:
-        call = gateway_pb2_grpc.GatewayStub(ch).Generate(_generate(max_tokens=10),
-                                                         timeout=DEADLINE_S)  # fmt: skip
+        call = gateway_pb2_grpc.GatewayStub(ch).Generate(
+            _generate(max_tokens=10), timeout=DEADLINE_S
+        )
         first = await call.read()
         stopping = asyncio.create_task(gateway.stop())
         rest = []

@@ -23,8 +23,8 @@ from gateway_fakes import GatewayFactory
 from gateway.config import GatewayConfig, from_env_and_args
 from gateway.service import GatewayService
 from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc
-from lemix.rpc.client import channel
-from lemix.rpc.tls import client_tls, load_server_tls
+from lemix.infra.rpc.client import channel
+from lemix.infra.rpc.tls import client_tls, load_server_tls
 
 DEADLINE_S = 10.0
 REFUSED_DEADLINE_S = 3.0  # a refused handshake fails fast; this only bounds a hang
@@ -50,15 +50,30 @@ def _write_leaf(cert: trustme.LeafCert, cert_path: Path, key_path: Path) -> None
 @pytest.fixture
 def pki(tmp_path: Path) -> Pki:
     server_ca, client_ca, other_ca = trustme.CA(), trustme.CA(), trustme.CA()
-    _write_leaf(server_ca.issue_cert("127.0.0.1", "localhost"),
-                tmp_path / "server.pem", tmp_path / "server.key")
-    _write_leaf(client_ca.issue_cert("lemix-test-client"),
-                tmp_path / "client.pem", tmp_path / "client.key")
+    _write_leaf(
+        server_ca.issue_cert("127.0.0.1", "localhost"),
+        tmp_path / "server.pem",
+        tmp_path / "server.key",
+    )
+    _write_leaf(
+        client_ca.issue_cert("lemix-test-client"), tmp_path / "client.pem", tmp_path / "client.key"
+    )
     for name, ca in (("ca", server_ca), ("client-ca", client_ca), ("other-ca", other_ca)):
         ca.cert_pem.write_to_path(str(tmp_path / f"{name}.pem"))
-    return Pki(*(str(tmp_path / name) for name in (
-        "ca.pem", "server.pem", "server.key", "client-ca.pem", "client.pem", "client.key",
-        "other-ca.pem")))  # fmt: skip
+    return Pki(
+        *(
+            str(tmp_path / name)
+            for name in (
+                "ca.pem",
+                "server.pem",
+                "server.key",
+                "client-ca.pem",
+                "client.pem",
+                "client.key",
+                "other-ca.pem",
+            )
+        )
+    )
 
 
 def _tls(pki: Pki, *, is_mtls: bool = False) -> dict[str, str]:
@@ -69,8 +84,9 @@ def _tls(pki: Pki, *, is_mtls: bool = False) -> dict[str, str]:
     return overrides
 
 
-async def _generate(ch: grpc.aio.Channel, deadline_s: float = DEADLINE_S
-                    ) -> list[gateway_pb2.GenerateResponse]:  # fmt: skip
+async def _generate(
+    ch: grpc.aio.Channel, deadline_s: float = DEADLINE_S
+) -> list[gateway_pb2.GenerateResponse]:
     request = gateway_pb2.GenerateRequest(prompt="hello over tls", max_tokens=3)
     stub = gateway_pb2_grpc.GatewayStub(ch)
     return [r async for r in stub.Generate(request, timeout=deadline_s)]
@@ -85,9 +101,10 @@ def _client_ssl(ca_file: str, cert_file: str = "", key_file: str = "") -> ssl.SS
 
 async def _get(url: str, ssl_context: ssl.SSLContext | bool = True) -> tuple[int, Any]:
     timeout = aiohttp.ClientTimeout(total=DEADLINE_S)
-    async with aiohttp.ClientSession(timeout=timeout) as session, session.get(
-        url, ssl=ssl_context
-    ) as response:
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as session,
+        session.get(url, ssl=ssl_context) as response,
+    ):
         return response.status, await response.json()
 
 
@@ -95,8 +112,7 @@ async def _get(url: str, ssl_context: ssl.SSLContext | bool = True) -> tuple[int
 
 
 @pytest.mark.usefixtures("live_node")
-async def test_grpc_generate_over_tls_with_the_ca(make_gateway: GatewayFactory,
-                                                  pki: Pki) -> None:  # fmt: skip
+async def test_grpc_generate_over_tls_with_the_ca(make_gateway: GatewayFactory, pki: Pki) -> None:
     gateway = await make_gateway(**_tls(pki))
     assert gateway.other_addresses == {"http": gateway.http_address, "tls": "tls"}
     async with channel(gateway.address, credentials=client_tls(pki.ca_file)) as ch:
@@ -106,8 +122,9 @@ async def test_grpc_generate_over_tls_with_the_ca(make_gateway: GatewayFactory,
 
 
 @pytest.mark.usefixtures("live_node")
-async def test_grpc_refuses_plaintext_and_an_untrusted_ca(make_gateway: GatewayFactory,
-                                                          pki: Pki) -> None:  # fmt: skip
+async def test_grpc_refuses_plaintext_and_an_untrusted_ca(
+    make_gateway: GatewayFactory, pki: Pki
+) -> None:
     gateway = await make_gateway(**_tls(pki))
     for credentials in (None, client_tls(pki.other_ca_file)):
         async with channel(gateway.address, credentials=credentials) as ch:
@@ -145,8 +162,9 @@ async def test_https_accepts_tls_1_2_and_up_only(pki: Pki) -> None:
 
 
 @pytest.mark.usefixtures("live_node")
-async def test_mtls_refuses_a_client_without_a_certificate(make_gateway: GatewayFactory,
-                                                           pki: Pki) -> None:  # fmt: skip
+async def test_mtls_refuses_a_client_without_a_certificate(
+    make_gateway: GatewayFactory, pki: Pki
+) -> None:
     gateway = await make_gateway(**_tls(pki, is_mtls=True))
     assert gateway.other_addresses["tls"] == "mtls"
     # gRPC: the CA alone is not enough; a certificate from the client CA is.
@@ -154,8 +172,9 @@ async def test_mtls_refuses_a_client_without_a_certificate(make_gateway: Gateway
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await _generate(ch, REFUSED_DEADLINE_S)
     assert info.value.code() is grpc.StatusCode.UNAVAILABLE
-    with_cert = client_tls(pki.ca_file, cert_file=pki.client_cert_file,
-                           key_file=pki.client_key_file)  # fmt: skip
+    with_cert = client_tls(
+        pki.ca_file, cert_file=pki.client_cert_file, key_file=pki.client_key_file
+    )
     async with channel(gateway.address, credentials=with_cert) as ch:
         assert (await _generate(ch))[-1].num_output_tokens == 3
     # HTTP: the same.
@@ -166,8 +185,9 @@ async def test_mtls_refuses_a_client_without_a_certificate(make_gateway: Gateway
     assert (await _get(url, context))[0] == 200
 
 
-async def test_mtls_refuses_a_certificate_from_another_ca(make_gateway: GatewayFactory,
-                                                          pki: Pki) -> None:  # fmt: skip
+async def test_mtls_refuses_a_certificate_from_another_ca(
+    make_gateway: GatewayFactory, pki: Pki
+) -> None:
     # The gateway's own certificate is valid, but not signed by the client CA.
     gateway = await make_gateway(**_tls(pki, is_mtls=True))
     context = _client_ssl(pki.ca_file, pki.cert_file, pki.key_file)
@@ -179,12 +199,17 @@ async def test_mtls_refuses_a_certificate_from_another_ca(make_gateway: GatewayF
 
 
 def test_tls_options_come_from_env_and_flags(pki: Pki) -> None:
-    env = {"LEMIX_GATEWAY_TLS_CERT_FILE": pki.cert_file,
-           "LEMIX_GATEWAY_TLS_KEY_FILE": pki.key_file,
-           "LEMIX_GATEWAY_TLS_CLIENT_CA_FILE": pki.client_ca_file}  # fmt: skip
+    env = {
+        "LEMIX_GATEWAY_TLS_CERT_FILE": pki.cert_file,
+        "LEMIX_GATEWAY_TLS_KEY_FILE": pki.key_file,
+        "LEMIX_GATEWAY_TLS_CLIENT_CA_FILE": pki.client_ca_file,
+    }
     config = from_env_and_args([], env=env)
     assert (config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file) == (
-        pki.cert_file, pki.key_file, pki.client_ca_file)
+        pki.cert_file,
+        pki.key_file,
+        pki.client_ca_file,
+    )
     assert config.is_tls_enabled
     flags = ["--tls-cert-file", "c.pem", "--tls-key-file", "k.pem"]
     config = from_env_and_args(flags, env={})
@@ -220,8 +245,9 @@ async def test_start_names_a_missing_or_bad_file(pki: Pki, tmp_path: Path) -> No
     error = await _start_error(tls_cert_file=missing, tls_key_file=pki.key_file)
     assert error.startswith(f"--tls-cert-file: no such file {missing!r}")
 
-    error = await _start_error(tls_cert_file=pki.cert_file, tls_key_file=pki.key_file,
-                               tls_client_ca_file=missing)  # fmt: skip
+    error = await _start_error(
+        tls_cert_file=pki.cert_file, tls_key_file=pki.key_file, tls_client_ca_file=missing
+    )
     assert error.startswith(f"--tls-client-ca-file: no such file {missing!r}")
 
     not_pem = tmp_path / "not.pem"
@@ -237,14 +263,19 @@ async def test_start_names_a_missing_or_bad_file(pki: Pki, tmp_path: Path) -> No
     assert "is a directory" in error
 
 
-async def test_start_refuses_an_encrypted_key_instead_of_prompting(pki: Pki,
-                                                                   tmp_path: Path) -> None:
+async def test_start_refuses_an_encrypted_key_instead_of_prompting(
+    pki: Pki, tmp_path: Path
+) -> None:
     # OpenSSL's default would prompt for a passphrase on the terminal (a hang).
     key = serialization.load_pem_private_key(Path(pki.key_file).read_bytes(), None)
     encrypted = tmp_path / "encrypted.key"
-    encrypted.write_bytes(key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-        serialization.BestAvailableEncryption(b"passphrase")))  # fmt: skip
+    encrypted.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"passphrase"),
+        )
+    )
     error = await _start_error(tls_cert_file=pki.cert_file, tls_key_file=str(encrypted))
     assert "the key is encrypted; give an unencrypted PEM key" in error
 

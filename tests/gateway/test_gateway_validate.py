@@ -1,4 +1,4 @@
-"""gateway.tokenizer and gateway.validate: pure functions, no servers."""
+"""lemix.tokenizer and gateway.validate: pure functions, no servers."""
 
 from __future__ import annotations
 
@@ -7,13 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.tokenizer import (
-    APPROX_EOS_ID,
-    APPROX_VOCAB_SIZE,
-    ApproxTokenizer,
-    emulated_token_id,
-    load_tokenizer,
-)
+from gateway.service import load_tokenizer
 from gateway.validate import (
     ANONYMOUS_SCOPE,
     MAX_TEMPERATURE,
@@ -25,8 +19,14 @@ from gateway.validate import (
     validate_train,
 )
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
+from lemix.infra.rpc.errors import InvalidArgument
 from lemix.model.tokenizer import train_bpe
-from lemix.rpc.errors import InvalidArgument
+from lemix.tokenizer import (
+    APPROX_EOS_ID,
+    APPROX_VOCAB_SIZE,
+    ApproxTokenizer,
+    emulated_token_id,
+)
 from lemix.types import Task, TaskKind, TaskPayload
 
 TOKENIZER = ApproxTokenizer()
@@ -64,9 +64,7 @@ def test_unknown_tokenizer_is_a_clear_error() -> None:
 # ---------------------------------------------------------------- inference
 
 
-def _validate(
-    request: gateway_pb2.GenerateRequest, limit: int = 4096
-) -> tuple[Task, TaskPayload]:
+def _validate(request: gateway_pb2.GenerateRequest, limit: int = 4096) -> tuple[Task, TaskPayload]:
     return validate_generate(request, tokenizer=TOKENIZER, max_context_tokens=limit)
 
 
@@ -81,9 +79,12 @@ def test_context_limit_counts_prompt_plus_max_tokens() -> None:
     fits = gateway_pb2.GenerateRequest(prompt_token_ids=[1] * 90, max_tokens=10)
     assert _validate(fits, limit=100)[0].num_total_tokens == 100
     over = gateway_pb2.GenerateRequest(prompt_token_ids=[1] * 90, max_tokens=11)
-    with pytest.raises(InvalidArgument, match=re.escape(
-        "prompt (90 tokens) + max_tokens (11) = 101 tokens exceeds the context limit of 100"
-    )):  # fmt: skip
+    with pytest.raises(
+        InvalidArgument,
+        match=re.escape(
+            "prompt (90 tokens) + max_tokens (11) = 101 tokens exceeds the context limit of 100"
+        ),
+    ):
         _validate(over, limit=100)
 
 
@@ -91,19 +92,28 @@ def test_context_limit_counts_prompt_plus_max_tokens() -> None:
     ("request_", "message"),
     [
         (gateway_pb2.GenerateRequest(max_tokens=1), "prompt is empty"),
-        (gateway_pb2.GenerateRequest(prompt="a", prompt_token_ids=[1], max_tokens=1),
-         "not both"),
+        (gateway_pb2.GenerateRequest(prompt="a", prompt_token_ids=[1], max_tokens=1), "not both"),
         (gateway_pb2.GenerateRequest(prompt="a"), "max_tokens must be > 0"),
-        (gateway_pb2.GenerateRequest(prompt="a", max_tokens=1,
-                                     sampling=common_pb2.SamplingParams(top_p=-0.1)),
-         "top_p"),
-        (gateway_pb2.GenerateRequest(prompt="a", max_tokens=1,
-                                     sampling=common_pb2.SamplingParams(temperature=float("nan"))),
-         "temperature"),
-        (gateway_pb2.GenerateRequest(prompt="a", max_tokens=1, request_id="x" * 129),
-         "the limit is 128"),
+        (
+            gateway_pb2.GenerateRequest(
+                prompt="a", max_tokens=1, sampling=common_pb2.SamplingParams(top_p=-0.1)
+            ),
+            "top_p",
+        ),
+        (
+            gateway_pb2.GenerateRequest(
+                prompt="a",
+                max_tokens=1,
+                sampling=common_pb2.SamplingParams(temperature=float("nan")),
+            ),
+            "temperature",
+        ),
+        (
+            gateway_pb2.GenerateRequest(prompt="a", max_tokens=1, request_id="x" * 129),
+            "the limit is 128",
+        ),
     ],
-)  # fmt: skip
+)
 def test_generate_invalid(request_: gateway_pb2.GenerateRequest, message: str) -> None:
     with pytest.raises(InvalidArgument, match=message):
         _validate(request_)
@@ -120,9 +130,11 @@ def _train(
 
 
 def test_train_batches_samples_and_sizes_by_the_longest() -> None:
-    samples = [gateway_pb2.TrainSample(query="q" * 8, reference="r" * 4),
-               gateway_pb2.TrainSample(token_ids=[1, 2, 3, 4, 5], num_reference_tokens=2),
-               gateway_pb2.TrainSample(reference="r" * 4)]  # fmt: skip
+    samples = [
+        gateway_pb2.TrainSample(query="q" * 8, reference="r" * 4),
+        gateway_pb2.TrainSample(token_ids=[1, 2, 3, 4, 5], num_reference_tokens=2),
+        gateway_pb2.TrainSample(reference="r" * 4),
+    ]
     one_each = _train(samples)  # batch_size 0 -> 1
     assert [(t.batch_size, t.num_prompt_tokens) for t, _ in one_each] == [(1, 3), (1, 5), (1, 1)]
     assert one_each[1][1].prompt_token_ids == (1, 2, 3, 4, 5)
@@ -135,10 +147,16 @@ def test_train_batches_samples_and_sizes_by_the_longest() -> None:
 def test_train_batch_carries_each_samples_ids_for_a_real_tokenizer(tmp_path: Path) -> None:
     from lemix.model.tokenizer import train_bpe
 
-    real = train_bpe(lambda: ["hello world, how are you today?"] * 50, vocab_size=300,
-                     corpus_id="tiny", cache_dir=tmp_path)
-    samples = [gateway_pb2.TrainSample(query="hello", reference="world"),
-               gateway_pb2.TrainSample(token_ids=[7, 8, 9], num_reference_tokens=1)]
+    real = train_bpe(
+        lambda: ["hello world, how are you today?"] * 50,
+        vocab_size=300,
+        corpus_id="tiny",
+        cache_dir=tmp_path,
+    )
+    samples = [
+        gateway_pb2.TrainSample(query="hello", reference="world"),
+        gateway_pb2.TrainSample(token_ids=[7, 8, 9], num_reference_tokens=1),
+    ]
     request = gateway_pb2.TrainRequest(samples=samples, batch_size=2)
     [(task, payload)] = validate_train(request, tokenizer=real, max_context_tokens=64)
     first = (real.bos_id, *real.encode("hello"), *real.encode("world"))
@@ -159,13 +177,17 @@ def test_train_ids_derive_from_sample_ids() -> None:
         ([], "no samples"),
         ([gateway_pb2.TrainSample(query="q"), gateway_pb2.TrainSample()], r"samples\[1\] is empty"),
         ([gateway_pb2.TrainSample(query="q", token_ids=[1])], "not both"),
-        ([gateway_pb2.TrainSample(token_ids=[1], num_reference_tokens=2)],
-         "num_reference_tokens"),
+        ([gateway_pb2.TrainSample(token_ids=[1], num_reference_tokens=2)], "num_reference_tokens"),
         ([gateway_pb2.TrainSample(token_ids=[1] * 11)], "has 11 tokens; the context limit is 10"),
-        ([gateway_pb2.TrainSample(sample_id="a", query="q"),
-          gateway_pb2.TrainSample(sample_id="a", query="q")], "repeats samples"),
+        (
+            [
+                gateway_pb2.TrainSample(sample_id="a", query="q"),
+                gateway_pb2.TrainSample(sample_id="a", query="q"),
+            ],
+            "repeats samples",
+        ),
     ],
-)  # fmt: skip
+)
 def test_train_invalid(samples: list[gateway_pb2.TrainSample], message: str) -> None:
     with pytest.raises(InvalidArgument, match=message):
         _train(samples, limit=10)
@@ -197,13 +219,22 @@ def test_real_tokenizer_prompts_start_with_bos(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("temperature", "is_valid"),
-    [(0.0, True), (MIN_TEMPERATURE, True), (0.7, True), (MAX_TEMPERATURE, True),
-     (1e-300, False), (MIN_TEMPERATURE / 2, False), (MAX_TEMPERATURE * 1.01, False),
-     (float("inf"), False), (-1.0, False)],
-)  # fmt: skip
+    [
+        (0.0, True),
+        (MIN_TEMPERATURE, True),
+        (0.7, True),
+        (MAX_TEMPERATURE, True),
+        (1e-300, False),
+        (MIN_TEMPERATURE / 2, False),
+        (MAX_TEMPERATURE * 1.01, False),
+        (float("inf"), False),
+        (-1.0, False),
+    ],
+)
 def test_temperature_is_zero_or_within_its_range(temperature: float, is_valid: bool) -> None:
     request = gateway_pb2.GenerateRequest(
-        prompt="a", max_tokens=1, sampling=common_pb2.SamplingParams(temperature=temperature))
+        prompt="a", max_tokens=1, sampling=common_pb2.SamplingParams(temperature=temperature)
+    )
     if is_valid:
         assert _validate(request)[1].temperature == temperature
     else:
@@ -214,12 +245,16 @@ def test_temperature_is_zero_or_within_its_range(temperature: float, is_valid: b
 def test_train_limits_name_the_setting() -> None:
     samples = [gateway_pb2.TrainSample(query="q")] * 5
     request = gateway_pb2.TrainRequest(samples=samples)
-    with pytest.raises(InvalidArgument, match=re.escape(
-            "5 samples in one Train call; the limit (max_train_samples) is 4: split")):
+    with pytest.raises(
+        InvalidArgument,
+        match=re.escape("5 samples in one Train call; the limit (max_train_samples) is 4: split"),
+    ):
         validate_train(request, tokenizer=TOKENIZER, max_context_tokens=64, max_samples=4)
     request = gateway_pb2.TrainRequest(samples=samples, batch_size=3)
-    with pytest.raises(InvalidArgument, match=re.escape(
-            "batch_size 3 exceeds the limit (max_train_batch_size) of 2")):
+    with pytest.raises(
+        InvalidArgument,
+        match=re.escape("batch_size 3 exceeds the limit (max_train_batch_size) of 2"),
+    ):
         validate_train(request, tokenizer=TOKENIZER, max_context_tokens=64, max_train_batch_size=2)
     assert len(validate_train(request, tokenizer=TOKENIZER, max_context_tokens=64)) == 2
 
@@ -228,8 +263,17 @@ def test_client_scope_hashes_the_key_and_client_id() -> None:
     assert client_scope() == ANONYMOUS_SCOPE == ""
     keyed = client_scope(api_key="sk-secret")
     assert re.fullmatch(r"[0-9a-f]{12}", keyed) and keyed == client_scope(api_key="sk-secret")
-    assert len({keyed, client_scope(api_key="other"), client_scope(client_id="sk-secret"),
-                client_scope(api_key="sk-secret", client_id="a")}) == 4  # fmt: skip
+    assert (
+        len(
+            {
+                keyed,
+                client_scope(api_key="other"),
+                client_scope(client_id="sk-secret"),
+                client_scope(api_key="sk-secret", client_id="a"),
+            }
+        )
+        == 4
+    )
     assert scope_from_headers({"authorization": "Bearer sk-secret"}) == keyed
     assert scope_from_headers({"authorization": "Basic sk-secret"}) == ANONYMOUS_SCOPE
     assert scope_from_headers({"x-client-id": " a "}) == client_scope(client_id="a")
@@ -240,13 +284,16 @@ def test_client_scope_hashes_the_key_and_client_id() -> None:
 def test_request_ids_are_named_within_the_scope() -> None:
     request = gateway_pb2.GenerateRequest(prompt="a", max_tokens=1, request_id="r1")
     assert _validate(request)[0].task_id == "r1"  # anonymous: the id itself
-    task, _ = validate_generate(request, tokenizer=TOKENIZER, max_context_tokens=64,
-                                scope="0123456789ab")  # fmt: skip
+    task, _ = validate_generate(
+        request, tokenizer=TOKENIZER, max_context_tokens=64, scope="0123456789ab"
+    )
     assert task.task_id == scoped_task_id("r1", "0123456789ab") == "r1@0123456789ab"
     samples = [gateway_pb2.TrainSample(sample_id="s1", query="q")]
     train = gateway_pb2.TrainRequest(samples=samples)
     anonymous = validate_train(train, tokenizer=TOKENIZER, max_context_tokens=64)
     scoped = validate_train(train, tokenizer=TOKENIZER, max_context_tokens=64, scope="ab")
     assert anonymous[0][0].task_id != scoped[0][0].task_id
-    assert anonymous[0][0].task_id == validate_train(
-        train, tokenizer=TOKENIZER, max_context_tokens=64)[0][0].task_id  # stable
+    assert (
+        anonymous[0][0].task_id
+        == validate_train(train, tokenizer=TOKENIZER, max_context_tokens=64)[0][0].task_id
+    )  # stable

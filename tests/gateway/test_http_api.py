@@ -28,11 +28,11 @@ from gateway import service as gateway_service
 from gateway.config import GatewayConfig
 from gateway.openai_convert import chat_prompt
 from gateway.service import GatewayService
-from gateway.tokenizer import ApproxTokenizer
 from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc
+from lemix.infra.store.server import EmbeddedRedis
+from lemix.infra.store.store import Store
 from lemix.profile import save_profile
-from lemix.redis_server import EmbeddedRedis
-from lemix.store import Store
+from lemix.tokenizer import ApproxTokenizer
 from services.executor.config import ExecutorConfig
 from services.executor.service import ExecutorService
 from services.scheduler.config import SchedulerConfig
@@ -62,10 +62,16 @@ class HttpStack:
 
     async def make_gateway(self, **overrides: Any) -> GatewayService:
         values: dict[str, Any] = {
-            "port": 0, "http_port": 0, "scheduler_address": self.scheduler.address,
-            "redis_url": self.redis_url, "namespace": self.namespace, "node_check_s": 0.0,
-            "stream_idle_timeout_s": 10.0, "shutdown_grace_s": 1.0, **overrides,
-        }  # fmt: skip
+            "port": 0,
+            "http_port": 0,
+            "scheduler_address": self.scheduler.address,
+            "redis_url": self.redis_url,
+            "namespace": self.namespace,
+            "node_check_s": 0.0,
+            "stream_idle_timeout_s": 10.0,
+            "shutdown_grace_s": 1.0,
+            **overrides,
+        }
         gateway = GatewayService(GatewayConfig(**values))
         await gateway.start()
         self.gateways.append(gateway)
@@ -78,14 +84,31 @@ async def stack(
 ) -> AsyncIterator[HttpStack]:
     profile = make_profile(capacity_bytes=10**9, weight_bytes=10**6, name="http-test")
     save_profile(profile, tmp_path / "profile.json")
-    executor = ExecutorService(ExecutorConfig(
-        node_id=0, redis_url=redis_server.url, namespace=namespace,
-        profile_path=tmp_path / "profile.json", time_scale=TIME_SCALE, heartbeat_s=0.05,
-        shutdown_grace_s=0.5))  # fmt: skip
-    scheduler = SchedulerService(SchedulerConfig(
-        redis_url=redis_server.url, namespace=namespace, num_nodes=1, slo_ttft_s=1.0,
-        slo_tbt_s=0.5, node_poll_s=0.05, read_block_s=0.1, stop_grace_s=0.5,
-        consumer="http-test"), profile=profile)  # fmt: skip
+    executor = ExecutorService(
+        ExecutorConfig(
+            node_id=0,
+            redis_url=redis_server.url,
+            namespace=namespace,
+            profile_path=tmp_path / "profile.json",
+            time_scale=TIME_SCALE,
+            heartbeat_s=0.05,
+            shutdown_grace_s=0.5,
+        )
+    )
+    scheduler = SchedulerService(
+        SchedulerConfig(
+            redis_url=redis_server.url,
+            namespace=namespace,
+            num_nodes=1,
+            slo_ttft_s=1.0,
+            slo_tbt_s=0.5,
+            node_poll_s=0.05,
+            read_block_s=0.1,
+            shutdown_grace_s=0.5,
+            consumer="http-test",
+        ),
+        profile=profile,
+    )
     await executor.start()
     await scheduler.start()
     s = HttpStack(redis_server.url, namespace, scheduler, executor)
@@ -104,8 +127,9 @@ async def gateway(stack: HttpStack) -> GatewayService:
 
 
 def _client(gateway: GatewayService) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"http://{gateway.http_address}/v1", api_key="x",
-                              max_retries=0, timeout=30.0)  # fmt: skip
+    return openai.AsyncOpenAI(
+        base_url=f"http://{gateway.http_address}/v1", api_key="x", max_retries=0, timeout=30.0
+    )
 
 
 @pytest.fixture
@@ -164,9 +188,14 @@ async def test_chat_completion(client: openai.AsyncOpenAI) -> None:
 
 async def test_chat_completion_stream_with_usage(client: openai.AsyncOpenAI) -> None:
     stream = await client.chat.completions.create(
-        model="lemix", messages=MESSAGES, max_tokens=20, stream=True,
-        stream_options={"include_usage": True}, temperature=0.0, seed=7,
-    )  # fmt: skip
+        model="lemix",
+        messages=MESSAGES,
+        max_tokens=20,
+        stream=True,
+        stream_options={"include_usage": True},
+        temperature=0.0,
+        seed=7,
+    )
     chunks = [chunk async for chunk in stream]
     *content_chunks, usage_chunk = chunks
     assert content_chunks[0].choices[0].delta.role == "assistant"
@@ -184,9 +213,12 @@ async def test_completion_with_text_and_with_token_ids(client: openai.AsyncOpenA
     assert _num_tokens(reply.choices[0].text) == reply.usage.completion_tokens == 4
 
     stream = await client.completions.create(
-        model="lemix", prompt=[11, 12, 13, 14, 15], max_tokens=9, stream=True,
+        model="lemix",
+        prompt=[11, 12, 13, 14, 15],
+        max_tokens=9,
+        stream=True,
         stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     chunks = [chunk async for chunk in stream]
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == 5
@@ -302,11 +334,14 @@ async def test_models_health_and_metrics(
 
 
 async def test_train_returns_task_ids(gateway: GatewayService, store: Store) -> None:
-    samples = [{"query": "What is LeMix?", "reference": "A scheduler."},
-               {"query": "And Redis?", "reference": "Its queues."},
-               {"query": "Why?", "reference": "Because."}]  # fmt: skip
-    status, body = await _post(gateway, "/v1/lemix/train",
-                               json.dumps({"samples": samples, "batch_size": 2}))  # fmt: skip
+    samples = [
+        {"query": "What is LeMix?", "reference": "A scheduler."},
+        {"query": "And Redis?", "reference": "Its queues."},
+        {"query": "Why?", "reference": "Because."},
+    ]
+    status, body = await _post(
+        gateway, "/v1/lemix/train", json.dumps({"samples": samples, "batch_size": 2})
+    )
     assert status == 200, body
     assert len(body["task_ids"]) == 2 and all(t.startswith("trn-") for t in body["task_ids"])
     assert (await flushed_stats(gateway, store))["num_training"] == 2
@@ -340,17 +375,19 @@ def _counts() -> dict[str, float]:
     requests = "lemix_gateway_requests_total"
     return {
         "completed": _sample(requests, kind="inference", outcome="completed", code="OK"),
-        "invalid": _sample(requests, kind="inference", outcome="rejected",
-                           code="INVALID_ARGUMENT"),
+        "invalid": _sample(requests, kind="inference", outcome="rejected", code="INVALID_ARGUMENT"),
         "not_found": _sample(requests, kind="inference", outcome="failed", code="NOT_FOUND"),
         "accepted": _sample(requests, kind="training", outcome="accepted", code="OK"),
-        "train_invalid": _sample(requests, kind="training", outcome="rejected",
-                                 code="INVALID_ARGUMENT"),
+        "train_invalid": _sample(
+            requests, kind="training", outcome="rejected", code="INVALID_ARGUMENT"
+        ),
         "tokens": _sample("lemix_gateway_output_tokens_total"),
         "ttft": _sample("lemix_gateway_ttft_seconds_count"),
-        "slo": sum(_sample("lemix_gateway_slo_requests_total", result=r)
-                   for r in ("met", "missed", "unknown")),
-    }  # fmt: skip
+        "slo": sum(
+            _sample("lemix_gateway_slo_requests_total", result=r)
+            for r in ("met", "missed", "unknown")
+        ),
+    }
 
 
 async def test_http_requests_count_in_the_metrics_like_grpc(
@@ -358,8 +395,7 @@ async def test_http_requests_count_in_the_metrics_like_grpc(
 ) -> None:
     before = _counts()
     await client.chat.completions.create(model="lemix", messages=MESSAGES, max_tokens=3)
-    stream = await client.completions.create(model="lemix", prompt="hi", max_tokens=4,
-                                             stream=True)  # fmt: skip
+    stream = await client.completions.create(model="lemix", prompt="hi", max_tokens=4, stream=True)
     assert [chunk async for chunk in stream]
     with pytest.raises(openai.BadRequestError):
         await client.chat.completions.create(model="lemix", messages=[], max_tokens=3)
@@ -378,8 +414,16 @@ async def test_http_requests_count_in_the_metrics_like_grpc(
 
     after = _counts()
     delta = {name: after[name] - before[name] for name in after}
-    assert delta == {"completed": 3, "invalid": 2, "not_found": 1, "accepted": 2,
-                     "train_invalid": 1, "tokens": 3 + 4 + 2, "ttft": 3, "slo": 6}  # fmt: skip
+    assert delta == {
+        "completed": 3,
+        "invalid": 2,
+        "not_found": 1,
+        "accepted": 2,
+        "train_invalid": 1,
+        "tokens": 3 + 4 + 2,
+        "ttft": 3,
+        "slo": 6,
+    }
 
 
 async def test_http_api_binds_the_configured_host(
@@ -388,8 +432,7 @@ async def test_http_api_binds_the_configured_host(
     hosts: list[str] = []
     real_start_http = gateway_service.start_http
 
-    async def recording_start_http(app: Any, host: str, port: int,
-                                   **kw: Any) -> tuple[Any, int]:  # fmt: skip
+    async def recording_start_http(app: Any, host: str, port: int, **kw: Any) -> tuple[Any, int]:
         hosts.append(host)
         runner, bound_port = await real_start_http(app, host, port, **kw)
         assert {address[0] for address in runner.addresses} == {host}

@@ -24,8 +24,9 @@ def _prompt(n: int, offset: int) -> tuple[int, ...]:
     return tuple((offset + 11 * i) % (VOCAB - 3) + 3 for i in range(n))
 
 
-def _step(runner: InferenceRunner, iteration: int, prefill: list[str],
-          decode: list[str]) -> list[str]:
+def _step(
+    runner: InferenceRunner, iteration: int, prefill: list[str], decode: list[str]
+) -> list[str]:
     stopped: list[str] = []
     for s in range(runner.staged.num_stages):
         stopped = runner.run_stage(s, iteration, prefill, decode)
@@ -37,8 +38,10 @@ def test_continuous_batching_gives_each_request_its_solo_greedy_tokens(name: str
     staged = _staged(name)
     runner = InferenceRunner(staged, eos_id=None)
     specs = [("a", _prompt(5, 1), 12), ("b", _prompt(17, 2), 7), ("c", _prompt(9, 3), 10)]
-    solo = {key: runner.generate_alone(GenRequest(key, prompt, max_tokens))
-            for key, prompt, max_tokens in specs}
+    solo = {
+        key: runner.generate_alone(GenRequest(key, prompt, max_tokens))
+        for key, prompt, max_tokens in specs
+    }
     # Staggered joins, as Algorithm 3 admits them: a, then b and c join later.
     reqs = {key: GenRequest(key, prompt, max_tokens) for key, prompt, max_tokens in specs}
     for req in reqs.values():
@@ -48,8 +51,7 @@ def test_continuous_batching_gives_each_request_its_solo_greedy_tokens(name: str
     for it in range(40):
         prefill = joins.get(it, [])
         _step(runner, it, prefill, running)
-        running = [k for k in running + prefill
-                   if len(reqs[k].generated) < reqs[k].max_tokens]
+        running = [k for k in running + prefill if len(reqs[k].generated) < reqs[k].max_tokens]
         if not running and it > 3:
             break
     assert {k: r.generated for k, r in reqs.items()} == solo
@@ -64,6 +66,7 @@ def test_offload_then_reload_gives_identical_next_token_logits() -> None:
     def sample(logits, prefill, decode, segments):  # type: ignore[no-untyped-def]
         captured.append(logits.clone())
         return real_sample(logits, prefill, decode, segments)
+
     runner._sample = sample  # type: ignore[method-assign]
 
     def decode_after(offload: bool) -> torch.Tensor:
@@ -93,7 +96,7 @@ def test_inference_loss_is_teacher_forced_cross_entropy_on_the_reference() -> No
     tokens = runner.generate_alone(req)
     with torch.no_grad():
         logits = reference_model(torch.tensor([prompt + answer])).logits[0]
-    expected = F.cross_entropy(logits[len(prompt) - 1:-1], torch.tensor(answer))
+    expected = F.cross_entropy(logits[len(prompt) - 1 : -1], torch.tensor(answer))
     assert req.inference_loss == pytest.approx(float(expected), rel=1e-5)
     # The reference does not leak into generation: same tokens without it.
     assert tokens == runner.generate_alone(GenRequest("s", prompt, 4))
@@ -119,6 +122,7 @@ def test_sampling_is_reproducible_per_seed_and_top_p_one_token_is_greedy() -> No
 
     def run(key: str, **kw: float) -> list[int]:
         return runner.generate_alone(GenRequest(key, prompt, 12, **kw))  # type: ignore[arg-type]
+
     assert run("a", temperature=1.0, seed=5) == run("b", temperature=1.0, seed=5)
     assert run("a", temperature=1.0, seed=5) != run("c", temperature=1.0, seed=6)
     # top_p tiny keeps only the most likely token: same as greedy.

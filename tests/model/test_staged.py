@@ -88,7 +88,7 @@ def test_staged_backward_gradients_equal_monolithic(name: str) -> None:
     ids = _ids(24)
     num_ref = 8
     logits = mono(torch.tensor([ids])).logits[0]
-    F.cross_entropy(logits[-num_ref - 1:-1], torch.tensor(ids[-num_ref:])).backward()
+    F.cross_entropy(logits[-num_ref - 1 : -1], torch.tensor(ids[-num_ref:])).backward()
     expected = {name_: p.grad for name_, p in mono.named_parameters()}
 
     staged = StagedModel(model, 2)
@@ -99,6 +99,7 @@ def test_staged_backward_gradients_equal_monolithic(name: str) -> None:
     def capture(stage_index: int) -> None:  # read the grads before the step consumes them
         for p in staged.stages[stage_index].parameters():
             captured[names[id(p)]] = p.grad.clone()
+
     trainer._step = capture  # type: ignore[method-assign]
     trainer.forward(0, "t", [Sample(tuple(ids), num_ref)])
     trainer.forward(1, "t")
@@ -141,9 +142,11 @@ def test_in_flight_backward_uses_the_weights_its_forward_used() -> None:
 
         def step(stage_index: int) -> None:
             if current[0] == "a":
-                grads[stage_index] = [p.grad.clone()
-                                      for p in staged.stages[stage_index].parameters()]
+                grads[stage_index] = [
+                    p.grad.clone() for p in staged.stages[stage_index].parameters()
+                ]
             real_step(stage_index)
+
         trainer._step = step  # type: ignore[method-assign]
 
         def fwd(key: str, sample: Sample) -> None:
@@ -153,6 +156,7 @@ def test_in_flight_backward_uses_the_weights_its_forward_used() -> None:
         def bwd(key: str, stage: int) -> None:
             current[0] = key
             trainer.backward(stage, key)
+
         if interleaved:
             fwd("b", sb)
             fwd("a", sa)

@@ -25,8 +25,9 @@ from lemix.model.presets import ModelSpec, build_model
 from lemix.model.staged import Segment, StagedModel
 from lemix.model.training import PipelineTrainer, Sample, TrainingConfig
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA GPU (scripts/gpu_check.sh runs it)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh runs it)"
+)
 
 FAMILIES = ["tiny-llama", "tiny-gpt2"]
 VOCAB = 300
@@ -42,8 +43,7 @@ def _no_tf32() -> Iterator[None]:
 
 def _devices(num_stages: int) -> list[str]:
     count = torch.cuda.device_count()
-    return [f"cuda:{s % count}" if count >= num_stages else "cuda:0"
-            for s in range(num_stages)]
+    return [f"cuda:{s % count}" if count >= num_stages else "cuda:0" for s in range(num_stages)]
 
 
 def _model(name: str, dtype: str = "float32", seed: int = 1) -> torch.nn.Module:
@@ -98,8 +98,7 @@ def test_kv_cached_decode_equals_unsplit_on_cuda(name: str) -> None:
         for t in range(12, len(ids)):
             x = torch.tensor([ids[t]])
             for stage in staged.stages:
-                x = stage.forward(x.to(stage.device), torch.tensor([t]),
-                                  [Segment(0, 1, "r", 1)])
+                x = stage.forward(x.to(stage.device), torch.tensor([t]), [Segment(0, 1, "r", 1)])
             rows.append(x[0].cpu())
     torch.testing.assert_close(torch.cat(rows), expected, rtol=1e-4, atol=1e-4)
     assert all(stage.kv.get("r").length == len(ids) for stage in staged.stages)
@@ -128,7 +127,7 @@ def test_staged_backward_gradients_equal_monolithic_on_cuda(name: str) -> None:
     num_ref = 8
     logits = mono(torch.tensor([ids], device="cuda:0")).logits[0]
     target = torch.tensor(ids[-num_ref:], device="cuda:0")
-    F.cross_entropy(logits[-num_ref - 1:-1], target).backward()
+    F.cross_entropy(logits[-num_ref - 1 : -1], target).backward()
     expected = {name_: p.grad.cpu() for name_, p in mono.named_parameters()}
 
     staged = StagedModel(model, 2, _devices(2))
@@ -140,6 +139,7 @@ def test_staged_backward_gradients_equal_monolithic_on_cuda(name: str) -> None:
         for p in staged.stages[stage_index].parameters():
             assert p.grad is not None and p.grad.is_cuda
             captured[names[id(p)]] = p.grad.cpu()
+
     trainer._step = capture  # type: ignore[method-assign]
     trainer.forward(0, "t", [Sample(tuple(ids), num_ref)])
     trainer.forward(1, "t")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.tokenizer import ApproxTokenizer, encode_prompt
+from lemix.model import tokenizer as tokenizer_module
 from lemix.model.tokenizer import (
     BPE_BOS_ID,
     BPE_EOS_ID,
@@ -19,10 +19,12 @@ from lemix.model.tokenizer import (
     HFTokenizer,
     bpe_cache_path,
     corpus_fingerprint,
+    default_cache_dir,
     detokenize_new,
     load_tokenizer,
     train_bpe,
 )
+from lemix.tokenizer import ApproxTokenizer, encode_prompt
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -96,6 +98,22 @@ def test_cache_key_separates_corpus_and_vocab_size(tmp_path: Path) -> None:
         train_bpe(lambda: CORPUS, vocab_size=100, corpus_id=fp, cache_dir=tmp_path)
 
 
+def test_default_cache_is_writable_outside_a_checkout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # In this checkout: runs/cache/tokenizers (git-ignored).
+    assert default_cache_dir({}).parts[-3:] == ("runs", "cache", "tokenizers")
+    # Installed (no pyproject.toml beside the package): the user's cache, never
+    # site-packages, which a container's non-root user cannot write.
+    monkeypatch.setattr(tokenizer_module, "_CHECKOUT_ROOT", tmp_path / "site-packages")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    xdg = tmp_path / "xdg"
+    assert default_cache_dir({"XDG_CACHE_HOME": str(xdg)}) == xdg / "lemix" / "tokenizers"
+    home_cache = tmp_path / "home" / ".cache" / "lemix" / "tokenizers"
+    assert default_cache_dir({}) == home_cache
+    assert default_cache_dir({"XDG_CACHE_HOME": "relative"}) == home_cache  # XDG: ignored
+
+
 def _trained_file(cache_dir: Path) -> Path:
     _train(cache_dir)
     return bpe_cache_path(cache_dir, corpus_fingerprint(CORPUS), VOCAB_SIZE)
@@ -116,8 +134,11 @@ def test_load_tokenizer_from_a_model_directory(bpe: BPETokenizer, tmp_path: Path
 
     hf = PreTrainedTokenizerFast(
         tokenizer_file=str(_trained_file(tmp_path)),
-        bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
-    )  # fmt: skip
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
     hf.save_pretrained(tmp_path / "model")
     loaded = load_tokenizer(str(tmp_path / "model"))
     assert isinstance(loaded, HFTokenizer) and not loaded.is_emulated

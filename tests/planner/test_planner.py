@@ -43,8 +43,13 @@ def test_lemix_places_inference_on_the_node_with_the_lowest_predicted_response()
     # fe = (0.21, 0.32) → R = 0.32. On an empty node R = 0.2.
     view0 = planner.views[0]
     b = make_request("b", 0.0, 100, 10)
-    on_node0 = compute_idleness(view0, b, 0.0, planner.estimator.costs(view0, b, 0.0),
-                                planner.estimator.decode_load(view0, 0.0))
+    on_node0 = compute_idleness(
+        view0,
+        b,
+        0.0,
+        planner.estimator.costs(view0, b, 0.0),
+        planner.estimator.decode_load(view0, 0.0),
+    )
     assert on_node0.response_s == approx(0.32)
     assert on_node0.forward_end_s == approx((0.21, 0.32))
     second = submit_and_plan(planner, b)
@@ -102,8 +107,9 @@ def test_mix_luf_prefers_least_memory_used_then_fewest_tasks_then_node_id() -> N
         (0.1, [3, 3, 3], [0, 1, 2, 0]),
     ],
 )
-def test_separate_splits_training_and_serving_nodes(train_rate: float, train_nodes: list[int],
-                                                    serve_nodes: list[int]) -> None:
+def test_separate_splits_training_and_serving_nodes(
+    train_rate: float, train_nodes: list[int], serve_nodes: list[int]
+) -> None:
     # train = max(1, round(N·r)) of the last nodes: N = 4, r = 0.3 → 1; r = 0.5 → 2; r = 0.1 → 1.
     planner = make_planner("separate", num_nodes=4, train_rate=train_rate)
     trained, served = [], []
@@ -212,7 +218,8 @@ def test_plan_at_next_wakeup_places_the_aged_task() -> None:
     planner = make_planner("lemix", num_nodes=1, max_defer_s=2.0)
     submit_and_plan(planner, make_request("i", 0.4, 10, 6))
     assert submit_and_plan(planner, make_training("long", 0.8, 1000)) == [
-        Deferral("long", DEFER_REASON)]
+        Deferral("long", DEFER_REASON)
+    ]
     wake = planner.next_wakeup_s()
     assert wake == approx(2.8)
     assert placed_nodes(planner.plan(wake)) == [0]
@@ -315,20 +322,24 @@ def _script() -> list[Step]:
     t = 0.0
     for i in range(12):
         t += 0.35
-        task = (make_training(f"t{i}", t, 200 + 150 * (i % 4)) if i % 3 == 0
-                else make_request(f"r{i}", t, 50 + 37 * i, 5 + i, seq=i))
+        task = (
+            make_training(f"t{i}", t, 200 + 150 * (i % 4))
+            if i % 3 == 0
+            else make_request(f"r{i}", t, 50 + 37 * i, 5 + i, seq=i)
+        )
         steps += [Step("submit", t, task), Step("plan", t)]
         if i >= 2 and i % 2 == 0:
             done = f"r{i - 1}" if (i - 1) % 3 else f"t{i - 1}"
-            steps += [Step("finish", t + 0.1, task_id=done, is_success=i != 6),
-                      Step("plan", t + 0.1)]
+            steps += [
+                Step("finish", t + 0.1, task_id=done, is_success=i != 6),
+                Step("plan", t + 0.1),
+            ]
     steps.append(Step("plan", t + 40.0))  # past every aging deadline
     return steps
 
 
 def _replay(policy: str, steps: list[Step]) -> list:
-    planner = make_planner(policy, num_nodes=3, train_rate=0.3, sync_every_tasks=1,
-                           max_defer_s=5.0)
+    planner = make_planner(policy, num_nodes=3, train_rate=0.3, sync_every_tasks=1, max_defer_s=5.0)
     out: list = []
     for step in steps:
         if step.op == "submit":
@@ -337,8 +348,13 @@ def _replay(policy: str, steps: list[Step]) -> list:
         elif step.op == "plan":
             out.append(("plan", step.now_s, planner.plan(step.now_s), planner.next_wakeup_s()))
         else:
-            out.append(("finish", step.now_s,
-                        planner.on_task_finished(step.task_id, step.now_s, step.is_success)))
+            out.append(
+                (
+                    "finish",
+                    step.now_s,
+                    planner.on_task_finished(step.task_id, step.now_s, step.is_success),
+                )
+            )
     return out
 
 

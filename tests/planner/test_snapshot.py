@@ -31,31 +31,55 @@ from lemix.planner.planner import Planner
 from lemix.planner.snapshot import SnapshotMismatch
 from lemix.types import Decision, Placement, Task
 
-POLICIES = ["lemix", "lemix-paper", "lemix-nodeprio", "separate", "separate-dynamic", "mix-rr",
-            "mix-luf"]
+POLICIES = [
+    "lemix",
+    "lemix-paper",
+    "lemix-nodeprio",
+    "separate",
+    "separate-dynamic",
+    "mix-rr",
+    "mix-luf",
+]
 CHECKPOINTS = (40, 130, 260)
 NUM_STEPS = 400
 NUM_NODES = 3
 # Built from the planner, never snapshot state.
-_CONSTRUCTION = {"config", "estimator", "_memory", "_threshold_bytes", "_kv_bytes_per_token",
-                 "_act_bytes_per_token", "_dynamic_bytes"}
+_CONSTRUCTION = {
+    "config",
+    "estimator",
+    "_memory",
+    "_threshold_bytes",
+    "_kv_bytes_per_token",
+    "_act_bytes_per_token",
+    "_dynamic_bytes",
+}
 
 
 def _planner(policy: str) -> Planner:
     # Tight SLOs and short aging so deferral, aged release and the request
     # window all come into play; K = 3 so SEPARATE syncs.
-    return make_planner(policy, num_nodes=NUM_NODES, slo_ttft_s=0.15, slo_tbt_s=0.04,
-                        max_defer_s=1.5, defer_recheck_s=0.4, request_rate_window_s=3.0,
-                        sync_every_tasks=3, train_rate=0.34, aged_release_rps_per_node=0.5,
-                        dynamic_full_rate_rps=4.0)
+    return make_planner(
+        policy,
+        num_nodes=NUM_NODES,
+        slo_ttft_s=0.15,
+        slo_tbt_s=0.04,
+        max_defer_s=1.5,
+        defer_recheck_s=0.4,
+        request_rate_window_s=3.0,
+        sync_every_tasks=3,
+        train_rate=0.34,
+        aged_release_rps_per_node=0.5,
+        dynamic_full_rate_rps=4.0,
+    )
 
 
 def _plain(value: Any) -> Any:
     """A comparable picture of `value`: dataclasses by field (caches left out)."""
     if is_dataclass(value) and not isinstance(value, type):
-        return (type(value).__name__,
-                {f.name: _plain(getattr(value, f.name)) for f in fields(value)
-                 if f.name != "cached"})
+        return (
+            type(value).__name__,
+            {f.name: _plain(getattr(value, f.name)) for f in fields(value) if f.name != "cached"},
+        )
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple | deque):
@@ -99,10 +123,16 @@ class Workload:
         if rng.random() < 0.03:  # can never fit: rejected with a reason
             return make_training(task_id, self.now_s, 5_000, seq=self.seq)
         if rng.random() < 0.4:
-            return make_training(task_id, self.now_s, rng.randrange(20, 400),
-                                 batch_size=rng.choice((1, 2)), seq=self.seq)
-        return make_request(task_id, self.now_s, rng.randrange(10, 300), rng.randrange(1, 40),
-                            seq=self.seq)
+            return make_training(
+                task_id,
+                self.now_s,
+                rng.randrange(20, 400),
+                batch_size=rng.choice((1, 2)),
+                seq=self.seq,
+            )
+        return make_request(
+            task_id, self.now_s, rng.randrange(10, 300), rng.randrange(1, 40), seq=self.seq
+        )
 
     def steps(self, planner: Planner) -> Iterator[tuple[str, tuple[Any, ...]]]:
         """(method, args) forever; `note` must see each step's decisions."""
@@ -151,8 +181,9 @@ def _run(policy: str, seed: int) -> Iterator[tuple[int, Planner, Workload]]:
         workload.note(result)
 
 
-def _continue_both(original: Planner, restored: Planner, workload: Workload,
-                   num_steps: int) -> None:
+def _continue_both(
+    original: Planner, restored: Planner, workload: Workload, num_steps: int
+) -> None:
     """Feed both the same further inputs; every result must be identical."""
     for i, (method, args) in enumerate(workload.steps(original)):
         if i == num_steps:
@@ -170,8 +201,13 @@ def test_a_restored_planner_decides_exactly_like_the_original(policy: str, seed:
     for step, planner, workload in _run(policy, seed):
         restored = _restored(planner.snapshot(), policy)
         assert _state(restored) == _state(planner), f"state lost at step {step}"
-        twin_workload = Workload(seed=1000 + step, now_s=workload.now_s, seq=10_000 * step,
-                                 placed=list(workload.placed), down=set(workload.down))
+        twin_workload = Workload(
+            seed=1000 + step,
+            now_s=workload.now_s,
+            seq=10_000 * step,
+            placed=list(workload.placed),
+            down=set(workload.down),
+        )
         # An exact copy (not via the snapshot) goes on ahead; the checkpointed
         # planner itself continues the run to the next checkpoint.
         original = copy.deepcopy(planner)
@@ -212,17 +248,23 @@ def _moved_fields() -> dict[str, set[str]]:
         for seed in (1, 2):
             for _, planner, _ in _run(policy, seed):
                 moved.setdefault(policy, set()).update(
-                    name for name, value in _leaves(planner.snapshot())
-                    if value != fresh[name])
+                    name for name, value in _leaves(planner.snapshot()) if value != fresh[name]
+                )
     return moved
 
 
 def test_the_workload_moves_every_field() -> None:
     moved = _moved_fields()
-    everything = {name.replace(".0.", ".*.").replace(".1.", ".*.").replace(".2.", ".*.")
-                  for names in moved.values() for name in names}
-    wanted = {name.replace(".0.", ".*.") for name, _ in _leaves(_fresh_snapshot("lemix"))
-              if not _is_constant(name) and ".1." not in name and ".2." not in name}
+    everything = {
+        name.replace(".0.", ".*.").replace(".1.", ".*.").replace(".2.", ".*.")
+        for names in moved.values()
+        for name in names
+    }
+    wanted = {
+        name.replace(".0.", ".*.")
+        for name, _ in _leaves(_fresh_snapshot("lemix"))
+        if not _is_constant(name) and ".1." not in name and ".2." not in name
+    }
     assert wanted - everything == set(), "the workload never moves these fields"
 
 

@@ -28,10 +28,19 @@ from lemix.planner.trace import (
 approx = pytest.approx
 
 
-def view_with(forward_end_s: list[float], windows: list[TrainWindow] | None = None,
-              last_arrival_s: float = 0.0, node_id: int = 0) -> NodeView:
-    return NodeView(node_id, len(forward_end_s), forward_end_s=list(forward_end_s),
-                    windows=list(windows or []), last_arrival_s=last_arrival_s)
+def view_with(
+    forward_end_s: list[float],
+    windows: list[TrainWindow] | None = None,
+    last_arrival_s: float = 0.0,
+    node_id: int = 0,
+) -> NodeView:
+    return NodeView(
+        node_id,
+        len(forward_end_s),
+        forward_end_s=list(forward_end_s),
+        windows=list(windows or []),
+        last_arrival_s=last_arrival_s,
+    )
 
 
 # ------------------------------------------------------------------ (a) empty node
@@ -54,8 +63,9 @@ def test_empty_node_pfe_is_arrival_and_response_is_sum_of_forwards() -> None:
 
 
 def test_empty_single_stage_node_adds_no_idleness() -> None:
-    pred = compute_idleness(NodeView(0, 1), make_request("r", 2.0), 2.0,
-                            TaskCosts(forward_s=(0.25,)))
+    pred = compute_idleness(
+        NodeView(0, 1), make_request("r", 2.0), 2.0, TaskCosts(forward_s=(0.25,))
+    )
     assert pred.idleness_increase_s == 0.0
     assert pred.response_s == approx(0.25)
 
@@ -63,8 +73,12 @@ def test_empty_single_stage_node_adds_no_idleness() -> None:
 def test_empty_node_start_delay_and_late_planning_count_as_idleness_and_response() -> None:
     # Planned at now = 1.5 for a task that arrived at 1.0, and it must wait 0.5 s
     # for an iteration boundary: fb_0 = 2.0, fe = (2.1, 2.3).
-    pred = compute_idleness(NodeView(0, 2), make_request("r", 1.0), 1.5,
-                            TaskCosts(forward_s=(0.1, 0.2), start_delay_s=0.5))
+    pred = compute_idleness(
+        NodeView(0, 2),
+        make_request("r", 1.0),
+        1.5,
+        TaskCosts(forward_s=(0.1, 0.2), start_delay_s=0.5),
+    )
     assert pred.forward_begin_s == approx((2.0, 2.1))
     assert pred.forward_end_s == approx((2.1, 2.3))
     assert pred.idleness_increase_s == approx((2.0 - 1.0) + (2.1 - 1.0))
@@ -102,8 +116,9 @@ def test_immediate_dependency_on_own_previous_stage_opens_idleness() -> None:
 def test_far_dependency_moves_forward_behind_pending_backward() -> None:
     # A training task W (the last one placed): fe = (1.0, 1.5); its backward runs
     # stage 1 [1.5, 2.5] then stage 0 [2.5, 3.0].
-    window = TrainWindow("w", backward_begin_s=(2.5, 1.5), backward_end_s=(3.0, 2.5),
-                         backward_s=(0.5, 1.0))
+    window = TrainWindow(
+        "w", backward_begin_s=(2.5, 1.5), backward_end_s=(3.0, 2.5), backward_s=(0.5, 1.0)
+    )
     view = view_with([1.0, 1.5], [window])
     pred = compute_idleness(view, make_request("r", 1.0), 1.0, TaskCosts(forward_s=(0.2, 0.3)))
     # stage 0: fb = 1.0, fe = 1.2 ≤ bb_0 = 2.5 → fits before the backward; idle 0.
@@ -193,8 +208,7 @@ def test_training_task_appends_its_backward_chain_last_stage_first() -> None:
 
 
 def test_inference_task_has_no_window() -> None:
-    pred = compute_idleness(NodeView(0, 2), make_request("r"), 0.0,
-                            TaskCosts(forward_s=(0.1, 0.1)))
+    pred = compute_idleness(NodeView(0, 2), make_request("r"), 0.0, TaskCosts(forward_s=(0.1, 0.1)))
     assert pred.window is None
 
 
@@ -233,9 +247,12 @@ def test_decode_load_after_the_gap_does_not_reduce_idleness() -> None:
 
 def _loaded_view() -> NodeView:
     view = NodeView(1, 2)
-    view.commit(make_training("t0", 0.0, 100),
-                compute_idleness(view, make_training("t0", 0.0, 100), 0.0,
-                                 TaskCosts((0.1, 0.1), (0.2, 0.2))))
+    view.commit(
+        make_training("t0", 0.0, 100),
+        compute_idleness(
+            view, make_training("t0", 0.0, 100), 0.0, TaskCosts((0.1, 0.1), (0.2, 0.2))
+        ),
+    )
     req = make_request("r0", 0.05, 50, 20)
     view.commit(req, compute_idleness(view, req, 0.05, TaskCosts((0.05, 0.05))))
     return view
@@ -245,8 +262,9 @@ def test_compute_idleness_does_not_mutate_the_view() -> None:
     view = _loaded_view()
     before = copy.deepcopy(view)
     task = make_training("t1", 0.1, 300)
-    compute_idleness(view, task, 0.1, TaskCosts((0.3, 0.3), (0.6, 0.6)),
-                     DecodeLoad((0.5, 0.5), 10.0))
+    compute_idleness(
+        view, task, 0.1, TaskCosts((0.3, 0.3), (0.6, 0.6)), DecodeLoad((0.5, 0.5), 10.0)
+    )
     assert view == before
 
 
@@ -343,8 +361,11 @@ def test_welford_mean_and_std_match_statistics() -> None:
     lengths = [100, 200, 400, 50, 333, 7]
     assert view.length_std == 0.0
     for i, length in enumerate(lengths):
-        task = (make_training(f"t{i}", float(i), length) if i % 2
-                else make_request(f"r{i}", float(i), length, 5))
+        task = (
+            make_training(f"t{i}", float(i), length)
+            if i % 2
+            else make_request(f"r{i}", float(i), length, 5)
+        )
         view.commit(task, compute_idleness(view, task, float(i), TaskCosts((0.1, 0.1))))
         assert view.num_lengths == i + 1
         assert view.length_mean == approx(statistics.mean(lengths[: i + 1]))
@@ -367,7 +388,10 @@ def test_request_aggregates_follow_commit_and_finish() -> None:
     view.finish("c")
     assert view.max_request_output_tokens == 10
     view.finish("a")
-    assert (view.sum_request_prompt_tokens, view.sum_request_output_tokens,
-            view.max_request_output_tokens) == (0, 0, 0)
+    assert (
+        view.sum_request_prompt_tokens,
+        view.sum_request_output_tokens,
+        view.max_request_output_tokens,
+    ) == (0, 0, 0)
     view.finish("unknown")  # finishing an unknown task is a no-op
     assert view.requests == {}

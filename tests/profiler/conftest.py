@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 from known_profile import NOISE_CV, StartExecutor, true_profile
 
-from lemix.redis_server import EmbeddedRedis
+from lemix.infra.store.server import EmbeddedRedis
 from services.executor.config import ExecutorConfig
 from services.executor.service import ExecutorService
 
@@ -28,9 +28,15 @@ async def start_executor(
     started: list[ExecutorService] = []
 
     async def start(noise_cv: float = NOISE_CV, seed: int = 7) -> ExecutorService:
-        config = ExecutorConfig(node_id=0, redis_url=redis_server.url, namespace=namespace,
-                                latency_noise_cv=noise_cv, seed=seed, heartbeat_s=0.2,
-                                shutdown_grace_s=0.1)
+        config = ExecutorConfig(
+            node_id=0,
+            redis_url=redis_server.url,
+            namespace=namespace,
+            latency_noise_cv=noise_cv,
+            seed=seed,
+            heartbeat_s=0.2,
+            shutdown_grace_s=0.1,
+        )
         service = ExecutorService(config, profile=true_profile())
         started.append(service)
         await service.start()

@@ -27,16 +27,23 @@ KV_BYTES_PER_TOKEN = 8
 ACTIVATION_BYTES_PER_TOKEN = 16
 
 # Small enough to be quick, large enough to identify every coefficient.
-GRID = ProfileGrid(batch_sizes=(1, 2, 4, 8), num_tokens=(64, 128, 256, 512, 1024),
-                   sum_context_tokens=(256, 1024, 4096, 16384, 65536))
+GRID = ProfileGrid(
+    batch_sizes=(1, 2, 4, 8),
+    num_tokens=(64, 128, 256, 512, 1024),
+    sum_context_tokens=(256, 1024, 4096, 16384, 65536),
+)
 
 
 def true_profile(name: str = "truth") -> Profile:
     """The profile the emulated executor is given (and profiling must recover)."""
-    base = make_profile(capacity_bytes=10**9, weight_bytes=STATIC_BYTES,
-                        kv_bytes_per_token=KV_BYTES_PER_TOKEN,
-                        activation_bytes_per_token=ACTIVATION_BYTES_PER_TOKEN,
-                        optimizer_step_s=(0.03, 0.04), name=name)
+    base = make_profile(
+        capacity_bytes=10**9,
+        weight_bytes=STATIC_BYTES,
+        kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+        activation_bytes_per_token=ACTIVATION_BYTES_PER_TOKEN,
+        optimizer_step_s=(0.03, 0.04),
+        name=name,
+    )
     return dataclasses.replace(base, ours=TRUE_OURS)
 
 

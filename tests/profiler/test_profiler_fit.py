@@ -16,8 +16,8 @@ from known_profile import (
 )
 
 from lemix.latency import DecodePoint, PhasePoint
-from lemix.metrics import format_table
 from lemix.profile import Profile
+from lemix.report.metrics import format_table
 from profiler.fit import (
     FIT_TABLE_COLUMNS,
     FitConfig,
@@ -38,11 +38,15 @@ def exact_measurements(stage: int, *, with_memory: bool = True) -> StageMeasurem
         backward=tuple(PhasePoint(c, n, TRUE_OURS.backward_s(stage, c, n)) for c, n in phase),
         decode=tuple(DecodePoint(c, s, TRUE_OURS.decode_step_s(stage, c, s)) for c, s in decode),
         training_memory=tuple(
-            MemoryPoint(c * n, STATIC_BYTES + ACTIVATION_BYTES_PER_TOKEN * c * n)
-            for c, n in phase) if with_memory else (),
+            MemoryPoint(c * n, STATIC_BYTES + ACTIVATION_BYTES_PER_TOKEN * c * n) for c, n in phase
+        )
+        if with_memory
+        else (),
         decode_memory=tuple(
-            MemoryPoint(s, STATIC_BYTES + KV_BYTES_PER_TOKEN * s)
-            for _, s in decode) if with_memory else (),
+            MemoryPoint(s, STATIC_BYTES + KV_BYTES_PER_TOKEN * s) for _, s in decode
+        )
+        if with_memory
+        else (),
     )
 
 
@@ -51,11 +55,14 @@ def test_noise_free_points_recover_every_coefficient() -> None:
     result = fit_profile([exact_measurements(0), exact_measurements(1)], base, "fitted")
     ours = result.profile.ours
     for stage in range(2):
-        for fitted, true in ((ours.forward[stage], TRUE_OURS.forward[stage]),
-                             (ours.backward[stage], TRUE_OURS.backward[stage]),
-                             (ours.decode[stage], TRUE_OURS.decode[stage])):
-            for got, want in zip(dataclasses.astuple(fitted), dataclasses.astuple(true),
-                                 strict=True):
+        for fitted, true in (
+            (ours.forward[stage], TRUE_OURS.forward[stage]),
+            (ours.backward[stage], TRUE_OURS.backward[stage]),
+            (ours.decode[stage], TRUE_OURS.decode[stage]),
+        ):
+            for got, want in zip(
+                dataclasses.astuple(fitted), dataclasses.astuple(true), strict=True
+            ):
                 assert got == pytest.approx(want, rel=1e-6)
     quality = result.profile.fit_quality
     assert quality["holdout_fraction"] == 0.25 and quality["seed"] == 0
@@ -73,8 +80,13 @@ def test_noise_free_points_recover_every_coefficient() -> None:
 
 def test_memory_transfer_and_optimizer_come_from_the_base_profile() -> None:
     base = true_profile(name="the-executors-own")
-    result = fit_profile([exact_measurements(0), exact_measurements(1)], base, "fitted",
-                         provenance="by hand", hardware={"executor_address": "h:1"})
+    result = fit_profile(
+        [exact_measurements(0), exact_measurements(1)],
+        base,
+        "fitted",
+        provenance="by hand",
+        hardware={"executor_address": "h:1"},
+    )
     profile = result.profile
     assert profile.name == "fitted" and profile.num_stages == 2
     assert profile.memory == base.memory
@@ -88,9 +100,11 @@ def test_memory_transfer_and_optimizer_come_from_the_base_profile() -> None:
 
 def test_peak_memory_lines_are_checked_against_the_base() -> None:
     measured = measure_memory(exact_measurements(0))
-    assert (measured.static_bytes, measured.activation_bytes_per_token,
-            measured.kv_bytes_per_token) == (STATIC_BYTES, ACTIVATION_BYTES_PER_TOKEN,
-                                             KV_BYTES_PER_TOKEN)
+    assert (
+        measured.static_bytes,
+        measured.activation_bytes_per_token,
+        measured.kv_bytes_per_token,
+    ) == (STATIC_BYTES, ACTIVATION_BYTES_PER_TOKEN, KV_BYTES_PER_TOKEN)
     base = true_profile()
     report = fit_profile([exact_measurements(0), exact_measurements(1)], base, "x").report
     assert [s["is_consistent"] for s in report["memory_check"]] == [True, True]
@@ -98,8 +112,9 @@ def test_peak_memory_lines_are_checked_against_the_base() -> None:
     json.dumps(report)  # JSON-ready
 
     # A base profile for another model: kept as is, but flagged.
-    other = dataclasses.replace(base, memory=dataclasses.replace(
-        base.memory, kv_bytes_per_token=(4, 4)))
+    other = dataclasses.replace(
+        base, memory=dataclasses.replace(base.memory, kv_bytes_per_token=(4, 4))
+    )
     result = fit_profile([exact_measurements(0), exact_measurements(1)], other, "x")
     assert result.profile.memory.kv_bytes_per_token == (4, 4)
     check = result.report["memory_check"][0]
@@ -127,11 +142,12 @@ def test_fit_errors_name_the_problem() -> None:
 
 
 def test_fit_table_has_one_row_per_stage_and_phase() -> None:
-    profile = fit_profile([exact_measurements(0), exact_measurements(1)], true_profile(),
-                          "x").profile
+    profile = fit_profile(
+        [exact_measurements(0), exact_measurements(1)], true_profile(), "x"
+    ).profile
     rows = fit_quality_rows(profile)
     assert [(r["stage"], r["phase"]) for r in rows] == [
-        (s, p) for s in range(2) for p in ("forward", "backward", "decode")]
+        (s, p) for s in range(2) for p in ("forward", "backward", "decode")
+    ]
     table = format_table(rows, FIT_TABLE_COLUMNS)
     assert "paper R²" in table and "ours MAPE %" in table and "15/5" in table
-

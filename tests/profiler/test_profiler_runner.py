@@ -8,8 +8,8 @@ import socket
 import pytest
 from known_profile import GRID, NOISE_CV, TRUE_OURS, StartExecutor, true_profile
 
+from lemix.infra.rpc.errors import InvalidArgument, Unavailable
 from lemix.profile import Profile
-from lemix.rpc.errors import InvalidArgument, Unavailable
 from profiler.runner import ProfileGrid, profile_executor, run_profile
 from services.executor.service import ExecutorService
 
@@ -23,12 +23,15 @@ def relative_errors(fitted: Profile) -> dict[str, list[float]]:
     for stage in range(2):
         for c, n in GRID.phase_points():
             errors["forward"].append(
-                abs(ours.forward_s(stage, c, n) / TRUE_OURS.forward_s(stage, c, n) - 1))
+                abs(ours.forward_s(stage, c, n) / TRUE_OURS.forward_s(stage, c, n) - 1)
+            )
             errors["backward"].append(
-                abs(ours.backward_s(stage, c, n) / TRUE_OURS.backward_s(stage, c, n) - 1))
+                abs(ours.backward_s(stage, c, n) / TRUE_OURS.backward_s(stage, c, n) - 1)
+            )
         for c, s in GRID.decode_points():
             errors["decode"].append(
-                abs(ours.decode_step_s(stage, c, s) / TRUE_OURS.decode_step_s(stage, c, s) - 1))
+                abs(ours.decode_step_s(stage, c, s) / TRUE_OURS.decode_step_s(stage, c, s) - 1)
+            )
     return errors
 
 
@@ -49,7 +52,10 @@ async def test_profiling_a_noisy_executor_recovers_its_profile(executor: Executo
             assert paper["r2"] < ours["r2"] and paper["mape"] > 5 * ours["mape"]
     # Memory, transfer and optimizer come from the base; the peaks agree with it.
     assert (fitted.memory, fitted.transfer, fitted.optimizer_step_s) == (
-        base.memory, base.transfer, base.optimizer_step_s)
+        base.memory,
+        base.transfer,
+        base.optimizer_step_s,
+    )
     assert [s["is_consistent"] for s in run.report["memory_check"]] == [True, True]
     assert run.report["num_measure_calls"] == 2 * (2 * 20 + 20)
     assert run.report["num_repeats"] == NUM_REPEATS
@@ -81,8 +87,7 @@ async def test_bad_grids_and_settings_are_invalid_arguments(executor: ExecutorSe
     with pytest.raises(InvalidArgument, match="name"):
         await run_profile(executor.address, GRID, 1, base, "")
     three_stages = true_profile()
-    three_stages = type(three_stages).from_json_dict(
-        _with_stages(three_stages.to_json_dict(), 3))
+    three_stages = type(three_stages).from_json_dict(_with_stages(three_stages.to_json_dict(), 3))
     with pytest.raises(InvalidArgument, match="2 stage.*has 3"):
         await run_profile(executor.address, GRID, 1, three_stages, "x")
 
@@ -97,6 +102,7 @@ async def test_an_unreachable_executor_is_unavailable() -> None:
 
 def _with_stages(data: dict, num_stages: int) -> dict:
     """A profile JSON with every per-stage list cycled out to `num_stages` entries."""
+
     def grow(values: list) -> list:
         return [values[i % len(values)] for i in range(num_stages)]
 

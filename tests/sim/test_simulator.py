@@ -21,8 +21,9 @@ from lemix.engine import Outcome, StageStart
 from lemix.memory import MemoryConfig
 from lemix.planner.registry import POLICIES
 from lemix.profile import Profile
-from lemix.sim.run import SimRunConfig, build_simulator, compute_slo, run_simulation
+from lemix.sim.run import SimRunConfig, build_simulator, run_simulation
 from lemix.sim.simulator import SimResult, Simulator
+from lemix.slo import compute_slo
 from lemix.types import Task, TaskKind, TaskStatus
 
 ENDED = {TaskStatus.COMPLETED, TaskStatus.REJECTED, TaskStatus.FAILED}
@@ -133,8 +134,9 @@ def test_deferred_training_is_placed_when_its_aging_deadline_fires() -> None:
     not placed then it is never placed.
     """
     tasks = [make_request("r", 0.4, 10, 6), make_training("t", 0.8, 1000)]
-    cfg = config("lemix", num_nodes=1, seed=0, max_defer_s=2.0, latency_noise_cv=0.0,
-                 drain_limit_s=60.0)
+    cfg = config(
+        "lemix", num_nodes=1, seed=0, max_defer_s=2.0, latency_noise_cv=0.0, drain_limit_s=60.0
+    )
     _, result = run(cfg, make_profile(), tasks)
     by_id = {r.task_id: r for r in result.records}
     assert result.num_deferrals == 1
@@ -193,8 +195,9 @@ class CheckingSimulator(Simulator):
         self.intervals: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
         self.num_memory_checks = 0
 
-    def _after_engine(self, node_id: int, starts: list[StageStart], outcomes: list[Outcome],
-                      now_s: float) -> None:
+    def _after_engine(
+        self, node_id: int, starts: list[StageStart], outcomes: list[Outcome], now_s: float
+    ) -> None:
         for start in starts:
             self.intervals[(node_id, start.stage)].append((now_s, now_s + start.duration_s))
         self._check_memory()
@@ -206,16 +209,26 @@ class CheckingSimulator(Simulator):
             memory = engine.memory
             for stage in range(engine.num_stages):
                 assert memory.used_bytes(stage) <= memory.threshold_bytes, (
-                    engine.node_id, stage, memory.used_bytes(stage))
+                    engine.node_id,
+                    stage,
+                    memory.used_bytes(stage),
+                )
             assert memory.host_used_bytes <= engine.profile.memory.host_capacity_bytes
 
 
-def run_checked(cfg: SimRunConfig, profile: Profile,
-                tasks: Sequence[Task]) -> tuple[CheckingSimulator, SimResult]:
+def run_checked(
+    cfg: SimRunConfig, profile: Profile, tasks: Sequence[Task]
+) -> tuple[CheckingSimulator, SimResult]:
     slo = compute_slo(profile, tasks, cfg.slo)
     base = build_simulator(cfg, profile, tasks, slo)
-    sim = CheckingSimulator(base.planner, base.engines, tasks, profile,
-                            drain_limit_s=cfg.drain_limit_s, measure_decision_latency=False)
+    sim = CheckingSimulator(
+        base.planner,
+        base.engines,
+        tasks,
+        profile,
+        drain_limit_s=cfg.drain_limit_s,
+        measure_decision_latency=False,
+    )
     return sim, sim.run()
 
 
@@ -246,8 +259,9 @@ def test_checking_simulator_sees_offloads_under_pressure() -> None:
     tasks = mixed_workload()
     # Many training tasks admitted at once create the pressure (the default
     # cap of one per stage keeps a training backlog out of memory).
-    sim, result = run_checked(config("mix-rr", max_training_in_flight=8),
-                              make_tiny_memory_profile(), tasks)
+    sim, result = run_checked(
+        config("mix-rr", max_training_in_flight=8), make_tiny_memory_profile(), tasks
+    )
     assert_invariants(sim, result, tasks)
     assert sim.num_memory_checks > 0
     assert result.num_offloads > 0  # the workload really exercises memory pressure
@@ -287,20 +301,28 @@ def build_tasks(specs: list[tuple[float, bool, int, int, int]]) -> list[Task]:
     seed=st.integers(min_value=0, max_value=10_000),
     is_offload_enabled=st.booleans(),
 )
-def test_random_workloads_keep_the_invariants(specs: list, policy: str, is_tiny: bool,
-                                              num_nodes: int, seed: int,
-                                              is_offload_enabled: bool) -> None:
+def test_random_workloads_keep_the_invariants(
+    specs: list, policy: str, is_tiny: bool, num_nodes: int, seed: int, is_offload_enabled: bool
+) -> None:
     tasks = build_tasks(specs)
     profile = make_tiny_memory_profile() if is_tiny else make_profile()
-    cfg = config(policy, num_nodes=num_nodes, seed=seed, drain_limit_s=300.0,
-                 memory=MemoryConfig(max_wait_s=0.3, is_offload_enabled=is_offload_enabled))
+    cfg = config(
+        policy,
+        num_nodes=num_nodes,
+        seed=seed,
+        drain_limit_s=300.0,
+        memory=MemoryConfig(max_wait_s=0.3, is_offload_enabled=is_offload_enabled),
+    )
     sim, result = run_checked(cfg, profile, tasks)
     assert_invariants(sim, result, tasks)
 
 
 @settings(max_examples=25, deadline=None)
-@given(specs=task_specs, policy=st.sampled_from(sorted(POLICIES)),
-       seed=st.integers(min_value=0, max_value=10_000))
+@given(
+    specs=task_specs,
+    policy=st.sampled_from(sorted(POLICIES)),
+    seed=st.integers(min_value=0, max_value=10_000),
+)
 def test_random_workloads_are_deterministic(specs: list, policy: str, seed: int) -> None:
     tasks = build_tasks(specs)
     profile = make_tiny_memory_profile()

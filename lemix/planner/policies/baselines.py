@@ -32,8 +32,13 @@ class MixRoundRobinPolicy:
     needs_prediction: bool = False
     _counter: int = 0
 
-    def rank(self, task: Task, views: Sequence[NodeView], predictions: Mapping[int, Prediction],
-             context: PolicyContext) -> list[Ranked]:
+    def rank(
+        self,
+        task: Task,
+        views: Sequence[NodeView],
+        predictions: Mapping[int, Prediction],
+        context: PolicyContext,
+    ) -> list[Ranked]:
         ranked = _rotate([v.node_id for v in views], self._counter)
         self._counter += 1
         return ranked
@@ -60,11 +65,17 @@ class MixLeastUtilizedPolicy:
     name: str = "mix-luf"
     needs_prediction: bool = False
 
-    def rank(self, task: Task, views: Sequence[NodeView], predictions: Mapping[int, Prediction],
-             context: PolicyContext) -> list[Ranked]:
+    def rank(
+        self,
+        task: Task,
+        views: Sequence[NodeView],
+        predictions: Mapping[int, Prediction],
+        context: PolicyContext,
+    ) -> list[Ranked]:
         used = context.memory_used_fraction
-        order = sorted(views,
-                       key=lambda v: (used.get(v.node_id, 0.0), v.num_outstanding, v.node_id))
+        order = sorted(
+            views, key=lambda v: (used.get(v.node_id, 0.0), v.num_outstanding, v.node_id)
+        )
         return [Ranked(v.node_id, -used.get(v.node_id, 0.0)) for v in order]
 
     def serving_nodes(self, num_nodes: int, context: PolicyContext) -> tuple[int, ...]:
@@ -111,8 +122,13 @@ class SeparatePolicy:
             return (0,)
         return tuple(range(num_serving, num_nodes))
 
-    def rank(self, task: Task, views: Sequence[NodeView], predictions: Mapping[int, Prediction],
-             context: PolicyContext) -> list[Ranked]:
+    def rank(
+        self,
+        task: Task,
+        views: Sequence[NodeView],
+        predictions: Mapping[int, Prediction],
+        context: PolicyContext,
+    ) -> list[Ranked]:
         num_nodes = len(views)
         if task.is_training:
             group, key = self.training_nodes(num_nodes, context), "train"

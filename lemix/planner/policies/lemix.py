@@ -36,17 +36,27 @@ class LemixPolicy:
 
     def _score(self, task: Task, view: NodeView, pred: Prediction, context: PolicyContext) -> float:
         config = context.config
-        ip = idleness_profit(pred.idleness_increase_s, view.num_stages, pred.arrival_gap_s,
-                             config.tau_idle_s)
+        ip = idleness_profit(
+            pred.idleness_increase_s, view.num_stages, pred.arrival_gap_s, config.tau_idle_s
+        )
         lam_length = self.lambda_length if self.is_length_consistency_enabled else 0.0
         length = float(task.num_prompt_tokens)
         if self.form == "paper":
             lc = length_consistency(length, view.length_mean, view.length_std)
             return paper_score(ip, lc, pred.response_s, self.lambda_response, lam_length)
         lc_norm = length_consistency_normalized(length, view.length_mean, view.length_std)
-        return normalized_score(ip, lc_norm, pred.response_s, config.tau_idle_s,
-                                config.slo_ttft_s, self.lambda_response, lam_length,
-                                pred.time_between_tokens_s, config.slo_tbt_s, self.lambda_tbt)
+        return normalized_score(
+            ip,
+            lc_norm,
+            pred.response_s,
+            config.tau_idle_s,
+            config.slo_ttft_s,
+            self.lambda_response,
+            lam_length,
+            pred.time_between_tokens_s,
+            config.slo_tbt_s,
+            self.lambda_tbt,
+        )
 
     def rank(
         self,
@@ -56,8 +66,11 @@ class LemixPolicy:
         context: PolicyContext,
     ) -> list[Ranked]:
         ranked = [
-            Ranked(view.node_id, self._score(task, view, predictions[view.node_id], context),
-                   predictions[view.node_id])
+            Ranked(
+                view.node_id,
+                self._score(task, view, predictions[view.node_id], context),
+                predictions[view.node_id],
+            )
             for view in views
             if view.node_id in predictions
         ]

@@ -93,7 +93,7 @@ class GatewayServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetTask(self, request, context):
-        """One task's state by id (services/PROTOCOL.md, "Task states"). Errors:
+        """One task's state by id (docs/protocol.md, "Task states"). Errors:
         INVALID_ARGUMENT (empty or malformed id), NOT_FOUND (an id this stack
         never acknowledged, or one whose record expired), UNAVAILABLE (Redis).
         """

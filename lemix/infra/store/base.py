@@ -1,0 +1,115 @@
+"""What every part of `Store` stands on: the client, the keys, the registered
+scripts, and the helpers that shape commands and read replies.
+
+Each concern (intake, task state, fencing, outputs, events, node heartbeats
+and stack-wide values) is a mixin on `StoreBase` in its own module;
+`store.Store` puts them together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from lemix.infra.store import scripts
+from lemix.infra.store.codec import Entry, Fields, FieldValue, encode_fields
+from lemix.infra.store.keys import DEDUPE_TTL_S, OUTPUT_MAXLEN, RedisKeys
+from lemix.infra.store.task_hash import final_fields
+
+
+class StoreBase:
+    """The state `Store`'s mixins share, over a ``decode_responses=True`` client.
+
+    `output_maxlen` approximately caps each output stream; `dedupe_ttl_s` is how
+    long a submitted task id is remembered by `submit_task`.
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: RedisKeys | None = None,
+        *,
+        output_maxlen: int = OUTPUT_MAXLEN,
+        dedupe_ttl_s: float = DEDUPE_TTL_S,
+    ) -> None:
+        if output_maxlen <= 0:
+            raise ValueError(f"output_maxlen must be > 0, got {output_maxlen}")
+        if not client.connection_pool.connection_kwargs.get("decode_responses"):
+            raise ValueError("Store needs a client created with decode_responses=True")
+        self.client = client
+        self.keys = keys if keys is not None else RedisKeys()
+        self.output_maxlen = output_maxlen
+        self._dedupe_ttl_ms = to_ms(dedupe_ttl_s, "dedupe_ttl_s")
+        self._submit = client.register_script(scripts.SUBMIT_LUA)
+        self._set_state = client.register_script(scripts.SET_STATE_LUA)
+        self._finish = client.register_script(scripts.FINISH_LUA)
+        self._append_fenced = client.register_script(scripts.APPEND_FENCED_LUA)
+        self._finish_fenced = client.register_script(scripts.FINISH_FENCED_LUA)
+        self._fence = client.register_script(scripts.FENCE_LUA)
+
+
+# ------------------------------------------------------ commands and replies
+
+
+def to_ms(seconds: float, what: str) -> int:
+    """A positive duration in whole milliseconds (at least 1), for PX/PEXPIRE."""
+    if seconds <= 0:
+        raise ValueError(f"{what} must be > 0 seconds, got {seconds}")
+    return max(1, round(seconds * 1000))
+
+
+def flatten(fields: Fields) -> list[str]:
+    """{name: value} as [name, value, ...]: a script's field/value ARGV items."""
+    return [item for pair in fields.items() for item in pair]
+
+
+def as_fields(raw: Any) -> Fields:
+    """A decoded reply mapping (None for a deleted stream entry) as str -> str."""
+    return {str(name): str(value) for name, value in (raw or {}).items()}
+
+
+def named_fields(names: Sequence[str], values: Sequence[Any]) -> Fields:
+    """An HMGET reply as {name: value} for the fields that are set."""
+    return {
+        name: str(value) for name, value in zip(names, values, strict=True) if value is not None
+    }
+
+
+def glob_escape(text: str) -> str:
+    """`text` matched literally in a SCAN/KEYS pattern."""
+    return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
+
+
+def stream_entries(response: Any) -> list[Entry]:
+    """Entries of a single-stream XREAD/XREADGROUP reply (RESP2 list or RESP3 dict)."""
+    if not response:
+        return []
+    streams = response.values() if isinstance(response, dict) else (s[1] for s in response)
+    entries: list[Entry] = []
+    for stream in streams:
+        # RESP3 XREADGROUP nests the entries one level deeper.
+        items = stream[0] if stream and isinstance(stream[0], list) else stream
+        entries.extend((str(entry_id), as_fields(fields)) for entry_id, fields in items)
+    return entries
+
+
+def range_entries(entries: Any) -> list[Entry]:
+    """Entries of an XRANGE reply, oldest first."""
+    return [(str(entry_id), as_fields(fields)) for entry_id, fields in entries or []]
+
+
+def end_items(
+    status: str,
+    reason: str,
+    state_fields: Mapping[str, FieldValue] | None,
+    output_fields: Mapping[str, FieldValue] | None,
+) -> tuple[list[str], list[str]]:
+    """A task's end as script items: (its state hash's, its ``end`` message's).
+    Both carry `final_fields`, which win over a same-named extra field."""
+    final = final_fields(status, reason)
+    return (
+        flatten({**encode_fields(state_fields or {}), **final}),
+        flatten({**encode_fields(output_fields or {}), **final}),
+    )

@@ -1,0 +1,98 @@
+"""The scheduler's streams: its event log and the completions executors report.
+
+The event log holds every planner input and decision (replay, parity, restart).
+The scheduler records a snapshot of its planner into it every so many events
+(services/scheduler/recovery.py); once one is stored, everything before it is
+trimmed (`trim_events_before`), so the log and restarts stay bounded.
+
+Completions (`messages.completion_fields`) have one reader, the scheduler: it
+stores a cursor and trims what it applied (`advance_completions_cursor`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lemix.infra.store.base import StoreBase, range_entries
+from lemix.infra.store.codec import Entry, FieldValue, encode_fields
+
+
+class EventOps(StoreBase):
+    """Append and read the event log; append and consume completions."""
+
+    async def append_event(self, fields: Mapping[str, FieldValue]) -> str:
+        """Append to the scheduler's event log (kept whole for replay/parity)."""
+        entry_id = await self.client.xadd(
+            self.keys.events_stream,
+            encode_fields(fields),  # type: ignore[arg-type]
+        )
+        return str(entry_id)
+
+    async def append_events(self, events: Sequence[Mapping[str, FieldValue]]) -> list[str]:
+        """Append many events in order in one pipelined round trip."""
+        if not events:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for fields in events:
+            pipe.xadd(self.keys.events_stream, encode_fields(fields))  # type: ignore[arg-type]
+        return [str(entry_id) for entry_id in await pipe.execute()]
+
+    async def read_events(
+        self, start: str = "-", end: str = "+", count: int | None = None
+    ) -> list[Entry]:
+        """Event log entries from `start` to `end` inclusive (XRANGE), oldest first."""
+        return range_entries(
+            await self.client.xrange(self.keys.events_stream, start, end, count=count)
+        )
+
+    async def trim_events_before(self, entry_id: str) -> int:
+        """Delete the event log entries older than `entry_id` (XTRIM MINID,
+        exact; `entry_id` itself stays). Returns how many were deleted."""
+        return int(
+            await self.client.xtrim(self.keys.events_stream, minid=entry_id, approximate=False)
+        )
+
+    async def events_length(self) -> int:
+        """Entries in the event log (XLEN)."""
+        return int(await self.client.xlen(self.keys.events_stream))
+
+    async def append_completion(self, fields: Mapping[str, FieldValue]) -> str:
+        """An executor reports a task's end (`messages.completion_fields`)."""
+        entry_id = await self.client.xadd(
+            self.keys.completions_stream,
+            encode_fields(fields),  # type: ignore[arg-type]
+        )
+        return str(entry_id)
+
+    async def read_completions(
+        self, last_id: str, block_ms: int | None = None, count: int = 500
+    ) -> list[Entry]:
+        """Completions after `last_id` (XREAD; one reader, the scheduler)."""
+        reply = await self.client.xread(
+            {self.keys.completions_stream: last_id}, count=count, block=block_ms
+        )
+        streams: list[Any] = list(reply or [])  # type: ignore[arg-type]
+        entries: list[Entry] = []
+        for _stream, items in streams:
+            entries.extend((str(i), dict(f)) for i, f in items)
+        return entries
+
+    async def set_completions_cursor(self, entry_id: str) -> None:
+        """Store the last completions entry the scheduler applied."""
+        await self.client.set(self.keys.completions_cursor, entry_id)
+
+    async def get_completions_cursor(self) -> str:
+        """The stored completions cursor; "0-0" (from the start) when none."""
+        value = await self.client.get(self.keys.completions_cursor)
+        return str(value) if value else "0-0"
+
+    async def advance_completions_cursor(self, entry_id: str) -> None:
+        """Store the completions cursor and drop the entries before it, in one
+        MULTI/EXEC: the scheduler is the stream's one reader, and what it has
+        applied is in its event log (XTRIM MINID keeps `entry_id` itself)."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.set(self.keys.completions_cursor, entry_id)
+            # Exact: "~" trims whole macro nodes only, i.e. nothing on a short stream.
+            pipe.xtrim(self.keys.completions_stream, minid=entry_id, approximate=False)
+            await pipe.execute()

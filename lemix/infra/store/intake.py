@@ -1,0 +1,247 @@
+"""The intake stream: Submit's durable, idempotent queue of new tasks, and the
+scheduler's consumer group on it (claim, then ack).
+
+`submit_task` is idempotent by task id: a dedupe key is set in the same Lua
+script as the XADD (`scripts.SUBMIT_LUA`), and a Submit that reuses an id for
+another request is refused (`TaskIdConflict`). `accept_task` records a task
+and acks its entry in one MULTI/EXEC; acked entries are deleted, so the
+stream stays bounded (the scheduler's event log is the record for replay).
+Cancel-before-placement markers live here too: the intake loop checks them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+
+import grpc
+from redis.exceptions import ResponseError
+
+from lemix.infra.rpc.errors import ServiceError
+from lemix.infra.store.base import StoreBase, as_fields, flatten, range_entries, stream_entries
+from lemix.infra.store.codec import Entry, FieldValue, encode_fields
+from lemix.infra.store.task_hash import IS_FINAL_FIELD, SUBMIT_T_FIELD, TASK_ID_FIELD
+
+# Task fields that differ between two Submits of one request (stamped by the
+# submitter or on intake), so they are not part of its hash: the scheduler's
+# submit wall time, arrival time and arrival order.
+UNHASHED_TASK_FIELDS = frozenset({SUBMIT_T_FIELD, "arrival_s", "seq"})
+
+
+def request_hash(fields: Mapping[str, str]) -> str:
+    """Hex SHA-256 of a task's encoded fields, less `UNHASHED_TASK_FIELDS`:
+    what makes two Submits of one task id the same request."""
+    digest = hashlib.sha256()
+    for name in sorted(fields):
+        if name not in UNHASHED_TASK_FIELDS:
+            # Length-prefixed, so no choice of values can make two field sets
+            # serialize alike.
+            for part in (name, fields[name]):
+                data = part.encode("utf-8")
+                digest.update(len(data).to_bytes(8, "big") + data)
+    return digest.hexdigest()
+
+
+class TaskIdConflict(ServiceError):
+    """A Submit reuses a task id (a client's `request_id`) for a different
+    request. Retrying cannot succeed: the client must pick a new id."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class IntakeOps(StoreBase):
+    """Submit's intake stream, the scheduler's group on it, and cancel markers."""
+
+    async def submit_task(self, task_fields: Mapping[str, FieldValue]) -> bool:
+        """Append a task to the intake stream unless its ``task_id`` was seen.
+
+        Returns True when added, False for a duplicate: the same id with the
+        same request (`request_hash` of the fields), nothing written. The same
+        id with a different request raises `TaskIdConflict` (ALREADY_EXISTS),
+        nothing written. The check and the XADD are one Lua script, so two
+        racing submits of one id add exactly one entry.
+        """
+        fields = encode_fields(task_fields)
+        task_id = fields.get(TASK_ID_FIELD, "")
+        if not task_id:
+            raise ValueError(f"task fields need a non-empty {TASK_ID_FIELD!r}")
+        outcome = int(
+            await self._submit(
+                keys=[self.keys.dedupe(task_id), self.keys.intake_stream],
+                args=[self._dedupe_ttl_ms, request_hash(fields), *flatten(fields)],
+            )
+        )
+        if outcome < 0:
+            raise TaskIdConflict(
+                f"request_id {task_id!r} was already used with a different request; use a new id"
+            )
+        return outcome > 0
+
+    async def ensure_group(self) -> None:
+        """Create the intake stream and its consumer group if missing.
+
+        The group starts at id 0, so tasks submitted before any scheduler ran
+        are delivered too.
+        """
+        try:
+            await self.client.xgroup_create(
+                self.keys.intake_stream, self.keys.intake_group, id="0", mkstream=True
+            )
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def read_intake(
+        self, consumer: str, count: int = 100, block_ms: int | None = None
+    ) -> list[Entry]:
+        """New intake entries for `consumer` (XREADGROUP ``>``).
+
+        ``block_ms=None`` returns at once; a positive value waits up to that long
+        for the first entry (``0`` waits forever). The client's socket timeout
+        must exceed `block_ms`. Entries stay pending for `consumer` until
+        `ack_intake`/`accept_task`; a missing group (e.g. Redis restarted
+        without AOF) is re-created.
+        """
+        for attempt in range(2):
+            try:
+                response = await self.client.xreadgroup(
+                    self.keys.intake_group,
+                    consumer,
+                    {self.keys.intake_stream: ">"},
+                    count=count,
+                    block=block_ms,
+                )
+                return stream_entries(response)
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc) or attempt:
+                    raise
+                await self.ensure_group()
+        return []  # unreachable; keeps mypy's return check simple
+
+    async def ack_intake(self, entry_ids: Sequence[str]) -> int:
+        """Ack and delete intake entries in one MULTI/EXEC; returns the number acked.
+
+        Deleting keeps the intake bounded; the scheduler's event log, not the
+        intake stream, is the record for replay.
+        """
+        if not entry_ids:
+            return 0
+        stream, group = self.keys.intake_stream, self.keys.intake_group
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.xack(stream, group, *entry_ids)
+            pipe.xdel(stream, *entry_ids)
+            num_acked, _ = await pipe.execute()
+        return int(num_acked)
+
+    async def accept_task(
+        self, entry_id: str, task_id: str, state_fields: Mapping[str, FieldValue]
+    ) -> None:
+        """Record a task's state and ack its intake entry in one MULTI/EXEC.
+
+        The claim-then-ack step of the scheduler: once this returns the task
+        lives in its state hash, and a crash before it re-delivers the entry.
+        """
+        stream, group = self.keys.intake_stream, self.keys.intake_group
+        fields = encode_fields(state_fields)
+        async with self.client.pipeline(transaction=True) as pipe:
+            if fields:
+                pipe.hset(self.keys.task(task_id), mapping=fields)  # type: ignore[arg-type]
+            pipe.xack(stream, group, entry_id)
+            pipe.xdel(stream, entry_id)
+            await pipe.execute()
+
+    async def claim_stale(self, consumer: str, min_idle_ms: int, count: int = 100) -> list[Entry]:
+        """Take over intake entries pending longer than `min_idle_ms` (XAUTOCLAIM).
+
+        For scheduler restarts: what a dead consumer read but never acked is
+        re-delivered to `consumer`. Walks the whole pending list, `count`
+        entries per call.
+        """
+        stream, group = self.keys.intake_stream, self.keys.intake_group
+        claimed: list[Entry] = []
+        start = "0-0"
+        try:
+            while True:
+                response = await self.client.xautoclaim(
+                    stream, group, consumer, min_idle_ms, start_id=start, count=count
+                )
+                start, entries = response[0], response[1]
+                # A pending entry deleted from the stream comes back as None on
+                # 6.2 (without its id; it stays pending) and is dropped from the
+                # PEL by Redis >= 7. This store only deletes acked entries.
+                claimed.extend(
+                    (str(entry_id), as_fields(fields))
+                    for entry_id, fields in entries
+                    if entry_id is not None and fields
+                )
+                if start == "0-0":
+                    return claimed
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            await self.ensure_group()
+            return claimed
+
+    async def pending_count(self) -> int:
+        """Intake entries delivered to some consumer and not yet acked."""
+        try:
+            summary = await self.client.xpending(self.keys.intake_stream, self.keys.intake_group)
+        except ResponseError as exc:
+            if "NOGROUP" in str(exc):
+                return 0
+            raise
+        return int(summary["pending"])
+
+    async def read_intake_entries(self, end: str = "+", count: int | None = None) -> list[Entry]:
+        """Intake entries from the oldest up to `end` (an entry id, or a
+        millisecond time) inclusive: tasks stored by Submit that no scheduler has
+        taken yet (taking one deletes it)."""
+        return range_entries(
+            await self.client.xrange(self.keys.intake_stream, "-", end, count=count)
+        )
+
+    async def intake_lookup(self, task_ids: Sequence[str]) -> list[tuple[bool, bool]]:
+        """Per task: (is it final already, was it cancelled before placement),
+        in one pipelined round trip (the scheduler's intake checks)."""
+        if not task_ids:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for task_id in task_ids:
+            pipe.hget(self.keys.task(task_id), IS_FINAL_FIELD)
+            pipe.exists(self.keys.cancelled(task_id))
+        replies = await pipe.execute()
+        return [(replies[2 * i] == "1", bool(replies[2 * i + 1])) for i in range(len(task_ids))]
+
+    async def intake_checks(self, task_ids: Sequence[str]) -> list[tuple[bool, bool, bool]]:
+        """Per task: (is it final already, was it cancelled before placement,
+        does a gateway hold a lease on its stream), in one pipelined round trip."""
+        if not task_ids:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for task_id in task_ids:
+            pipe.hget(self.keys.task(task_id), IS_FINAL_FIELD)
+            pipe.exists(self.keys.cancelled(task_id))
+            pipe.exists(self.keys.stream_lease(task_id))
+        replies = await pipe.execute()
+        return [
+            (replies[3 * i] == "1", bool(replies[3 * i + 1]), bool(replies[3 * i + 2]))
+            for i in range(len(task_ids))
+        ]
+
+    async def mark_cancelled(self, task_id: str, ttl_s: float = 3600.0) -> None:
+        """Mark the task cancelled before placement, for `ttl_s`: the intake
+        loop ends it instead of placing it."""
+        await self.client.set(self.keys.cancelled(task_id), "1", px=int(ttl_s * 1000))
+
+    async def is_cancelled(self, task_id: str) -> bool:
+        """Whether `mark_cancelled` marked the task (and the mark is live)."""
+        return bool(await self.client.exists(self.keys.cancelled(task_id)))
+
+    async def cancelled_many(self, task_ids: Sequence[str]) -> list[bool]:
+        """`is_cancelled` for many tasks in one pipelined round trip."""
+        if not task_ids:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for task_id in task_ids:
+            pipe.exists(self.keys.cancelled(task_id))
+        return [bool(n) for n in await pipe.execute()]

@@ -1,0 +1,119 @@
+"""Output streams (one per task: its token and ``end`` messages, `messages`)
+and the streaming gateways' leases on them.
+
+Hot paths take one round trip: `append_outputs_batch` pipelines a whole
+executor iteration's tokens (`FencingOps.append_outputs_fenced`, the
+executor's, does it in one script call). A gateway holds a lease
+(``ns:lease:<task_id>``, with TTL) on each stream it reads; the scheduler
+cancels a task whose lease lapsed (its gateway is gone).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from lemix.infra.store.base import StoreBase, stream_entries, to_ms
+from lemix.infra.store.codec import Entry, FieldValue, encode_fields
+from lemix.infra.store.keys import STREAM_LEASE_TTL_S
+
+
+class OutputOps(StoreBase):
+    """Append to, read and expire output streams; take and drop stream leases."""
+
+    async def append_output(self, task_id: str, fields: Mapping[str, FieldValue]) -> str:
+        """Append one message to the task's output stream; returns its entry id."""
+        entry_id = await self.client.xadd(
+            self.keys.output(task_id),
+            encode_fields(fields),  # type: ignore[arg-type]
+            maxlen=self.output_maxlen,
+            approximate=True,
+        )
+        return str(entry_id)
+
+    async def append_outputs_batch(
+        self, items: Sequence[tuple[str, Mapping[str, FieldValue]]]
+    ) -> list[str]:
+        """Append many messages (task_id, fields) in ONE pipelined round trip.
+
+        An executor emits one token per running request per iteration; this is
+        its per-iteration call. Not a transaction: each XADD is atomic alone,
+        and per-stream order follows `items`. Returns the entry ids in order.
+        """
+        if not items:
+            return []
+        async with self.client.pipeline(transaction=False) as pipe:
+            for task_id, fields in items:
+                pipe.xadd(
+                    self.keys.output(task_id),
+                    encode_fields(fields),  # type: ignore[arg-type]
+                    maxlen=self.output_maxlen,
+                    approximate=True,
+                )
+            entry_ids = await pipe.execute()
+        return [str(entry_id) for entry_id in entry_ids]
+
+    async def read_output(
+        self,
+        task_id: str,
+        last_id: str = "0-0",
+        block_ms: int | None = None,
+        count: int | None = None,
+    ) -> list[Entry]:
+        """Output messages after `last_id` (XREAD); the last one has ``is_final``.
+
+        ``block_ms=None`` returns at once; a positive value waits up to that long
+        (the client's socket timeout must exceed it). Pass the last entry id seen
+        to continue.
+        """
+        response = await self.client.xread(
+            {self.keys.output(task_id): last_id}, count=count, block=block_ms
+        )
+        return stream_entries(response)
+
+    async def expire_output(self, task_id: str, ttl_s: float) -> None:
+        """Drop the task's output stream `ttl_s` after now (readers are done)."""
+        await self.client.pexpire(self.keys.output(task_id), to_ms(ttl_s, "ttl_s"))
+
+    async def renew_stream_leases(
+        self, owner: str, task_ids: Sequence[str], ttl_s: float = STREAM_LEASE_TTL_S
+    ) -> None:
+        """(Re)take `owner`'s lease on every stream in `task_ids`, one round trip."""
+        if not task_ids:
+            return
+        ttl_ms = to_ms(ttl_s, "ttl_s")
+        pipe = self.client.pipeline(transaction=False)
+        for task_id in task_ids:
+            pipe.set(self.keys.stream_lease(task_id), owner, px=ttl_ms)
+        await pipe.execute()
+
+    async def sync_stream_leases(
+        self,
+        owner: str,
+        renew_ids: Sequence[str],
+        drop_ids: Sequence[str],
+        ttl_s: float = STREAM_LEASE_TTL_S,
+    ) -> None:
+        """(Re)take `owner`'s lease on `renew_ids` and delete the leases of
+        `drop_ids` (streams whose reader is done), one round trip."""
+        if not renew_ids and not drop_ids:
+            return
+        ttl_ms = to_ms(ttl_s, "ttl_s")
+        pipe = self.client.pipeline(transaction=False)
+        for task_id in renew_ids:
+            pipe.set(self.keys.stream_lease(task_id), owner, px=ttl_ms)
+        if drop_ids:
+            pipe.delete(*(self.keys.stream_lease(task_id) for task_id in drop_ids))
+        await pipe.execute()
+
+    async def drop_stream_lease(self, task_id: str) -> None:
+        """The reader is done with the stream (it ended or was cancelled)."""
+        await self.client.delete(self.keys.stream_lease(task_id))
+
+    async def stream_leases_held(self, task_ids: Sequence[str]) -> list[bool]:
+        """Per task: is a gateway's lease on its stream live? One round trip."""
+        if not task_ids:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for task_id in task_ids:
+            pipe.exists(self.keys.stream_lease(task_id))
+        return [bool(n) for n in await pipe.execute()]

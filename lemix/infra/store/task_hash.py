@@ -1,0 +1,61 @@
+"""A task's state hash (``ns:task:<task_id>``): the fields several services share.
+
+Who writes what (docs/protocol.md, "Task states"; `gateway.tasks` reads it):
+
+=====================  =========================================================
+writer                 fields
+=====================  =========================================================
+scheduler intake       the task (`services.scheduler.codec.task_to_fields`),
+                       ``status=queued``, `SUBMIT_T_FIELD`, ``queued_t``
+scheduler dispatch     ``status=placed``, `NODE_ID_FIELD`, ``placed_t``;
+                       `ATTEMPT_FIELD` before the Dispatch (fencing)
+scheduler, taken back  ``status=queued``, `NODE_ID_FIELD` "", ``requeued_t``
+executor sink / sched  `final_fields` (status, reason, ``is_final=1``),
+(`Store.finish_task`)  `FINISH_T_FIELD`, `NODE_ID_FIELD`,
+                       `NUM_OUTPUT_TOKENS_FIELD`, `WEIGHT_VERSION_FIELD`, losses
+=====================  =========================================================
+
+`StoredStatus` is the ``status`` field's vocabulary, also used by a task's
+``end`` output message and by completion entries (`messages`). A failed or
+rejected task's reason reads ``"<ReasonCode>: text"`` (`lemix.reasons.format_reason`,
+`reason_code`). The Lua scripts (`scripts`) spell ``is_final``, ``status`` and
+``attempt`` themselves.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+TASK_ID_FIELD = "task_id"
+STATUS_FIELD = "status"  # a `StoredStatus`
+REASON_FIELD = "reason"  # "" or "<ReasonCode>: text"
+IS_FINAL_FIELD = "is_final"  # "1" on a finished task's hash and its last output message
+# Fencing (docs/protocol.md, "Fencing"): the attempt number of the task's
+# current placement; an executor's write for an older attempt is dropped. A
+# hash without the field fences nothing.
+ATTEMPT_FIELD = "attempt"
+NODE_ID_FIELD = "node_id"  # the node it is placed on / ended on ("" when taken back)
+SUBMIT_T_FIELD = "submit_t"  # epoch s when Submit stored it
+FINISH_T_FIELD = "finish_t"  # epoch s when it ended
+NUM_OUTPUT_TOKENS_FIELD = "num_output_tokens"
+WEIGHT_VERSION_FIELD = "weight_version"  # training updates in the weights that served it
+
+
+class StoredStatus(StrEnum):
+    """The ``status`` of a task hash, of a task's ``end`` message and of a
+    completion entry. A StrEnum: members compare equal to the stored text."""
+
+    QUEUED = "queued"  # hash: waiting for a node (also once taken back from one)
+    PLACED = "placed"  # hash: an executor took it
+    REQUEUED = "requeued"  # completion only: training handed back, to be placed again
+    COMPLETED = "completed"  # final
+    FAILED = "failed"  # final, with a reason (``CANCELLED: ...`` when cancelled)
+    REJECTED = "rejected"  # final: refused before it ran, with a reason
+
+
+FINAL_STATUSES = frozenset({StoredStatus.COMPLETED, StoredStatus.FAILED, StoredStatus.REJECTED})
+
+
+def final_fields(status: str, reason: str) -> dict[str, str]:
+    """The fields that end a task, on its hash and on its ``end`` message alike."""
+    return {STATUS_FIELD: str(status), REASON_FIELD: reason, IS_FINAL_FIELD: "1"}

@@ -1,0 +1,38 @@
+"""The one mapping from a run's settings to the planner's `PlannerConfig`.
+
+The simulator (`lemix.sim.run.build_simulator`) and the live scheduler
+(`services.scheduler.config.SchedulerConfig.planner_config`) both call it, so
+a policy plans alike in both: a field added to the mapping reaches both.
+"""
+
+from __future__ import annotations
+
+from lemix.planner.base import PlannerConfig
+from lemix.profile import Profile
+from lemix.slo import Slo
+
+
+def build_planner_config(
+    *,
+    num_nodes: int,
+    profile: Profile,
+    slo: Slo,
+    max_batch_size: int,
+    max_defer_s: float,
+    defer_recheck_s: float,
+    train_rate: float,
+    sync_every_tasks: int,
+) -> PlannerConfig:
+    """The planner's config for `num_nodes` nodes running `profile`'s stages
+    under `slo`; the other knobs keep `PlannerConfig`'s defaults."""
+    return PlannerConfig(
+        num_nodes=num_nodes,
+        num_stages=profile.num_stages,
+        slo_ttft_s=slo.ttft_s,
+        slo_tbt_s=slo.tbt_s,
+        max_batch_size=max_batch_size,
+        max_defer_s=max_defer_s,
+        defer_recheck_s=defer_recheck_s,
+        train_rate=train_rate,
+        sync_every_tasks=sync_every_tasks,
+    )

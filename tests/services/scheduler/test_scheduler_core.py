@@ -1,0 +1,104 @@
+"""SchedulerCore sequencing, with in-memory ports (Redis and gRPC are tested elsewhere)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from factories import make_planner, make_request, make_training
+
+from lemix.planner.recording import RecordingPlanner, decision_key, recorded_decision_keys, replay
+from lemix.types import Placement, Task, WeightSync
+from services.scheduler.core import DispatchError, SchedulerCore, StateWrite, TaskProgress
+
+
+class Ports:
+    def __init__(self, down: set[int] | None = None) -> None:
+        self.dispatched: list[tuple[str, int]] = []
+        self.ended: dict[str, tuple[str, str]] = {}
+        self.states: dict[str, StateWrite] = {}
+        self.syncs: list[WeightSync] = []
+        self.down = down or set()
+
+    async def dispatch(self, placement: Placement, task: Task) -> None:
+        if placement.node_id in self.down:
+            raise DispatchError("connection refused")
+        self.dispatched.append((task.task_id, placement.node_id))
+
+    async def sync_weights(self, sync: WeightSync) -> None:
+        self.syncs.append(sync)
+
+    async def write_states(self, writes: Sequence[StateWrite]) -> None:
+        for write in writes:
+            self.states[write.task_id] = write
+            if write.is_final:
+                self.ended[write.task_id] = (write.status, write.reason)
+
+    async def progress(self, task_ids: Sequence[str]) -> list[TaskProgress]:
+        return [TaskProgress(is_final=False, status="", has_output=False) for _ in task_ids]
+
+
+def make_core(policy: str = "mix-rr", down: set[int] | None = None, **kw: object):
+    events: list[dict] = []
+    ports = Ports(down)
+    clock = iter(float(i) for i in range(10_000))
+    core = SchedulerCore(
+        RecordingPlanner(make_planner(policy, num_nodes=2, **kw), events.append),
+        ports,
+        ports,
+        lambda: next(clock),
+    )
+    return core, ports, events
+
+
+async def test_redelivered_task_is_placed_once() -> None:
+    core, ports, _ = make_core()
+    await core.on_task(make_request("a"))
+    await core.on_task(make_request("a"))
+    assert ports.dispatched == [("a", 0)]
+
+
+async def test_unreachable_executor_moves_the_task_to_another_node() -> None:
+    core, ports, _ = make_core(down={0})
+    await core.on_task(make_request("a"))  # round-robin picks node 0, which is down
+    assert ports.dispatched == [("a", 1)] and "a" not in ports.ended  # not started: moved
+    assert ports.states["a"] == StateWrite("a", "placed", node_id=1)
+    assert core.down_nodes == {0}
+    await core.on_task(make_training("t", 0.0, 50))  # node 0 is now known down
+    assert ("t", 1) in ports.dispatched
+    await core.on_task(make_request("b"))
+    assert ("b", 1) in ports.dispatched
+
+
+async def test_training_given_back_is_placed_again_not_lost() -> None:
+    core, ports, _ = make_core()
+    await core.on_task(make_training("t", 0.0, 50))
+    await core.on_finished("t", is_success=False, is_requeue=True)
+    assert [d for d in ports.dispatched if d[0] == "t"] == [("t", 0), ("t", 1)]
+    assert "t" not in ports.ended
+
+
+async def test_separate_weight_sync_goes_to_the_dispatcher() -> None:
+    core, ports, _ = make_core("separate", sync_every_tasks=1, train_rate=0.5)
+    await core.on_task(make_training("t", 0.0, 50))
+    await core.on_finished("t", is_success=True)
+    assert len(ports.syncs) == 1 and ports.syncs[0].target_node_ids == (0,)
+
+
+async def test_event_log_replays_to_the_same_decisions() -> None:
+    core, ports, events = make_core("lemix")
+    for i in range(6):
+        await core.on_task(make_request(f"r{i}", 0.0, 30 + 40 * i, 8, seq=i))
+    await core.on_finished("r1", is_success=True)
+    await core.on_task(make_training("t", 0.0, 60, seq=9))
+    replayed = [decision_key(d) for d in replay(events, make_planner("lemix", num_nodes=2))]
+    assert replayed == recorded_decision_keys(events)
+
+
+async def test_an_intake_batch_is_planned_once_and_dispatched_together() -> None:
+    core, ports, events = make_core()
+    batch = [make_request(f"b{i}", 0.0, seq=i) for i in range(4)]
+    await core.on_tasks(batch + [make_request("b0")])  # a redelivered id inside the batch
+    assert sorted(ports.dispatched) == [("b0", 0), ("b1", 1), ("b2", 0), ("b3", 1)]
+    assert sum(1 for e in events if e.get("input") == "plan") == 1
+    await core.on_tasks([make_request("b1")])  # known: nothing new, no plan
+    assert sum(1 for e in events if e.get("input") == "plan") == 1
