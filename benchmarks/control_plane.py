@@ -38,10 +38,10 @@ from typing import Any
 
 import grpc
 import numpy as np
-import redis.asyncio as aioredis
 
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from lemix.infra.rpc.client import channel
+from lemix.infra.store.client import RedisClientConfig, connect
 from lemix.infra.store.keys import RedisKeys
 from lemix.infra.store.server import EmbeddedRedis
 from lemix.latency import DecodeCoeffs, QuadCoeffs
@@ -131,7 +131,7 @@ async def _fire(
 
 async def _hops(redis_url: str, records: list[dict[str, Any]]) -> dict[str, list[float]]:
     keys = RedisKeys(NAMESPACE)
-    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    client = connect(RedisClientConfig(redis_url, max_connections=1, socket_timeout_s=30.0))
     try:
         async with client.pipeline(transaction=False) as pipe:
             for rec in records:
@@ -158,7 +158,7 @@ async def _hops(redis_url: str, records: list[dict[str, Any]]) -> dict[str, list
 
 async def _command_calls(redis_url: str) -> dict[str, int]:
     """Redis INFO commandstats: calls so far, per command."""
-    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    client = connect(RedisClientConfig(redis_url, max_connections=1, socket_timeout_s=30.0))
     try:
         info = await client.info("commandstats")
     finally:

@@ -32,8 +32,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import redis.asyncio as aioredis
-
+from lemix.infra.store.client import RedisClientConfig, connect
 from lemix.infra.store.keys import RedisKeys
 from lemix.infra.store.server import EmbeddedRedis
 from lemix.infra.store.store import Store
@@ -162,7 +161,7 @@ async def run_one(
 ) -> dict[str, Any]:
     namespace = f"restart{uuid.uuid4().hex[:8]}"
     config = _config(redis.url, namespace, every, args.nodes)
-    client = aioredis.Redis.from_url(redis.url, decode_responses=True)
+    client = connect(RedisClientConfig(redis.url, max_connections=8, socket_timeout_s=30.0))
     try:
         store = Store(client, RedisKeys(namespace))
         wrote_started = time.perf_counter()

@@ -203,6 +203,9 @@ async def main_async(args: argparse.Namespace) -> int:
                 await asyncio.sleep(0.5)
             await asyncio.gather(*drivers)
             await load.finish_streams(timeout_s=600)
+            # Seconds past the end of arrivals until every stream ended: a few
+            # when the stack keeps up, growing with the backlog when it does not.
+            drain_s = time.monotonic() - until_s
             await _sample(stack, load, samples, started_s)
             await watcher.sweep()
             result = await account(stub, load, timeout_s=600, recorded=watcher.final)
@@ -232,6 +235,7 @@ async def main_async(args: argparse.Namespace) -> int:
         "num_ghosts": len(ghosts),
         "num_no_reason": len(result.no_reason),
         "by_state": result.by_state(),
+        "drain_s": round(drain_s, 1),
         "mean_busy_fraction": round(statistics.fmean(samples.busy), 3) if samples.busy else None,
         "rss": _rss_report(samples),
         "redis_at_end": redis_keys,

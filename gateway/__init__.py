@@ -1,7 +1,7 @@
 """The LeMix gateway: the public gRPC API (`lemix.v1.Gateway`) and an
 OpenAI-compatible HTTP API, one request path behind both.
 
-- `gateway.config`           — `GatewayConfig` and the one env/flag mapping.
+- `gateway.config`           — `GatewayConfig` and its env/flag mapping.
 - `lemix.tokenizer`        — the `Tokenizer` protocol and the emulation stand-in.
 - `gateway.validate`         — requests -> domain tasks, or `InvalidArgument`.
 - `gateway.convert`          — output-stream messages and Redis state -> responses.

@@ -10,8 +10,6 @@ service token, the drain grace) come from `lemix.infra.config`;
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -274,22 +272,13 @@ _CLI_DEFAULTS: dict[str, Any] = {
 }
 
 
-def build_parser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
-    """The gateway's flags; every default is None so env and defaults can apply."""
-    return settings.build_parser(
-        GatewayConfig,
-        _OPTIONS,
-        prog=prog,
-        cli_defaults=_CLI_DEFAULTS,
-        description="LeMix gateway: the public gRPC API (Generate, Train, GetStats) and "
-        "the OpenAI-compatible HTTP API.",
-    )
-
-
-def from_env_and_args(
-    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
-) -> GatewayConfig:
-    """Build the config from `argv` and `env` (see lemix.infra.settings)."""
-    return settings.parse_settings(
-        GatewayConfig, build_parser(), _OPTIONS, argv, env, _CLI_DEFAULTS
-    )
+SPEC = settings.ConfigSpec(
+    GatewayConfig,
+    _OPTIONS,
+    prog="python -m gateway",
+    description="LeMix gateway: the public gRPC API (Generate, Train, GetStats) and "
+    "the OpenAI-compatible HTTP API.",
+    cli_defaults=_CLI_DEFAULTS,
+)
+build_parser = SPEC.build_parser
+from_env_and_args = SPEC.parse

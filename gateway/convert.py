@@ -3,7 +3,7 @@
 Requests coming in are converted by `gateway.validate`; this module builds the
 responses. `OutputStream` follows one task's output stream (docs/protocol.md, step 3)
 and turns each message into a `GenerateResponse`, or raises `TaskEnded` for an
-end with status failed/rejected; `status_for_reason` is the one mapping from a
+end with status failed/rejected; `status_for_reason` maps a
 failure reason's prefix to the status the client gets.
 """
 

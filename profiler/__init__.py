@@ -2,7 +2,7 @@
 
 - `profiler.fit`      — measurements -> fitted `Profile` + fit report (pure).
 - `profiler.runner`   — `profile_executor`: drive one executor's `Measure` over a grid.
-- `profiler.config`   — `ProfilerConfig` and the one env/flag mapping.
+- `profiler.config`   — `ProfilerConfig` and its env/flag mapping.
 - `profiler.convert`  — `RunProfileRequest` -> `ProfileJob`, results -> response.
 - `profiler.core`     — `ProfilerCore`: run a job, store the profile in Redis.
 - `profiler.servicer` — `ProfilerServicer` (thin: convert, delegate).

@@ -10,8 +10,6 @@ service token, the drain grace) come from `lemix.infra.config`;
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,22 +85,13 @@ _OPTIONS: tuple[Option, ...] = (
 _CLI_DEFAULTS: dict[str, Any] = dict(COMMON_CLI_DEFAULTS)
 
 
-def build_parser(prog: str = "python -m profiler") -> argparse.ArgumentParser:
-    """The profiler's flags; every default is None so env and defaults can apply."""
-    return settings.build_parser(
-        ProfilerConfig,
-        _OPTIONS,
-        prog=prog,
-        cli_defaults=_CLI_DEFAULTS,
-        description="LeMix profiler: measures executors over a (C, l) grid and fits the "
-        "latency models.",
-    )
-
-
-def from_env_and_args(
-    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
-) -> ProfilerConfig:
-    """Build the config from `argv` and `env` (see lemix.infra.settings)."""
-    return settings.parse_settings(
-        ProfilerConfig, build_parser(), _OPTIONS, argv, env, _CLI_DEFAULTS
-    )
+SPEC = settings.ConfigSpec(
+    ProfilerConfig,
+    _OPTIONS,
+    prog="python -m profiler",
+    description="LeMix profiler: measures executors over a (C, l) grid and fits the "
+    "latency models.",
+    cli_defaults=_CLI_DEFAULTS,
+)
+build_parser = SPEC.build_parser
+from_env_and_args = SPEC.parse

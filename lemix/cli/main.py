@@ -29,7 +29,7 @@ from lemix.report.compare import (
     write_json,
     write_report,
 )
-from lemix.report.metrics import format_table
+from lemix.report.metrics import LATENCY_TABLE_ROWS, OUTCOME_TABLE_ROWS, format_table
 from lemix.sim.run import SimRunConfig, run_simulation
 from lemix.workload import WorkloadConfig, build_workload
 
@@ -44,21 +44,9 @@ SIM_TABLE_ROWS: tuple[tuple[str, str], ...] = (
     ("seed", "seed"),
     ("request_rate", "request rate (req/s)"),
     ("train_rate", "train rate"),
-    ("num_inference", "inference requests"),
-    ("num_training", "training tasks"),
-    ("num_completed", "completed"),
-    ("num_rejected", "rejected"),
-    ("num_failed", "failed"),
-    ("num_lost", "lost"),
-    ("slo_attainment", "SLO attainment"),
-    ("goodput_rps", "goodput (req/s)"),
-    ("throughput_tasks_s", "throughput (tasks/s)"),
-    ("throughput_tokens_s", "throughput (tokens/s)"),
+    *OUTCOME_TABLE_ROWS,
     ("throughput_tasks_s_paper", "throughput, prototype def. (tasks/s)"),
-    ("ttft_s.p50", "TTFT p50 (s)"),
-    ("ttft_s.p99", "TTFT p99 (s)"),
-    ("tbt_s.p50", "TBT p50 (s)"),
-    ("e2e_s.p50", "E2E p50 (s)"),
+    *LATENCY_TABLE_ROWS,
     ("training_samples_s", "training samples/s"),
     ("serving_staleness_updates", "serving staleness (updates)"),
     ("utilization", "utilization"),

@@ -21,7 +21,7 @@ from lemix.infra.store.keys import DEFAULT_NAMESPACE, RedisKeys
 from lemix.infra.store.server import APPENDFSYNC_POLICIES
 from lemix.planner.registry import POLICIES
 from lemix.profile import Profile, default_profile_path, load_profile, torch_cpu_profile_path
-from lemix.report.metrics import format_table
+from lemix.report.metrics import LATENCY_TABLE_ROWS, OUTCOME_TABLE_ROWS, format_table
 from lemix.slo import SloConfig, compute_slo
 from lemix.stack.launcher import StackConfig, run_until_signalled
 from lemix.workload import build_workload
@@ -31,20 +31,8 @@ if TYPE_CHECKING:  # the profiler is imported only when `lemix profile` runs
     from profiler.runner import ProfileGrid, ProfileRun
 
 REPLAY_TABLE_ROWS: tuple[tuple[str, str], ...] = (
-    ("num_inference", "inference requests"),
-    ("num_training", "training tasks"),
-    ("num_completed", "completed"),
-    ("num_rejected", "rejected"),
-    ("num_failed", "failed"),
-    ("num_lost", "lost"),
-    ("slo_attainment", "SLO attainment"),
-    ("goodput_rps", "goodput (req/s)"),
-    ("throughput_tasks_s", "throughput (tasks/s)"),
-    ("throughput_tokens_s", "throughput (tokens/s)"),
-    ("ttft_s.p50", "TTFT p50 (s)"),
-    ("ttft_s.p99", "TTFT p99 (s)"),
-    ("tbt_s.p50", "TBT p50 (s)"),
-    ("e2e_s.p50", "E2E p50 (s)"),
+    *OUTCOME_TABLE_ROWS,
+    *LATENCY_TABLE_ROWS,
     ("slo_ttft_s", "SLO TTFT (s)"),
     ("slo_tbt_s", "SLO TBT (s)"),
 )

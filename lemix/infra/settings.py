@@ -19,7 +19,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -180,4 +180,33 @@ def check_port_or_off(name: str, port: int) -> None:
     if not -1 <= port <= 65535:
         raise ValueError(
             f"{name} must be in [0, 65535] (0 = any free port) or -1 (off), got {port}"
+        )
+
+
+@dataclass(frozen=True)
+class ConfigSpec(Generic[T]):
+    """How one service reads its config: its dataclass, its options, its program
+    name and description, and the defaults that apply on the command line only."""
+
+    config_cls: Callable[..., T]
+    options: Sequence[Option]
+    prog: str
+    description: str
+    cli_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def build_parser(self, prog: str | None = None) -> argparse.ArgumentParser:
+        """The flags; every default is None so variables and defaults can apply."""
+        return build_parser(
+            self.config_cls,  # type: ignore[arg-type]
+            self.options,
+            prog=prog or self.prog,
+            description=self.description,
+            cli_defaults=self.cli_defaults,
+        )
+
+    def parse(self, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> T:
+        """Flags (`argv`, default sys.argv[1:]) over variables (`env`, default
+        os.environ) over defaults; see `parse_settings`."""
+        return parse_settings(
+            self.config_cls, self.build_parser(), self.options, argv, env, self.cli_defaults
         )

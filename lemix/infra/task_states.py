@@ -2,8 +2,8 @@
 
 The gateway answers GetTask / WatchTasks / AuditTasks with `TaskInfo`
 messages; the HTTP API (`GET /v1/lemix/tasks/{id}`), `lemix audit --json` and
-`lemix replay` show them as JSON objects. This module is the one mapping
-between the two, so every surface spells states and fields alike. Pure: no I/O.
+`lemix replay` show them as JSON objects. This module maps between
+the two, so every surface spells states and fields alike. Pure: no I/O.
 """
 
 from __future__ import annotations

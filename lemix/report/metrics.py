@@ -106,6 +106,27 @@ _T95 = {
 _Z95 = 1.96
 
 
+# (dotted key, label) rows the `lemix sim` and `lemix replay` tables share.
+OUTCOME_TABLE_ROWS: tuple[tuple[str, str], ...] = (
+    ("num_inference", "inference requests"),
+    ("num_training", "training tasks"),
+    ("num_completed", "completed"),
+    ("num_rejected", "rejected"),
+    ("num_failed", "failed"),
+    ("num_lost", "lost"),
+    ("slo_attainment", "SLO attainment"),
+    ("goodput_rps", "goodput (req/s)"),
+    ("throughput_tasks_s", "throughput (tasks/s)"),
+    ("throughput_tokens_s", "throughput (tokens/s)"),
+)
+LATENCY_TABLE_ROWS: tuple[tuple[str, str], ...] = (
+    ("ttft_s.p50", "TTFT p50 (s)"),
+    ("ttft_s.p99", "TTFT p99 (s)"),
+    ("tbt_s.p50", "TBT p50 (s)"),
+    ("e2e_s.p50", "E2E p50 (s)"),
+)
+
+
 def summarize(
     records: Sequence[TaskRecord],
     *,

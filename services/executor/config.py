@@ -11,7 +11,6 @@ logging, the service token, the drain grace) come from `lemix.infra.config`;
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,7 +230,7 @@ class ExecutorConfig(CommonServiceConfig):
         `sys.argv[1:]`), through lemix.infra.settings. Bad flags exit via argparse
         (status 2); a bad environment value or an out-of-range setting raises
         `ValueError`."""
-        return settings.parse_settings(cls, build_parser(), _OPTIONS, argv, env, _CLI_DEFAULTS)
+        return SPEC.parse(argv, env)
 
 
 _OPTIONS: tuple[Option, ...] = (
@@ -442,12 +441,11 @@ _OPTIONS: tuple[Option, ...] = (
 _CLI_DEFAULTS: dict[str, Any] = dict(COMMON_CLI_DEFAULTS)
 
 
-def build_parser(prog: str = "python -m services.executor") -> argparse.ArgumentParser:
-    """The executor's flags; each names its environment variable."""
-    return settings.build_parser(
-        ExecutorConfig,
-        _OPTIONS,
-        prog=prog,
-        cli_defaults=_CLI_DEFAULTS,
-        description="LeMix executor: one process per node (torch or emulated stage backend).",
-    )
+SPEC = settings.ConfigSpec(
+    ExecutorConfig,
+    _OPTIONS,
+    prog="python -m services.executor",
+    description="LeMix executor: one process per node (torch or emulated stage backend).",
+    cli_defaults=_CLI_DEFAULTS,
+)
+build_parser = SPEC.build_parser

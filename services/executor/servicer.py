@@ -1,8 +1,8 @@
 """The executor's gRPC servicer: validate -> convert -> delegate to `ExecutorNode`.
 
 No logic lives here. Domain errors (`InvalidArgument`, `ResourceExhausted`,
-`Unavailable`) become status codes in `lemix.infra.rpc.errors.handle_errors`, the
-one place that maps them. SyncWeights' location is checked here, before the
+`Unavailable`) become status codes in `lemix.infra.rpc.errors.handle_errors`, which
+maps them. SyncWeights' location is checked here, before the
 node sees it: it must lie under the weight-sync directory.
 """
 

@@ -13,10 +13,8 @@ service token, the drain grace) come from `lemix.infra.config`;
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import socket
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -337,25 +335,14 @@ def env_table() -> list[tuple[str, str, str]]:
     return [(o.flag, o.env, o.help) for o in _OPTIONS]
 
 
-def build_parser(prog: str = "python -m services.scheduler") -> argparse.ArgumentParser:
-    """The scheduler's flags; every default is None so env and defaults can apply."""
-    return settings.build_parser(
-        SchedulerConfig,
-        _OPTIONS,
-        prog=prog,
-        cli_defaults=_CLI_DEFAULTS,
-        description="LeMix global scheduler: intake -> planner -> executor dispatch.",
-    )
-
-
-def from_env_and_args(
-    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
-) -> SchedulerConfig:
-    """Parse flags (`argv`, default sys.argv[1:]) over env vars (default os.environ).
-
-    `--help` and usage errors exit through argparse (status 0 and 2); a bad
-    value raises `ValueError` naming the flag and its environment variable.
-    """
-    return settings.parse_settings(
-        SchedulerConfig, build_parser(), _OPTIONS, argv, env, _CLI_DEFAULTS
-    )
+SPEC = settings.ConfigSpec(
+    SchedulerConfig,
+    _OPTIONS,
+    prog="python -m services.scheduler",
+    description="LeMix global scheduler: intake -> planner -> executor dispatch.",
+    cli_defaults=_CLI_DEFAULTS,
+)
+build_parser = SPEC.build_parser
+# `--help` and usage errors exit through argparse (status 0 and 2); a bad
+# value raises `ValueError` naming the flag and its environment variable.
+from_env_and_args = SPEC.parse

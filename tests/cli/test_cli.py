@@ -9,37 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from metric_keys import DESIGN_KEYS
 
 from lemix.cli.main import build_parser, configs_from_args, main
 from lemix.planner.registry import POLICIES
 from lemix.report.compare import run_sweep
 
-# DESIGN.md "Metrics JSON", spelled out so a silent rename fails here.
-DESIGN_KEYS = [
-    "policy",
-    "seed",
-    "request_rate",
-    "train_rate",
-    "duration_s",
-    "num_inference",
-    "num_training",
-    "num_completed_inference",
-    "num_completed_training",
-    "num_rejected",
-    "num_lost",
-    "throughput_tasks_s",
-    "throughput_tokens_s",
-    "goodput_rps",
-    "slo_attainment",
-    "ttft_s",
-    "tbt_s",
-    "e2e_s",
-    "utilization",
-    "inference_loss",
-    "decision_latency_us",
-    "serving_staleness_updates",
-    "throughput_tasks_s_paper",
-]
 SIM = ["sim", "--policy", "lemix", "--poisson", "2", "--duration", "20", "--train-rate", "0.3"]
 COMPARE = [
     "compare",

@@ -137,6 +137,7 @@ async def test_busy_is_429_with_retry_after(
     assert "server busy: 1 requests in flight (limit 1)" in reply["error"]["message"]
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("live_node")
 async def test_an_http_flood_gets_results_or_429_never_503(
     make_gateway: GatewayFactory, fake_scheduler: FakeScheduler, store: Store

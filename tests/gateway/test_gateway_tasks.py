@@ -217,6 +217,7 @@ async def test_watch_tasks_refuses_bad_requests(
     assert await _code_of(call) == grpc.StatusCode.INVALID_ARGUMENT
 
 
+@pytest.mark.slow
 async def test_watch_tasks_takes_the_maximum(
     store: Store, stub: gateway_pb2_grpc.GatewayStub
 ) -> None:

@@ -51,6 +51,7 @@ async def slow_stack(redis_server: EmbeddedRedis, tmp_path: Path) -> AsyncIterat
         await stack.close()
 
 
+@pytest.mark.slow
 async def test_audit_exit_status_follows_what_it_finds(
     slow_stack: TaskStack, tmp_path: Path
 ) -> None:

@@ -101,6 +101,7 @@ def _training(n: int, num_tokens: int = 200) -> list[Task]:
     ]
 
 
+@pytest.mark.slow
 async def test_a_healthy_run_loses_nothing_and_every_id_is_final(
     redis_server: EmbeddedRedis, namespace: str, tmp_path: Path, store: Store
 ) -> None:
@@ -152,6 +153,7 @@ async def test_a_task_left_without_a_final_state_is_lost_and_listed(
     assert all(task_id in text for task_id in metrics["lost_task_ids"])
 
 
+@pytest.mark.slow
 async def test_a_gateway_that_dies_mid_run_fails_calls_not_the_replay(
     redis_server: EmbeddedRedis, namespace: str, tmp_path: Path
 ) -> None:

@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 import pytest
+from metric_keys import DESIGN_KEYS
 
 from lemix.report.metrics import (
     EXTRA_KEYS,
@@ -20,32 +21,6 @@ from lemix.types import TaskKind, TaskRecord, TaskStatus
 
 INF, TRN = TaskKind.INFERENCE, TaskKind.TRAINING
 DONE = TaskStatus.COMPLETED
-
-DESIGN_KEYS = [
-    "policy",
-    "seed",
-    "request_rate",
-    "train_rate",
-    "duration_s",
-    "num_inference",
-    "num_training",
-    "num_completed_inference",
-    "num_completed_training",
-    "num_rejected",
-    "num_lost",
-    "throughput_tasks_s",
-    "throughput_tokens_s",
-    "goodput_rps",
-    "slo_attainment",
-    "ttft_s",
-    "tbt_s",
-    "e2e_s",
-    "utilization",
-    "inference_loss",
-    "decision_latency_us",
-    "serving_staleness_updates",
-    "throughput_tasks_s_paper",
-]
 
 
 def inf(

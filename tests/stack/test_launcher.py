@@ -60,6 +60,7 @@ def _addresses(stack: Stack) -> dict[str, tuple[str, str, str]]:
     return {ch.name: (ch.address, ch.metrics_address, ch.http_address) for ch in stack.children}
 
 
+@pytest.mark.slow
 async def test_killed_children_come_back_on_their_addresses_and_the_stack_serves(
     tmp_path: Path,
 ) -> None:
@@ -120,6 +121,7 @@ async def test_killed_children_come_back_on_their_addresses_and_the_stack_serves
     ).is_dir()
 
 
+@pytest.mark.slow
 async def test_embedded_redis_requires_the_password_the_services_get(tmp_path: Path) -> None:
     config = StackConfig(
         num_nodes=1,
@@ -147,6 +149,7 @@ async def test_embedded_redis_requires_the_password_the_services_get(tmp_path: P
     assert "given-password-123" not in repr(config)
 
 
+@pytest.mark.slow
 async def test_a_crash_loop_fails_the_stack_with_a_clear_message(tmp_path: Path) -> None:
     policy = RestartPolicy(
         initial_backoff_s=0.05, max_backoff_s=0.2, max_crashes=3, crash_window_s=60.0

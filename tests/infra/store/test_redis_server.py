@@ -233,6 +233,7 @@ def test_restart_on_a_taken_port_fails_clearly_and_can_be_retried(tmp_path: Path
     server.stop()
 
 
+@pytest.mark.slow
 def test_password_is_required_and_kept_out_of_the_command_line() -> None:
     password = "s3cret-Pass_word!"
     with EmbeddedRedis(password=password) as server:

@@ -43,6 +43,11 @@ async def _pttl_ms(store: Store, key: str) -> int:
     return int(await store.client.pttl(key))
 
 
+async def _has_ttl(store: Store, key: str) -> bool:
+    # PTTL is -1 for a key without a TTL and -2 for no key: both truthy.
+    return await _pttl_ms(store, key) > 0
+
+
 async def test_finished_tasks_expire_and_applied_completions_are_trimmed(stack: Stack) -> None:
     store = stack.store
     fake = await stack.start_executor(0)
@@ -61,7 +66,7 @@ async def test_finished_tasks_expire_and_applied_completions_are_trimmed(stack: 
         )
         await wait_until(lambda t=task_id: not service.core.knows(t), what=f"{task_id} applied")
         await wait_until(
-            lambda t=task_id: _pttl_ms(store, store.keys.task(t)), what=f"{task_id} expires"
+            lambda t=task_id: _has_ttl(store, store.keys.task(t)), what=f"{task_id} expires"
         )
         for key in (store.keys.task(task_id), store.keys.output(task_id)):
             assert 0 < await _pttl_ms(store, key) <= TTL_S * 1000, key
