@@ -10,13 +10,14 @@ service token, the drain grace) come from `lemix.infra.config`;
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.validate import DEFAULT_MAX_TRAIN_BATCH_SIZE, DEFAULT_MAX_TRAIN_SAMPLES
 from lemix.infra import settings
 from lemix.infra.address import is_host_port
 from lemix.infra.config import COMMON_CLI_DEFAULTS, GATEWAY, CommonServiceConfig, common_options
+from lemix.infra.rpc.auth import API_KEY_ENV, parse_api_keys
 from lemix.infra.settings import Option, boolean, check_finite
 from lemix.infra.store.keys import STREAM_LEASE_TTL_S
 
@@ -33,7 +34,7 @@ class GatewayConfig(CommonServiceConfig):
     """Everything the gateway process needs; validated on construction (ValueError).
 
     `service_token` (from CommonServiceConfig) is sent to the scheduler; the
-    gateway's own API is public.
+    gateway's own API is public unless `api_key` names keys.
     """
 
     http_port: int = 0  # the OpenAI-compatible HTTP API; 0 = any free port, as `port`
@@ -72,6 +73,15 @@ class GatewayConfig(CommonServiceConfig):
     tls_key_file: str = ""
     # mTLS: both ports then require a client certificate signed by this CA.
     tls_client_ca_file: str = ""
+    # Keys the public API requires (`Authorization: Bearer <key>` over HTTP,
+    # the same metadata over gRPC); several comma-separated; "" = open.
+    # Health, /ping, /version, reflection and metrics stay open. Never logged.
+    api_key: str = field(default="", repr=False)
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The accepted keys; () = the API is open."""
+        return parse_api_keys(self.api_key)
 
     @property
     def is_tls_enabled(self) -> bool:
@@ -116,6 +126,7 @@ class GatewayConfig(CommonServiceConfig):
                 f"{missing} is not (--tls-cert-file and --tls-key-file, both or "
                 f"neither)"
             )
+        parse_api_keys(self.api_key)  # ValueError for a malformed key
         if self.tls_client_ca_file and not self.is_tls_enabled:
             raise ValueError(
                 "tls_client_ca_file (mTLS) needs TLS: set --tls-cert-file and --tls-key-file too"
@@ -262,6 +273,17 @@ _OPTIONS: tuple[Option, ...] = (
         str,
         'mTLS: require client certificates signed by this PEM CA ("" = none)',
         "FILE",
+    ),
+    Option(
+        "api_key",
+        "--api-key",
+        API_KEY_ENV,
+        str,
+        "require `Authorization: Bearer KEY` on the HTTP API and `authorization: "
+        'Bearer KEY` metadata on gRPC (several: comma-separated; "" = open; health, '
+        "/ping, /version, reflection and metrics stay open; prefer the variable: "
+        "flags show in `ps`)",
+        "KEY",
     ),
 )
 

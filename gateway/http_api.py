@@ -11,8 +11,18 @@ Routes (docs/api.md shows them in use):
 - ``GET /v1/lemix/tasks/{id}``: one task's state (`lemix.infra.task_states`), as
   gRPC's GetTask: 404 for an unknown id, 400 for a malformed one.
 - ``GET /health``: 200 while serving with a live executor, else 503.
+- ``GET /ping``: 200 with an empty body while the process serves HTTP (a
+  liveness probe; /health is the readiness one).
+- ``GET /version``: ``{"version": <the lemix package's version>}``.
 - ``GET /metrics``: Prometheus' default registry (unless
   `is_http_metrics_enabled` is off: then only on the gateway's `metrics_port`).
+
+With API keys (`GatewayConfig.api_key`), every route but /health, /ping,
+/version and /metrics needs ``Authorization: Bearer <key>``; otherwise 401
+in OpenAI's shape (code ``invalid_api_key``) with ``WWW-Authenticate: Bearer``.
+Every response carries ``X-Request-Id`` (the client's, else the completion's
+task id, else a fresh one); every 429 and 503 carries ``Retry-After`` (whole
+seconds).
 
 Bad input is a 400, never a 500: a body that is not UTF-8 JSON, nests more
 than `MAX_JSON_DEPTH` levels or is not an object; a body over the size limit
@@ -35,14 +45,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import re
 import ssl
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import structlog
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from gateway.config import GatewayConfig
@@ -63,10 +76,13 @@ from gateway.openai_responses import (
     error_for_status,
     model_body,
     models_body,
+    unauthorized_body,
 )
 from gateway.tasks import TaskReader
 from gateway.validate import scope_from_headers
+from lemix import __version__
 from lemix._proto.lemix.v1 import gateway_pb2
+from lemix.infra.rpc.auth import ApiKeyCheck
 from lemix.infra.rpc.errors import ServiceError
 from lemix.infra.rpc.server import MAX_MESSAGE_BYTES
 from lemix.infra.task_states import task_info_to_dict
@@ -79,6 +95,17 @@ HTTP_GONE_REASON = "CANCELLED: the HTTP client disconnected"
 _DISCONNECT_POLL_S = 0.1
 # A completion's idempotency key when its body has no `request_id` (vLLM's header).
 REQUEST_ID_HEADER = "X-Request-Id"
+RETRY_AFTER_HEADER = "Retry-After"
+# Statuses that say "try again later": they always carry Retry-After.
+_RETRY_STATUSES = (429, 503)
+# Routes open without an API key: probes, and the metrics Prometheus scrapes
+# (the metrics port is open too; neither carries request data).
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
+# Where a request keeps its id once known (the completion's task id, or one
+# made up); a typed key where aiohttp has them (3.12+: plain strings warn).
+_REQUEST_ID_KEY: Any = (
+    web.RequestKey("lemix_request_id", str) if hasattr(web, "RequestKey") else "lemix.request_id"
+)
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -91,6 +118,53 @@ def _http_code_of(exc: BaseException) -> str:
     if isinstance(exc, web.HTTPClientError):
         return "INVALID_ARGUMENT"
     return code_of(exc)
+
+
+def retry_after(seconds: float) -> str:
+    """A ``Retry-After`` value: whole seconds, at least 1."""
+    return str(max(1, math.ceil(seconds)))
+
+
+def request_id_of(request: web.Request) -> str:
+    """The id a response echoes in ``X-Request-Id``: the client's header,
+    else the completion's task id, else one made up for this request."""
+    given = request.headers.get(REQUEST_ID_HEADER)
+    if given:
+        return given
+    if _REQUEST_ID_KEY not in request:
+        request[_REQUEST_ID_KEY] = uuid.uuid4().hex
+    return str(request[_REQUEST_ID_KEY])
+
+
+@web.middleware
+async def _common_headers(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """``X-Request-Id`` on every response, ``Retry-After`` on every 429 and 503
+    (a streamed response sets its own before its headers go out)."""
+    response = await handler(request)
+    if not response.prepared:
+        response.headers.setdefault(REQUEST_ID_HEADER, request_id_of(request))
+        if response.status in _RETRY_STATUSES:
+            response.headers.setdefault(RETRY_AFTER_HEADER, retry_after(BUSY_RETRY_AFTER_S))
+    return response
+
+
+def require_api_key(check: ApiKeyCheck) -> Middleware:
+    """401 for a request to a route outside `OPEN_PATHS` without an accepted
+    ``Authorization: Bearer <key>``; the key itself is never logged."""
+
+    @web.middleware
+    async def require(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in OPEN_PATHS:
+            return await handler(request)
+        problem = check.http_problem(request.headers.get("Authorization"))
+        if problem is None:
+            return await handler(request)
+        log.info("http.unauthenticated", path=request.path, reason=problem.split(":")[0])
+        return web.json_response(
+            unauthorized_body(problem), status=401, headers={"WWW-Authenticate": "Bearer"}
+        )
+
+    return require
 
 
 @web.middleware
@@ -110,9 +184,12 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
     except Exception as exc:
         status, body = error_for(exc)
         log.info("http.error", path=request.path, status=status, message=body["error"]["message"])
-        # 429 (busy, or a task refused for lack of room): when to try again.
-        retry = {"Retry-After": str(getattr(exc, "retry_after_s", BUSY_RETRY_AFTER_S))}
-        return web.json_response(body, status=status, headers=retry if status == 429 else None)
+        # 429 (busy, or a task refused for lack of room), 503: when to try again.
+        seconds = getattr(exc, "retry_after_s", BUSY_RETRY_AFTER_S)
+        retry = {RETRY_AFTER_HEADER: retry_after(seconds)}
+        return web.json_response(
+            body, status=status, headers=retry if status in _RETRY_STATUSES else None
+        )
 
 
 # A body may nest at most this deep (ours nest 4: body, messages, message,
@@ -222,9 +299,15 @@ class HttpApi:
         self._slo = slo or SloCache(core.store)  # what completions are judged by
         self._created = int(time.time())  # the model's `created`: when this gateway started
         self._tasks = TaskReader(core.store)
+        keys = config.api_keys
+        self._key_check = ApiKeyCheck(keys) if keys else None
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_openai_errors], client_max_size=MAX_MESSAGE_BYTES)
+        middlewares: list[Middleware] = [_common_headers]  # outermost: sees every answer
+        if self._key_check is not None:
+            middlewares.append(require_api_key(self._key_check))
+        middlewares.append(_openai_errors)
+        app = web.Application(middlewares=middlewares, client_max_size=MAX_MESSAGE_BYTES)
         app.add_routes(
             [
                 web.post("/v1/completions", self.completions),
@@ -235,6 +318,9 @@ class HttpApi:
                 # `.+`: a client's request_id may contain "/" (it is checked, not routed)
                 web.get("/v1/lemix/tasks/{task_id:.+}", self.task),
                 web.get("/health", self.health),
+                web.get("/ping", self.ping),
+                web.post("/ping", self.ping),  # as vLLM (SageMaker's probe)
+                web.get("/version", self.version),
             ]
         )
         if self.config.is_http_metrics_enabled:
@@ -277,6 +363,12 @@ class HttpApi:
             )
         return web.json_response({"status": "ok"})
 
+    async def ping(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": __version__})
+
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(
             body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST}
@@ -301,6 +393,7 @@ class HttpApi:
         if not generate.request_id:  # the body's request_id wins over the header
             generate.request_id = request.headers.get(REQUEST_ID_HEADER, "")
         task, payload = await self.core.admit(generate, scope=scope_from_headers(request.headers))
+        request[_REQUEST_ID_KEY] = task.task_id  # echoed unless the client sent its own
         builder = CompletionBuilder(
             is_chat=parsed.is_chat,
             task_id=task.task_id,
@@ -334,7 +427,9 @@ class HttpApi:
         # The first response comes before any byte is sent, so a request refused
         # (invalid, overload, no executor, rejected task) still gets its status.
         first = await anext(responses)
-        stream = web.StreamResponse(headers=_SSE_HEADERS)
+        stream = web.StreamResponse(
+            headers={**_SSE_HEADERS, REQUEST_ID_HEADER: request_id_of(request)}
+        )
         await stream.prepare(request)
         try:
             await _send_chunk(stream, builder, first)
@@ -346,8 +441,10 @@ class HttpApi:
             return stream
         except Exception as exc:  # the status line is sent: the error goes as an event
             await _send(stream, error_for(exc)[1])
-        await stream.write(b"data: [DONE]\n\n")
-        await stream.write_eof()
+        # The client may go right after the last chunk: not an error of ours.
+        with contextlib.suppress(ConnectionError):
+            await stream.write(b"data: [DONE]\n\n")
+            await stream.write_eof()
         return stream
 
     async def _train(self, request: web.Request) -> list[str]:

@@ -10,8 +10,12 @@ unknown model raises `ModelNotFound` (404).
 `GenerateRequest.request_id`; the HTTP API also takes it from an
 ``X-Request-Id`` header.
 
-Defaults follow OpenAI's: `temperature` 1, `top_p` 1; `max_tokens` (or
-`max_completion_tokens`) defaults to `DEFAULT_MAX_TOKENS`. One prompt and one
+Defaults follow OpenAI's and vLLM's: `temperature` 1, `top_p` 1; `max_tokens`
+(or `max_completion_tokens`) left out means the rest of the context (the
+context limit less the prompt: it becomes `GenerateRequest.max_tokens` 0, which
+gateway.validate resolves once the prompt is tokenized; a 0 sent on purpose is
+refused); `seed` left out (or 0) means a random seed per request
+(gateway.validate draws it). One prompt and one
 choice per request (`n` 1); `stop`, `logprobs`, `echo`, `suffix`,
 `logit_bias`, penalties and tools are refused with a 400, not ignored.
 
@@ -34,7 +38,8 @@ from typing import Any
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
 from lemix.infra.rpc.errors import InvalidArgument, NotFound
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; we use it for chat too
+# `max_tokens` left out: GenerateRequest's 0, "the rest of the context".
+DEFAULT_MAX_TOKENS = 0
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 _MAX_U32 = (1 << 32) - 1
 _MAX_U64 = (1 << 64) - 1
@@ -176,7 +181,7 @@ def _sampling(body: Mapping[str, Any]) -> common_pb2.SamplingParams:
         temperature=_number(body, "temperature", 1.0),
         top_p=top_p,
         ignore_eos=_bool(body, "ignore_eos"),  # vLLM's extension
-        seed=_int(body, "seed", 0, 0, _MAX_U64),
+        seed=_int(body, "seed", 0, 0, _MAX_U64),  # 0: none given, one is drawn
     )
 
 
@@ -184,7 +189,7 @@ def _max_tokens(body: Mapping[str, Any]) -> int:
     name = "max_tokens"
     if body.get("max_completion_tokens") is not None:  # chat's newer name for it
         name = "max_completion_tokens"
-    return _int(body, name, DEFAULT_MAX_TOKENS, 0, _MAX_U32)
+    return _int(body, name, DEFAULT_MAX_TOKENS, 1, _MAX_U32)
 
 
 def _parse(body: Any, served_model: str) -> tuple[Mapping[str, Any], bool]:

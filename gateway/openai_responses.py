@@ -74,6 +74,11 @@ def error_for(exc: Exception) -> tuple[int, Json]:
     )
 
 
+def unauthorized_body(message: str) -> Json:
+    """A 401's body, as OpenAI answers a missing or wrong API key."""
+    return error_body(message, "invalid_request_error", code="invalid_api_key")
+
+
 def error_for_status(status: int, message: str) -> Json:
     """The body for an HTTP-level error (unknown route, bad method, bad JSON)."""
     return error_body(message, _TYPE_BY_HTTP.get(status, "invalid_request_error"))

@@ -173,6 +173,7 @@ class GatewayService(Service):
             config.port,
             service_names=[GATEWAY_SERVICE],
             server_credentials=tls.grpc_credentials() if tls is not None else None,
+            api_keys=config.api_keys,
         )
         self.lifecycle.on_stopping(health.enter_graceful_shutdown)
         self.lifecycle.add_server("grpc", lambda grace_s: stop_server(server, health, grace_s))
@@ -193,6 +194,7 @@ class GatewayService(Service):
             http=self.http_url,
             grpc_scheme="grpcs" if tls is not None else "grpc",
             tls=self.tls_mode,
+            num_api_keys=len(config.api_keys),  # how many, never which
             scheduler=config.scheduler_address,
             namespace=config.namespace,
             max_in_flight=config.max_in_flight,

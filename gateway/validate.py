@@ -9,8 +9,18 @@ Ids: a task is named by the client's `request_id` (its idempotency key) or
 all carry a `sample_id` get an id derived from them, so resubmitting the same
 batch is idempotent too.
 
-proto3 cannot tell unset from zero: `max_tokens` 0 is an error, `batch_size`
-0 means 1 and `sampling.top_p` 0 means off (1.0), as in `lemix.infra.rpc.convert`.
+proto3 cannot tell unset from zero: `max_tokens` 0 means "the rest of the
+context" (the context limit less the prompt, as OpenAI's and vLLM's default),
+`batch_size` 0 means 1, `sampling.top_p` 0 means off (1.0), as in
+`lemix.infra.rpc.convert`, and `sampling.seed` 0 means "none given".
+
+Unseeded sampling is not deterministic: a sampled request (temperature > 0)
+without a seed gets one of 63 bits, recorded in its payload (so the task's
+record says which seed produced its text). A task named by a `request_id` gets
+its seed from a hash of its task id, not the RNG: the idempotency check
+(`lemix.infra.store.intake.request_hash`) covers the seed, so a retry must carry
+the same one. A client that wants one text every time passes its own seed.
+Greedy requests (temperature 0) ignore the seed and keep 0.
 
 Degenerate sampling values are refused here, not in the middle of a batch:
 `temperature` is 0 (greedy) or in [`MIN_TEMPERATURE`, `MAX_TEMPERATURE`]
@@ -30,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import secrets
 import uuid
 from collections.abc import Mapping, Sequence
 
@@ -51,6 +62,7 @@ ANONYMOUS_SCOPE = ""  # a caller that sent neither an API key nor a client id
 SCOPE_SEPARATOR = "@"
 AUTHORIZATION_HEADER = "authorization"
 CLIENT_ID_HEADER = "x-client-id"
+SEED_BITS = 63  # a drawn seed fits a signed 64-bit int too (torch's manual_seed)
 
 
 def client_scope(*, api_key: str = "", client_id: str = "") -> str:
@@ -116,6 +128,17 @@ def _sampling(msg: common_pb2.SamplingParams) -> tuple[float, float]:
     return temperature, top_p or 1.0
 
 
+def draw_seed(task_id: str, *, is_named: bool) -> int:
+    """A seed for an unseeded sampled request (module doc): random, or derived
+    from `task_id` when the client named the task (`is_named`). Never 0 ("none")."""
+    if is_named:
+        digest = hashlib.sha256(f"seed:{task_id}".encode()).digest()
+        seed = int.from_bytes(digest[:8], "big") >> (64 - SEED_BITS)
+    else:
+        seed = secrets.randbits(SEED_BITS)
+    return seed or 1
+
+
 def _text_ids(tokenizer: Tokenizer, text: str) -> tuple[int, ...]:
     """Ids to send with a task: none for the emulated backend (they mean nothing)."""
     return () if tokenizer.is_emulated or not text else tuple(tokenizer.encode(text))
@@ -139,8 +162,6 @@ def validate_generate(
         raise InvalidArgument("prompt is empty: send prompt text or prompt_token_ids")
     if has_text and has_ids:
         raise InvalidArgument("send prompt text or prompt_token_ids, not both")
-    if request.max_tokens == 0:
-        raise InvalidArgument("max_tokens must be > 0")
     temperature, top_p = _sampling(request.sampling)
     task_id = (
         scoped_task_id(_check_id("request_id", request.request_id), scope)
@@ -155,20 +176,29 @@ def validate_generate(
         encoded = encode_prompt(tokenizer, request.prompt)  # BOS first for a real model
         num_prompt_tokens = len(encoded)
         prompt_ids = () if tokenizer.is_emulated else tuple(encoded)
-    num_total = num_prompt_tokens + request.max_tokens
+    max_tokens = request.max_tokens or max_context_tokens - num_prompt_tokens
+    if max_tokens <= 0:  # only a defaulted max_tokens gets here
+        raise InvalidArgument(
+            f"the prompt ({num_prompt_tokens} tokens) fills the context limit of "
+            f"{max_context_tokens} tokens, leaving no room for output; shorten the prompt"
+        )
+    num_total = num_prompt_tokens + max_tokens
     if num_total > max_context_tokens:
         raise InvalidArgument(
-            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) = "
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
             f"{num_total} tokens exceeds the context limit of {max_context_tokens} tokens; "
             "shorten the prompt or lower max_tokens"
         )
+    seed = request.sampling.seed
+    if not seed and temperature:
+        seed = draw_seed(task_id, is_named=bool(request.request_id))
 
     task = Task(
         task_id=task_id,
         kind=TaskKind.INFERENCE,
         arrival_s=0.0,
         num_prompt_tokens=num_prompt_tokens,
-        max_output_tokens=request.max_tokens,
+        max_output_tokens=max_tokens,
     )
     payload = TaskPayload(
         prompt_token_ids=prompt_ids,
@@ -176,7 +206,7 @@ def validate_generate(
         temperature=temperature,
         top_p=top_p,
         ignore_eos=request.sampling.ignore_eos,
-        seed=request.sampling.seed,
+        seed=seed,
     )
     return task, payload
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from lemix.cli import workload_args
 from lemix.harness.replay import ReplayConfig, format_lost, run_replay
+from lemix.infra.rpc.auth import API_KEY_ENV
 from lemix.infra.store.keys import DEFAULT_NAMESPACE, RedisKeys
 from lemix.infra.store.server import APPENDFSYNC_POLICIES
 from lemix.planner.registry import POLICIES
@@ -89,6 +90,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         help="the embedded Redis's password [env LEMIX_REDIS_PASSWORD; default: "
         "random per start]; the env var keeps it out of `ps`",
     )
+    _add_api_key_flag(up, "require this API key (comma-separated: several) on the gateway's API")
 
     _add_profile_parser(sub)
 
@@ -120,6 +122,23 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         help="connect with TLS, trusting this CA (PEM) for the gateway's "
         "certificate (default: plaintext)",
     )
+    _add_api_key_flag(rp, "the gateway's API key")
+
+
+def _add_api_key_flag(parser: argparse.ArgumentParser, text: str) -> None:
+    """--api-key, whose default (LEMIX_API_KEY) is read when used, never shown."""
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help=f"{text} [env {API_KEY_ENV}; default: none]; the env var keeps it out of `ps`",
+    )
+
+
+def api_key_arg(args: argparse.Namespace) -> str:
+    """--api-key, else LEMIX_API_KEY, else "" (none)."""
+    given: str | None = getattr(args, "api_key", None)
+    return given if given is not None else os.environ.get(API_KEY_ENV, "")
 
 
 def _add_profile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -336,6 +355,7 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         redis_password=args.redis_password or os.environ.get("LEMIX_REDIS_PASSWORD") or None,
         model=args.model,
         tokenizer=args.tokenizer,
+        api_key=api_key_arg(args),
     )
 
 
@@ -355,6 +375,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         slo_ttft_s=slo.ttft_s,
         slo_tbt_s=slo.tbt_s,
         tls_ca_file=args.tls_ca_file,
+        api_key=api_key_arg(args),
     )
     metrics = asyncio.run(
         run_replay(

@@ -15,8 +15,9 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import grpc.aio
 
 from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc
 from lemix.infra.address import is_host_port
+from lemix.infra.rpc.auth import API_KEY_ENV
 from lemix.infra.rpc.client import channel
 from lemix.infra.rpc.errors import InvalidArgument, Unavailable
 from lemix.infra.rpc.tls import client_tls
@@ -55,6 +57,7 @@ class AuditConfig:
     deadline_s: float = DEFAULT_DEADLINE_S
     json_path: Path | None = None
     tls_ca_file: str = ""  # the CA of a gateway that serves TLS (PEM); "" = plaintext
+    api_key: str = field(default="", repr=False)  # a gateway with --api-key; "" = none
 
     def __post_init__(self) -> None:
         if not is_host_port(self.target):
@@ -110,6 +113,13 @@ def add_audit_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         help="connect with TLS, trusting this CA (PEM) for the gateway's "
         "certificate (default: plaintext)",
     )
+    audit.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help=f"the gateway's API key [env {API_KEY_ENV}; default: none]; the env var "
+        "keeps it out of `ps`",
+    )
 
 
 def audit_config(args: argparse.Namespace) -> AuditConfig:
@@ -120,6 +130,7 @@ def audit_config(args: argparse.Namespace) -> AuditConfig:
         deadline_s=args.deadline,
         json_path=Path(args.json) if args.json else None,
         tls_ca_file=args.tls_ca_file,
+        api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV, ""),
     )
 
 
@@ -128,7 +139,7 @@ async def run_audit(config: AuditConfig, *, now_s: float | None = None) -> Audit
     `InvalidArgument` (it refused the request)."""
     request = gateway_pb2.AuditRequest(min_age_s=config.older_than_s, limit=config.limit)
     credentials = client_tls(config.tls_ca_file) if config.tls_ca_file else None
-    async with channel(config.target, credentials=credentials) as chan:
+    async with channel(config.target, credentials=credentials, api_key=config.api_key) as chan:
         try:
             reply = await gateway_pb2_grpc.GatewayStub(chan).AuditTasks(
                 request, timeout=config.deadline_s
@@ -137,6 +148,11 @@ async def run_audit(config: AuditConfig, *, now_s: float | None = None) -> Audit
             details = f"{err.code().name}: {err.details()}"
             if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgument(f"the gateway refused the audit: {details}") from None
+            if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise InvalidArgument(
+                    f"the gateway refused the audit: {details} (pass --api-key or set "
+                    f"{API_KEY_ENV})"
+                ) from None
             raise Unavailable(f"cannot audit the gateway at {config.target}: {details}") from None
     now_s = time.time() if now_s is None else now_s
     tasks = []

@@ -29,7 +29,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -77,6 +77,7 @@ class ReplayConfig:
     run_id: str | None = None  # prefix of every task id; None: `new_run_id()`
     lookup_deadline_s: float = 10.0  # one snapshot call of the final accounting
     tls_ca_file: str = ""  # the CA of a gateway that serves TLS (PEM); "" = plaintext
+    api_key: str = field(default="", repr=False)  # a gateway with --api-key; "" = none
 
     def __post_init__(self) -> None:
         if ":" not in self.target:
@@ -272,7 +273,7 @@ async def run_replay(
     run_id = config.run_id or new_run_id()
     tracked = {task.task_id: _tracked(task, run_id) for task in tasks}
     credentials = client_tls(config.tls_ca_file) if config.tls_ca_file else None
-    async with channel(config.target, credentials=credentials) as chan:
+    async with channel(config.target, credentials=credentials, api_key=config.api_key) as chan:
         stub = gateway_pb2_grpc.GatewayStub(chan)
         # One time origin on both clocks: the stack stamps task times in epoch s.
         t0, t0_epoch_s = time.monotonic(), time.time()

@@ -50,7 +50,7 @@ from lemix.infra.config import (
     listener_options,
 )
 from lemix.infra.rpc import EXECUTOR_SERVICE, GATEWAY_SERVICE, PROFILER_SERVICE, SCHEDULER_SERVICE
-from lemix.infra.rpc.auth import SERVICE_TOKEN_ENV, generate_token
+from lemix.infra.rpc.auth import API_KEY_ENV, SERVICE_TOKEN_ENV, generate_token, parse_api_keys
 from lemix.infra.store.server import (
     APPENDFSYNC_POLICIES,
     EmbeddedRedis,
@@ -121,8 +121,13 @@ class StackConfig:
     model: str = "tiny-llama"
     tokenizer: str = "bpe:8192"
     torch_threads: int = 1  # per executor process; several share the cores
+    # The gateway's API keys (`--api-key`, comma-separated); "" = the
+    # LEMIX_API_KEY the launcher was given, if any, else an open API. Given to
+    # the gateway alone, in its environment (flags show in `ps`).
+    api_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
+        parse_api_keys(self.api_key)  # ValueError for a malformed key
         if self.num_nodes < 1:
             raise ValueError("--nodes must be >= 1")
         if self.backend not in ("emulated", "torch"):
@@ -167,6 +172,7 @@ class Stack:
         self._supervisors: list[asyncio.Task[None]] = []
         self._failed = asyncio.Event()
         self._service_token = generate_token()
+        self._api_key = ""  # set by `_env`: the config's, else the inherited one
 
     async def __aenter__(self) -> Stack:
         await self.start()
@@ -207,7 +213,22 @@ class Stack:
         env.update({_SERVICE_ENV[name]: value for name, value in specific.items()})
         env["PYTHONUNBUFFERED"] = "1"
         env.update(c.extra_env)
+        # Only the gateway checks API keys: the others never see them.
+        inherited_key = env.pop(API_KEY_ENV, "")
+        self._api_key = c.api_key or inherited_key
         return env
+
+    def _gateway_env(self, env: dict[str, str], scheduler_address: str) -> dict[str, str]:
+        """`_env`'s variables, plus the gateway's own: its scheduler and its API keys."""
+        gateway_env = {**env, _SERVICE_ENV["scheduler_address"]: scheduler_address}
+        if self._api_key:
+            gateway_env[API_KEY_ENV] = self._api_key
+        return gateway_env
+
+    @property
+    def is_api_key_required(self) -> bool:
+        """Whether the gateway was given API keys (known once started)."""
+        return bool(self._api_key)
 
     def _child(
         self,
@@ -290,7 +311,7 @@ class Stack:
                     "gateway",
                     "gateway",
                     GATEWAY_SERVICE,
-                    {**env, _SERVICE_ENV["scheduler_address"]: scheduler.address},
+                    self._gateway_env(env, scheduler.address),
                     GATEWAY,
                     {"port": c.gateway_port, "http_port": c.http_port, "metrics_port": 0},
                 )
@@ -468,6 +489,8 @@ async def run_until_signalled(config: StackConfig) -> int:
     print(f"READY gateway={address} http={stack.http_address}", flush=True)
     for name, metrics in stack.metrics_addresses().items():
         print(f"metrics {name}: http://{metrics}/metrics", flush=True)
+    if stack.is_api_key_required:
+        print("api key: required (Authorization: Bearer <key>; health and metrics open)")
     if stack.redis is not None:
         url_file = _write_redis_url(stack.redis)
         print(

@@ -136,7 +136,10 @@ async def test_request_id_names_the_task_and_token_ids_pass_through(
             gateway_pb2.GenerateRequest(max_tokens=4),
             "prompt is empty: send prompt text or prompt_token_ids",
         ),
-        (_generate(max_tokens=0), "max_tokens must be > 0"),
+        (
+            gateway_pb2.GenerateRequest(prompt_token_ids=[1] * 4096),
+            "the prompt (4096 tokens) fills the context limit of 4096 tokens",
+        ),
         (
             gateway_pb2.GenerateRequest(prompt_token_ids=[1] * 4000, max_tokens=100),
             "prompt (4000 tokens) + max_tokens (100) = 4100 tokens exceeds the context limit "
@@ -149,7 +152,14 @@ async def test_request_id_names_the_task_and_token_ids_pass_through(
         (_generate(sampling=common_pb2.SamplingParams(top_p=1.5)), "sampling.top_p must be"),
         (_generate(request_id="has space"), "request_id must not contain whitespace"),
     ],
-    ids=["empty-prompt", "max-tokens-0", "over-context", "temperature", "top-p", "request-id"],
+    ids=[
+        "empty-prompt",
+        "prompt-fills-context",
+        "over-context",
+        "temperature",
+        "top-p",
+        "request-id",
+    ],
 )
 async def test_invalid_requests_are_invalid_argument(
     gateway: GatewayService,

@@ -12,7 +12,9 @@ from gateway.validate import (
     ANONYMOUS_SCOPE,
     MAX_TEMPERATURE,
     MIN_TEMPERATURE,
+    SEED_BITS,
     client_scope,
+    draw_seed,
     scope_from_headers,
     scoped_task_id,
     validate_generate,
@@ -88,12 +90,50 @@ def test_context_limit_counts_prompt_plus_max_tokens() -> None:
         _validate(over, limit=100)
 
 
+def test_max_tokens_0_means_the_rest_of_the_context() -> None:
+    task, _ = _validate(gateway_pb2.GenerateRequest(prompt_token_ids=[1] * 90), limit=100)
+    assert (task.num_prompt_tokens, task.max_output_tokens) == (90, 10)
+    task, _ = _validate(gateway_pb2.GenerateRequest(prompt="x" * 40))  # 10 approx tokens
+    assert task.max_output_tokens == 4096 - 10
+    task, _ = _validate(gateway_pb2.GenerateRequest(prompt_token_ids=[1] * 99), limit=100)
+    assert task.max_output_tokens == 1
+
+
+def _sampled(seed: int = 0, request_id: str = "", temperature: float = 1.0) -> TaskPayload:
+    request = gateway_pb2.GenerateRequest(
+        prompt="hello",
+        max_tokens=4,
+        request_id=request_id,
+        sampling=common_pb2.SamplingParams(temperature=temperature, seed=seed),
+    )
+    return _validate(request)[1]
+
+
+def test_unseeded_sampling_gets_a_random_seed_per_request() -> None:
+    seeds = {_sampled().seed for _ in range(5)}
+    assert len(seeds) == 5 and all(0 < s < 1 << SEED_BITS for s in seeds)
+    assert _sampled(seed=7).seed == 7  # the client's seed is kept
+    assert _sampled(temperature=0).seed == 0  # greedy ignores the seed: none drawn
+    assert _sampled(seed=7, temperature=0).seed == 7
+
+
+def test_a_named_unseeded_request_gets_the_same_seed_on_a_retry() -> None:
+    # The idempotency check hashes the payload: a retry must carry the same seed.
+    first = _sampled(request_id="job-1").seed
+    assert first != 0 and _sampled(request_id="job-1").seed == first
+    assert _sampled(request_id="job-2").seed != first
+    assert draw_seed("job-1@abc", is_named=True) != draw_seed("job-1", is_named=True)
+
+
 @pytest.mark.parametrize(
     ("request_", "message"),
     [
         (gateway_pb2.GenerateRequest(max_tokens=1), "prompt is empty"),
         (gateway_pb2.GenerateRequest(prompt="a", prompt_token_ids=[1], max_tokens=1), "not both"),
-        (gateway_pb2.GenerateRequest(prompt="a"), "max_tokens must be > 0"),
+        (
+            gateway_pb2.GenerateRequest(prompt_token_ids=[1] * 4096),
+            re.escape("the prompt (4096 tokens) fills the context limit of 4096 tokens"),
+        ),
         (
             gateway_pb2.GenerateRequest(
                 prompt="a", max_tokens=1, sampling=common_pb2.SamplingParams(top_p=-0.1)

@@ -14,7 +14,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from lemix.infra.rpc.auth import client_interceptors
+from lemix.infra.rpc.auth import api_key_interceptors, client_interceptors
 from lemix.infra.rpc.server import MAX_MESSAGE_BYTES
 
 # Deadline for ordinary unary calls between LeMix services, seconds. Submit
@@ -52,6 +52,7 @@ def channel(
     extra_options: Sequence[tuple[str, int | str]] = (),
     service_token: str = "",
     credentials: grpc.ChannelCredentials | None = None,
+    api_key: str = "",
 ) -> grpc.aio.Channel:
     """An asyncio channel to `address` ("host:port"). Close it with
     `await ch.close()` or use it as `async with channel(addr) as ch:`.
@@ -61,11 +62,19 @@ def channel(
     `credentials`: None for plaintext (every internal link); TLS credentials
     (`lemix.infra.rpc.tls.client_tls(ca_file)`) for a gateway that serves TLS, whose
     certificate must then name `address`'s host.
+    `api_key`: a key of a gateway started with `--api-key`, sent on every call
+    as `authorization: Bearer <key>` (not with `service_token`: one header).
     """
     if not address or address.startswith(":") or ":" not in address:
         raise ValueError(f"address must be host:port, got {address!r}")
     options: list[tuple[str, int | str]] = [*channel_options(max_message_bytes), *extra_options]
-    interceptors = client_interceptors(service_token) if service_token else None
+    if service_token and api_key:
+        raise ValueError("a channel sends either the service token or an API key, not both")
+    interceptors: list[grpc.aio.ClientInterceptor] | None = None
+    if service_token:
+        interceptors = client_interceptors(service_token)
+    elif api_key:
+        interceptors = api_key_interceptors(api_key)
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
     return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)

@@ -7,6 +7,8 @@
 - `RequireServiceToken`: every call but health checks must carry the stack's
   service token (`lemix.infra.rpc.auth`); others are answered UNAUTHENTICATED
   before their request is parsed or reaches a servicer.
+- `RequireApiKey`: the same on the gateway's public server, for its API keys;
+  health checks and reflection stay open.
 
 Both rebuild the method handler gRPC found, with the same shape (unary or
 streaming on each side), around a wrapped deserializer or behaviour.
@@ -24,12 +26,19 @@ import grpc
 import grpc.aio
 import structlog
 
-from lemix.infra.rpc.auth import TokenCheck
+from lemix.infra.rpc.auth import ApiKeyCheck, BearerCheck, TokenCheck
 
 log = structlog.get_logger(__name__)
 
 # Probes (kubelet, compose, `lemix up`) carry no token; health says nothing secret.
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
+# On the public gateway, reflection too: it lists the API, which the protos
+# publish anyway, and lets grpcurl find the methods before it is given a key.
+PUBLIC_OPEN_METHOD_PREFIXES = (
+    *OPEN_METHOD_PREFIXES,
+    "/grpc.reflection.v1alpha.ServerReflection/",
+    "/grpc.reflection.v1.ServerReflection/",
+)
 
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
 # (request or request iterator, context) -> what the behaviour is given instead
@@ -192,11 +201,13 @@ def _denied(handler: grpc.RpcMethodHandler, problem: str) -> grpc.RpcMethodHandl
     return _rebuild(handler, deny, lambda data: None)
 
 
-class RequireServiceToken(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED unless the call carries the service token (health stays open)."""
+class RequireBearer(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED unless the call carries a key `check` accepts; methods
+    under `open_prefixes` stay open."""
 
-    def __init__(self, token: str) -> None:
-        self._check = TokenCheck(token)
+    def __init__(self, check: BearerCheck, open_prefixes: tuple[str, ...]) -> None:
+        self._check = check
+        self._open_prefixes = open_prefixes
 
     async def intercept_service(
         self,
@@ -205,10 +216,25 @@ class RequireServiceToken(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
-        if handler is None or method.startswith(OPEN_METHOD_PREFIXES):
+        if handler is None or method.startswith(self._open_prefixes):
             return handler
         problem = self._check.problem(handler_call_details.invocation_metadata)
         if problem is None:
             return handler
         log.warning("rpc.unauthenticated", method=method, reason=problem.split(":")[0])
         return _denied(handler, problem)
+
+
+class RequireServiceToken(RequireBearer):
+    """UNAUTHENTICATED unless the call carries the service token (health stays open)."""
+
+    def __init__(self, token: str) -> None:
+        super().__init__(TokenCheck(token), OPEN_METHOD_PREFIXES)
+
+
+class RequireApiKey(RequireBearer):
+    """UNAUTHENTICATED unless the call carries one of `keys` (health and
+    reflection stay open)."""
+
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        super().__init__(ApiKeyCheck(keys), PUBLIC_OPEN_METHOD_PREFIXES)

@@ -31,7 +31,7 @@ from grpc_reflection.v1alpha import reflection
 
 from lemix.infra.address import join_host_port
 from lemix.infra.rpc.auth import SERVICE_TOKEN_ENV
-from lemix.infra.rpc.guard import MalformedRequests, RequireServiceToken
+from lemix.infra.rpc.guard import MalformedRequests, RequireApiKey, RequireServiceToken
 
 log = structlog.get_logger(__name__)
 
@@ -84,6 +84,7 @@ async def start_server(
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     service_token: str | None = None,
     server_credentials: grpc.ServerCredentials | None = None,
+    api_keys: tuple[str, ...] = (),
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Start a gRPC server; return it, its bound port and its health servicer.
 
@@ -100,6 +101,9 @@ async def start_server(
     `server_credentials`: None serves plaintext (internal services, and the
     gateway unless given a certificate); TLS credentials
     (`lemix.infra.rpc.tls.ServerTls.grpc_credentials`) serve TLS only, on the same port.
+
+    `api_keys`: the public gateway's keys (`lemix.infra.rpc.auth.ApiKeyCheck`);
+    when given, every call but health checks and reflection must carry one.
     """
     if not service_names:
         raise ValueError("start_server needs service_names (e.g. ['lemix.v1.Scheduler'])")
@@ -114,6 +118,8 @@ async def start_server(
             f"can call them; set {SERVICE_TOKEN_ENV} to the same token on every "
             f"service of the stack",
         )
+    if api_keys:  # the public gateway's: outermost as well
+        interceptors.insert(0, RequireApiKey(api_keys))
     server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=interceptors)
     for add, servicer in servicers:
         add(servicer, server)

@@ -10,11 +10,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+import grpc
+import grpc.aio
 import pytest
 from factories import make_planner, make_request, make_training
 
+from gateway.convert import status_for_reason
 from lemix.planner.recording import RecordingPlanner, decision_key, recorded_decision_keys, replay
 from lemix.types import Placement, Task, WeightSync
+from services.scheduler.adapters import dispatch_error
 from services.scheduler.core import (
     DispatchError,
     SchedulerCore,
@@ -34,6 +38,9 @@ class Ports:
         self.states: dict[str, StateWrite] = {}
         self.down: set[int] = set()  # dispatch raises DispatchError
         self.refuse: dict[str, TaskRefused] = {}  # by task id
+        # By task id: the executor answers Dispatch with this status (as gRPC
+        # would, through the adapter's `dispatch_error`).
+        self.rpc_error: dict[str, tuple[grpc.StatusCode, str]] = {}
         self.crash: dict[str, int] = {}  # task id -> raise RuntimeError this many times
         self.num_write_failures = 0  # the next N write_states raise
         self.num_progress_failures = 0
@@ -50,6 +57,12 @@ class Ports:
                 raise DispatchError("UNAVAILABLE: connection refused")
             if task.task_id in self.refuse:
                 raise self.refuse[task.task_id]
+            if task.task_id in self.rpc_error:
+                code, details = self.rpc_error[task.task_id]
+                empty = grpc.aio.Metadata()
+                raise dispatch_error(
+                    placement.node_id, grpc.aio.AioRpcError(code, empty, empty, details=details)
+                )
             if self.crash.get(task.task_id, 0) > 0:
                 self.crash[task.task_id] -= 1
                 raise RuntimeError("redis.exceptions.ConnectionError: pool exhausted")
@@ -138,6 +151,63 @@ async def test_an_executor_refusal_ends_only_that_task_and_the_node_stays_up() -
     await core.on_task(make_request("next", seq=2))
     assert ("next", 0) in ports.dispatched
     assert_replays(events, num_nodes=1)
+
+
+async def test_executor_validation_failures_never_take_a_node_out_of_rotation() -> None:
+    # Issue 11: two bad requests on a 2-node stack (one per node, round robin)
+    # used to make the next valid one fail with 503.
+    core, ports, events = make_core(num_nodes=2)
+    ports.rpc_error["vocab"] = (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "task 'vocab': token id out of the model's vocabulary of 32000",
+    )
+    ports.rpc_error["long"] = (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "task 'long': prompt + max_tokens exceed the model's 2048 positions",
+    )
+    await core.on_task(make_request("vocab"))
+    await core.on_task(make_request("long", seq=1))
+    assert state(ports, "vocab") == (
+        "rejected",
+        None,
+        "INVALID_ARGUMENT: node 0 refused the task: "
+        "task 'vocab': token id out of the model's vocabulary of 32000",
+    )
+    status, _, reason = state(ports, "long")
+    assert status == "rejected" and reason.startswith("RESOURCE_EXHAUSTED: node 1 refused")
+    # The client gets the executor's status (HTTP 400 / 429), not UNAVAILABLE.
+    assert status_for_reason(state(ports, "vocab")[2])[0] is grpc.StatusCode.INVALID_ARGUMENT
+    assert status_for_reason(reason)[0] is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert core.down_nodes == set() and core.dispatch_failed_s == {}
+    assert core.num_refused == 2 and core.num_dispatch_failures == 0
+
+    for i in range(4):  # valid requests run, on every node
+        await core.on_task(make_request(f"ok{i}", seq=2 + i))
+        assert state(ports, f"ok{i}")[0] == "placed"
+    assert {node for task_id, node in ports.dispatched if task_id.startswith("ok")} == {0, 1}
+    assert_replays(events, num_nodes=2)
+
+
+@pytest.mark.parametrize(
+    ("code", "is_refusal"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, True),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, True),
+        (grpc.StatusCode.FAILED_PRECONDITION, True),
+        (grpc.StatusCode.INTERNAL, True),
+        (grpc.StatusCode.UNAVAILABLE, False),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, False),
+    ],
+)
+def test_dispatch_status_is_a_task_refusal_or_a_node_fault(
+    code: grpc.StatusCode, is_refusal: bool
+) -> None:
+    empty = grpc.aio.Metadata()
+    error = dispatch_error(3, grpc.aio.AioRpcError(code, empty, empty, details="why"))
+    assert isinstance(error, TaskRefused) is is_refusal
+    if is_refusal:
+        assert isinstance(error, TaskRefused)
+        assert error.reason == f"{code.name}: node 3 refused the task: why"
 
 
 async def test_a_failed_state_write_keeps_the_placement_and_is_retried() -> None:

@@ -71,7 +71,7 @@ class GatewayServicer:
 
     def Generate(self, request, context):
         """Streams tokens as they are produced. Errors: INVALID_ARGUMENT (empty
-        prompt, non-positive max_tokens, prompt + max_tokens over the context),
+        prompt, prompt + max_tokens over the context),
         RESOURCE_EXHAUSTED (queue full or KV can never fit), UNAVAILABLE (no live
         executor). Cancelling the call cancels the task on its executor.
         """
