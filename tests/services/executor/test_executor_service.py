@@ -188,9 +188,13 @@ async def test_duplicate_dispatch_runs_once(
     await dispatch(stub, task)  # a redelivery: accepted, not run again
     messages = await read_until_end(store, "inf-dup")
     assert [m["n"] for m in messages] == ["1", "2", "3", "4", "5", "5"]
+    node = service.node
+    assert node is not None
+    # The end message is written before the node lets the task go.
+    await wait_until(lambda: node.held_task("inf-dup") is None, what="inf-dup released")
     await dispatch(stub, task)  # also once it has finished
     # A run would have been queued before the reply: the node holds nothing.
-    assert service.node is not None and service.node.held_task("inf-dup") is None
+    assert node.held_task("inf-dup") is None
     state = await node_state(stub)
     assert state.num_running == state.num_waiting == 0
     assert len(await store.read_output("inf-dup")) == 6
