@@ -9,14 +9,13 @@ work with no node to run it.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from factories import make_profile
+from waiting import wait_until
 
 from gateway.config import GatewayConfig
 from gateway.service import GatewayService
@@ -133,12 +132,4 @@ async def eventually(
     predicate: Callable[[], Any], timeout_s: float = 10.0, what: str = "condition"
 ) -> None:
     """Poll `predicate` (sync, or returning an awaitable) until truthy, or fail."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout_s} s"
-        await asyncio.sleep(0.02)
+    await wait_until(predicate, timeout_s=timeout_s, what=what, poll_s=0.02)

@@ -8,10 +8,9 @@ per client and checked against the request they were first used for.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -20,6 +19,7 @@ import pytest
 import redis.asyncio as aioredis
 from gateway_fakes import FakeScheduler, GatewayFactory, Script, TcpProxy, flushed_stats
 from redis.exceptions import ConnectionError as RedisConnectionError
+from waiting import wait_until
 
 from gateway.service import GatewayService
 from gateway.upkeep import BatchedCounters
@@ -48,21 +48,6 @@ async def _collect(
     metadata: tuple[tuple[str, str], ...] = (),
 ) -> list[gateway_pb2.GenerateResponse]:
     return [r async for r in stub.Generate(request, timeout=DEADLINE_S, metadata=metadata)]
-
-
-async def _eventually(
-    predicate: Callable[[], bool | Awaitable[bool]], timeout_s: float = 5.0
-) -> None:
-    """Poll `predicate` (sync or async) until true, failing after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = predicate()
-        if inspect.isawaitable(result):
-            result = await result
-        if result:
-            return
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 async def _read_all(call: Any) -> list[gateway_pb2.GenerateResponse]:
@@ -110,7 +95,7 @@ async def test_a_flood_gets_results_or_resource_exhausted_without_redis_io(
         held = [call for call, outcome in zip(calls, outcomes, strict=True) if outcome == "OK"]
         for call in held:
             call.cancel()
-        await _eventually(lambda: gateway.servicer.num_in_flight == 0)
+        await wait_until(lambda: gateway.servicer.num_in_flight == 0, timeout_s=5.0)
 
     kinds = Counter(outcome.partition(":")[0] for outcome in outcomes)
     assert kinds == {"OK": max_in_flight, "RESOURCE_EXHAUSTED": num_requests - max_in_flight}
@@ -134,7 +119,7 @@ async def test_counters_reach_redis_in_the_background(
     async def flushed() -> bool:
         return (await store.get_stats()).get("num_inference") == 1
 
-    await _eventually(flushed)
+    await wait_until(flushed, timeout_s=5.0)
 
 
 # ------------------------------------------------------------------- leases
@@ -159,12 +144,12 @@ async def test_lease_is_renewed_while_streaming_and_dropped_after(
             assert 0 < await store.client.pttl(lease) <= ttl_s * 1000
             await asyncio.sleep(0.05)
         call.cancel()
-        await _eventually(lambda: fake_scheduler.cancelled_ids() == ["held-1"])
+        await wait_until(lambda: fake_scheduler.cancelled_ids() == ["held-1"], timeout_s=5.0)
 
     async def dropped() -> bool:
         return not await store.client.exists(lease)
 
-    await _eventually(dropped)  # long before it would lapse by itself
+    await wait_until(dropped, timeout_s=5.0)  # long before it would lapse by itself
     assert gateway.servicer.core.leases.live_ids == []
 
 
@@ -178,7 +163,7 @@ async def test_lease_of_a_completed_stream_is_dropped(
     async def dropped() -> bool:
         return not await store.client.exists(store.keys.stream_lease("done-1"))
 
-    await _eventually(dropped)
+    await wait_until(dropped, timeout_s=5.0)
 
 
 # ------------------------------------------------------------------- resume
@@ -268,7 +253,7 @@ async def test_redis_down_past_the_idle_timeout_ends_the_stream_unavailable(
     assert info.value.code() is grpc.StatusCode.UNAVAILABLE
     assert "state store (Redis) unavailable" in (info.value.details() or "")
     assert fake_scheduler.cancelled_ids() == ["cut-off"]  # no executor keeps running it
-    await _eventually(lambda: gateway.servicer.num_in_flight == 0)
+    await wait_until(lambda: gateway.servicer.num_in_flight == 0, timeout_s=5.0)
 
 
 # --------------------------------------------------------------- validation
