@@ -19,7 +19,7 @@ from lemix.infra.address import is_host_port
 from lemix.infra.config import COMMON_CLI_DEFAULTS, GATEWAY, CommonServiceConfig, common_options
 from lemix.infra.rpc.auth import API_KEY_ENV, parse_api_keys
 from lemix.infra.settings import Option, boolean, check_finite
-from lemix.infra.store.keys import STREAM_LEASE_TTL_S
+from lemix.infra.store.keys import DEDUPE_TTL_S, STREAM_LEASE_TTL_S
 
 # The public port in DESIGN.md; `GatewayConfig()` itself defaults to 0 (a free
 # port), which is what tests and `lemix up` with many stacks want.
@@ -62,6 +62,10 @@ class GatewayConfig(CommonServiceConfig):
     # Request counters are summed in memory and written to Redis this often (one
     # round trip), never once per request on the admission path.
     stats_flush_s: float = 1.0
+    # How long a request_id is remembered (its dedupe marker's TTL): a resubmit
+    # within it gets the first task (409 for another payload). Keep it at least
+    # the scheduler's finished_task_ttl_s, so GetTask can always find the task.
+    idempotency_window_s: float = DEDUPE_TTL_S
     tokenizer: str = "approx"  # "approx" (emulated); "bpe:<vocab>", tokenizer.json, model dir
     node_check_s: float = 0.5  # how long "is any executor live?" is cached; 0 = never
     # TLS on the public gRPC and HTTP ports: a PEM certificate (chain) and its
@@ -110,6 +114,7 @@ class GatewayConfig(CommonServiceConfig):
             "stream_idle_timeout_s",
             "stream_lease_ttl_s",
             "stats_flush_s",
+            "idempotency_window_s",
         ):
             check_finite(name, getattr(self, name), allow_zero=False)
         check_finite("node_check_s", self.node_check_s, allow_zero=True)
@@ -233,6 +238,13 @@ _OPTIONS: tuple[Option, ...] = (
         "LEMIX_STATS_FLUSH_S",
         float,
         "write the request counters to Redis this often, seconds",
+    ),
+    Option(
+        "idempotency_window_s",
+        "--idempotency-window-s",
+        "LEMIX_IDEMPOTENCY_WINDOW_S",
+        float,
+        "how long a request_id is remembered (a resubmit gets the first task), seconds",
     ),
     Option(
         "tokenizer",

@@ -156,7 +156,7 @@ class GatewayService(Service):
             await redis.ping()
         except RedisError as exc:
             raise OSError(f"cannot reach Redis at {config.redis_url}: {exc}") from exc
-        store = Store(redis, RedisKeys(config.namespace))
+        store = Store(redis, RedisKeys(config.namespace), dedupe_ttl_s=config.idempotency_window_s)
         scheduler = channel(config.scheduler_address, service_token=config.service_token)
         self.lifecycle.add_client("scheduler channel", scheduler.close)
         core = GatewayCore(config, store, scheduler_pb2_grpc.SchedulerStub(scheduler), tokenizer)

@@ -82,3 +82,11 @@ def test_config_is_frozen() -> None:
     config = GatewayConfig()
     with pytest.raises(AttributeError):
         config.port = 1  # type: ignore[misc]
+
+
+def test_idempotency_window_comes_from_env_and_must_be_positive() -> None:
+    config = from_env_and_args([], env={"LEMIX_IDEMPOTENCY_WINDOW_S": "600"})
+    assert config.idempotency_window_s == 600.0
+    assert GatewayConfig().idempotency_window_s == 24 * 3600.0
+    with pytest.raises(ValueError, match="idempotency_window_s"):
+        GatewayConfig(idempotency_window_s=0.0)

@@ -52,6 +52,15 @@ def test_store_needs_decoded_responses(redis_server: Any) -> None:
 # ------------------------------------------------------------------ intake
 
 
+async def test_the_dedupe_marker_lives_for_the_idempotency_window(
+    redis_client: aioredis.Redis,
+) -> None:
+    store = Store(redis_client, RedisKeys("lemixtest"), dedupe_ttl_s=600.0)
+    assert await store.submit_task(_task("w1")) is True
+    ttl_ms = await redis_client.pttl(store.keys.dedupe("w1"))
+    assert 590_000 < ttl_ms <= 600_000
+
+
 async def test_submit_is_idempotent_by_task_id(store: Store) -> None:
     assert await store.submit_task(_task("t1")) is True
     assert await store.submit_task(_task("t1")) is False
