@@ -69,6 +69,9 @@ class TaskStack:
             "profile_path": self.profile_path,
             "time_scale": TIME_SCALE,
             "heartbeat_s": 0.05,
+            # Not 3 x 0.05 s: every service shares the test's event loop, and a
+            # 150 ms stall on a busy 2-core machine would read as a dead node.
+            "node_ttl_s": 2.0,
             "shutdown_grace_s": 0.5,
             **overrides,
         }
