@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
+from redis_clients import connect_for_tests
 
 from lemix.infra.store.server import EmbeddedRedis
 
@@ -42,7 +43,7 @@ def redis_server() -> Iterator[EmbeddedRedis]:
 @pytest.fixture
 async def redis_client(redis_server: EmbeddedRedis) -> AsyncIterator[aioredis.Redis]:
     """An asyncio client (decode_responses=True) on an empty database."""
-    client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    client = connect_for_tests(redis_server.url)
     await client.flushdb()
     try:
         yield client
