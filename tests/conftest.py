@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
-from redis_clients import connect_for_tests
 
 from lemix.infra.store.server import EmbeddedRedis
 
@@ -43,7 +42,7 @@ def redis_server() -> Iterator[EmbeddedRedis]:
 @pytest.fixture
 async def redis_client(redis_server: EmbeddedRedis) -> AsyncIterator[aioredis.Redis]:
     """An asyncio client (decode_responses=True) on an empty database."""
-    client = connect_for_tests(redis_server.url)
+    client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
     await client.flushdb()
     try:
         yield client

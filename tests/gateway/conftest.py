@@ -21,8 +21,8 @@ if _REPO_ROOT not in sys.path:
 
 import grpc.aio  # noqa: E402
 import pytest  # noqa: E402
+import redis.asyncio as aioredis  # noqa: E402
 from gateway_fakes import FAKE_NODE_ID, FakeScheduler, GatewayFactory  # noqa: E402
-from redis_clients import connect_for_tests  # noqa: E402
 
 from gateway.config import GatewayConfig  # noqa: E402
 from gateway.service import GatewayService  # noqa: E402
@@ -42,7 +42,7 @@ def namespace() -> str:
 
 @pytest.fixture
 async def store(redis_server: EmbeddedRedis, namespace: str) -> AsyncIterator[Store]:
-    client = connect_for_tests(redis_server.url)
+    client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
     try:
         yield Store(client, RedisKeys(namespace))
     finally:
