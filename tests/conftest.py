@@ -4,8 +4,9 @@ Its presence puts `tests/` on `sys.path` (pytest's default prepend import mode),
 so test modules in sub-folders can `import factories`.
 
 Markers by folder: everything under tests/e2e is `e2e` (a whole stack of real
-processes), under tests/faults `faults`; `make test-fast` leaves out those and
-the tests marked `slow`.
+processes), under tests/faults `faults`, under tests/compose `compose` (a
+Docker engine: `make test-compose`, not `make test`); `make test-fast` leaves
+out those and the tests marked `slow`.
 """
 
 # ------------------------------------------------------------------ Redis
@@ -21,7 +22,11 @@ import redis.asyncio as aioredis
 from lemix.infra.store.server import EmbeddedRedis
 
 _TESTS = Path(__file__).resolve().parent
-_FOLDER_MARKERS = {"e2e": pytest.mark.e2e, "faults": pytest.mark.faults}
+_FOLDER_MARKERS = {
+    "e2e": pytest.mark.e2e,
+    "faults": pytest.mark.faults,
+    "compose": pytest.mark.compose,
+}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
