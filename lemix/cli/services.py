@@ -24,6 +24,7 @@ from lemix.planner.registry import POLICIES
 from lemix.profile import Profile, default_profile_path, load_profile, torch_cpu_profile_path
 from lemix.report.metrics import LATENCY_TABLE_ROWS, OUTCOME_TABLE_ROWS, format_table
 from lemix.slo import SloConfig, compute_slo
+from lemix.stack.containers import ContainerConfig, run_containers_until_signalled
 from lemix.stack.launcher import StackConfig, run_until_signalled
 from lemix.workload import build_workload
 
@@ -91,6 +92,24 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         "random per start]; the env var keeps it out of `ps`",
     )
     _add_api_key_flag(up, "require this API key (comma-separated: several) on the gateway's API")
+    up.add_argument(
+        "--runtime",
+        default="process",
+        choices=("process", "docker"),
+        help="process: each service a supervised local process (default); docker: each "
+        "service a container of --image through the Docker SDK (needs a Docker engine)",
+    )
+    up.add_argument("--image", default="lemix:cpu", help="docker: the LeMix image")
+    up.add_argument("--redis-image", default="redis:7.4-alpine", help="docker: the Redis image")
+    up.add_argument(
+        "--project", default="lemix", help="docker: prefix of the containers' names and label"
+    )
+    up.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=0,
+        help="docker: GPUs each executor reserves (node i: GPUs i*k..i*k+k-1; default 0)",
+    )
 
     _add_profile_parser(sub)
 
@@ -360,7 +379,16 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    return asyncio.run(run_until_signalled(stack_config(args)))
+    config = stack_config(args)
+    if args.runtime == "docker":
+        containers = ContainerConfig(
+            image=args.image,
+            redis_image=args.redis_image,
+            project=args.project,
+            gpus_per_node=args.gpus_per_node,
+        )
+        return run_containers_until_signalled(config, containers)
+    return asyncio.run(run_until_signalled(config))
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

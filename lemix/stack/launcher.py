@@ -72,7 +72,7 @@ _NUM_PORT_ATTEMPTS = 3  # a picked port taken before the child binds it: pick ag
 # logging, token, each service's host and ports) come from lemix.infra.config;
 # these are spelled here because lemix.stack may not import the services.
 # tests/test_launcher.py checks each against its service's option table.
-_SERVICE_ENV = {
+SERVICE_ENV = {
     "policy": "LEMIX_POLICY",  # scheduler
     "num_nodes": "LEMIX_NUM_NODES",  # scheduler
     "train_rate": "LEMIX_TRAIN_RATE",  # scheduler
@@ -148,6 +148,49 @@ class StackConfig:
                 raise ValueError(f"{name} must be in 0..65535, got {getattr(self, name)}")
 
 
+def stack_env(
+    config: StackConfig,
+    *,
+    redis_url: str,
+    service_token: str,
+    profile_path: str | None = None,
+) -> dict[str, str]:
+    """The LEMIX_* variables every service of `config`'s stack is given (each
+    reads those it has an option for): Redis, namespace, the internal token,
+    the policy and the backend. `profile_path` overrides the config's (a
+    container sees the file elsewhere). No listener and no API key: those
+    are per service."""
+    c = config
+    shared = {
+        "redis_url": redis_url,
+        "namespace": c.namespace,
+        "log_format": "json",
+        "service_token": service_token,
+    }
+    specific = {
+        "policy": c.policy,
+        "num_nodes": str(c.num_nodes),
+        "time_scale": repr(c.time_scale),
+        "latency_noise_cv": repr(c.latency_noise_cv),
+        "max_batch_size": str(c.max_batch_size),
+        "train_rate": repr(c.train_rate),
+    }
+    profile = profile_path or (str(c.profile_path) if c.profile_path is not None else None)
+    if profile is not None:
+        specific["profile_path"] = profile
+    if c.backend == "torch":
+        specific.update(
+            backend="torch",
+            model=c.model,
+            tokenizer=c.tokenizer,
+            torch_threads=str(c.torch_threads),
+        )
+    return {
+        **{SHARED_ENV[name]: value for name, value in shared.items()},
+        **{SERVICE_ENV[name]: value for name, value in specific.items()},
+    }
+
+
 def _print_report(message: str) -> None:
     print(f"lemix up: {message}", file=sys.stderr, flush=True)
 
@@ -183,34 +226,11 @@ class Stack:
 
     def _env(self, redis_url: str) -> dict[str, str]:
         c = self.config
-        shared = {
-            "redis_url": redis_url,
-            "namespace": c.namespace,
-            "log_format": "json",
-            # Internal RPCs require this token; one per stack (kept across
-            # restarts of a child: `_env` runs once per start).
-            "service_token": os.environ.get(SERVICE_TOKEN_ENV) or self._service_token,
-        }
-        specific = {
-            "policy": c.policy,
-            "num_nodes": str(c.num_nodes),
-            "time_scale": repr(c.time_scale),
-            "latency_noise_cv": repr(c.latency_noise_cv),
-            "max_batch_size": str(c.max_batch_size),
-            "train_rate": repr(c.train_rate),
-        }
-        if c.profile_path is not None:
-            specific["profile_path"] = str(c.profile_path)
-        if c.backend == "torch":
-            specific.update(
-                backend="torch",
-                model=c.model,
-                tokenizer=c.tokenizer,
-                torch_threads=str(c.torch_threads),
-            )
         env = dict(os.environ)
-        env.update({SHARED_ENV[name]: value for name, value in shared.items()})
-        env.update({_SERVICE_ENV[name]: value for name, value in specific.items()})
+        # Internal RPCs require this token; one per stack (kept across
+        # restarts of a child: `_env` runs once per start).
+        token = os.environ.get(SERVICE_TOKEN_ENV) or self._service_token
+        env.update(stack_env(c, redis_url=redis_url, service_token=token))
         env["PYTHONUNBUFFERED"] = "1"
         env.update(c.extra_env)
         # Only the gateway checks API keys: the others never see them.
@@ -220,7 +240,7 @@ class Stack:
 
     def _gateway_env(self, env: dict[str, str], scheduler_address: str) -> dict[str, str]:
         """`_env`'s variables, plus the gateway's own: its scheduler and its API keys."""
-        gateway_env = {**env, _SERVICE_ENV["scheduler_address"]: scheduler_address}
+        gateway_env = {**env, SERVICE_ENV["scheduler_address"]: scheduler_address}
         if self._api_key:
             gateway_env[API_KEY_ENV] = self._api_key
         return gateway_env
@@ -246,7 +266,7 @@ class Stack:
         now and kept for every restart.
         """
         variables = {opt.field: opt.env for opt in listener_options(prefix)}
-        variables.update(_SERVICE_ENV)
+        variables.update(SERVICE_ENV)
         picked = [variables[port_field] for port_field, port in ports.items() if port == 0]
         fixed = {variables[port_field]: str(port) for port_field, port in ports.items() if port}
         fixed.update(
@@ -279,7 +299,7 @@ class Stack:
                     f"executor-{i}",
                     "services.executor",
                     EXECUTOR_SERVICE,
-                    {**env, _SERVICE_ENV["node_id"]: str(i)},
+                    {**env, SERVICE_ENV["node_id"]: str(i)},
                     EXECUTOR,
                     {"port": 0, "metrics_port": 0},
                 )

@@ -213,7 +213,7 @@ def _service_options() -> list[Option]:
 
 def test_service_variables_the_launcher_spells_are_the_services_own() -> None:
     options = _service_options()
-    for field, env in launcher._SERVICE_ENV.items():
+    for field, env in launcher.SERVICE_ENV.items():
         assert any(o.field == field and o.env == env for o in options), (field, env)
 
 
