@@ -54,10 +54,11 @@ RUN python3 -m venv /opt/venv \
 WORKDIR /src
 # The dependencies first, read from pyproject.toml alone, so a source change
 # rebuilds only the last layer (torch is already satisfied).
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
 RUN /opt/venv/bin/python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" >/tmp/requirements.txt \
  && /opt/venv/bin/pip install --no-cache-dir -r /tmp/requirements.txt
-# Sources only (see .dockerignore).
+# Sources only (see .dockerignore); README.md is the package's long description.
+COPY README.md ./
 COPY lemix ./lemix
 COPY services ./services
 COPY gateway ./gateway

@@ -11,6 +11,7 @@ shipped files'. Containers are found by their compose labels.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -63,17 +64,33 @@ def has_image(client: docker.DockerClient, name: str) -> bool:
 
 
 def build_image(client: docker.DockerClient) -> tuple[str, float]:
-    """Build `lemix-ci:cpu` from the repo; (tag, seconds it took)."""
+    """Build `lemix-ci:cpu` from the repo; (tag, seconds it took).
+
+    The classic builder leaves the `build` stage as an untagged image; it is
+    built and tagged first (`lemix-ci:build`, all cached the second time), so
+    that the previous run's images of both tags can be removed, not left to
+    pile up (~3.6 GB per source change)."""
     base = LOCAL_BASE_IMAGE if has_image(client, LOCAL_BASE_IMAGE) else None
     args = {"VARIANT": "cpu", **({"BASE_IMAGE": base} if base else {})}
-    tag = f"{IMAGE_REPO}:cpu"
+    tags = {"build": f"{IMAGE_REPO}:build", "runtime": f"{IMAGE_REPO}:cpu"}
+    previous = {t: client.images.get(t).id for t in tags.values() if has_image(client, t)}
     start_s = time.monotonic()
-    try:
-        client.images.build(path=str(REPO), tag=tag, buildargs=args, rm=True, forcerm=True)
-    except docker.errors.BuildError as exc:
-        tail = "".join(str(line.get("stream", line)) for line in list(exc.build_log)[-30:])
-        raise AssertionError(f"docker build failed: {exc}\n{tail}") from exc
-    return tag, time.monotonic() - start_s
+    built = {}
+    for target, tag in tags.items():
+        try:
+            image, _ = client.images.build(
+                path=str(REPO), tag=tag, target=target, buildargs=args, rm=True, forcerm=True
+            )
+        except docker.errors.BuildError as exc:
+            tail = "".join(str(line.get("stream", line)) for line in list(exc.build_log)[-30:])
+            raise AssertionError(f"docker build failed: {exc}\n{tail}") from exc
+        built[tag] = image.id
+    took_s = time.monotonic() - start_s
+    for tag, old_id in previous.items():
+        if old_id != built[tag]:
+            with contextlib.suppress(docker.errors.APIError):
+                client.images.remove(old_id, noprune=False)
+    return tags["runtime"], took_s
 
 
 def free_port() -> int:
