@@ -196,6 +196,21 @@ class ComposeProject:
                 return found
             time.sleep(0.5)
 
+    def partition(self, container: Container, seconds: float) -> None:
+        """Disconnect `container` from the project's network for `seconds`,
+        then connect it again under the same aliases and, where the engine
+        allows it, the same address."""
+        container.reload()
+        ((network_name, endpoint),) = container.attrs["NetworkSettings"]["Networks"].items()
+        network = self.client.networks.get(network_name)
+        aliases = [a for a in endpoint.get("Aliases") or [] if a != container.id[:12]]
+        network.disconnect(container)
+        time.sleep(seconds)
+        try:
+            network.connect(container, aliases=aliases, ipv4_address=endpoint["IPAddress"])
+        except docker.errors.APIError:  # only networks with a user-set subnet take an address
+            network.connect(container, aliases=aliases)
+
     def leftovers(self) -> dict[str, list[str]]:
         """What the project still has in the engine (after `down -v`: nothing)."""
         label = {"label": f"com.docker.compose.project={self.name}"}

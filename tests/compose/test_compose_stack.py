@@ -4,7 +4,8 @@ One project (`docker-compose.yml` + `docker-compose.cpu.yml`, emulated
 backend, `LEMIX_NUM_NODES=3`) runs for the whole module. Its executors start
 as 2 replicas and are scaled to 3 while traffic flows; then one executor
 container is killed, the scheduler container restarted and the Redis container
-paused for 5 s, each during a load. Every case reads every task id's final
+paused for 5 s and an executor cut off the network for 5 s, each during a
+load. Every case reads every task id's final
 state back through the published gateway (`lemix.harness.faults.account`):
 0 lost, 0 ghosts, every failure with a reason. The last test takes the
 project down (`down -v`) and checks that nothing of it is left in the engine.
@@ -185,6 +186,15 @@ async def test_pause_the_redis_container_for_5_s(project: ComposeProject) -> Non
             redis.unpause()
 
     await _load_through(project, "redis_pause_5s", pause)
+
+
+async def test_cut_an_executor_off_the_network_for_5_s(project: ComposeProject) -> None:
+    async def partition(stub: gateway_pb2_grpc.GatewayStub) -> None:
+        assert await wait_until_held(stub, 1), "node 1 never held work"
+        container = project.node_ids()[1]
+        await asyncio.to_thread(project.partition, container, 5.0)
+
+    await _load_through(project, "executor_partition_5s", partition)
 
 
 def test_down_leaves_nothing_behind(project: ComposeProject) -> None:
