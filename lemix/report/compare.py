@@ -41,6 +41,9 @@ AGG_METRICS: tuple[tuple[str, str], ...] = (
     ("ttft_p99_s", "ttft_s.p99"),
     ("tbt_p50_s", "tbt_s.p50"),
     ("training_samples_s", "training_samples_s"),
+    ("training_samples_s_window", "training_samples_s_window"),
+    ("training_backlog_end", "training_backlog_end"),
+    ("num_failed", "num_failed"),
     ("serving_staleness_updates", "serving_staleness_updates"),
     ("utilization", "utilization"),
     ("throughput_tasks_s_paper", "throughput_tasks_s_paper"),
@@ -58,6 +61,8 @@ TABLE_COLUMNS: list[tuple[str, str]] = [
     ("ttft_p99_s", "TTFT p99 s"),
     ("tbt_p50_s", "TBT p50 s"),
     ("training_samples_s", "train smp/s"),
+    ("training_samples_s_window", "in-window smp/s"),
+    ("num_failed", "failed"),
     ("serving_staleness_updates", "staleness"),
 ]
 

@@ -16,6 +16,14 @@ written by `sim`, `replay` and `compare`. Definitions:
 - goodput_rps divides the SLO-meeting requests by the arrival window
   (duration_s): the rate of good answers for the offered load. Dividing by the
   makespan would let a few long decodes in the drain tail swing it.
+- Training delivered is judged inside the same window, [0, duration_s]:
+  training_samples_s_window = samples of training tasks finished by its end /
+  duration_s; training_backlog_end = samples offered in it not finished by
+  then. A policy that holds training back and drains it afterwards shows a
+  low window rate and a large backlog, where training_samples_s (over the
+  makespan, drain included) would not tell.
+- Requests/s, output tokens/s and training samples/s are separate keys,
+  never summed (throughput_tasks_s, the contract's sum, stays for it).
 Every value is JSON-safe: no NaN or inf, None where undefined.
 """
 
@@ -62,6 +70,9 @@ EXTRA_KEYS: tuple[str, ...] = (
     "slo_ttft_s",
     "slo_tbt_s",
     "makespan_s",
+    "throughput_requests_s",
+    "training_samples_s_window",
+    "training_backlog_end",
 )
 
 # Two-sided 95% critical values of Student's t (the standard t table, e.g.
@@ -118,6 +129,9 @@ OUTCOME_TABLE_ROWS: tuple[tuple[str, str], ...] = (
     ("goodput_rps", "goodput (req/s)"),
     ("throughput_tasks_s", "throughput (tasks/s)"),
     ("throughput_tokens_s", "throughput (tokens/s)"),
+    ("throughput_requests_s", "throughput (requests/s)"),
+    ("training_samples_s_window", "training samples/s (in window)"),
+    ("training_backlog_end", "training backlog at window end (samples)"),
 )
 LATENCY_TABLE_ROWS: tuple[tuple[str, str], ...] = (
     ("ttft_s.p50", "TTFT p50 (s)"),
@@ -163,6 +177,20 @@ def summarize(
     num_met = sum(1 for r in done_inf if _meets_slo(r, slo_ttft_s, slo_tbt_s))
     num_tokens = sum(r.num_output_tokens for r in done_inf)
     num_samples = sum(r.batch_size for r in done_trn)
+    window_end_s = duration_s
+    num_samples_window = sum(
+        r.batch_size for r in done_trn if r.finish_s is not None and r.finish_s <= window_end_s
+    )
+    num_samples_backlog = sum(
+        r.batch_size
+        for r in training
+        if r.arrival_s <= window_end_s
+        and not (
+            r.status is TaskStatus.COMPLETED
+            and r.finish_s is not None
+            and r.finish_s <= window_end_s
+        )
+    )
     ttft = [_ttft(r) for r in done_inf]
     tbt = [t for t in (_tbt(r) for r in done_inf) if t is not None]
     e2e = [_e2e(r) for r in done_inf]
@@ -202,6 +230,9 @@ def summarize(
         "slo_ttft_s": _safe(slo_ttft_s),
         "slo_tbt_s": _safe(slo_tbt_s),
         "makespan_s": _safe(makespan_s),
+        "throughput_requests_s": _ratio(len(done_inf), makespan_s),
+        "training_samples_s_window": _ratio(num_samples_window, duration_s),
+        "training_backlog_end": num_samples_backlog,
     }
     return {key: values[key] for key in METRIC_KEYS + EXTRA_KEYS}
 

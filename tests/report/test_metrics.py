@@ -190,3 +190,27 @@ def test_format_table() -> None:
     assert len({len(line) for line in lines[:3]}) == 1  # fixed width
     assert lines[3].startswith("separate")
     assert lines[2].index(" 12 ") + 3 == lines[3].index(" 3 ") + 2  # numbers right-aligned
+
+
+def test_training_is_judged_inside_the_arrival_window() -> None:
+    """Held-back training drained after the window shows as a low window rate
+    and a backlog, which the makespan rate hides (issue 10)."""
+
+    def trn(task_id: str, arrival: float, finish: float | None, samples: int) -> TaskRecord:
+        status = DONE if finish is not None else TaskStatus.FAILED
+        return TaskRecord(
+            task_id, TRN, arrival, 10, batch_size=samples, status=status, finish_s=finish
+        )
+
+    recs = [
+        inf("a", 0.0, 0.5, 2.5, 5),
+        trn("t1", 0.5, 3.0, 2),  # finished inside the 5 s window
+        trn("t2", 1.0, 9.0, 3),  # drained after it
+        trn("t3", 4.0, None, 4),  # never finished
+        trn("t4", 6.0, 8.0, 5),  # offered after the window: neither
+    ]
+    m = run(recs)
+    assert m["training_samples_s_window"] == pytest.approx(2 / 5)
+    assert m["training_backlog_end"] == 3 + 4
+    assert m["training_samples_s"] == pytest.approx((2 + 3 + 5) / 10)
+    assert m["throughput_requests_s"] == pytest.approx(1 / 10)
