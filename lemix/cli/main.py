@@ -18,7 +18,12 @@ from typing import Any
 
 from lemix.batching import BatchingConfig
 from lemix.cli.engine_args import add_engine_args, engine_knobs
-from lemix.cli.workload_args import DEMO_DURATION_S, WORKLOADS, workload_config
+from lemix.cli.workload_args import (
+    DEMO_DURATION_S,
+    WORKLOADS,
+    add_segment_args,
+    workload_config,
+)
 from lemix.infra.rpc.errors import ServiceError
 from lemix.planner.registry import POLICIES
 from lemix.profile import Profile, default_profile_path, load_profile
@@ -173,6 +178,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
         help="resample lengths from this Azure CSV (with Poisson arrivals)",
     )
     p.add_argument("--train-data", metavar="FILE", help="hh-rlhf JSON lines: training lengths")
+    add_segment_args(p)
     p.add_argument(
         "--workload",
         choices=WORKLOADS,

@@ -124,6 +124,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     rp.add_argument("--trace", metavar="FILE", help="Azure-format CSV to replay")
     rp.add_argument("--lengths-from", metavar="FILE", help="resample lengths from an Azure CSV")
     rp.add_argument("--train-data", metavar="FILE", help="hh-rlhf JSON lines: training lengths")
+    workload_args.add_segment_args(rp)
     rp.add_argument("--train-rate", type=float, default=0.0)
     rp.add_argument("--duration", type=float, help="arrival window in s (default 60)")
     rp.add_argument("--seed", type=int, default=0)

@@ -15,6 +15,24 @@ DEMO_DURATION_S = 60.0  # `lemix demo`, and Poisson runs given no --duration
 WORKLOADS = ("conversation", "long-prompt")
 
 
+def add_segment_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--segments",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --trace: cut it into N disjoint slices of equal request counts (default 1)",
+    )
+    p.add_argument(
+        "--segment",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --segments: replay slice K (0-based), time-scaled by --poisson RATE; "
+        "`compare` replays slice seed mod N for each seed",
+    )
+
+
 def workload_config(
     args: argparse.Namespace, rate: float | None, train_rate: float, seed: int
 ) -> WorkloadConfig:
@@ -50,8 +68,12 @@ def workload_config(
             trace_path=args.trace,
             request_rate=rate or _trace_rate_rps(args.trace),
             duration_s=args.duration,
+            num_segments=args.segments,
+            segment=args.segment,
             **common,
         )
+    if getattr(args, "segments", 1) != 1 or getattr(args, "segment", 0) != 0:
+        raise ValueError("--segments/--segment slice a trace replay: give --trace FILE")
     if rate is None:
         raise ValueError("give arrivals: --poisson RATE or --trace FILE")
     lengths = (

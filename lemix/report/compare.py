@@ -183,7 +183,15 @@ def run_sweep(
     jobs = [
         _PointJob(
             sweep.policies,
-            replace(workload, request_rate=rate, train_rate=train, seed=seed),
+            # With trace segments, seed k replays segment k mod N: repetitions
+            # then differ in their arrivals, not only in their noise.
+            replace(
+                workload,
+                request_rate=rate,
+                train_rate=train,
+                seed=seed,
+                segment=seed % workload.num_segments,
+            ),
             template,
             profile,
         )

@@ -42,6 +42,28 @@ class AzureTrace(NamedTuple):
         return self.num_requests / self.duration_s if self.duration_s > 0 else 0.0
 
 
+def segment(trace: AzureTrace, index: int, num_segments: int) -> AzureTrace:
+    """The `index`-th (0-based) of `num_segments` disjoint slices of equal row
+    counts (the first ones one row longer when n does not divide), its times
+    rebased to its first arrival: different segments replay different
+    requests, so runs over segments vary the arrivals, not only the noise."""
+    if num_segments < 1:
+        raise ValueError(f"--segments must be >= 1, got {num_segments}")
+    if not 0 <= index < num_segments:
+        raise ValueError(f"--segment must be in 0..{num_segments - 1}, got {index}")
+    if trace.num_requests < 2 * num_segments:
+        raise ValueError(
+            f"a trace of {trace.num_requests} requests cannot make {num_segments} "
+            f"segments of at least 2 requests"
+        )
+    bounds = np.linspace(0, trace.num_requests, num_segments + 1).round().astype(np.int64)
+    rows = slice(int(bounds[index]), int(bounds[index + 1]))
+    arrival_s = trace.arrival_s[rows]
+    return AzureTrace(
+        arrival_s - arrival_s[0], trace.prompt_tokens[rows], trace.output_tokens[rows]
+    )
+
+
 def parse_timestamp(text: str) -> tuple[float, float]:
     """Split a timestamp into (whole seconds since the epoch, fraction).
 

@@ -81,6 +81,10 @@ class WorkloadConfig:
     train_data_path: str | None = None
     chars_per_token: float = DEFAULT_CHARS_PER_TOKEN
     burst_cv: float = 3.0  # "long-prompt": CV of the Gamma inter-arrival gaps
+    # "trace": replay the `segment`-th (0-based) of `num_segments` disjoint
+    # equal slices of the trace (`lemix.workload.azure_csv.segment`).
+    num_segments: int = 1
+    segment: int = 0
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -106,6 +110,12 @@ class WorkloadConfig:
             raise ValueError("a trace source or trace lengths need trace_path")
         if not (math.isfinite(self.burst_cv) and self.burst_cv > 0):
             raise ValueError(f"burst_cv must be > 0, got {self.burst_cv}")
+        if self.num_segments < 1 or not 0 <= self.segment < self.num_segments:
+            raise ValueError(
+                f"segment must be in 0..num_segments-1, got {self.segment} of {self.num_segments}"
+            )
+        if self.num_segments > 1 and self.source != "trace":
+            raise ValueError("segments slice a trace replay: give --trace FILE")
         if self.source == "long-prompt" and self.length_source == "trace":
             raise ValueError("the long-prompt source draws its own lengths: no trace lengths")
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lemix.types import TaskKind
-from lemix.workload.azure_csv import AzureTrace, read_azure_csv, time_scale
+from lemix.workload.azure_csv import AzureTrace, read_azure_csv, segment, time_scale
 from lemix.workload.base import (
     HH_RLHF_SEQ_MEAN,
     HH_RLHF_SEQ_MEDIAN,
@@ -118,7 +118,7 @@ def _inference_stream(config: WorkloadConfig, data: WorkloadData) -> tuple[TaskS
     rng_arrivals = stream_rng(config.seed, STREAM_INFERENCE_ARRIVALS)
     rng_lengths = stream_rng(config.seed, STREAM_INFERENCE_LENGTHS)
     if config.source == "trace":
-        trace = _require_trace(data)
+        trace = segment(_require_trace(data), config.segment, config.num_segments)
         scaled = time_scale(trace.arrival_s, config.request_rate)
         # The whole scaled trace spans n mean gaps; a longer window would leave
         # a tail with training only, so the window is capped there.

@@ -9,7 +9,7 @@ import pytest
 
 from lemix.types import TaskKind
 from lemix.workload import WorkloadConfig, build_workload, read_azure_csv, time_scale
-from lemix.workload.azure_csv import describe, parse_timestamp
+from lemix.workload.azure_csv import describe, parse_timestamp, segment
 
 HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 
@@ -162,3 +162,38 @@ def test_describe_reports_medians(small_trace: Path) -> None:
     assert stats["num_requests"] == 4
     assert stats["prompt_median"] == pytest.approx((374 + 396) / 2)
     assert stats["output_median"] == pytest.approx((44 + 55) / 2)
+
+
+def test_segments_are_disjoint_equal_slices_rebased_to_zero(small_trace: Path) -> None:
+    trace = read_azure_csv(small_trace)
+    first, second = segment(trace, 0, 2), segment(trace, 1, 2)
+    assert list(first.prompt_tokens) == [374, 396] and list(second.prompt_tokens) == [879, 91]
+    assert list(first.arrival_s) == pytest.approx([0.0, 1.0])
+    assert list(second.arrival_s) == pytest.approx([0.0, 1.0])  # 3 s and 4 s, rebased
+    assert list(segment(trace, 0, 1).prompt_tokens) == [374, 396, 879, 91]
+
+
+@pytest.mark.parametrize(
+    ("index", "num", "match"),
+    [(2, 2, "--segment must be in 0..1"), (0, 0, "--segments must be >= 1"), (0, 3, "cannot make")],
+)
+def test_bad_segments_are_refused(small_trace: Path, index: int, num: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        segment(read_azure_csv(small_trace), index, num)
+
+
+def test_trace_workload_replays_the_chosen_segment(small_trace: Path) -> None:
+    def lengths(k: int) -> list[int]:
+        cfg = WorkloadConfig(
+            source="trace",
+            trace_path=str(small_trace),
+            request_rate=1.0,
+            duration_s=None,
+            num_segments=2,
+            segment=k,
+        )
+        return [t.num_prompt_tokens for t in build_workload(cfg).tasks]
+
+    assert lengths(0) == [374, 396] and lengths(1) == [879, 91]
+    with pytest.raises(ValueError, match="segments slice a trace replay"):
+        WorkloadConfig(source="poisson", num_segments=2)
