@@ -43,7 +43,9 @@ class GatewayConfig(CommonServiceConfig):
     # that port turns it off and scrapes `metrics_port` inside its network.
     is_http_metrics_enabled: bool = True
     scheduler_address: str = DEFAULT_SCHEDULER_ADDRESS  # host:port
-    max_context_tokens: int = 4096  # prompt + max_tokens must fit
+    # prompt + max_tokens must fit in this and in the model's max_model_len (as
+    # executors publish it); 0 = the model's alone (4096 when none publishes one).
+    max_context_tokens: int = 0
     max_in_flight: int = 1024  # concurrent Generate streams; more get RESOURCE_EXHAUSTED
     # One Train call carries at most this many samples (each becomes Submit work
     # and intake state before the call answers); more is INVALID_ARGUMENT.
@@ -100,8 +102,11 @@ class GatewayConfig(CommonServiceConfig):
                 f"got {self.served_model_name!r}"
             )
         _check_address("scheduler_address", self.scheduler_address)
+        if self.max_context_tokens < 0:
+            raise ValueError(
+                f"max_context_tokens must be >= 0 (0 = the model's), got {self.max_context_tokens}"
+            )
         for name in (
-            "max_context_tokens",
             "max_in_flight",
             "max_train_samples",
             "max_train_batch_size",
@@ -181,7 +186,8 @@ _OPTIONS: tuple[Option, ...] = (
         "--max-context-tokens",
         "LEMIX_MAX_CONTEXT_TOKENS",
         int,
-        "prompt + max_tokens must fit in this many tokens",
+        "prompt + max_tokens must fit in this many tokens, and in the served model's "
+        "max_model_len (0 = the model's; 4096 when no executor publishes one)",
     ),
     Option(
         "max_in_flight",

@@ -6,7 +6,8 @@ Routes (docs/api.md shows them in use):
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: non-streaming, or
   ``"stream": true`` as server-sent events (``data: {chunk}`` lines, then
   ``data: [DONE]``; ``stream_options.include_usage`` adds a usage chunk).
-- ``GET /v1/models`` (and ``/v1/models/{model}``): the served model.
+- ``GET /v1/models`` (and ``/v1/models/{model}``): the served model, with its
+  ``max_model_len`` (`gateway.model_limits.context_tokens`).
 - ``POST /v1/lemix/train``: training samples -> task ids (LeMix's extension).
 - ``GET /v1/lemix/tasks/{id}``: one task's state (`lemix.infra.task_states`), as
   gRPC's GetTask: 404 for an unknown id, 400 for a malformed one.
@@ -60,6 +61,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from gateway.config import GatewayConfig
 from gateway.core import BUSY_RETRY_AFTER_S, NO_EXECUTOR_MESSAGE, GatewayCore
+from gateway.model_limits import context_tokens
 from gateway.observe import GenerateObservation, SloCache, code_of, observe_training
 from gateway.openai_convert import (
     BadRequest,
@@ -336,11 +338,18 @@ class HttpApi:
         return await self._complete(request, parse_chat)
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(models_body(self.config.served_model_name, self._created))
+        body = models_body(self.config.served_model_name, self._created, await self._max_len())
+        return web.json_response(body)
 
     async def model(self, request: web.Request) -> web.Response:
         check_model({"model": request.match_info["model"]}, self.config.served_model_name)
-        return web.json_response(model_body(self.config.served_model_name, self._created))
+        body = model_body(self.config.served_model_name, self._created, await self._max_len())
+        return web.json_response(body)
+
+    async def _max_len(self) -> int:
+        """The context limit requests are checked against (`gateway.model_limits`)."""
+        limits = await self.core.model_limits.get()
+        return context_tokens(self.config.max_context_tokens, limits)
 
     async def train(self, request: web.Request) -> web.Response:
         task_ids = await observe_training(self._train(request), len, _http_code_of)

@@ -87,13 +87,21 @@ def error_for_status(status: int, message: str) -> Json:
 # ----------------------------------------------------------------- models
 
 
-def model_body(served_model: str, created: int) -> Json:
-    return {"id": served_model, "object": "model", "created": created, "owned_by": "lemix"}
+def model_body(served_model: str, created: int, max_model_len: int) -> Json:
+    """One model; `max_model_len` is the context limit requests are checked
+    against (prompt + max_tokens), as vLLM reports it."""
+    return {
+        "id": served_model,
+        "object": "model",
+        "created": created,
+        "owned_by": "lemix",
+        "max_model_len": max_model_len,
+    }
 
 
-def models_body(served_model: str, created: int) -> Json:
+def models_body(served_model: str, created: int, max_model_len: int) -> Json:
     """GET /v1/models: the one model this gateway serves."""
-    return {"object": "list", "data": [model_body(served_model, created)]}
+    return {"object": "list", "data": [model_body(served_model, created, max_model_len)]}
 
 
 # ------------------------------------------------------------ completions

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from lemix.engine import NodeEngine, StageStart
+from lemix.infra.store.model_limits import ModelLimits
 from lemix.types import Task, TaskPayload
 from services.executor.convert import MeasureResult, MeasureSpec, SyncDirection
 
@@ -104,6 +105,11 @@ class ExecutorBackend(Protocol):
 
     def used_bytes(self) -> list[int]:
         """Memory each stage really holds, measured (empty: nothing measured)."""
+        ...
+
+    def model_limits(self) -> ModelLimits | None:
+        """The model's vocabulary and positions, published with every heartbeat
+        so the gateway refuses what the model cannot run (None: no model)."""
         ...
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import Sequence
 
 from lemix.engine import NodeEngine, StageStart
+from lemix.infra.store.model_limits import ModelLimits
 from lemix.types import Task, TaskPayload
 from services.executor.convert import MeasurePhase, MeasureResult, MeasureSpec, SyncDirection
 
@@ -80,6 +81,9 @@ class EmulatedBackend:
 
     def used_bytes(self) -> list[int]:
         return []  # nothing measured: the engine's ledger is the only figure
+
+    def model_limits(self) -> ModelLimits | None:
+        return None  # no model: any token id, any length the context allows
 
     def close(self) -> None:
         return None

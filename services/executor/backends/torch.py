@@ -31,6 +31,7 @@ import torch
 
 from lemix.engine import NodeEngine, StageStart, WorkKind
 from lemix.infra.rpc.errors import InvalidArgument, Unavailable
+from lemix.infra.store.model_limits import ModelLimits
 from lemix.model.device_memory import stage_used_bytes
 from lemix.model.runner import GenRequest, InferenceRunner
 from lemix.model.staged import StagedModel
@@ -180,6 +181,11 @@ class TorchBackend:
     def used_bytes(self) -> list[int]:
         """Memory each stage held after its last item (see `lemix.model.device_memory`)."""
         return list(self._used_bytes)
+
+    def model_limits(self) -> ModelLimits | None:
+        return ModelLimits(
+            vocab_size=self.staged.vocab_size, max_model_len=self.staged.family.max_positions
+        )
 
     def close(self) -> None:
         for pool in self._pools:
