@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.http_cors import parse_origins
 from gateway.validate import DEFAULT_MAX_TRAIN_BATCH_SIZE, DEFAULT_MAX_TRAIN_SAMPLES
 from lemix.infra import settings
 from lemix.infra.address import is_host_port
@@ -83,6 +84,9 @@ class GatewayConfig(CommonServiceConfig):
     # the same metadata over gRPC); several comma-separated; "" = open.
     # Health, /ping, /version, reflection and metrics stay open. Never logged.
     api_key: str = field(default="", repr=False)
+    # Origins whose browser pages may call the HTTP API (CORS, `gateway.http_cors`):
+    # comma-separated scheme://host[:port], or * for any; "" = CORS off.
+    cors_allowed_origins: str = ""
 
     @property
     def api_keys(self) -> tuple[str, ...]:
@@ -137,6 +141,7 @@ class GatewayConfig(CommonServiceConfig):
                 f"neither)"
             )
         parse_api_keys(self.api_key)  # ValueError for a malformed key
+        parse_origins(self.cors_allowed_origins)  # ValueError for one that is not an origin
         if self.tls_client_ca_file and not self.is_tls_enabled:
             raise ValueError(
                 "tls_client_ca_file (mTLS) needs TLS: set --tls-cert-file and --tls-key-file too"
@@ -302,6 +307,15 @@ _OPTIONS: tuple[Option, ...] = (
         "/ping, /version, reflection and metrics stay open; prefer the variable: "
         "flags show in `ps`)",
         "KEY",
+    ),
+    Option(
+        "cors_allowed_origins",
+        "--cors-allowed-origins",
+        "LEMIX_CORS_ALLOWED_ORIGINS",
+        str,
+        "origins whose browser pages may call the HTTP API (CORS): comma-separated "
+        'scheme://host[:port], or * for any ("" = off)',
+        "ORIGINS",
     ),
 )
 

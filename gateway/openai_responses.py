@@ -14,12 +14,14 @@ it reads the same status codes the gRPC API answers with.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import grpc
 import structlog
 
 from gateway.convert import TaskEnded
+from gateway.openai_stops import StopText
 from lemix._proto.lemix.v1 import gateway_pb2
 from lemix.infra.rpc.errors import ServiceError
 from lemix.model.tokenizer import detokenize_new
@@ -123,8 +125,12 @@ class CompletionBuilder:
         created: int,
         num_prompt_tokens: int,
         tokenizer: Tokenizer,
+        index: int = 0,
+        stop: Sequence[str] = (),
+        stop_token_ids: Collection[int] = (),
     ) -> None:
         self.is_chat = is_chat
+        self.index = index  # the choice's index (`n` > 1: one builder per choice)
         self.id = ("chatcmpl-" if is_chat else "cmpl-") + task_id
         self.model = model
         self.created = created
@@ -135,25 +141,48 @@ class CompletionBuilder:
         self._ids: list[int] = []  # every output id so far
         self._num_detokenized = 0  # leading ids of _ids whose text is in _texts
         self._texts: list[str] = []
+        self._stop_text = StopText(stop)
+        self._stop_token_ids = frozenset(stop_token_ids)
+        # True when a stop sequence ended the choice before its task ended:
+        # the caller stops reading (and so cancels the task, `openai_stops`).
+        self.is_stopped_early = False
+
+    @property
+    def is_done(self) -> bool:
+        """The choice has its finish_reason: nothing more is added."""
+        return self.finish_reason is not None
 
     def add(self, response: gateway_pb2.GenerateResponse) -> Json | None:
+        if self.is_done:
+            return None
         is_first = not self._texts
-        self.num_completion_tokens += len(response.token_ids)
-        self._ids.extend(response.token_ids)
+        token_ids = list(response.token_ids)
+        is_stop_token = False
+        for i, token_id in enumerate(token_ids):
+            if token_id in self._stop_token_ids:  # ends the output before it
+                token_ids, is_stop_token = token_ids[:i], True
+                break
+        self.num_completion_tokens += len(token_ids) + is_stop_token
+        self._ids.extend(token_ids)
+        is_final = response.is_finished or is_stop_token
         text, self._num_detokenized = detokenize_new(
-            self._tokenizer, self._ids, self._num_detokenized, is_final=response.is_finished
+            self._tokenizer, self._ids, self._num_detokenized, is_final=is_final
         )
-        if response.is_finished:
+        text = self._stop_text.feed(text, is_final=is_final)
+        if is_stop_token or self._stop_text.is_stopped:
+            self.finish_reason = "stop"
+            self.is_stopped_early = not response.is_finished
+        elif response.is_finished:
             self.finish_reason = response.finish_reason or "stop"
         if text:
             self._texts.append(text)
-        if not text and not response.is_finished:
+        if not text and not self.is_done:
             return None
         if self.is_chat:
             delta: Json = {"role": "assistant", "content": text} if is_first else {"content": text}
-            choice: Json = {"index": 0, "delta": delta}
+            choice: Json = {"index": self.index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text}
+            choice = {"index": self.index, "text": text}
         choice |= {"logprobs": None, "finish_reason": self.finish_reason}
         return self._envelope(chunk=True) | {"choices": [choice]}
 
@@ -169,13 +198,16 @@ class CompletionBuilder:
         return self._envelope(chunk=True) | {"choices": [], "usage": self.usage()}
 
     def body(self) -> Json:
+        return self._envelope(chunk=False) | {"choices": [self.choice()], "usage": self.usage()}
+
+    def choice(self) -> Json:
+        """The whole choice, for a non-streaming answer."""
         text = "".join(self._texts)
         if self.is_chat:
-            choice: Json = {"index": 0, "message": {"role": "assistant", "content": text}}
+            choice: Json = {"index": self.index, "message": {"role": "assistant", "content": text}}
         else:
-            choice = {"index": 0, "text": text}
-        choice |= {"logprobs": None, "finish_reason": self.finish_reason}
-        return self._envelope(chunk=False) | {"choices": [choice], "usage": self.usage()}
+            choice = {"index": self.index, "text": text}
+        return choice | {"logprobs": None, "finish_reason": self.finish_reason}
 
     def _envelope(self, *, chunk: bool) -> Json:
         if self.is_chat:
