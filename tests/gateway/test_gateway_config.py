@@ -69,6 +69,7 @@ def test_bad_env_value_names_the_variable() -> None:
         ({"submit_deadline_s": 0.0}, "submit_deadline_s must be"),
         ({"stream_idle_timeout_s": float("nan")}, "stream_idle_timeout_s must be"),
         ({"node_check_s": -1.0}, "node_check_s must be"),
+        ({"cors_allowed_origins": "app.example"}, "is not an origin"),
         ({"log_level": "loud"}, "log_level must be one of"),
         ({"log_format": "xml"}, "log_format must be one of"),
     ],
