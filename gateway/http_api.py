@@ -15,6 +15,14 @@ Routes (docs/api.md shows them in use):
 - ``GET /ping``: 200 with an empty body while the process serves HTTP (a
   liveness probe; /health is the readiness one).
 - ``GET /version``: ``{"version": <the lemix package's version>}``.
+- ``POST /tokenize`` (``{"prompt"}`` or ``{"messages"}``, ``add_special_tokens``)
+  -> ``{"count", "max_model_len", "tokens"}``; ``POST /detokenize``
+  (``{"tokens"}``) -> ``{"prompt"}``: vLLM's, with the gateway's tokenizer.
+
+A completion's `stop` / `stop_token_ids` end a choice early: the text is cut
+(`gateway.openai_stops`) and the task cancelled with `STOPPED_REASON`; `n`
+choices run as n tasks read concurrently (`gateway.openai_choices`). CORS
+(`gateway.http_cors`) is off unless `cors_allowed_origins` lists origins.
 - ``GET /metrics``: Prometheus' default registry (unless
   `is_http_metrics_enabled` is off: then only on the gateway's `metrics_port`).
 

@@ -15,9 +15,11 @@ Defaults follow OpenAI's and vLLM's: `temperature` 1, `top_p` 1; `max_tokens`
 context limit less the prompt: it becomes `GenerateRequest.max_tokens` 0, which
 gateway.validate resolves once the prompt is tokenized; a 0 sent on purpose is
 refused); `seed` left out (or 0) means a random seed per request
-(gateway.validate draws it). One prompt and one
-choice per request (`n` 1); `stop`, `logprobs`, `echo`, `suffix`,
-`logit_bias`, penalties and tools are refused with a 400, not ignored.
+(gateway.validate draws it). One prompt per request; `n` choices
+(`gateway.openai_choices`); `stop` and vLLM's `stop_token_ids`
+(`gateway.openai_stops`). Every other field is refused with a 400 naming it
+(`param`), unless it carries the value that asks for nothing (``echo:
+false``, penalties 0, ...: `_NEUTRAL`); `user` is accepted as metadata.
 
 Chat messages become one prompt with `chat_prompt`'s template::
 
