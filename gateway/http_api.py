@@ -429,6 +429,13 @@ class HttpApi:
         if not generate.request_id:  # the body's request_id wins over the header
             generate.request_id = request.headers.get(REQUEST_ID_HEADER, "")
         scope = scope_from_headers(request.headers)
+        is_logprobs = generate.sampling.HasField("top_logprobs")
+        if is_logprobs and not (await self.core.model_limits.get()).is_known:
+            raise BadRequest(
+                "logprobs need a real model: no executor here runs one (the emulated "
+                "backend generates counts, not tokens); leave logprobs out",
+                "logprobs",
+            )
         admitted = [
             await self.core.admit(choice, scope=scope)
             for choice in choice_requests(generate, parsed.n)
@@ -447,6 +454,7 @@ class HttpApi:
                     index=index,
                     stop=parsed.stop,
                     stop_token_ids=parsed.stop_token_ids,
+                    is_logprobs=is_logprobs,
                 )
                 for index, (task, _) in enumerate(admitted)
             ]

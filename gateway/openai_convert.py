@@ -40,6 +40,7 @@ from typing import Any
 from gateway.openai_stops import MAX_STOP_CHARS, MAX_STOPS
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
 from lemix.infra.rpc.errors import InvalidArgument, NotFound
+from lemix.outputs import MAX_TOP_LOGPROBS
 
 # `max_tokens` left out: GenerateRequest's 0, "the rest of the context".
 DEFAULT_MAX_TOKENS = 0
@@ -66,16 +67,14 @@ _COMMON_FIELDS = frozenset(
         "user",  # OpenAI's end-user id for abuse monitoring: metadata, nothing to do
     }
 )
-_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens"}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 # Fields not implemented, accepted only with these values (they ask for the
 # behaviour we have); any other value is a 400.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
@@ -258,19 +257,38 @@ def _stop_token_ids(body: Mapping[str, Any]) -> tuple[int, ...]:
 # ---------------------------------------------------------------- requests
 
 
-def _sampling(body: Mapping[str, Any]) -> common_pb2.SamplingParams:
+def _top_logprobs(body: Mapping[str, Any], *, is_chat: bool) -> int | None:
+    """How many top tokens' logprobs to return with each token's; None: no
+    logprobs. Completions: ``logprobs: k``; chat: ``logprobs: true`` and
+    ``top_logprobs: k`` (0 when left out)."""
+    if not is_chat:
+        if body.get("logprobs") is None:
+            return None
+        return _int(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    if not _bool(body, "logprobs"):
+        if body.get("top_logprobs") is not None:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+    return _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+
+
+def _sampling(body: Mapping[str, Any], *, is_chat: bool = False) -> common_pb2.SamplingParams:
     # Range checks (temperature 0 or in [0.01, 100]) are gateway.validate's, for
     # both APIs; only top_p 0 is checked here: over gRPC it means "off" (proto3
     # cannot tell it from unset), but in JSON a 0 was sent on purpose.
     top_p = _number(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise BadRequest(f"top_p must be in (0, 1] (1 = off), got {top_p:g}", "top_p")
-    return common_pb2.SamplingParams(
+    sampling = common_pb2.SamplingParams(
         temperature=_number(body, "temperature", 1.0),
         top_p=top_p,
         ignore_eos=_bool(body, "ignore_eos"),  # vLLM's extension
         seed=_int(body, "seed", 0, 0, _MAX_U64),  # 0: none given, one is drawn
     )
+    top_logprobs = _top_logprobs(body, is_chat=is_chat)
+    if top_logprobs is not None:
+        sampling.top_logprobs = top_logprobs
+    return sampling
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int:
@@ -364,7 +382,7 @@ def parse_chat(body: Any, served_model: str) -> CompletionRequest:
     request = gateway_pb2.GenerateRequest(
         prompt=chat_prompt(body.get("messages")),
         max_tokens=_max_tokens(body),
-        sampling=_sampling(body),
+        sampling=_sampling(body, is_chat=True),
         request_id=_request_id(body),
     )
     return _request(body, request, is_chat=True)

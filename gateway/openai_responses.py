@@ -128,6 +128,7 @@ class CompletionBuilder:
         index: int = 0,
         stop: Sequence[str] = (),
         stop_token_ids: Collection[int] = (),
+        is_logprobs: bool = False,
     ) -> None:
         self.is_chat = is_chat
         self.index = index  # the choice's index (`n` > 1: one builder per choice)
@@ -146,6 +147,10 @@ class CompletionBuilder:
         # True when a stop sequence ended the choice before its task ended:
         # the caller stops reading (and so cancels the task, `openai_stops`).
         self.is_stopped_early = False
+        # `logprobs` asked for: each token's, from the responses (torch backend).
+        self.is_logprobs = is_logprobs
+        self._logprobs: list[Json] = []  # the choice's entries so far, OpenAI's shape
+        self._text_offset = 0  # completions' text_offset of the next token
 
     @property
     def is_done(self) -> bool:
@@ -164,6 +169,7 @@ class CompletionBuilder:
                 break
         self.num_completion_tokens += len(token_ids) + is_stop_token
         self._ids.extend(token_ids)
+        logprobs = self._new_logprobs(token_ids, response.logprobs[: len(token_ids)])
         is_final = response.is_finished or is_stop_token
         text, self._num_detokenized = detokenize_new(
             self._tokenizer, self._ids, self._num_detokenized, is_final=is_final
@@ -176,14 +182,14 @@ class CompletionBuilder:
             self.finish_reason = response.finish_reason or "stop"
         if text:
             self._texts.append(text)
-        if not text and not self.is_done:
+        if not text and not self.is_done and not logprobs:
             return None
         if self.is_chat:
             delta: Json = {"role": "assistant", "content": text} if is_first else {"content": text}
             choice: Json = {"index": self.index, "delta": delta}
         else:
             choice = {"index": self.index, "text": text}
-        choice |= {"logprobs": None, "finish_reason": self.finish_reason}
+        choice |= {"logprobs": self._logprobs_body(logprobs), "finish_reason": self.finish_reason}
         return self._envelope(chunk=True) | {"choices": [choice]}
 
     def usage(self) -> Json:
@@ -207,7 +213,71 @@ class CompletionBuilder:
             choice: Json = {"index": self.index, "message": {"role": "assistant", "content": text}}
         else:
             choice = {"index": self.index, "text": text}
-        return choice | {"logprobs": None, "finish_reason": self.finish_reason}
+        logprobs = self._logprobs_body(self._logprobs)
+        return choice | {"logprobs": logprobs, "finish_reason": self.finish_reason}
+
+    # ---------------------------------------------------------- logprobs
+
+    def _new_logprobs(
+        self, token_ids: Sequence[int], entries: Sequence[gateway_pb2.TokenLogprob]
+    ) -> list[Json]:
+        """The OpenAI entries of new tokens (kept for the whole choice too)."""
+        if not self.is_logprobs:
+            return []
+        if len(entries) != len(token_ids):  # the backend produced none (emulated)
+            raise ServiceError(
+                f"logprobs were asked for but the executor sent {len(entries)} for "
+                f"{len(token_ids)} tokens: only a real model (torch backend) has them"
+            )
+        new = [
+            {
+                "token": self._token_text(token_id),
+                "logprob": entry.logprob,
+                "top": [(self._token_text(t.token_id), t.logprob) for t in entry.top],
+            }
+            for token_id, entry in zip(token_ids, entries, strict=True)
+        ]
+        self._logprobs.extend(new)
+        return new
+
+    def _token_text(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id])
+
+    def _logprobs_body(self, entries: list[Json]) -> Json | None:
+        """`entries` in the endpoint's shape: chat's ``content`` list, or the
+        completions' parallel lists (``text_offset`` counts from the choice's start)."""
+        if not self.is_logprobs:
+            return None
+        if self.is_chat:
+            return {
+                "content": [
+                    {
+                        "token": e["token"],
+                        "logprob": e["logprob"],
+                        "bytes": list(e["token"].encode()),
+                        "top_logprobs": [
+                            {"token": t, "logprob": lp, "bytes": list(t.encode())}
+                            for t, lp in e["top"]
+                        ],
+                    }
+                    for e in entries
+                ],
+                "refusal": None,
+            }
+        # Offsets of the whole choice: from 0; of a chunk: where its tokens start.
+        start = 0 if entries is self._logprobs else self._text_offset
+        offsets = []
+        for e in entries:
+            offsets.append(start)
+            start += len(e["token"])
+        if entries is not self._logprobs:
+            self._text_offset = start
+        return {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [dict(e["top"]) for e in entries],
+            "text_offset": offsets,
+        }
 
     def _envelope(self, *, chunk: bool) -> Json:
         if self.is_chat:

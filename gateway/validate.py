@@ -46,6 +46,7 @@ from collections.abc import Mapping, Sequence
 
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
 from lemix.infra.rpc.errors import InvalidArgument
+from lemix.outputs import MAX_TOP_LOGPROBS
 from lemix.tokenizer import Tokenizer, encode_prompt
 from lemix.types import Task, TaskKind, TaskPayload
 
@@ -211,6 +212,13 @@ def validate_generate(
             f"{num_total} tokens exceeds the context limit of {max_context_tokens} tokens "
             "(max_model_len: GET /v1/models); shorten the prompt or lower max_tokens"
         )
+    top_logprobs = -1  # none asked for
+    if request.sampling.HasField("top_logprobs"):
+        top_logprobs = request.sampling.top_logprobs
+        if top_logprobs > MAX_TOP_LOGPROBS:
+            raise InvalidArgument(
+                f"sampling.top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}"
+            )
     seed = request.sampling.seed
     if not seed and temperature:
         seed = draw_seed(task_id, is_named=bool(request.request_id))
@@ -229,6 +237,7 @@ def validate_generate(
         top_p=top_p,
         ignore_eos=request.sampling.ignore_eos,
         seed=seed,
+        top_logprobs=top_logprobs,
     )
     return task, payload
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from lemix.outputs import MAX_TOP_LOGPROBS
+
 
 class TaskKind(StrEnum):
     INFERENCE = "inference"
@@ -73,6 +75,9 @@ class TaskPayload:
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
     ignore_eos: bool = False  # decode exactly max_output_tokens (load tests)
     seed: int = 0  # sampling RNG seed
+    # Log-probabilities of the output tokens: -1 = none, k = each token's and
+    # the k most likely tokens' (`lemix.outputs.TokenLogprob`).
+    top_logprobs: int = -1
     # Training tasks of several samples: prompt_token_ids is the samples one
     # after another, sample i has sample_lengths[i] tokens of which the last
     # reference_lengths[i] are its reference (reference_token_ids stays empty).
@@ -88,6 +93,11 @@ class TaskPayload:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if not -1 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"top_logprobs must be -1 (none) or in [0, {MAX_TOP_LOGPROBS}], "
+                f"got {self.top_logprobs}"
+            )
         for name in ("prompt_token_ids", "reference_token_ids"):
             ids = getattr(self, name)
             if any(i < 0 for i in ids):

@@ -27,7 +27,6 @@ ORIGIN = "https://app.example"
     ("field", "value"),
     [
         ("echo", True),
-        ("logprobs", 2),
         ("presence_penalty", 0.5),
         ("frequency_penalty", -1),
         ("repetition_penalty", 1.2),
@@ -51,7 +50,6 @@ def test_unimplemented_fields_are_refused_naming_them(field: str, value: Any) ->
 def test_neutral_values_and_metadata_are_accepted() -> None:
     neutral = {
         "echo": False,
-        "logprobs": None,
         "presence_penalty": 0,
         "frequency_penalty": 0.0,
         "top_k": -1,

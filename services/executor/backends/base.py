@@ -19,6 +19,7 @@ from typing import Protocol
 
 from lemix.engine import NodeEngine, StageStart
 from lemix.infra.store.model_limits import ModelLimits
+from lemix.outputs import TokenLogprob
 from lemix.types import Task, TaskPayload
 from services.executor.convert import MeasureResult, MeasureSpec, SyncDirection
 
@@ -84,6 +85,11 @@ class ExecutorBackend(Protocol):
     def output_ids(self, task_id: str) -> Sequence[int]:
         """The token ids generated so far for a held inference task (empty
         when `produces_tokens` is False)."""
+        ...
+
+    def output_logprobs(self, task_id: str) -> Sequence[TokenLogprob]:
+        """One per id of `output_ids` when the task asked for logprobs
+        (`TaskPayload.top_logprobs`); empty otherwise."""
         ...
 
     def end_fields(self, task_id: str) -> dict[str, str | float]:

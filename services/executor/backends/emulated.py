@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from lemix.engine import NodeEngine, StageStart
 from lemix.infra.store.model_limits import ModelLimits
+from lemix.outputs import TokenLogprob
 from lemix.types import Task, TaskPayload
 from services.executor.convert import MeasurePhase, MeasureResult, MeasureSpec, SyncDirection
 
@@ -45,6 +46,9 @@ class EmulatedBackend:
         return None
 
     def output_ids(self, task_id: str) -> Sequence[int]:
+        return ()
+
+    def output_logprobs(self, task_id: str) -> Sequence[TokenLogprob]:
         return ()
 
     def end_fields(self, task_id: str) -> dict[str, str | float]:

@@ -36,7 +36,7 @@ from lemix.model.device_memory import stage_used_bytes
 from lemix.model.runner import GenRequest, InferenceRunner
 from lemix.model.staged import StagedModel
 from lemix.model.training import PipelineTrainer, Sample
-from lemix.outputs import FINISH_LENGTH
+from lemix.outputs import FINISH_LENGTH, TokenLogprob
 from lemix.types import Task, TaskPayload
 from services.executor import weights
 from services.executor.backends.base import RequestsFailed
@@ -142,6 +142,7 @@ class TorchBackend:
                     top_p=payload.top_p,
                     seed=payload.seed,
                     ignore_eos=payload.ignore_eos,
+                    top_logprobs=payload.top_logprobs,
                 )
             )
         except ValueError as exc:
@@ -157,6 +158,10 @@ class TorchBackend:
     def output_ids(self, task_id: str) -> Sequence[int]:
         req = self.runner.requests.get(task_id)
         return req.generated if req is not None else ()
+
+    def output_logprobs(self, task_id: str) -> Sequence[TokenLogprob]:
+        req = self.runner.requests.get(task_id)
+        return req.logprobs if req is not None else ()
 
     def end_fields(self, task_id: str) -> dict[str, str | float]:
         """Fields for the task's ``end`` message: finish reason, inference loss;
