@@ -37,6 +37,7 @@ from lemix.outputs import (
     FINISH_REASONS,
     FINISH_STOP,
     LOGPROBS_FIELD,
+    PROMPT_LOGPROBS_FIELD,
     TOKEN_IDS_FIELD,
     parse_logprobs,
     parse_token_ids,
@@ -146,6 +147,9 @@ class OutputStream:
         response.token_ids.extend(new_ids)
         if LOGPROBS_FIELD in fields:
             response.logprobs.extend(self._new_logprobs(fields[LOGPROBS_FIELD], len(new_ids)))
+        if self.num_tokens == 0 and PROMPT_LOGPROBS_FIELD in fields:
+            entries = self._new_logprobs(fields[PROMPT_LOGPROBS_FIELD], 0, take_all=True)
+            response.prompt_logprobs.extend(entries)
         if self._tokenizer is not None:
             self._ids.extend(new_ids)
             response.text = self._new_text(self._tokenizer, is_final=False)
@@ -171,8 +175,11 @@ class OutputStream:
             )
         return list(ids[len(ids) - num_new :])
 
-    def _new_logprobs(self, text: str, num_new: int) -> list[gateway_pb2.TokenLogprob]:
-        """The last `num_new` entries of a `LOGPROBS_FIELD` (aligned with `ids`)."""
+    def _new_logprobs(
+        self, text: str, num_new: int, *, take_all: bool = False
+    ) -> list[gateway_pb2.TokenLogprob]:
+        """The last `num_new` entries of a `LOGPROBS_FIELD` (aligned with `ids`),
+        or all of them (`take_all`: the prompt's)."""
         try:
             entries = parse_logprobs(text)
         except ValueError as e:
@@ -187,7 +194,7 @@ class OutputStream:
                 logprob=e.logprob,
                 top=[gateway_pb2.TopLogprob(token_id=i, logprob=lp) for i, lp in e.top],
             )
-            for e in entries[len(entries) - num_new :]
+            for e in (entries if take_all else entries[len(entries) - num_new :])
         ]
 
     def _new_text(self, tokenizer: Tokenizer, *, is_final: bool) -> str:

@@ -102,6 +102,7 @@ from lemix.infra.rpc.errors import ServiceError
 from lemix.infra.rpc.server import MAX_MESSAGE_BYTES
 from lemix.infra.task_states import task_info_to_dict
 from lemix.tokenizer import encode_prompt
+from lemix.types import TaskPayload
 
 log = structlog.get_logger(__name__)
 
@@ -455,8 +456,10 @@ class HttpApi:
                     stop=parsed.stop,
                     stop_token_ids=parsed.stop_token_ids,
                     is_logprobs=is_logprobs,
+                    echo=self._echo(parsed, payload),
+                    is_prompt_only=parsed.is_prompt_only,
                 )
-                for index, (task, _) in enumerate(admitted)
+                for index, (task, payload) in enumerate(admitted)
             ]
         )
 
@@ -488,6 +491,16 @@ class HttpApi:
                 # Recorded like aiohttp's own handler cancellation.
                 raise asyncio.CancelledError(HTTP_GONE_REASON)
             return web.json_response(choices.body())
+
+    def _echo(
+        self, parsed: CompletionRequest, payload: TaskPayload
+    ) -> tuple[str, tuple[int, ...]] | None:
+        """(text, ids) of the prompt a completion with `echo` returns first."""
+        if not parsed.is_echo:
+            return None
+        generate = parsed.generate
+        text = generate.prompt or self.core.tokenizer.decode(generate.prompt_token_ids)
+        return text, payload.prompt_token_ids
 
     async def _stream(
         self,

@@ -27,6 +27,7 @@ from lemix._proto.lemix.v1 import gateway_pb2
 
 Stream = AsyncIterator[gateway_pb2.GenerateResponse]
 _SEED_MASK = (1 << 64) - 1
+_CANCEL_REPEAT_S = 0.1  # how often a reader that outlives its cancel is cancelled again
 
 
 def choice_requests(
@@ -76,6 +77,32 @@ class Choices:
         return self.builders[0].usage_chunk() | {"usage": self.usage()}
 
 
+async def _cancel_all(tasks: Sequence[asyncio.Future[Any]]) -> None:
+    """Cancel `tasks` and wait until every one has ended. The cancel is
+    repeated: on Python 3.11 one that lands while redis-py is inside
+    `asyncio.wait_for` can be swallowed, and the reader would go on
+    generating for nobody (see `gateway.http_api._run_unless_gone`).
+
+    Being cancelled itself (the caller's cancel, repeated the same way) does
+    not stop the wait: the readers must be gone before their streams are
+    closed; the cancel is raised once they are."""
+    pending = {t for t in tasks if not t.done()}
+    is_cancelled = False
+    while pending:
+        for task in pending:
+            task.cancel()
+        try:
+            await asyncio.wait(pending, timeout=_CANCEL_REPEAT_S)
+        except asyncio.CancelledError:
+            is_cancelled = True
+        pending = {t for t in pending if not t.done()}
+    for task in tasks:  # read their outcomes: no "exception never retrieved"
+        if not task.cancelled():
+            task.exception()
+    if is_cancelled:
+        raise asyncio.CancelledError
+
+
 async def _first_of_all(awaitables: Sequence[Awaitable[Any]]) -> list[Any]:
     """Run `awaitables` concurrently; their results, or the first exception
     once the others are cancelled and ended."""
@@ -87,9 +114,7 @@ async def _first_of_all(awaitables: Sequence[Awaitable[Any]]) -> list[Any]:
                 raise task.exception()  # type: ignore[misc]
         return [task.result() for task in tasks]
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _cancel_all(tasks)
 
 
 async def firsts(streams: Sequence[Stream]) -> list[gateway_pb2.GenerateResponse]:
@@ -160,6 +185,4 @@ async def merged(
             else:
                 yield chunk
     finally:
-        for reader in readers:
-            reader.cancel()
-        await asyncio.gather(*readers, return_exceptions=True)
+        await _cancel_all(readers)

@@ -32,6 +32,7 @@ string or a list of ``{"type": "text", "text": ...}`` parts.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -67,13 +68,13 @@ _COMMON_FIELDS = frozenset(
         "user",  # OpenAI's end-user id for abuse monitoring: metadata, nothing to do
     }
 )
-_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs"}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 # Fields not implemented, accepted only with these values (they ask for the
 # behaviour we have); any other value is a 400.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
-    "echo": (None, False),
+    "echo": (None, False),  # chat's: completions implement it
     "suffix": (None, ""),
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0),
@@ -130,6 +131,8 @@ class CompletionRequest:
     n: int = 1  # choices: independent sequences, one task each
     stop: tuple[str, ...] = ()  # stop strings (`gateway.openai_stops`)
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: token ids that end a choice
+    is_echo: bool = False  # completions' echo: the prompt comes first (with its logprobs)
+    is_prompt_only: bool = False  # echo with max_tokens 0: no generated token returned
 
 
 # ------------------------------------------------------------------ fields
@@ -335,16 +338,29 @@ def parse_completion(body: Any, served_model: str) -> CompletionRequest:
                 "batched prompts are not supported: send one prompt per request", "prompt"
             )
         prompt = prompt[0]
+    is_echo = _bool(body, "echo")
+    # echo with max_tokens 0 (lm-eval-harness' log-likelihood): the prompt
+    # alone. The engine always decodes one token: it runs and is not returned.
+    is_prompt_only = is_echo and _is_exactly(body.get("max_tokens"), 0)
     request = gateway_pb2.GenerateRequest(
-        max_tokens=_max_tokens(body), sampling=_sampling(body), request_id=_request_id(body)
+        max_tokens=1 if is_prompt_only else _max_tokens(body),
+        sampling=_sampling(body),
+        request_id=_request_id(body),
     )
+    if is_echo and request.sampling.HasField("top_logprobs"):
+        request.sampling.prompt_logprobs = request.sampling.top_logprobs
     if isinstance(prompt, str):
         request.prompt = prompt
     elif isinstance(prompt, list):
         request.prompt_token_ids.extend(_token_ids(prompt, "prompt"))
     elif prompt is not None:
         raise BadRequest("prompt must be a string or a list of token ids", "prompt")
-    return _request(body, request, is_chat=False)
+    parsed = _request(body, request, is_chat=False)
+    return dataclasses.replace(parsed, is_echo=is_echo, is_prompt_only=is_prompt_only)
+
+
+def _is_exactly(value: Any, number: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value == number
 
 
 def _content(message: Mapping[str, Any], where: str) -> str:

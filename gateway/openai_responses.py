@@ -129,6 +129,8 @@ class CompletionBuilder:
         stop: Sequence[str] = (),
         stop_token_ids: Collection[int] = (),
         is_logprobs: bool = False,
+        echo: tuple[str, Sequence[int]] | None = None,
+        is_prompt_only: bool = False,
     ) -> None:
         self.is_chat = is_chat
         self.index = index  # the choice's index (`n` > 1: one builder per choice)
@@ -151,6 +153,11 @@ class CompletionBuilder:
         self.is_logprobs = is_logprobs
         self._logprobs: list[Json] = []  # the choice's entries so far, OpenAI's shape
         self._text_offset = 0  # completions' text_offset of the next token
+        # Completions' echo: (the prompt's text, its ids), sent before the output.
+        self._echo = echo
+        self._is_echo_sent = False
+        # echo with max_tokens 0: the one token the engine decodes is not returned.
+        self._is_prompt_only = is_prompt_only
 
     @property
     def is_done(self) -> bool:
@@ -161,7 +168,7 @@ class CompletionBuilder:
         if self.is_done:
             return None
         is_first = not self._texts
-        token_ids = list(response.token_ids)
+        token_ids = [] if self._is_prompt_only else list(response.token_ids)
         is_stop_token = False
         for i, token_id in enumerate(token_ids):
             if token_id in self._stop_token_ids:  # ends the output before it
@@ -169,12 +176,13 @@ class CompletionBuilder:
                 break
         self.num_completion_tokens += len(token_ids) + is_stop_token
         self._ids.extend(token_ids)
-        logprobs = self._new_logprobs(token_ids, response.logprobs[: len(token_ids)])
+        echo_text, logprobs = self._echoed(response)
+        logprobs += self._new_logprobs(token_ids, response.logprobs[: len(token_ids)])
         is_final = response.is_finished or is_stop_token
         text, self._num_detokenized = detokenize_new(
             self._tokenizer, self._ids, self._num_detokenized, is_final=is_final
         )
-        text = self._stop_text.feed(text, is_final=is_final)
+        text = echo_text + self._stop_text.feed(text, is_final=is_final)
         if is_stop_token or self._stop_text.is_stopped:
             self.finish_reason = "stop"
             self.is_stopped_early = not response.is_finished
@@ -217,6 +225,32 @@ class CompletionBuilder:
         return choice | {"logprobs": logprobs, "finish_reason": self.finish_reason}
 
     # ---------------------------------------------------------- logprobs
+
+    def _echoed(self, response: gateway_pb2.GenerateResponse) -> tuple[str, list[Json]]:
+        """The prompt's text and logprob entries, once, with the first response
+        (the prompt's first token has no logprob: nothing comes before it)."""
+        if self._echo is None or self._is_echo_sent:
+            return "", []
+        self._is_echo_sent = True
+        text, ids = self._echo
+        if not self.is_logprobs:
+            return text, []
+        if len(response.prompt_logprobs) != max(0, len(ids) - 1):
+            raise ServiceError(
+                f"echo with logprobs: the executor sent {len(response.prompt_logprobs)} "
+                f"prompt logprobs for a prompt of {len(ids)} tokens"
+            )
+        entries: list[Json] = [{"token": self._token_text(ids[0]), "logprob": None, "top": None}]
+        entries += [
+            {
+                "token": self._token_text(token_id),
+                "logprob": entry.logprob,
+                "top": [(self._token_text(t.token_id), t.logprob) for t in entry.top],
+            }
+            for token_id, entry in zip(ids[1:], response.prompt_logprobs, strict=True)
+        ]
+        self._logprobs.extend(entries)
+        return text, entries
 
     def _new_logprobs(
         self, token_ids: Sequence[int], entries: Sequence[gateway_pb2.TokenLogprob]
@@ -275,7 +309,7 @@ class CompletionBuilder:
         return {
             "tokens": [e["token"] for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [dict(e["top"]) for e in entries],
+            "top_logprobs": [None if e["top"] is None else dict(e["top"]) for e in entries],
             "text_offset": offsets,
         }
 

@@ -219,6 +219,14 @@ def validate_generate(
             raise InvalidArgument(
                 f"sampling.top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}"
             )
+    prompt_logprobs = -1
+    if request.sampling.HasField("prompt_logprobs"):
+        prompt_logprobs = request.sampling.prompt_logprobs
+        if prompt_logprobs > MAX_TOP_LOGPROBS:
+            raise InvalidArgument(
+                f"sampling.prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
+                f"got {prompt_logprobs}"
+            )
     seed = request.sampling.seed
     if not seed and temperature:
         seed = draw_seed(task_id, is_named=bool(request.request_id))
@@ -238,6 +246,7 @@ def validate_generate(
         ignore_eos=request.sampling.ignore_eos,
         seed=seed,
         top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
     return task, payload
 

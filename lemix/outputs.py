@@ -47,6 +47,9 @@ def parse_token_ids(text: str) -> tuple[int, ...]:
 # One entry per id of TOKEN_IDS_FIELD, ";"-separated: the token's logprob,
 # then "|id:logprob" for each of the top tokens (``-0.5|7:-0.5|3:-1.25``).
 LOGPROBS_FIELD = "logprobs"
+# On the first token message: the prompt's tokens' entries (from the second
+# token on), same format, when the request asked for them.
+PROMPT_LOGPROBS_FIELD = "prompt_logprobs"
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
 
 

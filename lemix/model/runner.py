@@ -40,8 +40,10 @@ class GenRequest:
     seed: int = 0
     ignore_eos: bool = False
     top_logprobs: int = -1  # -1: none; k: each token's logprob and the top k's
+    prompt_logprobs: int = -1  # the same for the prompt's tokens, from the prefill
     generated: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token
+    prompt_logprob_entries: list[TokenLogprob] = field(default_factory=list)  # prompt[1:]
     inference_loss: float | None = None
     finish_reason: str | None = None
     generator: torch.Generator | None = None
@@ -207,6 +209,13 @@ class InferenceRunner:
                     rows = logits[row : row + len(req.reference_ids)]
                     target = torch.tensor(req.reference_ids, device=rows.device)
                     req.inference_loss = float(F.cross_entropy(rows, target))
+                if req.prompt_logprobs >= 0 and not req.generated:
+                    # rows [num_prompt - 1, vocab]: position i predicts prompt[i + 1]
+                    rows = logits[seg.start : seg.start + num_prompt - 1]
+                    req.prompt_logprob_entries = [
+                        token_logprob(r, t, req.prompt_logprobs)
+                        for r, t in zip(rows, req.prompt_ids[1:], strict=True)
+                    ]
                 token = sample_next(logits[row], req)
                 if req.top_logprobs >= 0:
                     req.logprobs.append(token_logprob(logits[row], token, req.top_logprobs))

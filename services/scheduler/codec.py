@@ -31,6 +31,7 @@ field                  value
 ``ignore_eos``         ``1`` | ``0``
 ``seed``               int
 ``top_logprobs``       int, only when the request asked for logprobs (absent: -1, none)
+``prompt_logprobs``    int, only when it asked for the prompt's (absent: -1, none)
 ``submit_t``           wall-clock epoch seconds when Submit stored it
 =====================  ===========================================================
 """
@@ -82,6 +83,8 @@ def task_to_fields(
     }
     if payload.top_logprobs >= 0:  # absent otherwise: older records stay as they were
         fields["top_logprobs"] = payload.top_logprobs
+    if payload.prompt_logprobs >= 0:
+        fields["prompt_logprobs"] = payload.prompt_logprobs
     return fields
 
 
@@ -112,6 +115,7 @@ def task_from_fields(
         ignore_eos=get_bool(fields, "ignore_eos"),
         seed=get_int(fields, "seed"),
         top_logprobs=get_int(fields, "top_logprobs", -1),
+        prompt_logprobs=get_int(fields, "prompt_logprobs", -1),
     )
     return task, payload
 

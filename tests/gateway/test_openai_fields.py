@@ -26,7 +26,6 @@ ORIGIN = "https://app.example"
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("echo", True),
         ("presence_penalty", 0.5),
         ("frequency_penalty", -1),
         ("repetition_penalty", 1.2),
@@ -61,7 +60,7 @@ def test_neutral_values_and_metadata_are_accepted() -> None:
     parse_completion({"prompt": "x", **neutral}, MODEL)
     parse_chat({"messages": MESSAGES, "logprobs": False, "tools": [], **neutral}, MODEL)
     with pytest.raises(BadRequest, match="^echo is not supported .*only False"):
-        parse_completion({"prompt": "x", "echo": 1}, MODEL)  # 1 is not false
+        parse_chat({"messages": MESSAGES, "echo": 1}, MODEL)  # 1 is not false (chat's echo)
     with pytest.raises(BadRequest) as info:
         parse_completion({"prompt": "x", "messages": MESSAGES}, MODEL)  # chat's field
     assert info.value.param == "messages"
@@ -77,9 +76,9 @@ async def test_refused_fields_are_400_over_http_and_the_stack_serves_on(
     url = f"http://{gateway.http_address}/v1"
     async with openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0, timeout=30) as client:
         with pytest.raises(openai.BadRequestError) as info:
-            await client.completions.create(model=MODEL, prompt="hi", max_tokens=2, echo=True)
+            await client.completions.create(model=MODEL, prompt="hi", max_tokens=2, suffix="!")
         assert info.value.status_code == 400
-        assert isinstance(info.value.body, dict) and info.value.body["param"] == "echo"
+        assert isinstance(info.value.body, dict) and info.value.body["param"] == "suffix"
         with pytest.raises(openai.BadRequestError, match="top_k is not supported"):
             await client.chat.completions.create(
                 model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"top_k": 4}

@@ -128,3 +128,40 @@ async def test_logprobs_without_a_real_model_are_400(
             await client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=1)
         reply = await client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
         assert reply.choices[0].logprobs is None
+
+
+async def test_echo_returns_the_prompts_logprobs_as_lm_eval_asks(
+    torch_stack: TaskStack,  # noqa: F811 - the fixture imported above
+) -> None:
+    """lm-eval-harness' log-likelihood request: ``echo=True, logprobs=1,
+    max_tokens=0`` returns the prompt's per-token logprobs, equal to a direct
+    forward of the same weights within 1e-4, and no generated token."""
+    staged = torch_stack.executors[0].node.backend.staged  # type: ignore[union-attr]
+    logprobs = torch.log_softmax(staged.logits(PROMPT_IDS).float(), dim=-1)
+    expected = [float(logprobs[i, t]) for i, t in enumerate(PROMPT_IDS[1:])]
+    async with openai_client(torch_stack) as client:
+        for max_tokens in (0, 1):
+            reply = await client.completions.create(
+                model=MODEL,
+                prompt=PROMPT_IDS,
+                max_tokens=max_tokens,
+                echo=True,
+                logprobs=1,
+                temperature=0,
+            )
+            choice = reply.choices[0]
+            assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+            got = choice.logprobs.token_logprobs
+            assert got[0] is None  # the first token has no context
+            assert len(got) == len(PROMPT_IDS) + max_tokens
+            for i, want in enumerate(expected):
+                assert abs(got[i + 1] - want) < TOLERANCE, (i, got[i + 1], want)
+            prompt_text = "".join(choice.logprobs.tokens[: len(PROMPT_IDS)])  # type: ignore[index]
+            assert choice.text.startswith(prompt_text)
+            assert reply.usage is not None and reply.usage.completion_tokens == max_tokens
+        # Echo of a text prompt: the text comes back first, then the output.
+        reply = await client.completions.create(
+            model=MODEL, prompt="Once upon", max_tokens=3, echo=True, temperature=0
+        )
+        assert reply.choices[0].text.startswith("Once upon")
+        assert reply.choices[0].logprobs is None

@@ -92,6 +92,11 @@ class ExecutorBackend(Protocol):
         (`TaskPayload.top_logprobs`); empty otherwise."""
         ...
 
+    def prompt_logprobs(self, task_id: str) -> Sequence[TokenLogprob]:
+        """One per prompt token from the second on, once prefilled, when the
+        task asked for them (`TaskPayload.prompt_logprobs`); empty otherwise."""
+        ...
+
     def end_fields(self, task_id: str) -> dict[str, str | float]:
         """Extra fields for a finished task's ``end`` message and state hash
         (finish reason, inference or training loss); empty when none."""

@@ -51,6 +51,9 @@ class EmulatedBackend:
     def output_logprobs(self, task_id: str) -> Sequence[TokenLogprob]:
         return ()
 
+    def prompt_logprobs(self, task_id: str) -> Sequence[TokenLogprob]:
+        return ()
+
     def end_fields(self, task_id: str) -> dict[str, str | float]:
         return {}
 

@@ -143,6 +143,7 @@ class TorchBackend:
                     seed=payload.seed,
                     ignore_eos=payload.ignore_eos,
                     top_logprobs=payload.top_logprobs,
+                    prompt_logprobs=payload.prompt_logprobs,
                 )
             )
         except ValueError as exc:
@@ -162,6 +163,10 @@ class TorchBackend:
     def output_logprobs(self, task_id: str) -> Sequence[TokenLogprob]:
         req = self.runner.requests.get(task_id)
         return req.logprobs if req is not None else ()
+
+    def prompt_logprobs(self, task_id: str) -> Sequence[TokenLogprob]:
+        req = self.runner.requests.get(task_id)
+        return req.prompt_logprob_entries if req is not None else ()
 
     def end_fields(self, task_id: str) -> dict[str, str | float]:
         """Fields for the task's ``end`` message: finish reason, inference loss;
