@@ -16,7 +16,11 @@ from test_http_api import HttpStack, stack  # noqa: F401 - the emulated stack's 
 from torch_stack import MODEL, openai_client, torch_stack  # noqa: F401 - the fixture
 
 from gateway.openai_convert import BadRequest, parse_chat, parse_completion
+from lemix.infra.rpc import convert as rpc_convert
+from lemix.infra.store.codec import encode_value
 from lemix.outputs import TokenLogprob, format_logprobs, parse_logprobs
+from lemix.types import Task, TaskKind, TaskPayload
+from services.scheduler.codec import task_from_fields, task_to_fields
 
 PROMPT_IDS = [1, 57, 300, 12, 999, 4]
 NUM_TOKENS = 5
@@ -165,3 +169,17 @@ async def test_echo_returns_the_prompts_logprobs_as_lm_eval_asks(
         )
         assert reply.choices[0].text.startswith("Once upon")
         assert reply.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize(("top", "prompt"), [(-1, -1), (0, -1), (3, 2)])
+def test_logprob_requests_survive_every_hop_and_absent_stays_absent(top: int, prompt: int) -> None:
+    """Gateway -> scheduler (gRPC), the intake's Redis hash, scheduler ->
+    executor (gRPC): the payload's logprob asks arrive as sent; a request
+    without them writes no field (older records read the same)."""
+    task = Task("t-1", TaskKind.INFERENCE, 0.0, num_prompt_tokens=2, max_output_tokens=3)
+    payload = TaskPayload(prompt_token_ids=(1, 2), top_logprobs=top, prompt_logprobs=prompt)
+    assert rpc_convert.task_from_proto(rpc_convert.task_to_proto(task, payload))[1] == payload
+    fields = task_to_fields(task, payload)
+    assert ("top_logprobs" in fields) == (top >= 0)
+    stored = {k: encode_value(v) for k, v in fields.items()}
+    assert task_from_fields(stored)[1] == payload
