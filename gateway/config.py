@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.http_cors import parse_origins
 from gateway.validate import DEFAULT_MAX_TRAIN_BATCH_SIZE, DEFAULT_MAX_TRAIN_SAMPLES
 from lemix.infra import settings
 from lemix.infra.address import is_host_port
@@ -43,7 +44,9 @@ class GatewayConfig(CommonServiceConfig):
     # that port turns it off and scrapes `metrics_port` inside its network.
     is_http_metrics_enabled: bool = True
     scheduler_address: str = DEFAULT_SCHEDULER_ADDRESS  # host:port
-    max_context_tokens: int = 4096  # prompt + max_tokens must fit
+    # prompt + max_tokens must fit in this and in the model's max_model_len (as
+    # executors publish it); 0 = the model's alone (4096 when none publishes one).
+    max_context_tokens: int = 0
     max_in_flight: int = 1024  # concurrent Generate streams; more get RESOURCE_EXHAUSTED
     # One Train call carries at most this many samples (each becomes Submit work
     # and intake state before the call answers); more is INVALID_ARGUMENT.
@@ -81,6 +84,9 @@ class GatewayConfig(CommonServiceConfig):
     # the same metadata over gRPC); several comma-separated; "" = open.
     # Health, /ping, /version, reflection and metrics stay open. Never logged.
     api_key: str = field(default="", repr=False)
+    # Origins whose browser pages may call the HTTP API (CORS, `gateway.http_cors`):
+    # comma-separated scheme://host[:port], or * for any; "" = CORS off.
+    cors_allowed_origins: str = ""
 
     @property
     def api_keys(self) -> tuple[str, ...]:
@@ -100,8 +106,11 @@ class GatewayConfig(CommonServiceConfig):
                 f"got {self.served_model_name!r}"
             )
         _check_address("scheduler_address", self.scheduler_address)
+        if self.max_context_tokens < 0:
+            raise ValueError(
+                f"max_context_tokens must be >= 0 (0 = the model's), got {self.max_context_tokens}"
+            )
         for name in (
-            "max_context_tokens",
             "max_in_flight",
             "max_train_samples",
             "max_train_batch_size",
@@ -132,6 +141,7 @@ class GatewayConfig(CommonServiceConfig):
                 f"neither)"
             )
         parse_api_keys(self.api_key)  # ValueError for a malformed key
+        parse_origins(self.cors_allowed_origins)  # ValueError for one that is not an origin
         if self.tls_client_ca_file and not self.is_tls_enabled:
             raise ValueError(
                 "tls_client_ca_file (mTLS) needs TLS: set --tls-cert-file and --tls-key-file too"
@@ -181,7 +191,8 @@ _OPTIONS: tuple[Option, ...] = (
         "--max-context-tokens",
         "LEMIX_MAX_CONTEXT_TOKENS",
         int,
-        "prompt + max_tokens must fit in this many tokens",
+        "prompt + max_tokens must fit in this many tokens, and in the served model's "
+        "max_model_len (0 = the model's; 4096 when no executor publishes one)",
     ),
     Option(
         "max_in_flight",
@@ -296,6 +307,15 @@ _OPTIONS: tuple[Option, ...] = (
         "/ping, /version, reflection and metrics stay open; prefer the variable: "
         "flags show in `ps`)",
         "KEY",
+    ),
+    Option(
+        "cors_allowed_origins",
+        "--cors-allowed-origins",
+        "LEMIX_CORS_ALLOWED_ORIGINS",
+        str,
+        "origins whose browser pages may call the HTTP API (CORS): comma-separated "
+        'scheme://host[:port], or * for any ("" = off)',
+        "ORIGINS",
     ),
 )
 

@@ -36,7 +36,10 @@ from lemix.outputs import (
     FINISH_REASON_FIELD,
     FINISH_REASONS,
     FINISH_STOP,
+    LOGPROBS_FIELD,
+    PROMPT_LOGPROBS_FIELD,
     TOKEN_IDS_FIELD,
+    parse_logprobs,
     parse_token_ids,
 )
 from lemix.reasons import ReasonCode, reason_code
@@ -142,6 +145,11 @@ class OutputStream:
             response.ttft_s = self._clock() - self.received_s
         new_ids = self._new_ids(fields, num_tokens - self.num_tokens)
         response.token_ids.extend(new_ids)
+        if LOGPROBS_FIELD in fields:
+            response.logprobs.extend(self._new_logprobs(fields[LOGPROBS_FIELD], len(new_ids)))
+        if self.num_tokens == 0 and PROMPT_LOGPROBS_FIELD in fields:
+            entries = self._new_logprobs(fields[PROMPT_LOGPROBS_FIELD], 0, take_all=True)
+            response.prompt_logprobs.extend(entries)
         if self._tokenizer is not None:
             self._ids.extend(new_ids)
             response.text = self._new_text(self._tokenizer, is_final=False)
@@ -166,6 +174,28 @@ class OutputStream:
                 f"tokens but carries {len(ids)} ids",
             )
         return list(ids[len(ids) - num_new :])
+
+    def _new_logprobs(
+        self, text: str, num_new: int, *, take_all: bool = False
+    ) -> list[gateway_pb2.TokenLogprob]:
+        """The last `num_new` entries of a `LOGPROBS_FIELD` (aligned with `ids`),
+        or all of them (`take_all`: the prompt's)."""
+        try:
+            entries = parse_logprobs(text)
+        except ValueError as e:
+            raise TaskEnded(grpc.StatusCode.INTERNAL, f"output of {self.task_id}: {e}") from e
+        if len(entries) < num_new:
+            raise TaskEnded(
+                grpc.StatusCode.INTERNAL,
+                f"output of {self.task_id}: {num_new} new tokens but {len(entries)} logprobs",
+            )
+        return [
+            gateway_pb2.TokenLogprob(
+                logprob=e.logprob,
+                top=[gateway_pb2.TopLogprob(token_id=i, logprob=lp) for i, lp in e.top],
+            )
+            for e in (entries if take_all else entries[len(entries) - num_new :])
+        ]
 
     def _new_text(self, tokenizer: Tokenizer, *, is_final: bool) -> str:
         text, self._num_detokenized = detokenize_new(

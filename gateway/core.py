@@ -5,7 +5,8 @@ The gRPC servicer (`gateway.servicer`) and the OpenAI-compatible HTTP API
 `TrainRequest` messages and call this object, so validation, admission,
 submission and stream handling exist once.
 
-Admission, in order: a valid request (`admit`, no I/O), a free in-flight slot
+Admission, in order: a valid request (`admit`: no I/O but a cached read of
+the model's limits, `gateway.model_limits`), a free in-flight slot
 (`max_in_flight`; taken before any Redis I/O, so a flood is refused with
 RESOURCE_EXHAUSTED at once, never queued behind the Redis pool), a live
 executor (node states in Redis, cached `node_check_s`, one check in flight at
@@ -43,6 +44,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.config import GatewayConfig
 from gateway.convert import OutputStream, TaskEnded, stats_to_proto
+from gateway.model_limits import ModelLimitsCache, context_tokens
 from gateway.upkeep import BatchedCounters, StreamLeases, Upkeep
 from gateway.validate import ANONYMOUS_SCOPE, validate_generate, validate_train
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -139,6 +141,7 @@ class GatewayCore:
         self._live_checked_s: float | None = None
         self._is_live = False
         self._live_check: asyncio.Future[bool] | None = None  # the check in flight
+        self.model_limits = ModelLimitsCache(store, clock)  # what executors publish
 
     def start(self) -> None:
         """Start the upkeep loops (in the running event loop)."""
@@ -167,13 +170,16 @@ class GatewayCore:
         self, request: gateway_pb2.GenerateRequest, *, scope: str = ANONYMOUS_SCOPE
     ) -> tuple[Task, TaskPayload]:
         """Count and validate a Generate request from a caller in `scope`
-        (`gateway.validate.client_scope`); raises `InvalidArgument`. No I/O."""
+        (`gateway.validate.client_scope`) against the served model's limits
+        (`gateway.model_limits`: a cached Redis read); raises `InvalidArgument`."""
         self.counters.add(REQUESTS_RECEIVED)
+        limits = await self.model_limits.get()
         try:
             return validate_generate(
                 request,
                 tokenizer=self.tokenizer,
-                max_context_tokens=self.config.max_context_tokens,
+                max_context_tokens=context_tokens(self.config.max_context_tokens, limits),
+                vocab_size=limits.vocab_size,
                 scope=scope,
             )
         except InvalidArgument:
@@ -237,11 +243,13 @@ class GatewayCore:
         durable. Raises domain errors."""
         self.counters.add(TRAIN_REQUESTS_RECEIVED)
         config = self.config
+        limits = await self.model_limits.get()
         try:
             tasks = validate_train(
                 request,
                 tokenizer=self.tokenizer,
-                max_context_tokens=config.max_context_tokens,
+                max_context_tokens=context_tokens(config.max_context_tokens, limits),
+                vocab_size=limits.vocab_size,
                 max_samples=config.max_train_samples,
                 max_train_batch_size=config.max_train_batch_size,
                 scope=scope,

@@ -6,7 +6,8 @@ Routes (docs/api.md shows them in use):
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: non-streaming, or
   ``"stream": true`` as server-sent events (``data: {chunk}`` lines, then
   ``data: [DONE]``; ``stream_options.include_usage`` adds a usage chunk).
-- ``GET /v1/models`` (and ``/v1/models/{model}``): the served model.
+- ``GET /v1/models`` (and ``/v1/models/{model}``): the served model, with its
+  ``max_model_len`` (`gateway.model_limits.context_tokens`).
 - ``POST /v1/lemix/train``: training samples -> task ids (LeMix's extension).
 - ``GET /v1/lemix/tasks/{id}``: one task's state (`lemix.infra.task_states`), as
   gRPC's GetTask: 404 for an unknown id, 400 for a malformed one.
@@ -14,6 +15,14 @@ Routes (docs/api.md shows them in use):
 - ``GET /ping``: 200 with an empty body while the process serves HTTP (a
   liveness probe; /health is the readiness one).
 - ``GET /version``: ``{"version": <the lemix package's version>}``.
+- ``POST /tokenize`` (``{"prompt"}`` or ``{"messages"}``, ``add_special_tokens``)
+  -> ``{"count", "max_model_len", "tokens"}``; ``POST /detokenize``
+  (``{"tokens"}``) -> ``{"prompt"}``: vLLM's, with the gateway's tokenizer.
+
+A completion's `stop` / `stop_token_ids` end a choice early: the text is cut
+(`gateway.openai_stops`) and the task cancelled with `STOPPED_REASON`; `n`
+choices run as n tasks read concurrently (`gateway.openai_choices`). CORS
+(`gateway.http_cors`) is off unless `cors_allowed_origins` lists origins.
 - ``GET /metrics``: Prometheus' default registry (unless
   `is_http_metrics_enabled` is off: then only on the gateway's `metrics_port`).
 
@@ -50,7 +59,7 @@ import re
 import ssl
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import structlog
@@ -60,13 +69,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from gateway.config import GatewayConfig
 from gateway.core import BUSY_RETRY_AFTER_S, NO_EXECUTOR_MESSAGE, GatewayCore
+from gateway.http_cors import Cors, parse_origins
+from gateway.model_limits import context_tokens
 from gateway.observe import GenerateObservation, SloCache, code_of, observe_training
+from gateway.openai_choices import Choices, choice_requests, collect, firsts, merged
 from gateway.openai_convert import (
     BadRequest,
     CompletionRequest,
     check_model,
     parse_chat,
     parse_completion,
+    parse_detokenize,
+    parse_tokenize,
     parse_train,
 )
 from gateway.openai_responses import (
@@ -78,14 +92,17 @@ from gateway.openai_responses import (
     models_body,
     unauthorized_body,
 )
+from gateway.openai_stops import STOPPED_REASON
 from gateway.tasks import TaskReader
-from gateway.validate import scope_from_headers
+from gateway.validate import check_token_ids, scope_from_headers
 from lemix import __version__
 from lemix._proto.lemix.v1 import gateway_pb2
 from lemix.infra.rpc.auth import ApiKeyCheck
 from lemix.infra.rpc.errors import ServiceError
 from lemix.infra.rpc.server import MAX_MESSAGE_BYTES
 from lemix.infra.task_states import task_info_to_dict
+from lemix.tokenizer import encode_prompt
+from lemix.types import TaskPayload
 
 log = structlog.get_logger(__name__)
 
@@ -233,40 +250,31 @@ async def _json(request: web.Request) -> Any:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
 
 
-async def _collect_unless_gone(
-    request: web.Request,
-    responses: AsyncIterator[gateway_pb2.GenerateResponse],
-    builder: CompletionBuilder,
-) -> bool:
-    """Add every response to `builder`; False (its task cancelled) when the
-    client disconnected first.
+async def _run_unless_gone(request: web.Request, work: Awaitable[None]) -> bool:
+    """Run `work` (reading a non-streaming request's answer); False (it was
+    cancelled) when the client disconnected first.
 
     aiohttp's handler cancellation alone is not enough: on Python 3.11 a
     cancel that lands while redis-py is inside `asyncio.wait_for` can be
     swallowed, leaving a non-streaming request generating for nobody. So the
     transport is polled too, and the cancel repeated until the work ends.
     """
-
-    async def collect() -> None:
-        async for response in responses:
-            builder.add(response)
-
-    work = asyncio.ensure_future(collect())
+    task = asyncio.ensure_future(work)
     is_gone = False
     try:
-        while not work.done():
-            await asyncio.wait({work}, timeout=_DISCONNECT_POLL_S)
+        while not task.done():
+            await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
             transport = request.transport
-            if not work.done() and (transport is None or transport.is_closing()):
+            if not task.done() and (transport is None or transport.is_closing()):
                 is_gone = True
                 break
     finally:
-        while not work.done():
-            work.cancel()
-            await asyncio.wait({work}, timeout=_DISCONNECT_POLL_S)
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
     if is_gone:
         return False
-    work.result()  # its error, if it failed
+    task.result()  # its error, if it failed
     return True
 
 
@@ -274,12 +282,9 @@ async def _send(stream: web.StreamResponse, body: Json) -> None:
     await stream.write(f"data: {json.dumps(body)}\n\n".encode())
 
 
-async def _send_chunk(
-    stream: web.StreamResponse, builder: CompletionBuilder, response: gateway_pb2.GenerateResponse
-) -> None:
-    chunk = builder.add(response)
-    if chunk is not None:
-        await _send(stream, chunk)
+def _gone_reason(builder: CompletionBuilder) -> Callable[[], str]:
+    """Why a choice's task is cancelled when its stream is closed early."""
+    return lambda: STOPPED_REASON if builder.is_stopped_early else HTTP_GONE_REASON
 
 
 class HttpApi:
@@ -304,10 +309,15 @@ class HttpApi:
 
     def app(self) -> web.Application:
         middlewares: list[Middleware] = [_common_headers]  # outermost: sees every answer
+        cors = Cors(parse_origins(self.config.cors_allowed_origins))
+        if cors.origins:  # preflights are answered before the API key check
+            middlewares.append(cors.middleware)
         if self._key_check is not None:
             middlewares.append(require_api_key(self._key_check))
         middlewares.append(_openai_errors)
         app = web.Application(middlewares=middlewares, client_max_size=MAX_MESSAGE_BYTES)
+        if cors.origins:
+            app.on_response_prepare.append(cors.on_response_prepare)
         app.add_routes(
             [
                 web.post("/v1/completions", self.completions),
@@ -321,6 +331,8 @@ class HttpApi:
                 web.get("/ping", self.ping),
                 web.post("/ping", self.ping),  # as vLLM (SageMaker's probe)
                 web.get("/version", self.version),
+                web.post("/tokenize", self.tokenize),
+                web.post("/detokenize", self.detokenize),
             ]
         )
         if self.config.is_http_metrics_enabled:
@@ -336,11 +348,36 @@ class HttpApi:
         return await self._complete(request, parse_chat)
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(models_body(self.config.served_model_name, self._created))
+        body = models_body(self.config.served_model_name, self._created, await self._max_len())
+        return web.json_response(body)
 
     async def model(self, request: web.Request) -> web.Response:
         check_model({"model": request.match_info["model"]}, self.config.served_model_name)
-        return web.json_response(model_body(self.config.served_model_name, self._created))
+        body = model_body(self.config.served_model_name, self._created, await self._max_len())
+        return web.json_response(body)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """The ids a completion's prompt (or a chat's messages) becomes."""
+        parsed = parse_tokenize(await _json(request), self.config.served_model_name)
+        tokenizer = self.core.tokenizer
+        if parsed.add_special_tokens:
+            ids = encode_prompt(tokenizer, parsed.text)  # BOS first, as a completion's
+        else:
+            ids = tokenizer.encode(parsed.text)
+        body = {"count": len(ids), "max_model_len": await self._max_len(), "tokens": ids}
+        return web.json_response(body)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """The text of token ids (400 for an id outside the model's vocabulary)."""
+        ids = parse_detokenize(await _json(request), self.config.served_model_name)
+        limits = await self.core.model_limits.get()
+        check_token_ids(ids, limits.vocab_size, "tokens")
+        return web.json_response({"prompt": self.core.tokenizer.decode(ids)})
+
+    async def _max_len(self) -> int:
+        """The context limit requests are checked against (`gateway.model_limits`)."""
+        limits = await self.core.model_limits.get()
+        return context_tokens(self.config.max_context_tokens, limits)
 
     async def train(self, request: web.Request) -> web.Response:
         task_ids = await observe_training(self._train(request), len, _http_code_of)
@@ -392,52 +429,101 @@ class HttpApi:
         generate = parsed.generate
         if not generate.request_id:  # the body's request_id wins over the header
             generate.request_id = request.headers.get(REQUEST_ID_HEADER, "")
-        task, payload = await self.core.admit(generate, scope=scope_from_headers(request.headers))
-        request[_REQUEST_ID_KEY] = task.task_id  # echoed unless the client sent its own
-        builder = CompletionBuilder(
-            is_chat=parsed.is_chat,
-            task_id=task.task_id,
-            model=self.config.served_model_name,
-            created=int(time.time()),
-            num_prompt_tokens=task.num_prompt_tokens,
-            tokenizer=self.core.tokenizer,
-        )
-        responses = observation.watch(
-            self.core.generate(
-                task, payload, received_s=received_s, gone_reason=lambda: HTTP_GONE_REASON
+        scope = scope_from_headers(request.headers)
+        is_logprobs = generate.sampling.HasField("top_logprobs")
+        if is_logprobs and not (await self.core.model_limits.get()).is_known:
+            raise BadRequest(
+                "logprobs need a real model: no executor here runs one (the emulated "
+                "backend generates counts, not tokens); leave logprobs out",
+                "logprobs",
             )
+        admitted = [
+            await self.core.admit(choice, scope=scope)
+            for choice in choice_requests(generate, parsed.n)
+        ]
+        request[_REQUEST_ID_KEY] = admitted[0][0].task_id  # echoed unless the client sent its own
+        created = int(time.time())
+        choices = Choices(
+            [
+                CompletionBuilder(
+                    is_chat=parsed.is_chat,
+                    task_id=admitted[0][0].task_id,
+                    model=self.config.served_model_name,
+                    created=created,
+                    num_prompt_tokens=task.num_prompt_tokens,
+                    tokenizer=self.core.tokenizer,
+                    index=index,
+                    stop=parsed.stop,
+                    stop_token_ids=parsed.stop_token_ids,
+                    is_logprobs=is_logprobs,
+                    echo=self._echo(parsed, payload),
+                    is_prompt_only=parsed.is_prompt_only,
+                )
+                for index, (task, payload) in enumerate(admitted)
+            ]
         )
-        # aclosing: a disconnect (the handler is cancelled) or a failed write
-        # closes the core's stream now, so the task is cancelled at once.
-        async with contextlib.aclosing(responses):
+
+        def on_stop() -> None:
+            observation.on_stopped_early(self.core.clock() - received_s)
+
+        # aclosing: a disconnect (the handler is cancelled), a failed write or
+        # a stop sequence closes the core's streams now, so their tasks are
+        # cancelled at once (with the reason of `_gone_reason`).
+        async with contextlib.AsyncExitStack() as exits:
+            streams = [
+                await exits.enter_async_context(
+                    contextlib.aclosing(
+                        observation.watch(
+                            self.core.generate(
+                                task,
+                                payload,
+                                received_s=received_s,
+                                gone_reason=_gone_reason(builder),
+                            )
+                        )
+                    )
+                )
+                for (task, payload), builder in zip(admitted, choices.builders, strict=True)
+            ]
             if parsed.is_stream:
-                return await self._stream(request, parsed, builder, responses)
-            if not await _collect_unless_gone(request, responses, builder):
+                return await self._stream(request, parsed, choices, streams, on_stop)
+            if not await _run_unless_gone(request, collect(streams, choices, on_stop)):
                 # Recorded like aiohttp's own handler cancellation.
                 raise asyncio.CancelledError(HTTP_GONE_REASON)
-            return web.json_response(builder.body())
+            return web.json_response(choices.body())
+
+    def _echo(
+        self, parsed: CompletionRequest, payload: TaskPayload
+    ) -> tuple[str, tuple[int, ...]] | None:
+        """(text, ids) of the prompt a completion with `echo` returns first."""
+        if not parsed.is_echo:
+            return None
+        generate = parsed.generate
+        text = generate.prompt or self.core.tokenizer.decode(generate.prompt_token_ids)
+        return text, payload.prompt_token_ids
 
     async def _stream(
         self,
         request: web.Request,
         parsed: CompletionRequest,
-        builder: CompletionBuilder,
-        responses: AsyncIterator[gateway_pb2.GenerateResponse],
+        choices: Choices,
+        streams: Sequence[AsyncIterator[gateway_pb2.GenerateResponse]],
+        on_stop: Callable[[], None],
     ) -> web.StreamResponse:
-        # The first response comes before any byte is sent, so a request refused
+        # The first responses come before any byte is sent, so a request refused
         # (invalid, overload, no executor, rejected task) still gets its status.
-        first = await anext(responses)
+        first = await firsts(streams)
         stream = web.StreamResponse(
             headers={**_SSE_HEADERS, REQUEST_ID_HEADER: request_id_of(request)}
         )
         await stream.prepare(request)
         try:
-            await _send_chunk(stream, builder, first)
-            async for response in responses:
-                await _send_chunk(stream, builder, response)
+            async with contextlib.aclosing(merged(streams, choices, first, on_stop)) as chunks:
+                async for chunk in chunks:
+                    await _send(stream, chunk)
             if parsed.include_usage:
-                await _send(stream, builder.usage_chunk())
-        except ConnectionError:  # the client went away: closing `responses` cancels its task
+                await _send(stream, choices.usage_chunk())
+        except ConnectionError:  # the client went away: closing `streams` cancels the tasks
             return stream
         except Exception as exc:  # the status line is sent: the error goes as an event
             await _send(stream, error_for(exc)[1])

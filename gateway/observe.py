@@ -102,6 +102,14 @@ class GenerateObservation:
         self._ttft_s: float | None = None
         self._e2e_s: float | None = None
         self._num_tokens = 0
+        self._is_stopped_early = False
+
+    def on_stopped_early(self, e2e_s: float) -> None:
+        """A stop sequence ended the request before its task did
+        (`gateway.openai_stops`): it completed, so closing its streams next
+        is not a cancel."""
+        self._is_stopped_early = True
+        self._e2e_s = e2e_s
 
     async def __aenter__(self) -> GenerateObservation:
         await self._slo.refresh()
@@ -121,7 +129,8 @@ class GenerateObservation:
                         self._e2e_s = response.e2e_s
                     yield response
             except BaseException as exc:
-                self._code = self._code_of(exc)
+                if not (self._is_stopped_early and isinstance(exc, GeneratorExit)):
+                    self._code = self._code_of(exc)
                 raise
 
     async def __aexit__(

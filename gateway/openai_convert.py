@@ -15,9 +15,11 @@ Defaults follow OpenAI's and vLLM's: `temperature` 1, `top_p` 1; `max_tokens`
 context limit less the prompt: it becomes `GenerateRequest.max_tokens` 0, which
 gateway.validate resolves once the prompt is tokenized; a 0 sent on purpose is
 refused); `seed` left out (or 0) means a random seed per request
-(gateway.validate draws it). One prompt and one
-choice per request (`n` 1); `stop`, `logprobs`, `echo`, `suffix`,
-`logit_bias`, penalties and tools are refused with a 400, not ignored.
+(gateway.validate draws it). One prompt per request; `n` choices
+(`gateway.openai_choices`); `stop` and vLLM's `stop_token_ids`
+(`gateway.openai_stops`). Every other field is refused with a 400 naming it
+(`param`), unless it carries the value that asks for nothing (``echo:
+false``, penalties 0, ...: `_NEUTRAL`); `user` is accepted as metadata.
 
 Chat messages become one prompt with `chat_prompt`'s template::
 
@@ -30,31 +32,75 @@ string or a list of ``{"type": "text", "text": ...}`` parts.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.openai_stops import MAX_STOP_CHARS, MAX_STOPS
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
 from lemix.infra.rpc.errors import InvalidArgument, NotFound
+from lemix.outputs import MAX_TOP_LOGPROBS
 
 # `max_tokens` left out: GenerateRequest's 0, "the rest of the context".
 DEFAULT_MAX_TOKENS = 0
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 _MAX_U32 = (1 << 32) - 1
 _MAX_U64 = (1 << 64) - 1
-# OpenAI fields we do not implement: refused when set to anything but "off".
-_UNSUPPORTED_IF_SET = (
-    "stop",
-    "suffix",
-    "echo",
-    "logprobs",
-    "top_logprobs",
-    "logit_bias",
-    "tools",
-    "functions",
+# Fields that work. Anything else is refused with a 400 naming it (unless it
+# is in `_NEUTRAL` with a value that asks for nothing): a client must never
+# believe a field took effect when it did not.
+_COMMON_FIELDS = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stream",
+        "stream_options",
+        "n",
+        "stop",
+        "request_id",  # vLLM's: the idempotency key
+        "ignore_eos",  # vLLM's
+        "stop_token_ids",  # vLLM's
+        "user",  # OpenAI's end-user id for abuse monitoring: metadata, nothing to do
+    }
 )
-_UNSUPPORTED_UNLESS = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+# Fields not implemented, accepted only with these values (they ask for the
+# behaviour we have); any other value is a 400.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "best_of": (None, 1),
+    "echo": (None, False),  # chat's: completions implement it
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),  # vLLM's
+    "top_k": (None, -1, 0),  # vLLM's (-1 / 0: off)
+    "min_p": (None, 0, 0.0),  # vLLM's
+    "min_tokens": (None, 0),  # vLLM's
+    "include_stop_str_in_output": (None, False),  # vLLM's
+    "skip_special_tokens": (None, True),  # vLLM's
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None, True, False),  # meaningless without tools
+    "response_format": (None, {"type": "text"}),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "service_tier": (None, "auto", "default"),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+}
+MAX_CHOICES = 16  # `n`: each choice is a task of its own
 
 Json = dict[str, Any]
 
@@ -82,6 +128,11 @@ class CompletionRequest:
     is_chat: bool
     is_stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with usage
+    n: int = 1  # choices: independent sequences, one task each
+    stop: tuple[str, ...] = ()  # stop strings (`gateway.openai_stops`)
+    stop_token_ids: tuple[int, ...] = ()  # vLLM's: token ids that end a choice
+    is_echo: bool = False  # completions' echo: the prompt comes first (with its logprobs)
+    is_prompt_only: bool = False  # echo with max_tokens 0: no generated token returned
 
 
 # ------------------------------------------------------------------ fields
@@ -151,38 +202,96 @@ def check_model(body: Mapping[str, Any], served_model: str) -> None:
         )
 
 
-def _check_supported(body: Mapping[str, Any]) -> None:
-    for name in _UNSUPPORTED_IF_SET:
-        if body.get(name) not in (None, False, "", [], {}):
-            raise BadRequest(f"{name} is not supported by this server; leave it out", name)
-    for name, neutral in _UNSUPPORTED_UNLESS.items():
-        if body.get(name) not in (None, neutral):
+def _is_neutral(value: Any, neutrals: tuple[Any, ...]) -> bool:
+    # By type too: True == 1, but `echo: 1` is not `echo: false`.
+    return any(
+        value is n or (type(value) is type(n) and value == n) or (n is None and value is None)
+        for n in neutrals
+    )
+
+
+def _check_supported(body: Mapping[str, Any], accepted: frozenset[str]) -> None:
+    """A 400 naming the first field that is neither implemented nor neutral."""
+    for name, value in body.items():
+        if name in accepted:
+            continue
+        neutrals = _NEUTRAL.get(name)
+        if neutrals is None:
             raise BadRequest(
-                f"{name} is not supported by this server (only {neutral}); leave it out", name
+                f"{name} is not supported by this server (not a field it implements); leave it out",
+                name,
             )
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
+        if not _is_neutral(value, neutrals):
+            shown = " or ".join(repr(n) for n in neutrals if n is not None) or "null"
+            raise BadRequest(
+                f"{name} is not supported by this server (only {shown}); leave it out", name
+            )
+
+
+def _stops(body: Mapping[str, Any]) -> tuple[str, ...]:
+    """`stop`: a string or a list of strings (each non-empty)."""
+    value = body.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if (
+        not isinstance(stops, list)
+        or len(stops) > MAX_STOPS
+        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)
+    ):
         raise BadRequest(
-            "response_format is not supported (only {'type': 'text'})", "response_format"
+            f"stop must be a string or a list of at most {MAX_STOPS} strings of 1 to "
+            f"{MAX_STOP_CHARS} characters",
+            "stop",
         )
+    return tuple(stops)
+
+
+def _stop_token_ids(body: Mapping[str, Any]) -> tuple[int, ...]:
+    value = body.get("stop_token_ids")
+    if value is None:
+        return ()
+    ids = _token_ids(value, "stop_token_ids")
+    if len(ids) > MAX_STOPS:
+        raise BadRequest(f"stop_token_ids may list at most {MAX_STOPS} ids", "stop_token_ids")
+    return tuple(ids)
 
 
 # ---------------------------------------------------------------- requests
 
 
-def _sampling(body: Mapping[str, Any]) -> common_pb2.SamplingParams:
+def _top_logprobs(body: Mapping[str, Any], *, is_chat: bool) -> int | None:
+    """How many top tokens' logprobs to return with each token's; None: no
+    logprobs. Completions: ``logprobs: k``; chat: ``logprobs: true`` and
+    ``top_logprobs: k`` (0 when left out)."""
+    if not is_chat:
+        if body.get("logprobs") is None:
+            return None
+        return _int(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    if not _bool(body, "logprobs"):
+        if body.get("top_logprobs") is not None:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+    return _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+
+
+def _sampling(body: Mapping[str, Any], *, is_chat: bool = False) -> common_pb2.SamplingParams:
     # Range checks (temperature 0 or in [0.01, 100]) are gateway.validate's, for
     # both APIs; only top_p 0 is checked here: over gRPC it means "off" (proto3
     # cannot tell it from unset), but in JSON a 0 was sent on purpose.
     top_p = _number(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise BadRequest(f"top_p must be in (0, 1] (1 = off), got {top_p:g}", "top_p")
-    return common_pb2.SamplingParams(
+    sampling = common_pb2.SamplingParams(
         temperature=_number(body, "temperature", 1.0),
         top_p=top_p,
         ignore_eos=_bool(body, "ignore_eos"),  # vLLM's extension
         seed=_int(body, "seed", 0, 0, _MAX_U64),  # 0: none given, one is drawn
     )
+    top_logprobs = _top_logprobs(body, is_chat=is_chat)
+    if top_logprobs is not None:
+        sampling.top_logprobs = top_logprobs
+    return sampling
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int:
@@ -192,25 +301,36 @@ def _max_tokens(body: Mapping[str, Any]) -> int:
     return _int(body, name, DEFAULT_MAX_TOKENS, 1, _MAX_U32)
 
 
-def _parse(body: Any, served_model: str) -> tuple[Mapping[str, Any], bool]:
-    """The body as an object, checked for model and unsupported fields; is_stream."""
+def _parse(body: Any, served_model: str, accepted: frozenset[str]) -> Mapping[str, Any]:
+    """The body as an object, checked for model and unsupported fields."""
     body = _object(body, "the request body")
     check_model(body, served_model)
-    _check_supported(body)
+    _check_supported(body, accepted)
     options = body.get("stream_options")
     if options is not None:
         _object(options, "stream_options")
-    return body, _bool(body, "stream")
+    return body
 
 
-def _include_usage(body: Mapping[str, Any]) -> bool:
-    return _bool(body.get("stream_options") or {}, "include_usage")
+def _request(
+    body: Mapping[str, Any], generate: gateway_pb2.GenerateRequest, *, is_chat: bool
+) -> CompletionRequest:
+    """The fields both endpoints share, around their `generate`."""
+    return CompletionRequest(
+        generate,
+        is_chat=is_chat,
+        is_stream=_bool(body, "stream"),
+        include_usage=_bool(body.get("stream_options") or {}, "include_usage"),
+        n=_int(body, "n", 1, 1, MAX_CHOICES),
+        stop=_stops(body),
+        stop_token_ids=_stop_token_ids(body),
+    )
 
 
 def parse_completion(body: Any, served_model: str) -> CompletionRequest:
     """A /v1/completions body: `prompt` is a string or a list of token ids
     (or a one-element list of either)."""
-    body, is_stream = _parse(body, served_model)
+    body = _parse(body, served_model, _COMPLETION_FIELDS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
@@ -218,16 +338,29 @@ def parse_completion(body: Any, served_model: str) -> CompletionRequest:
                 "batched prompts are not supported: send one prompt per request", "prompt"
             )
         prompt = prompt[0]
+    is_echo = _bool(body, "echo")
+    # echo with max_tokens 0 (lm-eval-harness' log-likelihood): the prompt
+    # alone. The engine always decodes one token: it runs and is not returned.
+    is_prompt_only = is_echo and _is_exactly(body.get("max_tokens"), 0)
     request = gateway_pb2.GenerateRequest(
-        max_tokens=_max_tokens(body), sampling=_sampling(body), request_id=_request_id(body)
+        max_tokens=1 if is_prompt_only else _max_tokens(body),
+        sampling=_sampling(body),
+        request_id=_request_id(body),
     )
+    if is_echo and request.sampling.HasField("top_logprobs"):
+        request.sampling.prompt_logprobs = request.sampling.top_logprobs
     if isinstance(prompt, str):
         request.prompt = prompt
     elif isinstance(prompt, list):
         request.prompt_token_ids.extend(_token_ids(prompt, "prompt"))
     elif prompt is not None:
         raise BadRequest("prompt must be a string or a list of token ids", "prompt")
-    return CompletionRequest(request, False, is_stream, _include_usage(body))
+    parsed = _request(body, request, is_chat=False)
+    return dataclasses.replace(parsed, is_echo=is_echo, is_prompt_only=is_prompt_only)
+
+
+def _is_exactly(value: Any, number: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value == number
 
 
 def _content(message: Mapping[str, Any], where: str) -> str:
@@ -261,14 +394,50 @@ def chat_prompt(messages: Any) -> str:
 
 def parse_chat(body: Any, served_model: str) -> CompletionRequest:
     """A /v1/chat/completions body."""
-    body, is_stream = _parse(body, served_model)
+    body = _parse(body, served_model, _CHAT_FIELDS)
     request = gateway_pb2.GenerateRequest(
         prompt=chat_prompt(body.get("messages")),
         max_tokens=_max_tokens(body),
-        sampling=_sampling(body),
+        sampling=_sampling(body, is_chat=True),
         request_id=_request_id(body),
     )
-    return CompletionRequest(request, True, is_stream, _include_usage(body))
+    return _request(body, request, is_chat=True)
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """A /tokenize body (vLLM's): `prompt` text, or chat `messages` as the
+    chat endpoint would prompt the model with them."""
+
+    text: str
+    add_special_tokens: bool  # BOS first, as a completion's prompt gets it
+
+
+def parse_tokenize(body: Any, served_model: str) -> TokenizeRequest:
+    body = _object(body, "the request body")
+    check_model(body, served_model)
+    _check_supported(body, frozenset({"model", "prompt", "messages", "add_special_tokens"}))
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise BadRequest("send prompt (a string) or messages, one of them", "prompt")
+    if messages is not None:
+        text = chat_prompt(messages)
+    elif isinstance(prompt, str):
+        text = prompt
+    else:
+        raise BadRequest("prompt must be a string", "prompt")
+    special = body.get("add_special_tokens", True)
+    if not isinstance(special, bool):
+        raise BadRequest("add_special_tokens must be true or false", "add_special_tokens")
+    return TokenizeRequest(text, special)
+
+
+def parse_detokenize(body: Any, served_model: str) -> list[int]:
+    """A /detokenize body (vLLM's): ``{"tokens": [ids]}``."""
+    body = _object(body, "the request body")
+    check_model(body, served_model)
+    _check_supported(body, frozenset({"model", "tokens"}))
+    return _token_ids(body.get("tokens"), "tokens")
 
 
 def _sample(raw: Any, where: str) -> gateway_pb2.TrainSample:

@@ -46,6 +46,7 @@ from collections.abc import Mapping, Sequence
 
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
 from lemix.infra.rpc.errors import InvalidArgument
+from lemix.outputs import MAX_TOP_LOGPROBS
 from lemix.tokenizer import Tokenizer, encode_prompt
 from lemix.types import Task, TaskKind, TaskPayload
 
@@ -139,6 +140,20 @@ def draw_seed(task_id: str, *, is_named: bool) -> int:
     return seed or 1
 
 
+def check_token_ids(ids: Sequence[int], vocab_size: int, where: str) -> None:
+    """InvalidArgument naming the first id of `ids` outside [0, `vocab_size`)
+    (0 = the vocabulary is unknown: nothing to check)."""
+    if not vocab_size:
+        return
+    for i, token_id in enumerate(ids):
+        if token_id >= vocab_size:
+            raise InvalidArgument(
+                f"{where}[{i}] = {token_id} is not a token of the served model: its "
+                f"vocabulary has {vocab_size} tokens (ids 0..{vocab_size - 1}); "
+                "tokenize with the model's tokenizer (POST /tokenize)"
+            )
+
+
 def _text_ids(tokenizer: Tokenizer, text: str) -> tuple[int, ...]:
     """Ids to send with a task: none for the emulated backend (they mean nothing)."""
     return () if tokenizer.is_emulated or not text else tuple(tokenizer.encode(text))
@@ -152,11 +167,16 @@ def validate_generate(
     *,
     tokenizer: Tokenizer,
     max_context_tokens: int,
+    vocab_size: int = 0,
     scope: str = ANONYMOUS_SCOPE,
 ) -> tuple[Task, TaskPayload]:
     """A `GenerateRequest` as the inference `Task` (arrival_s 0: the scheduler
     stamps it on intake) and its `TaskPayload`; raises `InvalidArgument`.
-    A `request_id` names the task within the caller's `scope`."""
+    A `request_id` names the task within the caller's `scope`.
+
+    `max_context_tokens` is the served model's context limit (prompt +
+    max_tokens), `vocab_size` its vocabulary (0 = unknown), as the gateway
+    knows them (`gateway.model_limits`)."""
     has_text, has_ids = bool(request.prompt), bool(request.prompt_token_ids)
     if not has_text and not has_ids:
         raise InvalidArgument("prompt is empty: send prompt text or prompt_token_ids")
@@ -176,6 +196,9 @@ def validate_generate(
         encoded = encode_prompt(tokenizer, request.prompt)  # BOS first for a real model
         num_prompt_tokens = len(encoded)
         prompt_ids = () if tokenizer.is_emulated else tuple(encoded)
+    # Text tokenized here is checked too: a gateway tokenizer that is not the
+    # model's (a bigger vocabulary) would otherwise fail on the executor.
+    check_token_ids(prompt_ids, vocab_size, "prompt_token_ids" if has_ids else "the prompt's ids")
     max_tokens = request.max_tokens or max_context_tokens - num_prompt_tokens
     if max_tokens <= 0:  # only a defaulted max_tokens gets here
         raise InvalidArgument(
@@ -186,9 +209,24 @@ def validate_generate(
     if num_total > max_context_tokens:
         raise InvalidArgument(
             f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-            f"{num_total} tokens exceeds the context limit of {max_context_tokens} tokens; "
-            "shorten the prompt or lower max_tokens"
+            f"{num_total} tokens exceeds the context limit of {max_context_tokens} tokens "
+            "(max_model_len: GET /v1/models); shorten the prompt or lower max_tokens"
         )
+    top_logprobs = -1  # none asked for
+    if request.sampling.HasField("top_logprobs"):
+        top_logprobs = request.sampling.top_logprobs
+        if top_logprobs > MAX_TOP_LOGPROBS:
+            raise InvalidArgument(
+                f"sampling.top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}"
+            )
+    prompt_logprobs = -1
+    if request.sampling.HasField("prompt_logprobs"):
+        prompt_logprobs = request.sampling.prompt_logprobs
+        if prompt_logprobs > MAX_TOP_LOGPROBS:
+            raise InvalidArgument(
+                f"sampling.prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
+                f"got {prompt_logprobs}"
+            )
     seed = request.sampling.seed
     if not seed and temperature:
         seed = draw_seed(task_id, is_named=bool(request.request_id))
@@ -207,6 +245,8 @@ def validate_generate(
         top_p=top_p,
         ignore_eos=request.sampling.ignore_eos,
         seed=seed,
+        top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
     return task, payload
 
@@ -215,7 +255,11 @@ def validate_generate(
 
 
 def _sample_tokens(
-    index: int, sample: gateway_pb2.TrainSample, tokenizer: Tokenizer, max_context_tokens: int
+    index: int,
+    sample: gateway_pb2.TrainSample,
+    tokenizer: Tokenizer,
+    max_context_tokens: int,
+    vocab_size: int,
 ) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     """(tokens in the sample, ids to send, reference ids to send) of one sample."""
     where = f"samples[{index}]"
@@ -244,6 +288,7 @@ def _sample_tokens(
             f"{where} has {num_tokens} tokens; the context limit is {max_context_tokens} "
             "tokens: shorten or split it"
         )
+    check_token_ids(ids, vocab_size, f"{where}.token_ids")
     return num_tokens, ids, reference
 
 
@@ -277,6 +322,7 @@ def validate_train(
     max_context_tokens: int,
     max_samples: int = DEFAULT_MAX_TRAIN_SAMPLES,
     max_train_batch_size: int = DEFAULT_MAX_TRAIN_BATCH_SIZE,
+    vocab_size: int = 0,
     scope: str = ANONYMOUS_SCOPE,
 ) -> list[tuple[Task, TaskPayload]]:
     """A `TrainRequest` as training tasks of `batch_size` samples each (the last
@@ -304,7 +350,10 @@ def validate_train(
         )
     samples = list(request.samples)
     _check_sample_ids(samples)
-    sizes = [_sample_tokens(i, s, tokenizer, max_context_tokens) for i, s in enumerate(samples)]
+    sizes = [
+        _sample_tokens(i, s, tokenizer, max_context_tokens, vocab_size)
+        for i, s in enumerate(samples)
+    ]
 
     tasks: list[tuple[Task, TaskPayload]] = []
     for start in range(0, len(samples), batch_size):

@@ -318,7 +318,9 @@ class NodeEngine:
         starts += self._kick(now_s, outcomes)
         return starts, outcomes
 
-    def cancel(self, task_id: str, now_s: float) -> tuple[bool, list[StageStart], list[Outcome]]:
+    def cancel(
+        self, task_id: str, now_s: float, reason: str = ""
+    ) -> tuple[bool, list[StageStart], list[Outcome]]:
         """Cancel an inference request (client gone); frees its memory.
 
         A request of a micro-batch whose iteration is in flight is dropped when
@@ -326,7 +328,10 @@ class NodeEngine:
         already running cannot be cancelled (False); training still waiting can.
         """
         outcomes: list[Outcome] = []
-        reason = format_reason(ReasonCode.CANCELLED, "cancelled by the client")
+        # The canceller's reason (e.g. the gateway's "a stop sequence ended
+        # it"), without a status prefix of its own; a default when none given.
+        detail = reason.removeprefix(f"{ReasonCode.CANCELLED.value}: ").strip()
+        reason = format_reason(ReasonCode.CANCELLED, detail or "cancelled by the client")
         for queue in (self.waiting, self.swapped):
             for req in queue:
                 if req.task.task_id == task_id:
@@ -340,6 +345,7 @@ class NodeEngine:
                 if req.task.task_id == task_id:
                     if batch.is_in_flight:
                         req.is_cancelled = True
+                        req.cancel_reason = reason
                         return True, [], outcomes
                     batch.running.remove(req)
                     self.memory.release(task_id)
@@ -741,8 +747,10 @@ class NodeEngine:
         for req in batch.running:
             if req.is_cancelled or req.failure:
                 self.memory.release(req.task.task_id)
-                reason = req.failure or format_reason(
-                    ReasonCode.CANCELLED, "cancelled by the client"
+                reason = (
+                    req.failure
+                    or req.cancel_reason
+                    or format_reason(ReasonCode.CANCELLED, "cancelled by the client")
                 )
                 outcomes.append(Failed(req.task.task_id, reason))
             elif req.is_prefilled and (

@@ -100,6 +100,7 @@ class Request:
     micro_batch: int = 0  # the group it runs in
     num_passed_over: int = 0  # times balance turned it away at the head of the queue
     is_cancelled: bool = False
+    cancel_reason: str = ""  # why, when is_cancelled (docs/protocol.md reason)
     is_stopped: bool = False  # the model emitted end-of-sequence
     failure: str = ""  # the backend could not run it: ends Failed with this reason
 

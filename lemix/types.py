@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from lemix.outputs import MAX_TOP_LOGPROBS
+
 
 class TaskKind(StrEnum):
     INFERENCE = "inference"
@@ -73,6 +75,11 @@ class TaskPayload:
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
     ignore_eos: bool = False  # decode exactly max_output_tokens (load tests)
     seed: int = 0  # sampling RNG seed
+    # Log-probabilities of the output tokens: -1 = none, k = each token's and
+    # the k most likely tokens' (`lemix.outputs.TokenLogprob`).
+    top_logprobs: int = -1
+    # The same for the prompt's tokens (from the second on), computed in the prefill.
+    prompt_logprobs: int = -1
     # Training tasks of several samples: prompt_token_ids is the samples one
     # after another, sample i has sample_lengths[i] tokens of which the last
     # reference_lengths[i] are its reference (reference_token_ids stays empty).
@@ -88,6 +95,12 @@ class TaskPayload:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        for name in ("top_logprobs", "prompt_logprobs"):
+            if not -1 <= getattr(self, name) <= MAX_TOP_LOGPROBS:
+                raise ValueError(
+                    f"{name} must be -1 (none) or in [0, {MAX_TOP_LOGPROBS}], "
+                    f"got {getattr(self, name)}"
+                )
         for name in ("prompt_token_ids", "reference_token_ids"):
             ids = getattr(self, name)
             if any(i < 0 for i in ids):

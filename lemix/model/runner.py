@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from lemix.model.staged import Segment, StagedModel
-from lemix.outputs import FINISH_LENGTH, FINISH_STOP
+from lemix.outputs import FINISH_LENGTH, FINISH_STOP, TokenLogprob
 
 
 @dataclass
@@ -39,7 +39,11 @@ class GenRequest:
     top_p: float = 1.0
     seed: int = 0
     ignore_eos: bool = False
+    top_logprobs: int = -1  # -1: none; k: each token's logprob and the top k's
+    prompt_logprobs: int = -1  # the same for the prompt's tokens, from the prefill
     generated: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token
+    prompt_logprob_entries: list[TokenLogprob] = field(default_factory=list)  # prompt[1:]
     inference_loss: float | None = None
     finish_reason: str | None = None
     generator: torch.Generator | None = None
@@ -50,6 +54,18 @@ class _Carry:
     hidden: torch.Tensor
     positions: torch.Tensor
     segments: list[Segment]
+
+
+def token_logprob(logits: torch.Tensor, token: int, num_top: int) -> TokenLogprob:
+    """logits [vocab] -> `token`'s log-probability under the model's own
+    distribution (log_softmax of the raw logits, in float32: before
+    temperature and top_p, as OpenAI's and vLLM's) and the `num_top` best."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top: tuple[tuple[int, float], ...] = ()
+    if num_top > 0:
+        values, ids = torch.topk(logprobs, num_top)
+        top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(float(logprobs[token]), top)
 
 
 def sample_next(logits: torch.Tensor, req: GenRequest) -> int:
@@ -193,7 +209,16 @@ class InferenceRunner:
                     rows = logits[row : row + len(req.reference_ids)]
                     target = torch.tensor(req.reference_ids, device=rows.device)
                     req.inference_loss = float(F.cross_entropy(rows, target))
+                if req.prompt_logprobs >= 0 and not req.generated:
+                    # rows [num_prompt - 1, vocab]: position i predicts prompt[i + 1]
+                    rows = logits[seg.start : seg.start + num_prompt - 1]
+                    req.prompt_logprob_entries = [
+                        token_logprob(r, t, req.prompt_logprobs)
+                        for r, t in zip(rows, req.prompt_ids[1:], strict=True)
+                    ]
                 token = sample_next(logits[row], req)
+                if req.top_logprobs >= 0:
+                    req.logprobs.append(token_logprob(logits[row], token, req.top_logprobs))
             except (ValueError, RuntimeError) as exc:
                 self.failures[key] = f"INTERNAL: sampling failed: {type(exc).__name__}: {exc}"
                 continue

@@ -112,9 +112,9 @@ class NodeDriver:
         starts, outcomes = self.engine.add_task(task, now_s)
         self._after(starts, outcomes, now_s)
 
-    def cancel(self, task_id: str) -> bool:
+    def cancel(self, task_id: str, reason: str = "") -> bool:
         now_s = self._tick()
-        is_found, starts, outcomes = self.engine.cancel(task_id, now_s)
+        is_found, starts, outcomes = self.engine.cancel(task_id, now_s, reason)
         self._after(starts, outcomes, now_s)
         return is_found
 

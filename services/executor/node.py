@@ -242,9 +242,10 @@ class ExecutorNode:
                 "(running training cannot be cancelled); place it elsewhere"
             ) from None
 
-    def cancel(self, task_id: str) -> bool:
-        """Cancel a held task; its `end` (CANCELLED) follows through the sink."""
-        return self.driver.cancel(task_id)
+    def cancel(self, task_id: str, reason: str = "") -> bool:
+        """Cancel a held task; its `end` (CANCELLED, with `reason` when given)
+        follows through the sink."""
+        return self.driver.cancel(task_id, reason)
 
     async def sync_weights(self, spec: WeightSyncSpec) -> WeightSyncResult:
         """Occupy every stage for the weight transfer; return when all are done.

@@ -34,6 +34,7 @@ from lemix.infra.store.client import RedisClientConfig, connect
 from lemix.infra.store.codec import FieldValue
 from lemix.infra.store.heartbeat import heartbeat_fields
 from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.model_limits import model_limit_fields
 from lemix.infra.store.store import Store
 from lemix.noise import NoisyLatency
 from lemix.profile import Profile, default_profile_path, load_profile
@@ -57,10 +58,13 @@ _RPC_GRACE_S = 1.0
 
 
 def node_state_fields(node: ExecutorNode) -> dict[str, FieldValue]:
-    """One heartbeat of `node` (`lemix.infra.store.heartbeat`), stamped now."""
-    return heartbeat_fields(
+    """One heartbeat of `node` (`lemix.infra.store.heartbeat`), stamped now,
+    with its model's limits (`lemix.infra.store.model_limits`)."""
+    fields = heartbeat_fields(
         node.snapshot(), address=node.address, num_stages=node.engine.num_stages, t=time.time()
     )
+    fields.update(model_limit_fields(node.backend.model_limits()))
+    return fields
 
 
 class ExecutorService(Service):

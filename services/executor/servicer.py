@@ -57,7 +57,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     ) -> common_pb2.CancelResponse:
         if not request.task_id:
             raise InvalidArgument("task_id is empty; name the task to cancel")
-        is_found = self._node.cancel(request.task_id)
+        is_found = self._node.cancel(request.task_id, request.reason)
         log.info(
             "executor.cancel", task_id=request.task_id, is_found=is_found, reason=request.reason
         )

@@ -57,7 +57,13 @@ from lemix.infra.store.task_hash import (
     WEIGHT_VERSION_FIELD,
     StoredStatus,
 )
-from lemix.outputs import TOKEN_IDS_FIELD, format_token_ids
+from lemix.outputs import (
+    LOGPROBS_FIELD,
+    PROMPT_LOGPROBS_FIELD,
+    TOKEN_IDS_FIELD,
+    format_logprobs,
+    format_token_ids,
+)
 from services.executor.backends.base import ExecutorBackend
 from services.executor.backends.emulated import EmulatedBackend
 
@@ -178,6 +184,12 @@ class RedisOutcomeSink:
     def _add_ids(self, fields: dict[str, FieldValue], task_id: str, start: int, end: int) -> None:
         if self.backend.produces_tokens:
             fields[TOKEN_IDS_FIELD] = format_token_ids(self.backend.output_ids(task_id)[start:end])
+            logprobs = self.backend.output_logprobs(task_id)  # one per id, when asked for
+            if logprobs:
+                fields[LOGPROBS_FIELD] = format_logprobs(logprobs[start:end])
+            prompt_logprobs = self.backend.prompt_logprobs(task_id) if start == 0 else ()
+            if prompt_logprobs:  # with the first token: the prefill made them
+                fields[PROMPT_LOGPROBS_FIELD] = format_logprobs(prompt_logprobs)
 
     async def _write_end(self, outcome: Finished | Failed | Requeued, t: float) -> str:
         """Write one task's end; returns the name of the counter it bumps."""

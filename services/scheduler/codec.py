@@ -30,6 +30,8 @@ field                  value
 ``top_p``              float
 ``ignore_eos``         ``1`` | ``0``
 ``seed``               int
+``top_logprobs``       int, only when the request asked for logprobs (absent: -1, none)
+``prompt_logprobs``    int, only when it asked for the prompt's (absent: -1, none)
 ``submit_t``           wall-clock epoch seconds when Submit stored it
 =====================  ===========================================================
 """
@@ -61,7 +63,7 @@ def task_to_fields(
     task: Task, payload: TaskPayload, *, submit_t: float | None = None
 ) -> dict[str, FieldValue]:
     """A task and its payload as intake/state-hash fields (see the module table)."""
-    return {
+    fields: dict[str, FieldValue] = {
         TASK_ID_FIELD: task.task_id,
         "kind": task.kind.value,
         "arrival_s": task.arrival_s,
@@ -79,6 +81,11 @@ def task_to_fields(
         "seed": payload.seed,
         SUBMIT_T_FIELD: time.time() if submit_t is None else submit_t,
     }
+    if payload.top_logprobs >= 0:  # absent otherwise: older records stay as they were
+        fields["top_logprobs"] = payload.top_logprobs
+    if payload.prompt_logprobs >= 0:
+        fields["prompt_logprobs"] = payload.prompt_logprobs
+    return fields
 
 
 def task_from_fields(
@@ -107,6 +114,8 @@ def task_from_fields(
         top_p=get_float(fields, "top_p", 1.0),
         ignore_eos=get_bool(fields, "ignore_eos"),
         seed=get_int(fields, "seed"),
+        top_logprobs=get_int(fields, "top_logprobs", -1),
+        prompt_logprobs=get_int(fields, "prompt_logprobs", -1),
     )
     return task, payload
 

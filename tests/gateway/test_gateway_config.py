@@ -9,7 +9,7 @@ from gateway.config import CLI_DEFAULT_PORT, GatewayConfig, from_env_and_args
 
 def test_defaults_are_valid_and_port_zero_means_free() -> None:
     config = GatewayConfig()
-    assert config.port == 0 and config.max_context_tokens == 4096
+    assert config.port == 0 and config.max_context_tokens == 0  # the model's
     assert config.tokenizer == "approx" and config.max_in_flight > 0
 
 
@@ -60,7 +60,7 @@ def test_bad_env_value_names_the_variable() -> None:
         ({"scheduler_address": "nohost"}, "scheduler_address must be host:port"),
         ({"redis_url": "localhost:6379"}, "redis_url must start with"),
         ({"namespace": "has space"}, "namespace must not contain whitespace"),
-        ({"max_context_tokens": 0}, "max_context_tokens must be > 0"),
+        ({"max_context_tokens": -1}, "max_context_tokens must be >= 0"),
         ({"max_in_flight": 0}, "max_in_flight must be > 0"),
         ({"max_train_samples": 0}, "max_train_samples must be > 0"),
         ({"max_train_batch_size": -1}, "max_train_batch_size must be > 0"),
@@ -69,6 +69,7 @@ def test_bad_env_value_names_the_variable() -> None:
         ({"submit_deadline_s": 0.0}, "submit_deadline_s must be"),
         ({"stream_idle_timeout_s": float("nan")}, "stream_idle_timeout_s must be"),
         ({"node_check_s": -1.0}, "node_check_s must be"),
+        ({"cors_allowed_origins": "app.example"}, "is not an origin"),
         ({"log_level": "loud"}, "log_level must be one of"),
         ({"log_format": "xml"}, "log_format must be one of"),
     ],

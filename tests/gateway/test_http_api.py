@@ -233,12 +233,12 @@ async def test_completion_with_text_and_with_token_ids(client: openai.AsyncOpenA
     [
         ({"max_tokens": 5000}, "exceeds the context limit of 4096 tokens"),
         ({"temperature": -1.0}, "temperature must be a finite number >= 0"),
-        ({"stop": ["\n"]}, "stop is not supported"),
-        ({"n": 2}, "n is not supported"),
+        ({"logit_bias": {"5": 1}}, "logit_bias is not supported"),
+        ({"n": 0}, "n must be an integer in [1, 16]"),
         ({"messages": []}, "messages must be a non-empty list"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "role must be one of"),
     ],
-    ids=["over-context", "temperature", "stop", "n", "no-messages", "bad-role"],
+    ids=["over-context", "temperature", "logit-bias", "n", "no-messages", "bad-role"],
 )
 async def test_invalid_chat_is_400(
     gateway: GatewayService, client: openai.AsyncOpenAI, kwargs: dict[str, Any], message: str

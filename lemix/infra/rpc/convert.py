@@ -128,6 +128,10 @@ def task_to_proto(task: Task, payload: TaskPayload | None = None) -> common_pb2.
                 seed=_uint(f"{where}: seed", payload.seed, _U64),
             )
         )
+        if payload.top_logprobs >= 0:
+            msg.sampling.top_logprobs = payload.top_logprobs
+        if payload.prompt_logprobs >= 0:
+            msg.sampling.prompt_logprobs = payload.prompt_logprobs
     return msg
 
 
@@ -161,6 +165,10 @@ def task_from_proto(msg: common_pb2.Task) -> tuple[Task, TaskPayload]:
             top_p=sampling.top_p or 1.0,
             ignore_eos=sampling.ignore_eos,
             seed=sampling.seed,
+            top_logprobs=sampling.top_logprobs if sampling.HasField("top_logprobs") else -1,
+            prompt_logprobs=(
+                sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else -1
+            ),
         )
     except InvalidArgument:
         raise

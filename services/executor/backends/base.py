@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from lemix.engine import NodeEngine, StageStart
+from lemix.infra.store.model_limits import ModelLimits
+from lemix.outputs import TokenLogprob
 from lemix.types import Task, TaskPayload
 from services.executor.convert import MeasureResult, MeasureSpec, SyncDirection
 
@@ -85,6 +87,16 @@ class ExecutorBackend(Protocol):
         when `produces_tokens` is False)."""
         ...
 
+    def output_logprobs(self, task_id: str) -> Sequence[TokenLogprob]:
+        """One per id of `output_ids` when the task asked for logprobs
+        (`TaskPayload.top_logprobs`); empty otherwise."""
+        ...
+
+    def prompt_logprobs(self, task_id: str) -> Sequence[TokenLogprob]:
+        """One per prompt token from the second on, once prefilled, when the
+        task asked for them (`TaskPayload.prompt_logprobs`); empty otherwise."""
+        ...
+
     def end_fields(self, task_id: str) -> dict[str, str | float]:
         """Extra fields for a finished task's ``end`` message and state hash
         (finish reason, inference or training loss); empty when none."""
@@ -104,6 +116,11 @@ class ExecutorBackend(Protocol):
 
     def used_bytes(self) -> list[int]:
         """Memory each stage really holds, measured (empty: nothing measured)."""
+        ...
+
+    def model_limits(self) -> ModelLimits | None:
+        """The model's vocabulary and positions, published with every heartbeat
+        so the gateway refuses what the model cannot run (None: no model)."""
         ...
 
     def close(self) -> None:

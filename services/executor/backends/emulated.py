@@ -12,6 +12,8 @@ import asyncio
 from collections.abc import Sequence
 
 from lemix.engine import NodeEngine, StageStart
+from lemix.infra.store.model_limits import ModelLimits
+from lemix.outputs import TokenLogprob
 from lemix.types import Task, TaskPayload
 from services.executor.convert import MeasurePhase, MeasureResult, MeasureSpec, SyncDirection
 
@@ -44,6 +46,12 @@ class EmulatedBackend:
         return None
 
     def output_ids(self, task_id: str) -> Sequence[int]:
+        return ()
+
+    def output_logprobs(self, task_id: str) -> Sequence[TokenLogprob]:
+        return ()
+
+    def prompt_logprobs(self, task_id: str) -> Sequence[TokenLogprob]:
         return ()
 
     def end_fields(self, task_id: str) -> dict[str, str | float]:
@@ -80,6 +88,9 @@ class EmulatedBackend:
 
     def used_bytes(self) -> list[int]:
         return []  # nothing measured: the engine's ledger is the only figure
+
+    def model_limits(self) -> ModelLimits | None:
+        return None  # no model: any token id, any length the context allows
 
     def close(self) -> None:
         return None

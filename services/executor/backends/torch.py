@@ -31,11 +31,12 @@ import torch
 
 from lemix.engine import NodeEngine, StageStart, WorkKind
 from lemix.infra.rpc.errors import InvalidArgument, Unavailable
+from lemix.infra.store.model_limits import ModelLimits
 from lemix.model.device_memory import stage_used_bytes
 from lemix.model.runner import GenRequest, InferenceRunner
 from lemix.model.staged import StagedModel
 from lemix.model.training import PipelineTrainer, Sample
-from lemix.outputs import FINISH_LENGTH
+from lemix.outputs import FINISH_LENGTH, TokenLogprob
 from lemix.types import Task, TaskPayload
 from services.executor import weights
 from services.executor.backends.base import RequestsFailed
@@ -141,6 +142,8 @@ class TorchBackend:
                     top_p=payload.top_p,
                     seed=payload.seed,
                     ignore_eos=payload.ignore_eos,
+                    top_logprobs=payload.top_logprobs,
+                    prompt_logprobs=payload.prompt_logprobs,
                 )
             )
         except ValueError as exc:
@@ -156,6 +159,14 @@ class TorchBackend:
     def output_ids(self, task_id: str) -> Sequence[int]:
         req = self.runner.requests.get(task_id)
         return req.generated if req is not None else ()
+
+    def output_logprobs(self, task_id: str) -> Sequence[TokenLogprob]:
+        req = self.runner.requests.get(task_id)
+        return req.logprobs if req is not None else ()
+
+    def prompt_logprobs(self, task_id: str) -> Sequence[TokenLogprob]:
+        req = self.runner.requests.get(task_id)
+        return req.prompt_logprob_entries if req is not None else ()
 
     def end_fields(self, task_id: str) -> dict[str, str | float]:
         """Fields for the task's ``end`` message: finish reason, inference loss;
@@ -180,6 +191,11 @@ class TorchBackend:
     def used_bytes(self) -> list[int]:
         """Memory each stage held after its last item (see `lemix.model.device_memory`)."""
         return list(self._used_bytes)
+
+    def model_limits(self) -> ModelLimits | None:
+        return ModelLimits(
+            vocab_size=self.staged.vocab_size, max_model_len=self.staged.family.max_positions
+        )
 
     def close(self) -> None:
         for pool in self._pools:

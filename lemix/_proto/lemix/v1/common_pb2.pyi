@@ -56,16 +56,20 @@ class Task(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., arrival_s: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., batch_size: _Optional[int] = ..., seq: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., reference_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., sample_lengths: _Optional[_Iterable[int]] = ..., reference_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "ignore_eos", "seed")
+    __slots__ = ("temperature", "top_p", "ignore_eos", "seed", "top_logprobs", "prompt_logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     ignore_eos: bool
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
+    top_logprobs: int
+    prompt_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class NodeState(_message.Message):
     __slots__ = ("node_id", "now_s", "num_running", "num_waiting", "sum_context_tokens", "kv_used_bytes", "memory_capacity_bytes", "busy_fraction", "num_training_updates", "is_healthy", "address", "num_stages", "max_remaining_decode_tokens")
