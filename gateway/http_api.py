@@ -65,7 +65,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.config import GatewayConfig
 from gateway.core import BUSY_RETRY_AFTER_S, NO_EXECUTOR_MESSAGE, GatewayCore
@@ -97,6 +97,7 @@ from gateway.tasks import TaskReader
 from gateway.validate import check_token_ids, scope_from_headers
 from lemix import __version__
 from lemix._proto.lemix.v1 import gateway_pb2
+from lemix.infra import telemetry
 from lemix.infra.rpc.auth import ApiKeyCheck
 from lemix.infra.rpc.errors import ServiceError
 from lemix.infra.rpc.server import MAX_MESSAGE_BYTES
@@ -380,7 +381,9 @@ class HttpApi:
         return context_tokens(self.config.max_context_tokens, limits)
 
     async def train(self, request: web.Request) -> web.Response:
-        task_ids = await observe_training(self._train(request), len, _http_code_of)
+        task_ids = await observe_training(
+            self._train(request), len, _http_code_of, model_name=self.config.served_model_name
+        )
         return web.json_response({"object": "lemix.train", "task_ids": task_ids})
 
     async def task(self, request: web.Request) -> web.Response:
@@ -408,14 +411,17 @@ class HttpApi:
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(
-            body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST}
+            body=generate_latest(telemetry.registry_for("gateway")),
+            headers={"Content-Type": CONTENT_TYPE_LATEST},
         )
 
     # ============================================================ completions
 
     async def _complete(self, request: web.Request, parse: Parse) -> web.StreamResponse:
         received_s = self.core.clock()
-        async with GenerateObservation(self._slo, _http_code_of) as observation:
+        async with GenerateObservation(
+            self._slo, _http_code_of, model_name=self.config.served_model_name
+        ) as observation:
             return await self._run(request, parse, received_s, observation)
 
     async def _run(
@@ -441,6 +447,8 @@ class HttpApi:
             await self.core.admit(choice, scope=scope)
             for choice in choice_requests(generate, parsed.n)
         ]
+        for task, _ in admitted:
+            observation.on_admitted(task.num_prompt_tokens)
         request[_REQUEST_ID_KEY] = admitted[0][0].task_id  # echoed unless the client sent its own
         created = int(time.time())
         choices = Choices(

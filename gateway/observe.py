@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -81,28 +82,68 @@ def code_of(exc: BaseException) -> str:
     return status_code_for(exc).name
 
 
+# The observation of the Generate call running in this task, for code that
+# admits its task inside a `@observe_generate` handler (`note_admitted`).
+_CURRENT: contextvars.ContextVar[GenerateObservation | None] = contextvars.ContextVar(
+    "lemix_generate_observation", default=None
+)
+
+
+def details_of(exc: BaseException) -> str:
+    """The text a request's end carries (a failed task's details)."""
+    return exc.details if isinstance(exc, TaskEnded) else str(exc)
+
+
+def note_admitted(num_prompt_tokens: int) -> None:
+    """A task of the Generate call observed in this task was admitted."""
+    observation = _CURRENT.get()
+    if observation is not None:
+        observation.on_admitted(num_prompt_tokens)
+
+
 class GenerateObservation:
     """One inference request's metrics, recorded once when it ends:
 
-        async with GenerateObservation(slo, code_of) as observation:
+        async with GenerateObservation(slo, code_of, model_name=name) as observation:
             ...                                   # parse, admit: errors count too
+            observation.on_admitted(task.num_prompt_tokens)
             async for response in observation.watch(responses):
                 ...
 
     It ends with the exception that leaves the `async with`, else the one that
-    ended `watch` (a caller that handles it, like an SSE stream sending it as
+    ended a `watch` (a caller that handles it, like an SSE stream sending it as
     an event, still has it counted), else OK. Times come from the responses
-    (`ttft_s` on the first token, `e2e_s` on the final one).
+    (`ttft_s` on the first token, `e2e_s` on the final one); each `watch` is
+    one output sequence (an OpenAI choice): its token gaps (ITL, on `clock`)
+    and its finish reason count per sequence.
     """
 
-    def __init__(self, slo: SloCache, code_of: CodeOf = code_of) -> None:
+    def __init__(
+        self,
+        slo: SloCache,
+        code_of: CodeOf = code_of,
+        *,
+        model_name: str = "",
+        details_of: Callable[[BaseException], str] = details_of,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._slo = slo
         self._code_of = code_of
+        self._details_of = details_of
+        self._clock = clock
+        self.model_name = model_name
         self._code = "OK"
+        self._details = ""
         self._ttft_s: float | None = None
         self._e2e_s: float | None = None
-        self._num_tokens = 0
+        self._num_tokens = 0  # over every watched sequence
+        self._longest = 0  # tokens of its longest sequence (for the mean TBT)
         self._is_stopped_early = False
+        self._token: contextvars.Token[GenerateObservation | None] | None = None
+
+    def on_admitted(self, num_prompt_tokens: int) -> None:
+        """One of its tasks was admitted with this prompt."""
+        telemetry.observe_prompt_tokens(self.model_name, num_prompt_tokens)
 
     def on_stopped_early(self, e2e_s: float) -> None:
         """A stop sequence ended the request before its task did
@@ -112,26 +153,49 @@ class GenerateObservation:
         self._e2e_s = e2e_s
 
     async def __aenter__(self) -> GenerateObservation:
+        self._token = _CURRENT.set(self)
         await self._slo.refresh()
         return self
 
     async def watch(
         self, responses: AsyncGenerator[gateway_pb2.GenerateResponse, None]
     ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
-        """`responses`, observed; closing this closes `responses` at once."""
+        """`responses` (one sequence), observed; closing this closes `responses` at once."""
+        num_tokens = 0  # of this sequence so far
+        last_token_s: float | None = None  # when its latest token arrived
+        finish_reason = "abort"  # unless a final message or a stop sequence ends it
         async with contextlib.aclosing(responses):
             try:
                 async for response in responses:
-                    if response.num_output_tokens > 0 and self._ttft_s is None:
-                        self._ttft_s = response.ttft_s
-                    self._num_tokens = max(self._num_tokens, response.num_output_tokens)
+                    num_new = response.num_output_tokens - num_tokens
+                    if num_new > 0:
+                        now_s = self._clock()
+                        if self._ttft_s is None:
+                            self._ttft_s = response.ttft_s
+                        if last_token_s is None:  # the first token has no gap; the
+                            # others in its message came with it
+                            telemetry.observe_token_gaps(self.model_name, 0.0, num_new - 1)
+                        else:
+                            telemetry.observe_token_gaps(
+                                self.model_name, now_s - last_token_s, num_new
+                            )
+                        last_token_s = now_s
+                        num_tokens += num_new
+                        self._num_tokens += num_new
+                        self._longest = max(self._longest, num_tokens)
                     if response.is_finished:
                         self._e2e_s = response.e2e_s
+                        finish_reason = response.finish_reason or "unknown"
                     yield response
             except BaseException as exc:
-                if not (self._is_stopped_early and isinstance(exc, GeneratorExit)):
+                if self._is_stopped_early and isinstance(exc, GeneratorExit):
+                    finish_reason = "stop"
+                else:
                     self._code = self._code_of(exc)
+                    self._details = self._details_of(exc)
                 raise
+            finally:
+                telemetry.observe_finish(self.model_name, finish_reason)
 
     async def __aexit__(
         self,
@@ -139,20 +203,34 @@ class GenerateObservation:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        code = self._code if exc is None else self._code_of(exc)
+        if self._token is not None:
+            with contextlib.suppress(ValueError):  # closed from another context
+                _CURRENT.reset(self._token)
+        code, details = (
+            (self._code, self._details)
+            if exc is None
+            else (self._code_of(exc), self._details_of(exc))
+        )
         outcome = telemetry.request_outcome(code, self._ttft_s is not None)
-        telemetry.observe_request("inference", outcome, code)
+        telemetry.observe_request("inference", outcome, code, model_name=self.model_name)
         is_completed = outcome == telemetry.COMPLETED
         telemetry.observe_inference(
             self._ttft_s if is_completed else None,
             self._e2e_s if is_completed else None,
-            self._num_tokens,
+            self._longest,
             self._slo.current,
+            model_name=self.model_name,
+            num_output_tokens=self._num_tokens,
+            is_client_fault=telemetry.is_client_fault(code, details),
         )
 
 
 async def observe_training(
-    call: Awaitable[T], num_tasks: Callable[[T], int], code_of: CodeOf = code_of
+    call: Awaitable[T],
+    num_tasks: Callable[[T], int],
+    code_of: CodeOf = code_of,
+    *,
+    model_name: str = "",
 ) -> T:
     """Await one Train call and count it: its `num_tasks(result)` tasks
     `accepted`, or the call rejected/failed/cancelled."""
@@ -160,9 +238,12 @@ async def observe_training(
         result = await call
     except BaseException as exc:
         code = code_of(exc)
-        telemetry.observe_request("training", telemetry.request_outcome(code, False), code)
+        outcome = telemetry.request_outcome(code, False)
+        telemetry.observe_request("training", outcome, code, model_name=model_name)
         raise
-    telemetry.observe_request("training", telemetry.ACCEPTED, "OK", count=num_tasks(result))
+    telemetry.observe_request(
+        "training", telemetry.ACCEPTED, "OK", count=num_tasks(result), model_name=model_name
+    )
     return result
 
 
@@ -171,6 +252,7 @@ async def observe_training(
 
 class _Observed(Protocol):
     slo: SloCache
+    model_name: str  # the served model name, the metrics' `model_name` label
 
 
 def _grpc_code_of(context: grpc.aio.ServicerContext) -> CodeOf:
@@ -181,6 +263,15 @@ def _grpc_code_of(context: grpc.aio.ServicerContext) -> CodeOf:
         return code_of(exc)
 
     return code
+
+
+def _grpc_details_of(context: grpc.aio.ServicerContext) -> Callable[[BaseException], str]:
+    def details(exc: BaseException) -> str:
+        if isinstance(exc, grpc.aio.AbortError):
+            return str(context.details() or "")
+        return details_of(exc)
+
+    return details
 
 
 def observe_generate(
@@ -194,7 +285,12 @@ def observe_generate(
     async def wrapper(
         self: _Observed, request: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
-        async with GenerateObservation(self.slo, _grpc_code_of(context)) as observation:
+        async with GenerateObservation(
+            self.slo,
+            _grpc_code_of(context),
+            model_name=self.model_name,
+            details_of=_grpc_details_of(context),
+        ) as observation:
             responses = observation.watch(method(self, request, context))
             async with contextlib.aclosing(responses):
                 async for response in responses:
@@ -209,11 +305,12 @@ def observe_train(
     """Count a servicer's Train call (`observe_training`), under `@handle_errors`."""
 
     @functools.wraps(method)
-    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def wrapper(self: _Observed, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return await observe_training(
             method(self, request, context),
             lambda response: len(response.task_ids),
             _grpc_code_of(context),
+            model_name=self.model_name,
         )
 
     return wrapper

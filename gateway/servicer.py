@@ -16,7 +16,7 @@ import grpc.aio
 
 from gateway.convert import TaskEnded
 from gateway.core import GatewayCore
-from gateway.observe import SloCache, observe_generate, observe_train
+from gateway.observe import SloCache, note_admitted, observe_generate, observe_train
 from gateway.tasks import TaskReader
 from gateway.validate import scope_from_headers
 from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc
@@ -51,6 +51,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.tasks = TaskReader(core.store)
         # What `@observe_generate` judges requests by (shared with the HTTP API).
         self.slo = slo or SloCache(core.store)
+        self.model_name = core.config.served_model_name  # the metrics' model_name label
         telemetry.set_in_flight_source(lambda: self.core.num_in_flight)
 
     @property
@@ -65,6 +66,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
         received_s = self.core.clock()
         task, payload = await self.core.admit(request, scope=_scope(context))
+        note_admitted(task.num_prompt_tokens)
         responses = self.core.generate(
             task, payload, received_s=received_s, gone_reason=lambda: _gone_reason(context)
         )

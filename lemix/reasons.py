@@ -19,6 +19,11 @@ class ReasonCode(StrEnum):
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
 
 
+# In a RESOURCE_EXHAUSTED reason for a task too large for any node (the
+# planner's): the client's fault, not the cluster's (no SLO miss).
+NEVER_FITS = "too large for any node"
+
+
 def format_reason(code: ReasonCode, text: str) -> str:
     """``"CODE: text"``, the form every writer of a reason uses."""
     return f"{code}: {text}"

@@ -1,31 +1,39 @@
 """A service's own Prometheus endpoint: ``GET /metrics`` on `metrics_port`.
 
-    server = await MetricsServer.start("127.0.0.1", 0)   # 0 = any free port
-    server.port                                          # the bound one
+    server = await MetricsServer.start("127.0.0.1", 0, "executor")  # 0 = any free port
+    server.port                                                      # the bound one
     await server.stop()
 
-Serves `prometheus_client`'s default registry (`lemix.infra.telemetry` registers
-there) from the service's own event loop (aiohttp), so a scrape never races a
-thread. `metrics_port` None (or negative) means no endpoint: `start_optional`
+Serves the service's view of `prometheus_client`'s default registry
+(`lemix.infra.telemetry.registry_for`: no other service's families) from the
+service's own event loop (aiohttp), so a scrape never races a thread.
+`metrics_port` None (or negative) means no endpoint: `start_optional`
 returns None then.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import structlog
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from lemix.infra import telemetry
 from lemix.infra.address import join_host_port
 
 log = structlog.get_logger(__name__)
 
 
-async def _metrics(request: web.Request) -> web.Response:
-    body = generate_latest(REGISTRY)
-    response = web.Response(body=body)
-    response.headers["Content-Type"] = CONTENT_TYPE_LATEST
-    return response
+def _metrics_of(service: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+    registry = telemetry.registry_for(service)
+
+    async def metrics(request: web.Request) -> web.Response:
+        response = web.Response(body=generate_latest(registry))
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+    return metrics
 
 
 class MetricsServer:
@@ -42,10 +50,11 @@ class MetricsServer:
         return join_host_port(self.host, self.port)
 
     @classmethod
-    async def start(cls, host: str, port: int) -> MetricsServer:
-        """Bind and serve; raises OSError when the port is taken."""
+    async def start(cls, host: str, port: int, service: str) -> MetricsServer:
+        """Bind and serve `service`'s metrics (gateway|scheduler|executor|profiler);
+        raises OSError when the port is taken."""
         app = web.Application()
-        app.router.add_get("/metrics", _metrics)
+        app.router.add_get("/metrics", _metrics_of(service))
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         site = web.TCPSite(runner, host, port, reuse_address=True)
@@ -60,11 +69,13 @@ class MetricsServer:
         return server
 
     @classmethod
-    async def start_optional(cls, host: str, port: int | None) -> MetricsServer | None:
+    async def start_optional(
+        cls, host: str, port: int | None, service: str
+    ) -> MetricsServer | None:
         """`start`, or None when `port` is None or negative (disabled)."""
         if port is None or port < 0:
             return None
-        return await cls.start(host, port)
+        return await cls.start(host, port, service)
 
     async def stop(self) -> None:
         await self._runner.cleanup()

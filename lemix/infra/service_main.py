@@ -53,7 +53,9 @@ async def serve(
     metrics: MetricsServer | None = None
     try:
         await service.start()  # undoes what it had begun when it fails
-        metrics = await MetricsServer.start_optional(metrics_host, metrics_port)
+        # The label's first word names the service ("executor 3" -> executor).
+        service_name = label.split()[0] if label.strip() else label
+        metrics = await MetricsServer.start_optional(metrics_host, metrics_port, service_name)
     except Exception as exc:
         log.error("start_failed", service=label, error=f"{type(exc).__name__}: {exc}")
         with contextlib.suppress(Exception):

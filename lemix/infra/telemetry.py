@@ -1,28 +1,37 @@
 """Every Prometheus metric LeMix exports, and the small functions that record them.
 
-Metrics live on prometheus_client's default registry, one per process: each
-service serves it on its own `metrics_port` (`lemix.infra.metrics_http`), and the
-gateway's HTTP server serves it at ``/metrics`` too. Code calls the
+Metrics live on prometheus_client's default registry; each service serves its
+own view of it, `registry_for(service)` (its ``lemix_<service>_`` families,
+the shared ones and the process collectors), on its own `metrics_port`
+(`lemix.infra.metrics_http`), so an executor exports no gateway series; the
+gateway's HTTP server serves the gateway's view at ``/metrics`` too. Code calls the
 `observe_*`/`set_*` functions below where an event already happens (servicers,
 the scheduler core, the executor's sink layer), never from the pure planner or
 engine. Names follow Prometheus conventions: ``lemix_`` prefix, ``_total``
 counters, ``_seconds`` histograms, ``_bytes`` gauges; labels are few and
-bounded (node, stage, kind, outcome, code, policy, queue, op, result).
+bounded (node, stage, kind, outcome, code, policy, queue, op, result,
+model_name: the served model name, finish_reason).
 
 SLO attainment: the gateway counts every inference request it ends in
 `lemix_gateway_slo_requests_total{result}`: ``met`` (completed with TTFT <=
 the TTFT SLO and mean TBT <= the TBT SLO, as `lemix.report.metrics` defines it),
 ``missed`` (slower, or rejected/failed/cancelled) or ``unknown`` (no SLO
-published yet). The SLO is the scheduler's (given, or derived by
+published yet). A request refused for the client's own fault
+(`is_client_fault`: a bad argument, a missing key, an unknown model, a reused
+request id, a request too large for any node) is no SLO result at all. The SLO is the
+scheduler's (given, or derived by
 `lemix.sim.run.compute_slo`), published to Redis and exported as
 `lemix_gateway_slo_{ttft,tbt}_seconds`. Attainment = met / all results.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+
+from lemix.reasons import NEVER_FITS
 
 # Latency buckets for LLM serving, 2.5 ms .. 60 s: TBT lives at the low end,
 # TTFT in the middle, E2E of long decodes at the top.
@@ -77,6 +86,19 @@ COMPLETED, FAILED, REJECTED, CANCELLED, ACCEPTED = (
 )
 # Refusals decided before any work ran (no token yet) are rejections.
 REJECT_CODES = frozenset({"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE"})
+# Statuses that are always the client's fault (no SLO result). RESOURCE_EXHAUSTED
+# is only when the request can never fit (`NEVER_FITS` in its details); a full
+# gateway or a busy cluster is ours.
+CLIENT_FAULT_CODES = frozenset(
+    {
+        "INVALID_ARGUMENT",
+        "UNAUTHENTICATED",
+        "PERMISSION_DENIED",
+        "NOT_FOUND",  # an unknown model
+        "ALREADY_EXISTS",
+        "OUT_OF_RANGE",
+    }
+)
 
 # ------------------------------------------------------------------ gateway
 
@@ -84,31 +106,55 @@ GATEWAY_REQUESTS = Counter(
     "lemix_gateway_requests_total",
     "Requests the gateway ended, by kind (inference|training), outcome "
     "(completed|failed|rejected|cancelled; training: accepted) and gRPC status code",
-    ["kind", "outcome", "code"],
+    ["model_name", "kind", "outcome", "code"],
 )
 GATEWAY_IN_FLIGHT = Gauge("lemix_gateway_requests_in_flight", "Generate streams holding a slot now")
 GATEWAY_TTFT = Histogram(
     "lemix_gateway_ttft_seconds",
     "Time to first token, from receipt at the gateway",
+    ["model_name"],
     buckets=LATENCY_BUCKETS_S,
 )
 GATEWAY_TBT = Histogram(
     "lemix_gateway_tbt_seconds",
     "Mean time between tokens of one completed request, (E2E - TTFT) / (tokens - 1)",
+    ["model_name"],
+    buckets=LATENCY_BUCKETS_S,
+)
+GATEWAY_ITL = Histogram(
+    "lemix_gateway_itl_seconds",
+    "Inter-token latency: one observation per output token after a sequence's first, "
+    "the gap since the previous one at the gateway (tokens that arrive in one message "
+    "share its gap evenly)",
+    ["model_name"],
     buckets=LATENCY_BUCKETS_S,
 )
 GATEWAY_E2E = Histogram(
     "lemix_gateway_e2e_seconds",
     "Receipt to last token of completed inference requests",
+    ["model_name"],
     buckets=LATENCY_BUCKETS_S,
 )
 GATEWAY_OUTPUT_TOKENS = Counter(
-    "lemix_gateway_output_tokens_total", "Output tokens streamed to clients"
+    "lemix_gateway_output_tokens_total",
+    "Generation tokens streamed to clients (vLLM's generation_tokens)",
+    ["model_name"],
+)
+GATEWAY_PROMPT_TOKENS = Counter(
+    "lemix_gateway_prompt_tokens_total",
+    "Prompt tokens of admitted inference tasks (each of n choices is a task)",
+    ["model_name"],
+)
+GATEWAY_FINISH_REASONS = Counter(
+    "lemix_gateway_finish_reasons_total",
+    "Ended output sequences (one per choice) by finish reason "
+    "(length|stop|cancelled|...; abort: ended by an error or the client leaving)",
+    ["model_name", "finish_reason"],
 )
 GATEWAY_SLO_REQUESTS = Counter(
     "lemix_gateway_slo_requests_total",
-    "Ended inference requests by SLO result (met|missed|unknown)",
-    ["result"],
+    "Ended inference requests by SLO result (met|missed|unknown); client faults are not counted",
+    ["model_name", "result"],
 )
 GATEWAY_SLO_TTFT = Gauge(
     "lemix_gateway_slo_ttft_seconds", "TTFT SLO the gateway judges against (0 = unknown)"
@@ -216,25 +262,69 @@ def request_outcome(code: str, has_first_token: bool) -> str:
     return REJECTED if code in REJECT_CODES and not has_first_token else FAILED
 
 
-def observe_request(kind: str, outcome: str, code: str, count: int = 1) -> None:
-    GATEWAY_REQUESTS.labels(kind=kind, outcome=outcome, code=code).inc(count)
+def is_client_fault(code: str, details: str = "") -> bool:
+    """Whether a request that ended with status `code` (and `details`) failed by
+    the client's own fault, so that it is no SLO result."""
+    if code in CLIENT_FAULT_CODES:
+        return True
+    return code == "RESOURCE_EXHAUSTED" and NEVER_FITS in details
+
+
+def observe_request(
+    kind: str, outcome: str, code: str, count: int = 1, model_name: str = ""
+) -> None:
+    GATEWAY_REQUESTS.labels(model_name=model_name, kind=kind, outcome=outcome, code=code).inc(count)
+
+
+def observe_prompt_tokens(model_name: str, count: int) -> None:
+    if count > 0:
+        GATEWAY_PROMPT_TOKENS.labels(model_name=model_name).inc(count)
+
+
+def observe_token_gaps(model_name: str, gap_s: float, num_tokens: int) -> None:
+    """`num_tokens` tokens arrived together `gap_s` after the sequence's
+    previous token: each is one ITL observation of `gap_s / num_tokens`."""
+    if num_tokens <= 0:
+        return
+    child = GATEWAY_ITL.labels(model_name=model_name)
+    each_s = max(gap_s, 0.0) / num_tokens
+    for _ in range(num_tokens):
+        child.observe(each_s)
+
+
+def observe_finish(model_name: str, finish_reason: str) -> None:
+    GATEWAY_FINISH_REASONS.labels(model_name=model_name, finish_reason=finish_reason).inc()
 
 
 def observe_inference(
-    ttft_s: float | None, e2e_s: float | None, num_tokens: int, slo: tuple[float, float] | None
+    ttft_s: float | None,
+    e2e_s: float | None,
+    num_tokens: int,
+    slo: tuple[float, float] | None,
+    *,
+    model_name: str = "",
+    is_client_fault: bool = False,
+    num_output_tokens: int | None = None,
 ) -> None:
     """One inference request ended; `ttft_s`/`e2e_s` are None unless it completed.
 
-    `slo` is (ttft_s, tbt_s), or None while unknown.
+    `num_tokens` is its (longest) sequence's length, for the mean TBT;
+    `num_output_tokens` all its sequences' tokens (default `num_tokens`).
+    `slo` is (ttft_s, tbt_s), or None while unknown. A request refused for
+    the client's fault (`is_client_fault`) gets no SLO result.
     """
-    GATEWAY_OUTPUT_TOKENS.inc(num_tokens)
+    num_output = num_tokens if num_output_tokens is None else num_output_tokens
+    if num_output > 0:
+        GATEWAY_OUTPUT_TOKENS.labels(model_name=model_name).inc(num_output)
     tbt_s = None
     if ttft_s is not None and e2e_s is not None:
-        GATEWAY_TTFT.observe(ttft_s)
-        GATEWAY_E2E.observe(e2e_s)
+        GATEWAY_TTFT.labels(model_name=model_name).observe(ttft_s)
+        GATEWAY_E2E.labels(model_name=model_name).observe(e2e_s)
         if num_tokens >= 2:
             tbt_s = (e2e_s - ttft_s) / (num_tokens - 1)
-            GATEWAY_TBT.observe(tbt_s)
+            GATEWAY_TBT.labels(model_name=model_name).observe(tbt_s)
+    if is_client_fault:
+        return
     if slo is None:
         result = "unknown"
     else:
@@ -245,7 +335,7 @@ def observe_inference(
             and (tbt_s is None or tbt_s <= slo[1])
         )
         result = "met" if is_met else "missed"
-    GATEWAY_SLO_REQUESTS.labels(result=result).inc()
+    GATEWAY_SLO_REQUESTS.labels(model_name=model_name, result=result).inc()
 
 
 def set_slo(slo: tuple[float, float] | None) -> None:
@@ -342,6 +432,39 @@ def observe_inference_loss(node: int, loss: float) -> None:
 
 def observe_redis_error(op: str) -> None:
     REDIS_ERRORS.labels(op=op).inc()
+
+
+# Families every service exports: `lemix_redis_*` and prometheus_client's
+# process/platform/gc collectors (no `lemix_` prefix).
+SHARED_PREFIXES = ("lemix_redis_",)
+
+
+def is_service_family(name: str, service: str) -> bool:
+    """Whether family `name` belongs in `service`'s exposition."""
+    if not name.startswith("lemix_"):
+        return True
+    return name.startswith((f"lemix_{service}_", *SHARED_PREFIXES))
+
+
+class ServiceRegistry(CollectorRegistry):
+    """One service's view of the default registry (`generate_latest` takes it):
+    its own ``lemix_<service>_`` families, the shared ones and the process
+    collectors; another service's families never appear, even when both run
+    in one process (tests) or one module defines them all (this one)."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__(auto_describe=False)
+        self.service = service
+
+    def collect(self) -> Iterator[Metric]:
+        for family in REGISTRY.collect():
+            if is_service_family(family.name, self.service):
+                yield family
+
+
+def registry_for(service: str) -> ServiceRegistry:
+    """What `service` (gateway|scheduler|executor|profiler) serves at /metrics."""
+    return ServiceRegistry(service)
 
 
 def metric_names() -> set[str]:

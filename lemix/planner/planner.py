@@ -32,7 +32,7 @@ from lemix.planner.snapshot import (
 )
 from lemix.planner.trace import NodeView, Prediction, compute_idleness
 from lemix.profile import MemoryProfile
-from lemix.reasons import ReasonCode, format_reason
+from lemix.reasons import NEVER_FITS, ReasonCode, format_reason
 from lemix.types import Decision, Deferral, Placement, Rejection, Task, TaskKind, WeightSync
 
 _TOKEN_EPSILON = 1e-9
@@ -299,7 +299,8 @@ class Planner:
             if need > room:
                 return format_reason(
                     ReasonCode.RESOURCE_EXHAUSTED,
-                    f"{what} need {need} B on stage {stage} but it has {room} B for them; {fix}",
+                    f"{what} need {need} B on stage {stage} but it has {room} B for them "
+                    f"({NEVER_FITS}); {fix}",
                 )
         return None
 

@@ -114,6 +114,26 @@ async def test_metrics_endpoints_agree_with_the_replay(tmp_path: Path) -> None:
     assert _sum(gateway, "lemix_gateway_slo_requests_total") == len(inference)
     assert _sum(gateway, "lemix_gateway_slo_ttft_seconds") > 0  # the scheduler's SLO arrived
     assert _sum(gateway, "lemix_gateway_requests_in_flight") == 0
+    # vLLM-style series, labelled with the served model name.
+    model = {"model_name": "lemix"}
+    assert _sum(gateway, "lemix_gateway_output_tokens_total", **model) == num_tokens
+    assert _sum(gateway, "lemix_gateway_prompt_tokens_total", **model) == sum(
+        t.num_prompt_tokens for t in inference
+    )
+    # One ITL observation per token after each request's first.
+    assert _sum(gateway, "lemix_gateway_itl_seconds_count", **model) == num_tokens - len(inference)
+    assert _sum(
+        gateway, "lemix_gateway_finish_reasons_total", finish_reason="length", **model
+    ) == len(inference)
+    # One registry per service: no phantom series of another service.
+    for name, samples in scraped.items():
+        service = name.split("-")[0]
+        foreign = {
+            n
+            for n in samples
+            if n.startswith("lemix_") and not n.startswith((f"lemix_{service}_", "lemix_redis_"))
+        }
+        assert not foreign, f"{name} exports {sorted(foreign)}"
 
     assert _executor_tokens(scraped) == num_tokens
     assert _executor_training(scraped) == metrics["num_completed_training"]

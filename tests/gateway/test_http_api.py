@@ -367,7 +367,7 @@ async def test_stop_with_open_stream_releases_everything(stack: HttpStack) -> No
 
 
 def _sample(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+    return REGISTRY.get_sample_value(name, {"model_name": "lemix", **labels}) or 0.0
 
 
 def _counts() -> dict[str, float]:
@@ -382,6 +382,9 @@ def _counts() -> dict[str, float]:
             requests, kind="training", outcome="rejected", code="INVALID_ARGUMENT"
         ),
         "tokens": _sample("lemix_gateway_output_tokens_total"),
+        "prompt_tokens": _sample("lemix_gateway_prompt_tokens_total"),
+        "itl": _sample("lemix_gateway_itl_seconds_count"),
+        "length": _sample("lemix_gateway_finish_reasons_total", finish_reason="length"),
         "ttft": _sample("lemix_gateway_ttft_seconds_count"),
         "slo": sum(
             _sample("lemix_gateway_slo_requests_total", result=r)
@@ -407,13 +410,16 @@ async def test_http_requests_count_in_the_metrics_like_grpc(
     assert (await _post(gateway, "/v1/lemix/train", json.dumps({"samples": samples})))[0] == 200
     assert (await _post(gateway, "/v1/lemix/train", '{"samples": []}'))[0] == 400
     # One gRPC Generate beside them counts once, like an HTTP one.
+    grpc_before = _sample("lemix_gateway_prompt_tokens_total")
     async with grpc.aio.insecure_channel(gateway.address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         request = gateway_pb2.GenerateRequest(prompt="hi", max_tokens=2)
         assert [r async for r in stub.Generate(request)][-1].is_finished
+    assert _sample("lemix_gateway_prompt_tokens_total") > grpc_before  # gRPC counts its prompt
 
     after = _counts()
     delta = {name: after[name] - before[name] for name in after}
+    assert delta.pop("prompt_tokens") >= 3  # each admitted prompt has >= 1 token
     assert delta == {
         "completed": 3,
         "invalid": 2,
@@ -421,8 +427,11 @@ async def test_http_requests_count_in_the_metrics_like_grpc(
         "accepted": 2,
         "train_invalid": 1,
         "tokens": 3 + 4 + 2,
+        "itl": 2 + 3 + 1,  # one per token after each sequence's first
+        "length": 3,
         "ttft": 3,
-        "slo": 6,
+        # The client's faults (bad body, unknown model) are no SLO result.
+        "slo": 3,
     }
 
 
