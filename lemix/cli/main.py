@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lemix import __version__
 from lemix.batching import BatchingConfig
 from lemix.cli.engine_args import add_engine_args, engine_knobs
 from lemix.cli.workload_args import (
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lemix", description="LeMix: co-located LLM serving and continuous retraining."
     )
+    parser.add_argument("--version", action="version", version=f"lemix {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sim = sub.add_parser("sim", help="simulate one policy on one workload (virtual time)")
     sim.add_argument("--policy", required=True, help=f"one of: {', '.join(POLICIES)}")

@@ -11,10 +11,12 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lemix import __version__
 from lemix.cli import workload_args
 from lemix.harness.replay import ReplayConfig, format_lost, run_replay
 from lemix.infra.rpc.auth import API_KEY_ENV
@@ -40,21 +42,39 @@ REPLAY_TABLE_ROWS: tuple[tuple[str, str], ...] = (
 )
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows each flag's default, unless its help already names one
+    or it has none (None: the help says what happens then)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default is None or "default" in text.lower():
+            return text
+        return super()._get_help_string(action)
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    up = sub.add_parser("up", help="run the service stack in the foreground (Ctrl-C stops it)")
+    up = sub.add_parser(
+        "up",
+        help="run the service stack in the foreground (Ctrl-C stops it)",
+        formatter_class=DefaultsHelpFormatter,
+    )
+    up.add_argument("--version", action="version", version=f"lemix {__version__}")
     up.add_argument("--nodes", type=int, default=2, help="executor nodes (default 2)")
     up.add_argument("--stages", type=int, help="stages per node: picks the shipped profile")
-    up.add_argument("--backend", default="emulated", choices=("emulated", "torch"))
+    up.add_argument(
+        "--backend", default="emulated", choices=("emulated", "torch"), help="executor backend"
+    )
     up.add_argument("--profile", metavar="FILE", help="profile JSON (default: shipped A100 one)")
     up.add_argument("--policy", default="lemix", help=f"one of: {', '.join(POLICIES)}")
-    up.add_argument("--gateway-port", type=int, default=50051)
+    up.add_argument("--gateway-port", type=int, default=50051, help="the gateway's gRPC port")
     up.add_argument(
         "--http-port",
         type=int,
         default=8000,
         help="the gateway's OpenAI-compatible HTTP API (default 8000; 0 = free)",
     )
-    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--host", default="127.0.0.1", help="the gateway's listen host")
     up.add_argument(
         "--time-scale",
         type=float,
@@ -62,7 +82,26 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         help="emulated stage time multiplier (<1 runs faster than the profile)",
     )
     up.add_argument("--train-rate", type=float, default=0.0, help="SEPARATE's training share")
-    up.add_argument("--log-dir", default="runs/stack-logs")
+    up.add_argument("--log-dir", default="runs/stack-logs", help="each service's log file")
+    up.add_argument(
+        "--served-model-name",
+        default="lemix",
+        help="the model name the OpenAI API lists and accepts (`model`), also the "
+        "metrics' model_name label",
+    )
+    up.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="prompt + max_tokens limit in tokens (0 = the served model's max_model_len; "
+        "4096 when no executor publishes one)",
+    )
+    up.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=1024,
+        help="concurrent Generate streams the gateway holds; more get 429 / RESOURCE_EXHAUSTED",
+    )
     up.add_argument(
         "--model", default="tiny-llama", help="torch: model preset or local checkpoint directory"
     )
@@ -376,7 +415,26 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         model=args.model,
         tokenizer=args.tokenizer,
         api_key=api_key_arg(args),
+        served_model_name=args.served_model_name,
+        max_model_len=args.max_model_len,
+        max_in_flight=args.max_in_flight,
     )
+
+
+def startup_error_line(exc: BaseException, log_dir: Path) -> str:
+    """One line for a stack that did not start: the error's first line (a
+    service's names its log), its log's last line, and where the logs are."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    head = lines[0].removesuffix(" ends:") if lines else type(exc).__name__
+    last = ""
+    if len(lines) > 1:
+        try:  # a service logs JSON lines: its "error" field says it all
+            record = json.loads(lines[-1])
+            last = str(record.get("error") or record.get("event") or lines[-1])
+        except (ValueError, AttributeError):
+            last = lines[-1]
+        last = f"; last log line: {last}"
+    return f"error: lemix up did not start: {head}{last} (logs: {log_dir})"
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -389,7 +447,11 @@ def cmd_up(args: argparse.Namespace) -> int:
             gpus_per_node=args.gpus_per_node,
         )
         return run_containers_until_signalled(config, containers)
-    return asyncio.run(run_until_signalled(config))
+    try:
+        return asyncio.run(run_until_signalled(config))
+    except (RuntimeError, OSError) as exc:  # a service or Redis did not come up
+        print(startup_error_line(exc, config.log_dir), file=sys.stderr)
+        return 1
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

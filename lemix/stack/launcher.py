@@ -87,6 +87,9 @@ SERVICE_ENV = {
     "tokenizer": "LEMIX_TOKENIZER",  # executor, gateway
     "scheduler_address": "LEMIX_SCHEDULER_ADDRESS",  # gateway
     "http_port": "LEMIX_GATEWAY_HTTP_PORT",  # gateway
+    "served_model_name": "LEMIX_SERVED_MODEL_NAME",  # gateway
+    "max_context_tokens": "LEMIX_MAX_CONTEXT_TOKENS",  # gateway (`lemix up --max-model-len`)
+    "max_in_flight": "LEMIX_MAX_IN_FLIGHT",  # gateway
 }
 
 
@@ -125,9 +128,25 @@ class StackConfig:
     # LEMIX_API_KEY the launcher was given, if any, else an open API. Given to
     # the gateway alone, in its environment (flags show in `ps`).
     api_key: str = field(default="", repr=False)
+    # The gateway's served model name (the OpenAI `model`, the metrics'
+    # model_name), context limit (0 = the model's) and in-flight streams.
+    served_model_name: str = "lemix"
+    max_model_len: int = 0
+    max_in_flight: int = 1024
 
     def __post_init__(self) -> None:
         parse_api_keys(self.api_key)  # ValueError for a malformed key
+        if not self.served_model_name or any(ch.isspace() for ch in self.served_model_name):
+            raise ValueError(
+                f"--served-model-name must be a non-empty name without spaces, "
+                f"got {self.served_model_name!r}"
+            )
+        if self.max_model_len < 0:
+            raise ValueError(
+                f"--max-model-len must be >= 0 (0 = the model's), got {self.max_model_len}"
+            )
+        if self.max_in_flight < 1:
+            raise ValueError(f"--max-in-flight must be >= 1, got {self.max_in_flight}")
         if self.num_nodes < 1:
             raise ValueError("--nodes must be >= 1")
         if self.backend not in ("emulated", "torch"):
@@ -174,6 +193,9 @@ def stack_env(
         "latency_noise_cv": repr(c.latency_noise_cv),
         "max_batch_size": str(c.max_batch_size),
         "train_rate": repr(c.train_rate),
+        "served_model_name": c.served_model_name,
+        "max_context_tokens": str(c.max_model_len),
+        "max_in_flight": str(c.max_in_flight),
     }
     profile = profile_path or (str(c.profile_path) if c.profile_path is not None else None)
     if profile is not None:
