@@ -148,7 +148,8 @@ GATEWAY_PROMPT_TOKENS = Counter(
 GATEWAY_FINISH_REASONS = Counter(
     "lemix_gateway_finish_reasons_total",
     "Ended output sequences (one per choice) by finish reason "
-    "(length|stop|cancelled|...; abort: ended by an error or the client leaving)",
+    "(length|stop, as the final message says or a stop string ended it; abort: an "
+    "error or the client's leaving ended it)",
     ["model_name", "finish_reason"],
 )
 GATEWAY_SLO_REQUESTS = Counter(

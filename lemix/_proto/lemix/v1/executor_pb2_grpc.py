@@ -67,32 +67,44 @@ class ExecutorServicer:
 
     def Dispatch(self, request, context):
         """Adds a placed task to the node; outputs go to the task's Redis stream.
+        Idempotent per (task_id, attempt): a redelivered Dispatch of the same or
+        an older attempt is a duplicate and accepted without running it twice.
+        Errors: INVALID_ARGUMENT (the task is malformed or does not fit this
+        model), RESOURCE_EXHAUSTED (the task can never fit this node's memory),
+        UNAVAILABLE (the node is shutting down).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Cancel(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Cancels a task held here. Idempotent. Errors: INVALID_ARGUMENT (no id).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetNodeState(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The node's current state (as its heartbeat). Read-only.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def SyncWeights(self, request, context):
         """SEPARATE baselines: save this node's weights, or load another's.
+        Returns when every stage has done it; a caller that gives up does not
+        undo it. Errors: INVALID_ARGUMENT (no location for a real model),
+        UNAVAILABLE (the node is shutting down).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Measure(self, request, context):
-        """Profiling: run one forward/backward/decode measurement.
+        """Profiling: run one forward/backward/decode measurement (a real model
+        times the stage; the emulated backend samples its profile). Changes no
+        task. Errors: INVALID_ARGUMENT (stage out of range, bad sizes).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

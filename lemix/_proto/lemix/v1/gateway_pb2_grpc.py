@@ -70,24 +70,49 @@ class GatewayServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Streams tokens as they are produced. Errors: INVALID_ARGUMENT (empty
-        prompt, prompt + max_tokens over the context),
-        RESOURCE_EXHAUSTED (queue full or KV can never fit), UNAVAILABLE (no live
-        executor). Cancelling the call cancels the task on its executor.
+        """Streams tokens as they are produced: one GenerateResponse per batch of
+        new tokens, the last with is_finished. Errors (before the first message,
+        unless noted): INVALID_ARGUMENT (empty prompt, both prompt and ids, a token
+        id outside the vocabulary, prompt + max_tokens over the context limit,
+        bad sampling values); ALREADY_EXISTS (request_id already names another
+        request within the idempotency window); RESOURCE_EXHAUSTED (every
+        in-flight slot of the gateway is taken: retry; or the task can never fit
+        on any node: shorten it); UNAVAILABLE (no live executor, or the scheduler
+        is unreachable: retry); DEADLINE_EXCEEDED / CANCELLED (the call's
+        deadline, or the client, ended it: also mid-stream). A task that fails
+        mid-stream ends the call with its reason's status (docs/protocol.md,
+        "Task ids and reasons"). Cancelling the call cancels the task on its
+        executor.
+
+        Idempotency: with a request_id, the same request sent again (same
+        prompt, max_tokens, sampling and reference) within the gateway's
+        idempotency window (`idempotency_window_s`, default 24 h) is the same
+        task: it is not run twice, and the retry streams that task's output from
+        its first token. Without a request_id every call is a new task.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Train(self, request, context):
-        """Submits training samples; returns once each is durable.
+        """Submits training samples as training tasks of `batch_size` samples each
+        (the last may be smaller); returns once every task is durable in Redis
+        (it runs later). Errors: INVALID_ARGUMENT (no samples, more than the
+        gateway's max_train_samples (default 1024) in one call, batch_size over
+        max_train_batch_size (default 256), an empty or over-long sample, a
+        repeated sample_id, a token id outside the vocabulary); UNAVAILABLE.
+        Idempotency: a task whose samples all carry a sample_id has an id derived
+        from them (and the caller's scope), so sending the same batch again is a
+        no-op that returns the same task ids; otherwise every call makes new tasks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetStats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Counters of this stack since its Redis was created (shared by every
+        gateway) and the nodes' latest states. Read-only. Errors: UNAVAILABLE.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -45,7 +45,12 @@ class ProfilerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def RunProfile(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Measures one executor over the grid (Executor.Measure) and fits the
+        latency models; takes minutes. Not idempotent (measures again each call).
+        Errors: INVALID_ARGUMENT (executor_address not host:port, no name, a bad
+        grid, num_repeats over 10,000), UNAVAILABLE (the executor cannot be
+        reached). The profile is also stored in Redis under `name`.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -57,19 +57,25 @@ class SchedulerServicer:
 
     def Submit(self, request, context):
         """Durably enqueues a task (Redis stream) and returns once it is stored.
+        Idempotent by task_id: the same task again is a duplicate (is_duplicate),
+        another task under a known id is ALREADY_EXISTS. Errors:
+        INVALID_ARGUMENT (a malformed task), UNAVAILABLE (Redis).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Cancel(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Cancels a task wherever it is (intake, deferred, placed: then on its
+        executor too). Idempotent. Errors: UNAVAILABLE.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetState(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The planner's counters and the nodes it knows. Read-only.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
