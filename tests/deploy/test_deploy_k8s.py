@@ -323,6 +323,27 @@ def test_services_name_the_metrics_port(name: str) -> None:
     assert ports["metrics"]["port"] == 9090 and ports["metrics"]["targetPort"] == "metrics"
 
 
+@pytest.mark.parametrize("name", LEMIX_WORKLOADS)
+def test_services_carry_prometheus_scrape_annotations(name: str) -> None:
+    """Prometheus' usual `kubernetes-service-endpoints` job scrapes each pod of
+    a Service annotated so: on the port the service really serves metrics on."""
+    annotations = SERVICES[name]["metadata"].get("annotations", {})
+    assert annotations.get("prometheus.io/scrape") == "true"
+    assert annotations.get("prometheus.io/path") == "/metrics"
+    port = int(annotations["prometheus.io/port"])
+    ports = {p["name"]: p["containerPort"] for p in container(WORKLOADS[name])["ports"]}
+    assert ports["metrics"] == port
+    env = container_env(WORKLOADS[name])
+    [metrics_port] = [v for k, v in env.items() if k.endswith("_METRICS_PORT")]
+    assert int(metrics_port) == port
+
+
+def test_redis_is_not_scraped() -> None:
+    """Redis serves no /metrics: no scrape annotation (a scrape would only fail)."""
+    annotations = SERVICES["redis"]["metadata"].get("annotations", {})
+    assert annotations.get("prometheus.io/scrape") != "true"
+
+
 def test_gateway_serves_metrics_only_off_its_public_ports() -> None:
     gateway = WORKLOADS["gateway"]
     parse, _ = PARSERS["gateway"]
