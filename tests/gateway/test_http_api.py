@@ -435,6 +435,23 @@ async def test_http_requests_count_in_the_metrics_like_grpc(
     }
 
 
+async def test_each_choice_of_n_counts_its_own_tokens_gaps_and_finish(
+    gateway: GatewayService, client: openai.AsyncOpenAI
+) -> None:
+    before = _counts()
+    reply = await client.completions.create(
+        model="lemix", prompt="hi", n=2, max_tokens=3, extra_body={"ignore_eos": True}
+    )
+    assert len(reply.choices) == 2
+    after = _counts()
+    delta = {name: after[name] - before[name] for name in after}
+    assert delta["completed"] == 1 and delta["slo"] == 1  # one request
+    assert delta["tokens"] == 2 * 3  # both choices' tokens
+    assert delta["itl"] == 2 * (3 - 1)  # gaps within each choice, not across them
+    assert delta["length"] == 2  # one finish per choice
+    assert delta["ttft"] == 1
+
+
 async def test_http_api_binds_the_configured_host(
     stack: HttpStack, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -14,6 +14,7 @@ import pytest
 from factories import make_planner, make_profile, make_request, make_training
 
 from lemix.planner.trace import compute_idleness
+from lemix.reasons import NEVER_FITS
 from lemix.types import Deferral, Placement, Rejection, Task, WeightSync
 
 approx = pytest.approx
@@ -271,6 +272,7 @@ def test_request_whose_kv_can_never_fit_is_rejected_with_a_reason() -> None:
     reason = decisions[0].reason
     assert "2001 tokens of KV cache" in reason
     assert "shorten the prompt or max_tokens" in reason
+    assert NEVER_FITS in reason  # the client's fault: no SLO miss (lemix.infra.telemetry)
     assert planner.node_of("big") is None
 
 
