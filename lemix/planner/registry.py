@@ -16,6 +16,7 @@ from lemix.planner.base import PlacementPolicy, PlannerConfig
 from lemix.planner.costs import CostEstimator, DecodeAwareCostEstimator, PaperCostEstimator
 from lemix.planner.planner import Planner
 from lemix.planner.policies.baselines import (
+    Capped,
     MixLeastUtilizedPolicy,
     MixRoundRobinPolicy,
     SeparatePolicy,
@@ -102,6 +103,16 @@ POLICIES: dict[str, PolicySpec] = {
             "mix-luf",
             "co-located, least-utilized (memory) first",
             lambda c: MixLeastUtilizedPolicy(),
+        ),
+        PolicySpec(
+            "mix-rr-capped",
+            "MIX-RR's placement with LeMix's training admission control",
+            lambda c: Capped(MixRoundRobinPolicy()),
+        ),
+        PolicySpec(
+            "mix-luf-capped",
+            "MIX-LUF's placement with LeMix's training admission control",
+            lambda c: Capped(MixLeastUtilizedPolicy()),
         ),
     ]
 }

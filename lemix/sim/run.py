@@ -155,4 +155,5 @@ def run_simulation(
     metrics["num_deferrals"] = result.num_deferrals
     metrics["num_weight_syncs"] = result.num_weight_syncs
     metrics["num_kv_offloads"] = result.num_offloads
+    metrics["sync_every_tasks"] = config.sync_every_tasks
     return metrics, result
