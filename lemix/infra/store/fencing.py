@@ -62,14 +62,15 @@ class FencingOps(StoreBase):
             return []
         pipe = self.client.pipeline(transaction=False)
         for task_id, attempt in taken:
-            await self._fence(
-                keys=[self.keys.task(task_id), self.keys.output(task_id)],
-                args=[int(attempt)],
-                client=pipe,
+            self.queue_script(
+                pipe,
+                self._fence,
+                [self.keys.task(task_id), self.keys.output(task_id)],
+                [int(attempt)],
             )
         return [
             FencedProgress(str(is_final) == "1", str(status), bool(int(has_output)))
-            for is_final, status, has_output in await pipe.execute()
+            for is_final, status, has_output in await self.execute_scripted(pipe)
         ]
 
     async def append_outputs_fenced(

@@ -390,3 +390,35 @@ async def test_batched_intake_lookup_and_state_updates(redis_client) -> None:
     assert (await store.get_task_state("new"))["status"] == "queued"
     assert (await store.get_task_state("done"))["status"] == "completed"
     assert await store.intake_lookup([]) == [] and await store.set_task_states([]) == []
+
+
+async def _script_calls(client: aioredis.Redis) -> int:
+    """SCRIPT calls so far (EXISTS, LOAD, FLUSH: Redis 6 counts them as one)."""
+    stats = await client.info("commandstats")
+    return int(stats.get("cmdstat_script", {}).get("calls", 0))
+
+
+async def test_pipelined_scripts_take_one_round_trip_and_survive_a_script_flush(
+    store: Store, redis_client: aioredis.Redis
+) -> None:
+    # redis-py's `script(client=pipe)` sends SCRIPT EXISTS before every
+    # pipeline; the store's EVALSHA pipelines do not, and a NOSCRIPT (a Redis
+    # restart empties the script cache) loads the scripts and runs exactly
+    # the refused commands again.
+    await redis_client.script_flush()
+    assert await store.set_task_states([("a", {"status": "queued"}), ("b", {"n": 1})]) == [
+        True,
+        True,
+    ]
+    before = await _script_calls(redis_client)
+    assert await store.finish_tasks([("a", "completed", ""), ("b", "failed", "x")]) == [
+        True,
+        True,
+    ]
+    assert await store.set_task_states([("a", {"status": "placed"})]) == [False]
+    assert await store.expire_finished_tasks(["a", "b", "c"], 60.0) == 2
+    assert await store.fence_attempts([("b", 1)]) != []
+    assert await _script_calls(redis_client) == before  # no SCRIPT EXISTS per pipeline
+    assert (await store.get_task_state("a"))["status"] == "completed"
+    assert (await store.get_task_state("b"))["n"] == "1"
+    assert 0 < await redis_client.pttl(store.keys.task("a")) <= 60_000
