@@ -52,6 +52,7 @@ class StoreBase:
         self._finish_fenced = client.register_script(scripts.FINISH_FENCED_LUA)
         self._fence = client.register_script(scripts.FENCE_LUA)
         self._expire_finished = client.register_script(scripts.EXPIRE_FINISHED_LUA)
+        self._write_node_batch = client.register_script(scripts.WRITE_NODE_BATCH_LUA)
 
     # redis-py runs a script queued on a pipeline (``script(client=pipe)``)
     # with a SCRIPT EXISTS round trip before every execute. The store queues
@@ -100,6 +101,7 @@ class StoreBase:
             self._finish_fenced,
             self._fence,
             self._expire_finished,
+            self._write_node_batch,
         ]
 
 

@@ -141,3 +141,95 @@ return {redis.call('HGET', KEYS[1], 'is_final') or '',
         redis.call('HGET', KEYS[1], 'status') or '',
         redis.call('EXISTS', KEYS[2])}
 """
+
+# One executor flush (`FencingOps.write_node_batch`) in one step: its token
+# messages, then its task ends, each end's completion entry, and the stats.
+# KEYS[1] completions stream, KEYS[2] stats hash; then per token message i
+# KEYS[2+2i-1] its task hash, KEYS[2+2i] its output stream; then the same
+# pair per end.
+# ARGV[1] output MAXLEN (approximate), ARGV[2] number of token messages,
+# ARGV[3] the stats field for tokens written; then per token message: the
+# writer's attempt, n, n field/value items (as APPEND_FENCED_LUA); then per
+# end: kind ("finish": FINISH_FENCED_LUA's end; "report": the completion
+# alone, e.g. requeued training; "fenced": known fenced, nothing but the
+# completion), the writer's attempt, TTL in ms (0: none), ns + ns state
+# items, nm + nm end-message items, nc + nc completion items, and the stats
+# fields to bump by 1 when the end was written / already final / fenced
+# (a "report" bumps the first).
+# Returns per token message 1 (written) or 0 (fenced), then per end 1
+# (ended, or reported), 0 (already final) or -1 (fenced).
+WRITE_NODE_BATCH_LUA = """
+local out = {}
+local attempt_of = {}
+local function attempt(hash)
+  local held = attempt_of[hash]
+  if held == nil then
+    held = redis.call('HGET', hash, 'attempt')
+    attempt_of[hash] = held
+  end
+  return held
+end
+local num_tokens = tonumber(ARGV[2])
+local written = 0
+local at = 4
+for i = 1, num_tokens do
+  local held = attempt(KEYS[1 + 2 * i])
+  local n = tonumber(ARGV[at + 1])
+  if held == false or held == ARGV[at] then
+    redis.call('XADD', KEYS[2 + 2 * i], 'MAXLEN', '~', ARGV[1], '*',
+               unpack(ARGV, at + 2, at + 1 + n))
+    out[i] = 1
+    written = written + 1
+  else
+    out[i] = 0
+  end
+  at = at + 2 + n
+end
+if written > 0 then
+  redis.call('HINCRBY', KEYS[2], ARGV[3], written)
+end
+local k = 2 + 2 * num_tokens
+local i = num_tokens
+while at <= #ARGV do
+  i = i + 1
+  k = k + 2
+  local kind, writer, ttl = ARGV[at], ARGV[at + 1], tonumber(ARGV[at + 2])
+  local ns = tonumber(ARGV[at + 3])
+  local state_at = at + 4
+  local nm = tonumber(ARGV[state_at + ns])
+  local message_at = state_at + ns + 1
+  local nc = tonumber(ARGV[message_at + nm])
+  local completion_at = message_at + nm + 1
+  local stats_at = completion_at + nc
+  local outcome = 1
+  if kind == 'fenced' then
+    outcome = -1
+  elseif kind == 'finish' then
+    local held = attempt(KEYS[k - 1])
+    if held and held ~= writer then
+      outcome = -1
+    elseif redis.call('HGET', KEYS[k - 1], 'is_final') == '1' then
+      outcome = 0
+    else
+      redis.call('HSET', KEYS[k - 1], unpack(ARGV, state_at, state_at + ns - 1))
+      redis.call('XADD', KEYS[k], 'MAXLEN', '~', ARGV[1], '*',
+                 unpack(ARGV, message_at, message_at + nm - 1))
+      if ttl > 0 then
+        redis.call('PEXPIRE', KEYS[k - 1], ttl)
+        redis.call('PEXPIRE', KEYS[k], ttl)
+      end
+    end
+  end
+  redis.call('XADD', KEYS[1], '*', unpack(ARGV, completion_at, completion_at + nc - 1))
+  local stat = ARGV[stats_at]
+  if outcome == 0 then
+    stat = ARGV[stats_at + 1]
+  elseif outcome == -1 then
+    stat = ARGV[stats_at + 2]
+  end
+  redis.call('HINCRBY', KEYS[2], stat, 1)
+  out[i] = outcome
+  at = stats_at + 3
+end
+return out
+"""
