@@ -65,7 +65,7 @@ from lemix.types import Task, TaskKind, TaskPayload
 from services.scheduler.adapters import GrpcDispatcher, RedisEventSink, RedisResultWriter
 from services.scheduler.codec import task_from_fields, task_to_fields
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
+from services.scheduler.core import FinishReport, SchedulerCore
 from services.scheduler.recovery import (
     SnapshottingSink,
     check_config,
@@ -546,37 +546,48 @@ class SchedulerService(Service):
                 await self._sleep_or_stop(_LOOP_BACKOFF_S)
 
     async def _handle_completions(self, entries: list[Entry]) -> None:
-        ended = []
+        reports: list[FinishReport] = []
         for entry_id, fields in entries:
-            if fields.get(TASK_ID_FIELD):  # an entry without a task id is skipped
-                try:
-                    completion = completion_from_fields(fields)
-                except ValueError as exc:
-                    # Malformed (a foreign or corrupted writer): it can never be
-                    # applied, and retrying it would hold every later completion
-                    # behind it. Skipped and logged; the task's own hash still
-                    # has its end, which GetTask and the audit read.
-                    log.error("bad_completion", entry_id=entry_id, fields=fields, error=str(exc))
-                    self._completions_cursor = entry_id
-                    continue
-                is_applied = await self.core.on_finished(
+            if not fields.get(TASK_ID_FIELD):  # an entry without a task id is skipped
+                continue
+            try:
+                completion = completion_from_fields(fields)
+            except ValueError as exc:
+                # Malformed (a foreign or corrupted writer): it can never be
+                # applied, and retrying it would hold every later completion
+                # behind it. Skipped and logged; the task's own hash still
+                # has its end, which GetTask and the audit read.
+                log.error("bad_completion", entry_id=entry_id, fields=fields, error=str(exc))
+                continue
+            reports.append(
+                FinishReport(
                     completion.task_id,
                     is_success=completion.status == StoredStatus.COMPLETED,
                     is_requeue=completion.status == StoredStatus.REQUEUED,
                     node_id=completion.node_id,
                     attempt=completion.attempt,
                 )
-                if is_applied and completion.status != StoredStatus.REQUEUED:
-                    ended.append(completion.task_id)
-            # Advanced per entry: after an error the loop resumes after the last
-            # entry applied, never applying one twice within this process.
-            self._completions_cursor = entry_id
+            )
+        # The batch in one go (one plan). Applying a report twice is harmless:
+        # once applied, the task is no longer on that node, so a second
+        # application (after an error before the cursor moved) reads as stale.
+        applied = await self.core.on_finished_many(reports)
+        ended = [
+            report.task_id
+            for report, is_applied in zip(reports, applied, strict=True)
+            if is_applied and not report.is_requeue
+        ]
+        entry_id = entries[-1][0]
+        self._completions_cursor = entry_id
         await self.events.flush()  # the stored cursor never runs ahead of the log
-        # Entries before the cursor are applied and in the log: trimmed.
-        await self.store.advance_completions_cursor(entry_id)
-        if ended and self.config.finished_task_ttl_s > 0:
-            # Executors write most ends without a TTL: the scheduler sets it.
-            await self.store.expire_finished_tasks(ended, self.config.finished_task_ttl_s)
+        # Entries before the cursor are applied and in the log: trimmed. An
+        # applied end is final in its hash (the executor wrote the end and its
+        # completion in one script), so its hash and output stream expire
+        # with the cursor's step; executors write ends without a TTL.
+        ttl_s = self.config.finished_task_ttl_s
+        await self.store.advance_completions_cursor(
+            entry_id, expire_ids=ended if ttl_s > 0 else (), ttl_s=ttl_s
+        )
 
     # ----------------------------------------------------------------- nodes
 
