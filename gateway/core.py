@@ -81,6 +81,9 @@ NUM_TRAINING = "num_training"  # training tasks the scheduler acknowledged (new 
 OUTPUT_RETAIN_S = 300.0
 # Train submits its tasks concurrently, at most this many Submits at once.
 TRAIN_SUBMIT_CONCURRENCY = 32
+# The output reader's blocking read returns after this long at most, so a
+# stream added while a wake was lost waits no longer than that.
+READ_BLOCK_CAP_S = 1.0
 # Why a task was cancelled when the gateway itself stopped streaming it.
 GATEWAY_STOPPED_REASON = "CANCELLED: the gateway stopped streaming this task"
 
@@ -135,9 +138,13 @@ class GatewayCore:
             retain_output_s=OUTPUT_RETAIN_S,
         )
         self._upkeep = Upkeep(self.counters, self.leases, flush_s=config.stats_flush_s)
-        # One blocking XREAD for every stream served; it blocks at most as long
-        # as a stream may stay idle (the Redis client's socket timeout exceeds that).
-        self.reader = OutputReader(store, self.leases.owner, block_s=config.stream_idle_timeout_s)
+        # One blocking XREAD for every stream served (within the Redis
+        # client's socket timeout, which exceeds the stream idle timeout).
+        self.reader = OutputReader(
+            store,
+            self.leases.owner,
+            block_s=min(config.stream_idle_timeout_s, READ_BLOCK_CAP_S),
+        )
         self._num_in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -224,7 +231,7 @@ class GatewayCore:
             follower = self.reader.follow(task.task_id)
             # The lease exists before the task does: the scheduler cancels a
             # streamed task without one (its gateway died).
-            await self._redis(self.leases.take(task.task_id, wake=self.reader.is_waiting))
+            await self._redis(self.leases.take(task.task_id, wake=self.reader.claim_wake()))
             is_leased = is_submitted = True
             try:
                 await self._submit(task, payload)

@@ -11,7 +11,11 @@ returns. So whoever adds one while the loop is blocked (`is_waiting`) appends
 to this gateway's wake stream (`RedisKeys.reader_wake`, in the same round
 trip as the stream's lease, `StreamLeases.take`); the read includes that
 stream from its last seen entry, so a wake written before the read arrives is
-not missed either. The loop then reads again with the new set.
+not missed either. The loop then reads again with the new set. One wake per
+blocked read is enough (`claim_wake`): a burst of new streams costs one extra
+read, not one each. A read blocks at most `block_s` (callers cap it near a
+second), so even a wake lost with its lease's failed round trip delays the
+streams added meanwhile by at most that long.
 
 A Redis error in the loop is logged and the read retried with backoff, from
 each follower's last entry (nothing skipped or repeated); a follower waits
@@ -94,6 +98,7 @@ class OutputReader:
         self._followers: dict[str, list[Follower]] = {}
         self._changed = asyncio.Event()  # a follower was added while none were read
         self._is_waiting = False
+        self._is_wake_claimed = False  # an adder is waking the read in flight
         self._wake_id = "0-0"  # the newest wake entry seen
         self._task: asyncio.Task[None] | None = None
         self._is_stopping = False
@@ -105,6 +110,15 @@ class OutputReader:
         """The loop is blocked in a read that does not include streams added
         now: an adder must wake it (`Store.wake_reader`)."""
         return self._is_waiting
+
+    def claim_wake(self) -> bool:
+        """True when the caller, having just added a stream, must wake the
+        read (`Store.wake_reader`, or `StreamLeases.take(wake=True)`): the
+        loop is blocked in a read without it and nobody has woken it yet."""
+        if not self._is_waiting or self._is_wake_claimed:
+            return False
+        self._is_wake_claimed = True
+        return True
 
     @property
     def num_streams(self) -> int:
@@ -160,6 +174,7 @@ class OutputReader:
                 for task_id, followers in self._followers.items()
             }
             self._is_waiting = True
+            self._is_wake_claimed = False
             try:
                 found, woken = await self._store.read_outputs(
                     last_ids, block_ms=self.block_ms, wake=(self.owner, self._wake_id)

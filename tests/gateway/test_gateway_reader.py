@@ -39,10 +39,14 @@ async def test_one_read_serves_every_stream_and_a_wake_adds_one(own_store: Store
         # lease) makes the reader read again, so "b" is served within ms,
         # not after the 30 s block.
         b = reader.follow("b")
-        assert reader.is_waiting
+        assert reader.claim_wake()
+        c = reader.follow("c")
+        assert not reader.claim_wake()  # one wake per blocked read
         await store.renew_stream_leases("gw-1", ["b"], wake=True)
         await store.append_outputs_batch([("b", {"n": 1}), ("a", {"n": 1}), ("a", {"n": 2})])
         assert [f["n"] for _, f in await b.next(2.0)] == ["1"]
+        await store.append_output("c", {"n": 1})
+        assert [f["n"] for _, f in await c.next(2.0)] == ["1"]
         assert [f["n"] for _, f in await a.next(2.0)] == ["1", "2"]
         # Two readers of one task (an idempotent retry) each get every entry.
         again = reader.follow("a")
@@ -54,7 +58,7 @@ async def test_one_read_serves_every_stream_and_a_wake_adds_one(own_store: Store
         reads_before = reader.num_reads
         with pytest.raises(TimeoutError):
             await b.next(0.05)
-        for follower in (a, b, again):
+        for follower in (a, b, c, again):
             reader.unfollow(follower)
         assert reader.num_streams == 0
         assert reader.num_reads - reads_before <= 2  # no polling while idle
