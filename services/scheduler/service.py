@@ -46,7 +46,7 @@ from lemix.infra.lifecycle import Service
 from lemix.infra.rpc import SCHEDULER_SERVICE
 from lemix.infra.rpc.errors import InvalidArgument, Unavailable
 from lemix.infra.rpc.server import start_server, stop_server
-from lemix.infra.store.client import RedisClientConfig, connect
+from lemix.infra.store.client import RedisClientConfig, connect, export_pool_metrics
 from lemix.infra.store.codec import Entry, Fields, get_optional_int
 from lemix.infra.store.keys import RedisKeys
 from lemix.infra.store.messages import completion_from_fields
@@ -188,6 +188,7 @@ class SchedulerService(Service):
                 )
             )
             self.lifecycle.add_client("redis", self._redis.aclose)
+            export_pool_metrics(self._redis)
         self.store = Store(self._redis, RedisKeys(config.namespace))
         await self._redis.ping()
         self.epoch_s = await self.store.scheduler_epoch(time.time())
