@@ -460,28 +460,12 @@ class SchedulerService(Service):
 
     async def _handle_intake(self, entries: list[Entry]) -> None:
         taken = [t for t in [await self._parse(fields) for _, fields in entries] if t]
-        # One pipelined round trip for every check, one for every state write:
-        # per-task round trips made this loop the stack's bottleneck.
-        lookup = await self.store.intake_checks([task.task_id for task, _, _ in taken])
-        accepted = []
-        leased = []
-        for (task, payload, fields), (is_final, is_cancelled, has_lease) in zip(
-            taken, lookup, strict=True
-        ):
-            if is_final:
-                continue  # finished before a restart; its result stands
-            if is_cancelled:
-                await self.writer.end_task(
-                    task.task_id, StoredStatus.FAILED, CANCELLED_BEFORE_PLACEMENT
-                )
-                continue
-            self._payloads[task.task_id] = payload
-            accepted.append((task, fields))
-            if has_lease and not task.is_training:
-                leased.append(task.task_id)
-        # The task's fields go to its state hash too: a restart finds the
-        # payload of deferred training there (the intake entry is deleted).
-        await self.store.set_task_states(
+        # One pipelined round trip checks every task and records those taken:
+        # per-task round trips made this loop the stack's bottleneck. The
+        # task's fields go to its state hash too: a restart finds the payload
+        # of deferred training there (the intake entry is deleted).
+        queued_t = time.time()
+        lookup = await self.store.accept_intake(
             [
                 (
                     task.task_id,
@@ -489,14 +473,30 @@ class SchedulerService(Service):
                         **fields,
                         STATUS_FIELD: StoredStatus.QUEUED,
                         "arrival_s": task.arrival_s,
-                        "queued_t": time.time(),
+                        "queued_t": queued_t,
                     },
                 )
-                for task, fields in accepted
+                for task, _, fields in taken
             ]
         )
+        accepted = []
+        leased = []
+        for (task, payload, _), (is_final, is_cancelled, has_lease) in zip(
+            taken, lookup, strict=True
+        ):
+            if is_final:
+                continue  # finished before a restart; its result stands (not written)
+            if is_cancelled:  # not written either
+                await self.writer.end_task(
+                    task.task_id, StoredStatus.FAILED, CANCELLED_BEFORE_PLACEMENT
+                )
+                continue
+            self._payloads[task.task_id] = payload
+            accepted.append(task)
+            if has_lease and not task.is_training:
+                leased.append(task.task_id)
         self.leases.note(leased)  # before the core: it may end them at once
-        await self.core.on_tasks([task for task, _ in accepted])
+        await self.core.on_tasks(accepted)
         # Write-ahead: the decisions these entries caused are stored before the
         # entries go, so a crash in between replays them (and the redelivered
         # entries are recognised as known).

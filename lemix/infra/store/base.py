@@ -53,6 +53,7 @@ class StoreBase:
         self._fence = client.register_script(scripts.FENCE_LUA)
         self._expire_finished = client.register_script(scripts.EXPIRE_FINISHED_LUA)
         self._write_node_batch = client.register_script(scripts.WRITE_NODE_BATCH_LUA)
+        self._accept = client.register_script(scripts.ACCEPT_LUA)
 
     # redis-py runs a script queued on a pipeline (``script(client=pipe)``)
     # with a SCRIPT EXISTS round trip before every execute. The store queues
@@ -102,6 +103,7 @@ class StoreBase:
             self._fence,
             self._expire_finished,
             self._write_node_batch,
+            self._accept,
         ]
 
 

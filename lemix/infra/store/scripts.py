@@ -233,3 +233,17 @@ while at <= #ARGV do
 end
 return out
 """
+
+# The scheduler's intake step for one task: its checks and, when it is to be
+# taken, its state, in one step. KEYS[1] task hash, KEYS[2] its
+# cancelled-before-placement marker, KEYS[3] its stream lease. ARGV: the
+# state's field/value items, written (merged) only when the task is neither
+# final nor cancelled. Returns {is final, is cancelled, has a lease} as 1/0.
+ACCEPT_LUA = """
+local is_final = redis.call('HGET', KEYS[1], 'is_final') == '1'
+local is_cancelled = redis.call('EXISTS', KEYS[2]) == 1
+if not is_final and not is_cancelled then
+  redis.call('HSET', KEYS[1], unpack(ARGV))
+end
+return {is_final and 1 or 0, is_cancelled and 1 or 0, redis.call('EXISTS', KEYS[3])}
+"""

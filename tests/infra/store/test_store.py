@@ -422,3 +422,22 @@ async def test_pipelined_scripts_take_one_round_trip_and_survive_a_script_flush(
     assert (await store.get_task_state("a"))["status"] == "completed"
     assert (await store.get_task_state("b"))["n"] == "1"
     assert 0 < await redis_client.pttl(store.keys.task("a")) <= 60_000
+
+
+async def test_accept_intake_checks_and_records_in_one_step(store: Store) -> None:
+    await store.finish_task("done", "completed")
+    await store.mark_cancelled("gone")
+    await store.renew_stream_leases("gw", ["new"])
+    assert await store.accept_intake([]) == []
+    lookup = await store.accept_intake(
+        [(t, {"status": "queued", "payload": "p"}) for t in ("done", "gone", "new", "bare")]
+    )
+    assert lookup == [(True, False, False), (False, True, False), (False, False, True)] + [
+        (False, False, False)
+    ]
+    # Only the tasks to be taken are written: a final state is kept, a
+    # cancelled task's end is the scheduler's to write.
+    assert (await store.get_task_state("done"))["status"] == "completed"
+    assert await store.get_task_state("gone") == {}
+    assert (await store.get_task_state("new"))["payload"] == "p"
+    assert (await store.get_task_state("bare"))["status"] == "queued"
