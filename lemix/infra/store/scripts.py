@@ -13,23 +13,29 @@ from __future__ import annotations
 # KEYS[1] dedupe key, KEYS[2] intake stream.
 # ARGV[1] dedupe TTL in ms; ARGV[2] the request's hash (`request_hash`);
 # ARGV[3..] the task's field/value items.
-# The dedupe key holds "<intake entry id> <request hash>" (a marker written
-# before hashes existed holds the entry id alone: its hash is unknown, so any
-# payload counts as the same request).
+# The dedupe key holds "- <request hash>" (markers written before this script
+# hold "<intake entry id> <request hash>", or, before hashes existed, the
+# entry id alone: its hash is unknown, so any payload counts as the same
+# request). It is taken first (SET NX: one command for a new id, where a
+# GET and a SET were two); if the XADD then fails, the marker is deleted
+# again, so a refused Submit never leaves a marker without its entry.
 # Returns 1 (added), 0 (same id, same request: nothing written) or -1 (same id,
 # another request: nothing written).
 SUBMIT_LUA = """
-local seen = redis.call('GET', KEYS[1])
-if seen then
-  local hash = string.match(seen, ' (%x+)$')
-  if hash and hash ~= ARGV[2] then
-    return -1
+if redis.call('SET', KEYS[1], '- ' .. ARGV[2], 'NX', 'PX', ARGV[1]) then
+  local added = redis.pcall('XADD', KEYS[2], '*', unpack(ARGV, 3))
+  if type(added) == 'table' and added.err then
+    redis.call('DEL', KEYS[1])
+    return added
   end
-  return 0
+  return 1
 end
-local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
-redis.call('SET', KEYS[1], id .. ' ' .. ARGV[2], 'PX', ARGV[1])
-return 1
+local seen = redis.call('GET', KEYS[1])
+local hash = seen and string.match(seen, ' (%x+)$')
+if hash and hash ~= ARGV[2] then
+  return -1
+end
+return 0
 """
 
 # KEYS[1] task state hash. ARGV: field/value items.

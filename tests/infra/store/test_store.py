@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from lemix.infra.store.codec import (
     encode_fields,
@@ -70,6 +71,18 @@ async def test_submit_is_idempotent_by_task_id(store: Store) -> None:
     assert await store.client.xlen(store.keys.intake_stream) == 1
     with pytest.raises(ValueError, match="task_id"):
         await store.submit_task({"kind": "inference"})
+
+
+async def test_a_submit_whose_append_fails_leaves_no_marker(store: Store) -> None:
+    # The marker is taken before the XADD: a failed XADD must give it back,
+    # or the retry would be refused as a duplicate of a task never stored.
+    await store.client.set(store.keys.intake_stream, "not a stream")
+    with pytest.raises(ResponseError, match="WRONGTYPE"):
+        await store.submit_task(_task("f1"))
+    assert not await store.client.exists(store.keys.dedupe("f1"))
+    await store.client.delete(store.keys.intake_stream)
+    assert await store.submit_task(_task("f1")) is True
+    assert await store.client.xlen(store.keys.intake_stream) == 1
 
 
 async def test_racing_duplicate_submits_add_one_entry(store: Store) -> None:
