@@ -166,14 +166,19 @@ return {redis.call('HGET', KEYS[1], 'is_final') or '',
 # (ended, or reported), 0 (already final) or -1 (fenced).
 WRITE_NODE_BATCH_LUA = """
 local out = {}
-local attempt_of = {}
-local function attempt(hash)
-  local held = attempt_of[hash]
+-- Per task hash, {attempt, is_final} read once (one HMGET): tokens change
+-- neither; an end written here marks it final for a later end of the batch.
+local state_of = {}
+local function state(hash)
+  local held = state_of[hash]
   if held == nil then
-    held = redis.call('HGET', hash, 'attempt')
-    attempt_of[hash] = held
+    held = redis.call('HMGET', hash, 'attempt', 'is_final')
+    state_of[hash] = held
   end
   return held
+end
+local function attempt(hash)
+  return state(hash)[1]
 end
 local num_tokens = tonumber(ARGV[2])
 local written = 0
@@ -214,10 +219,11 @@ while at <= #ARGV do
     local held = attempt(KEYS[k - 1])
     if held and held ~= writer then
       outcome = -1
-    elseif redis.call('HGET', KEYS[k - 1], 'is_final') == '1' then
+    elseif state(KEYS[k - 1])[2] == '1' then
       outcome = 0
     else
       redis.call('HSET', KEYS[k - 1], unpack(ARGV, state_at, state_at + ns - 1))
+      state(KEYS[k - 1])[2] = '1'
       redis.call('XADD', KEYS[k], 'MAXLEN', '~', ARGV[1], '*',
                  unpack(ARGV, message_at, message_at + nm - 1))
       if ttl > 0 then

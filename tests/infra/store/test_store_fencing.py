@@ -164,6 +164,7 @@ async def test_write_node_batch_writes_tokens_ends_completions_and_counts_in_one
             end("done", NodeEndKind.FINISH),
             end("train", NodeEndKind.REPORT),
             end("known", NodeEndKind.FENCED),
+            end("ok", NodeEndKind.FINISH),  # a second end in the same batch
         ],
         tokens_stat="tok",
     )
@@ -175,17 +176,25 @@ async def test_write_node_batch_writes_tokens_ends_completions_and_counts_in_one
         FinishOutcome.ALREADY_FINAL,
         FinishOutcome.ENDED,
         FinishOutcome.FENCED,
+        FinishOutcome.ALREADY_FINAL,
     ]
     assert await tokens_of(store, "ok") == ["1", "1"]  # its token, then its end
     assert (await store.get_task_state("ok"))["is_final"] == "1"
     assert await store.read_output("moved") == []
     assert not await store.client.exists(store.keys.task("train"))
     completions = await store.read_completions("0-0")
-    assert [f["task_id"] for _, f in completions] == ["ok", "moved", "done", "train", "known"]
+    assert [f["task_id"] for _, f in completions] == [
+        "ok",
+        "moved",
+        "done",
+        "train",
+        "known",
+        "ok",
+    ]
     assert await store.get_stats() == {
         "tok": 1,
         "ended_finish": 1,
         "ended_report": 1,
-        "dup": 1,
+        "dup": 2,
         "fenced": 2,
     }
