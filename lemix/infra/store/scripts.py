@@ -196,8 +196,9 @@ for i = 1, num_tokens do
   end
   at = at + 2 + n
 end
+local counts = {}
 if written > 0 then
-  redis.call('HINCRBY', KEYS[2], ARGV[3], written)
+  counts[ARGV[3]] = written
 end
 local k = 2 + 2 * num_tokens
 local i = num_tokens
@@ -239,9 +240,12 @@ while at <= #ARGV do
   elseif outcome == -1 then
     stat = ARGV[stats_at + 2]
   end
-  redis.call('HINCRBY', KEYS[2], stat, 1)
+  counts[stat] = (counts[stat] or 0) + 1
   out[i] = outcome
   at = stats_at + 3
+end
+for stat, count in pairs(counts) do  -- one HINCRBY per counter, not per end
+  redis.call('HINCRBY', KEYS[2], stat, count)
 end
 return out
 """
