@@ -10,7 +10,8 @@ a request in does no Redis round trip for bookkeeping.
   before Submit (the scheduler cancels a streamed task whose lease is missing:
   its gateway died); one loop renews them all every `ttl_s / 3` in one round
   trip and deletes, in the same round trip, the leases of streams released
-  since (woken at once by a release).
+  since (woken by a release, it gathers the releases of the next
+  `RELEASE_BATCH_S` into one round trip).
 * `Upkeep`: runs both loops; `stop` flushes the counters and drops every lease.
 
 A Redis error in a loop is logged and retried on the next tick (a renewal
@@ -33,6 +34,9 @@ log = structlog.get_logger(__name__)
 
 # A failed renewal is retried after at most this long (not a whole ttl/3).
 RENEW_RETRY_S = 0.5
+# Lease drops and stream retirements released within this long of each
+# other share one round trip.
+RELEASE_BATCH_S = 0.05
 # `Upkeep.stop` cancels its loops again this often until they end.
 STOP_POLL_S = 0.1
 
@@ -220,8 +224,12 @@ class Upkeep:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, next_renew_s - time.monotonic())):
                     await leases.wake.wait()
-            leases.wake.clear()
             is_renewal = time.monotonic() >= next_renew_s
+            if not is_renewal and not self._is_stopping:
+                # Releases are not urgent (a lease left lapses by itself):
+                # those of the next moment go in the same round trip.
+                await asyncio.sleep(RELEASE_BATCH_S)
+            leases.wake.clear()
             try:
                 await leases.sync(renew=is_renewal)
             except (RedisError, OSError) as exc:
