@@ -38,6 +38,10 @@ class PolicySpec:
     is_deprioritization_enabled: bool = True
     is_memory_aware: bool = True  # planner predicts KV waits; executor offloads
     is_colocated: bool = True
+    # False: the policy's serving nodes never train and keep no gradients or
+    # optimizer state, so their memory goes to KV (static roles only: a role
+    # that can change over a run keeps the training state everywhere).
+    is_training_state_on_serving_nodes: bool = True
 
 
 def _lemix(**kw: Any) -> Callable[[PlannerConfig], PlacementPolicy]:
@@ -91,6 +95,7 @@ POLICIES: dict[str, PolicySpec] = {
             "dedicated training/serving nodes, sync every K",
             lambda c: SeparatePolicy(),
             is_colocated=False,
+            is_training_state_on_serving_nodes=False,
         ),
         PolicySpec(
             "separate-dynamic",
