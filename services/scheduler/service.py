@@ -61,6 +61,7 @@ from lemix.infra.store.task_hash import (
 from lemix.planner.recording import RecordingPlanner
 from lemix.planner.registry import build_planner
 from lemix.profile import Profile, load_profile
+from lemix.reasons import ReasonCode, format_reason
 from lemix.types import Task, TaskKind, TaskPayload
 from services.scheduler.adapters import GrpcDispatcher, RedisEventSink, RedisResultWriter
 from services.scheduler.codec import task_from_fields, task_to_fields
@@ -361,7 +362,11 @@ class SchedulerService(Service):
                 await self.store.mark_cancelled(task_id)  # the intake drops it if unread
                 if self.core.knows(task_id):
                     # Deferred: end it now; the core drops it when it would place it.
-                    await self.writer.end_task(task_id, StoredStatus.FAILED, f"CANCELLED: {reason}")
+                    # The gateway's reasons may already carry the code (a stop
+                    # sequence's); the engine strips it the same way.
+                    detail = reason.removeprefix(f"{ReasonCode.CANCELLED.value}: ").strip()
+                    ended = format_reason(ReasonCode.CANCELLED, detail)
+                    await self.writer.end_task(task_id, StoredStatus.FAILED, ended)
                     return True
                 state = await self.store.get_task_state(task_id)
             node_id = self.core.node_of(task_id)  # placed while we were marking it?
