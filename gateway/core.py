@@ -45,6 +45,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from gateway.config import GatewayConfig
 from gateway.convert import OutputStream, TaskEnded, stats_to_proto
 from gateway.model_limits import ModelLimitsCache, context_tokens
+from gateway.reader import Follower, OutputReader
 from gateway.upkeep import BatchedCounters, StreamLeases, Upkeep
 from gateway.validate import ANONYMOUS_SCOPE, validate_generate, validate_train
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -82,16 +83,15 @@ NUM_TRAINING = "num_training"  # training tasks the scheduler acknowledged (new 
 OUTPUT_RETAIN_S = 300.0
 # Train submits its tasks concurrently, at most this many Submits at once.
 TRAIN_SUBMIT_CONCURRENCY = 32
+# The output reader's blocking read returns after this long at most, so a
+# stream added while a wake was lost waits no longer than that.
+READ_BLOCK_CAP_S = 1.0
 # Why a task was cancelled when the gateway itself stopped streaming it.
 GATEWAY_STOPPED_REASON = "CANCELLED: the gateway stopped streaming this task"
 
 NO_EXECUTOR_MESSAGE = "no live executor: start one with `lemix up` or check the executors"
 # What a busy gateway tells HTTP clients to wait before retrying (Retry-After).
 BUSY_RETRY_AFTER_S = 1
-# A stream's reads after a Redis error are retried after this long, doubling
-# up to the cap, until the stream's idle timeout runs out.
-READ_RETRY_BASE_S = 0.05
-READ_RETRY_CAP_S = 1.0
 
 
 class SubmitDeadlineExceeded(Unavailable):
@@ -133,8 +133,20 @@ class GatewayCore:
         self.tokenizer = tokenizer
         self.clock = clock
         self.counters = BatchedCounters(store)
-        self.leases = StreamLeases(store, gateway_id or new_gateway_id(), config.stream_lease_ttl_s)
+        self.leases = StreamLeases(
+            store,
+            gateway_id or new_gateway_id(),
+            config.stream_lease_ttl_s,
+            retain_output_s=OUTPUT_RETAIN_S,
+        )
         self._upkeep = Upkeep(self.counters, self.leases, flush_s=config.stats_flush_s)
+        # One blocking XREAD for every stream served (within the Redis
+        # client's socket timeout, which exceeds the stream idle timeout).
+        self.reader = OutputReader(
+            store,
+            self.leases.owner,
+            block_s=min(config.stream_idle_timeout_s, READ_BLOCK_CAP_S),
+        )
         self._num_in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -144,12 +156,19 @@ class GatewayCore:
         self.model_limits = ModelLimitsCache(store, clock)  # what executors publish
 
     def start(self) -> None:
-        """Start the upkeep loops (in the running event loop)."""
+        """Start the upkeep loops and the output reader (in the running event loop)."""
         self._upkeep.start()
+        self.reader.start()
 
     async def close(self) -> None:
-        """End the upkeep loops: counters flushed, every lease dropped."""
+        """End the reader and the upkeep loops: counters flushed, every lease
+        and the reader's wake stream dropped."""
+        await self.reader.stop()
         await self._upkeep.stop()
+        try:
+            await self.store.drop_reader_wake(self.leases.owner)
+        except (RedisError, OSError) as exc:  # it lapses with its TTL
+            log.warning("gateway.drop_wake_failed", error=str(exc))
 
     @property
     def num_in_flight(self) -> int:
@@ -204,24 +223,34 @@ class GatewayCore:
         self._acquire_slot()  # first: a busy gateway answers without touching Redis
         is_leased = False
         is_submitted = False  # True from the moment Submit is sent: the scheduler may hold it
+        is_read_to_end = False  # its end (or a broken message) was read: retire the stream
         stream = OutputStream(
             task.task_id, task.max_output_tokens, received_s, self.clock, tokenizer=self.tokenizer
         )
         cancel_reason = GATEWAY_STOPPED_REASON
+        follower: Follower | None = None
         try:
             await self._require_live_executor()
+            # Followed before the lease is taken, so that a wake of the
+            # reader (when it blocks in a read without this stream) goes in
+            # the lease's round trip.
+            follower = self.reader.follow(task.task_id)
             # The lease exists before the task does: the scheduler cancels a
             # streamed task without one (its gateway died).
-            await self._redis(self.leases.take(task.task_id))
+            await self._redis(self.leases.take(task.task_id, wake=self.reader.claim_wake()))
             is_leased = is_submitted = True
             try:
                 await self._submit(task, payload)
             except ServiceError as exc:
                 is_submitted = isinstance(exc, SubmitDeadlineExceeded)
                 raise
-            async with contextlib.aclosing(self._follow(stream)) as responses:
+            async with contextlib.aclosing(self._follow(stream, follower)) as responses:
                 async for response in responses:
                     yield response
+            is_read_to_end = True
+        except TaskEnded:
+            is_read_to_end = True
+            raise
         except (asyncio.CancelledError, GeneratorExit):
             cancel_reason = gone_reason()
             raise
@@ -230,10 +259,16 @@ class GatewayCore:
                 if is_submitted and not stream.is_ended:
                     await asyncio.shield(self._abandon(task.task_id, cancel_reason))
             finally:
+                if follower is not None:
+                    self.reader.unfollow(follower)
                 if is_leased:
                     # A refused Submit may share its id with another request's
-                    # task: that lease is not ours to delete; it lapses.
-                    self.leases.release(task.task_id, drop=is_submitted)
+                    # task: that lease is not ours to delete; it lapses. A
+                    # stream read to its end is kept `OUTPUT_RETAIN_S` (an
+                    # idempotent retry replays it), then expires.
+                    self.leases.release(
+                        task.task_id, drop=is_submitted, retire_output=is_read_to_end
+                    )
                 self._release_slot()
 
     async def train(
@@ -339,25 +374,16 @@ class GatewayCore:
     # ============================================================ delegation
 
     async def _follow(
-        self, stream: OutputStream
+        self, stream: OutputStream, follower: Follower
     ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
         """Read the task's output stream to its end message, yielding responses."""
-        task_id = stream.task_id
-        last_id = "0-0"
         while not stream.is_ended:
-            entries = await self._read_output(task_id, last_id)
-            for entry_id, fields in entries:
-                last_id = entry_id
-                try:
-                    response = stream.on_message(fields)
-                except TaskEnded:
-                    await self._retire_output(task_id)
-                    raise
+            for _, fields in await self._next_output(follower):
+                response = stream.on_message(fields)
                 if response is not None:
                     yield response
                 if stream.is_ended:
                     break
-        await self._retire_output(task_id)
 
     async def _submit(self, task: Task, payload: TaskPayload) -> bool:
         """Scheduler.Submit with a deadline; True for a new task, False for a
@@ -385,44 +411,25 @@ class GatewayCore:
             return Unavailable(f"{where} is unavailable ({err.details()}); retry later")
         return error  # the scheduler's own refusal, or an AioRpcError (-> INTERNAL, logged)
 
-    async def _read_output(self, task_id: str, last_id: str) -> list[tuple[str, dict[str, str]]]:
-        """The output messages after `last_id`, waiting up to the idle timeout
-        for one. A Redis error is retried (the read starts again from
-        `last_id`, so nothing is skipped or repeated) with backoff while the
-        idle timeout lasts; past it the stream ends UNAVAILABLE."""
+    async def _next_output(self, follower: Follower) -> list[tuple[str, dict[str, str]]]:
+        """The output messages the reader got for `follower` since the last
+        call, waiting up to the idle timeout for one. The reader retries a
+        Redis error itself (from the last entry seen, so nothing is skipped
+        or repeated); past the idle timeout the stream ends UNAVAILABLE."""
         timeout_s = self.config.stream_idle_timeout_s
-        deadline_s = self.clock() + timeout_s
-        retry_s = READ_RETRY_BASE_S
-        while True:
-            left_s = deadline_s - self.clock()
-            try:
-                entries = await self.store.read_output(
-                    task_id, last_id, block_ms=max(1, round(left_s * 1000))
-                )
-            except (RedisConnectionError, RedisTimeoutError) as exc:
-                left_s = deadline_s - self.clock()
-                if left_s <= 0:
-                    raise Unavailable(
-                        f"state store (Redis) unavailable for {timeout_s:g} s while "
-                        f"streaming task {task_id} ({exc}); it was cancelled, retry it"
-                    ) from exc
-                log.warning(
-                    "gateway.stream_read_retry",
-                    task_id=task_id,
-                    last_id=last_id,
-                    retry_s=retry_s,
-                    error=str(exc),
-                )
-                await asyncio.sleep(min(retry_s, left_s))
-                retry_s = min(2 * retry_s, READ_RETRY_CAP_S)
-                continue
-            if entries:
-                return entries
-            if deadline_s - self.clock() <= 0:
+        try:
+            return await follower.next(timeout_s)
+        except TimeoutError:
+            error = self.reader.last_error
+            if error is not None:
                 raise Unavailable(
-                    f"task {task_id} produced no output for {timeout_s:g} s "
-                    "(its executor may have failed); it was cancelled, retry it"
-                )
+                    f"state store (Redis) unavailable for {timeout_s:g} s while "
+                    f"streaming task {follower.task_id} ({error}); it was cancelled, retry it"
+                ) from None
+            raise Unavailable(
+                f"task {follower.task_id} produced no output for {timeout_s:g} s "
+                "(its executor may have failed); it was cancelled, retry it"
+            ) from None
 
     async def _abandon(self, task_id: str, reason: str) -> None:
         """Cancel a task nobody will read (best effort, short deadline)."""
@@ -448,12 +455,6 @@ class GatewayCore:
             )
         else:
             log.info("gateway.cancelled", task_id=task_id, reason=reason)
-
-    async def _retire_output(self, task_id: str) -> None:
-        try:
-            await self.store.expire_output(task_id, OUTPUT_RETAIN_S)
-        except RedisError as exc:
-            log.warning("gateway.expire_output_failed", task_id=task_id, error=str(exc))
 
     async def _redis(self, awaitable: Awaitable[T]) -> T:
         """Await a Store call; an unreachable Redis reads as `Unavailable`."""

@@ -33,7 +33,7 @@ from lemix.infra.rpc import GATEWAY_SERVICE
 from lemix.infra.rpc.client import channel
 from lemix.infra.rpc.server import start_server, stop_server
 from lemix.infra.rpc.tls import ServerTls, load_server_tls
-from lemix.infra.store.client import RedisClientConfig, connect
+from lemix.infra.store.client import RedisClientConfig, connect, export_pool_metrics
 from lemix.infra.store.keys import RedisKeys
 from lemix.infra.store.store import Store
 from lemix.tokenizer import ApproxTokenizer, Tokenizer
@@ -42,11 +42,12 @@ log = structlog.get_logger(__name__)
 
 # Redis must answer the start-up PING within this long.
 REDIS_CONNECT_TIMEOUT_S = 5.0
-# Beyond one connection per in-flight stream (each may hold one in XREAD BLOCK
-# for the idle timeout): lease and counter upkeep, live-executor checks, stats,
-# the SLO and a stream's lease take. Requests past `max_in_flight` never touch
-# Redis, so this bound is not reached by load alone.
-REDIS_SPARE_CONNECTIONS = 64
+# The pool: one connection for the output reader's blocking XREAD (streams do
+# not hold one: `gateway.reader`), the rest for short calls (a stream's lease
+# take, lease and counter upkeep, live-executor checks, stats, the SLO, task
+# lookups). Past the bound a call waits for a connection (back-pressure, up
+# to the pool timeout) instead of opening one per concurrent request.
+REDIS_POOL_CONNECTIONS = 64
 # A socket read may take this long beyond the longest XREAD BLOCK.
 REDIS_READ_SLACK_S = 10.0
 
@@ -139,19 +140,18 @@ class GatewayService(Service):
                 config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file
             )
         tokenizer = self._tokenizer or load_tokenizer(config.tokenizer)
-        # Output reads block (XREAD BLOCK) up to the stream idle timeout, so
-        # the socket timeout must outlast it; every in-flight stream holds a
-        # connection while it waits, so the (blocking) pool is sized from
-        # the in-flight bound.
+        # The output reader's XREAD blocks up to the stream idle timeout, so
+        # the socket timeout must outlast it.
         redis = connect(
             RedisClientConfig(
                 url=config.redis_url,
-                max_connections=config.max_in_flight + REDIS_SPARE_CONNECTIONS,
+                max_connections=REDIS_POOL_CONNECTIONS,
                 socket_timeout_s=config.stream_idle_timeout_s + REDIS_READ_SLACK_S,
                 connect_timeout_s=REDIS_CONNECT_TIMEOUT_S,
             )
         )
         self.lifecycle.add_client("redis", redis.aclose)
+        export_pool_metrics(redis)
         try:
             await redis.ping()
         except RedisError as exc:

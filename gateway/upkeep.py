@@ -10,7 +10,8 @@ a request in does no Redis round trip for bookkeeping.
   before Submit (the scheduler cancels a streamed task whose lease is missing:
   its gateway died); one loop renews them all every `ttl_s / 3` in one round
   trip and deletes, in the same round trip, the leases of streams released
-  since (woken at once by a release).
+  since (woken by a release, it gathers the releases of the next
+  `RELEASE_BATCH_S` into one round trip).
 * `Upkeep`: runs both loops; `stop` flushes the counters and drops every lease.
 
 A Redis error in a loop is logged and retried on the next tick (a renewal
@@ -33,6 +34,9 @@ log = structlog.get_logger(__name__)
 
 # A failed renewal is retried after at most this long (not a whole ttl/3).
 RENEW_RETRY_S = 0.5
+# Lease drops and stream retirements released within this long of each
+# other share one round trip.
+RELEASE_BATCH_S = 0.05
 # `Upkeep.stop` cancels its loops again this often until they end.
 STOP_POLL_S = 0.1
 
@@ -74,14 +78,20 @@ class StreamLeases:
     the lease, which is dropped when the last one releases it.
     """
 
-    def __init__(self, store: Store, owner: str, ttl_s: float) -> None:
+    def __init__(
+        self, store: Store, owner: str, ttl_s: float, *, retain_output_s: float = 300.0
+    ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        if retain_output_s <= 0:
+            raise ValueError(f"retain_output_s must be > 0, got {retain_output_s}")
         self._store = store
         self.owner = owner
         self.ttl_s = ttl_s
+        self.retain_output_s = retain_output_s
         self._refs: dict[str, int] = {}
         self._to_drop: set[str] = set()
+        self._to_retire: set[str] = set()  # streams read to their end
         self.wake = asyncio.Event()  # set by a release: drop its lease now
 
     @property
@@ -93,22 +103,28 @@ class StreamLeases:
         """Task ids whose streams are being read."""
         return list(self._refs)
 
-    async def take(self, task_id: str) -> None:
-        """Write the lease now (one round trip); the loop renews it until
+    async def take(self, task_id: str, *, wake: bool = False) -> None:
+        """Write the lease now (one round trip; with `wake`, the output
+        reader's wake goes in it: `gateway.reader`); the loop renews it until
         `release`. Raises the Redis error (the reference is then released)."""
         self._refs[task_id] = self._refs.get(task_id, 0) + 1
         self._to_drop.discard(task_id)
         try:
-            await self._store.renew_stream_leases(self.owner, [task_id], self.ttl_s)
+            await self._store.renew_stream_leases(self.owner, [task_id], self.ttl_s, wake=wake)
         except BaseException:
             self.release(task_id, drop=False)
             raise
 
-    def release(self, task_id: str, *, drop: bool = True) -> None:
+    def release(self, task_id: str, *, drop: bool = True, retire_output: bool = False) -> None:
         """One reader is done (no I/O). With `drop`, the lease is deleted soon
         after the last reader is done; without, it is only no longer renewed
         and lapses by itself: for a Submit that was refused, whose id may name
-        another request's task, whose lease is not ours to delete."""
+        another request's task, whose lease is not ours to delete. With
+        `retire_output` (the reader saw the stream's end) the output stream
+        expires `retain_output_s` later, set in the same batched round trip."""
+        if retire_output:
+            self._to_retire.add(task_id)
+            self.wake.set()
         num_refs = self._refs.get(task_id, 0) - 1
         if num_refs > 0:
             self._refs[task_id] = num_refs
@@ -123,11 +139,21 @@ class StreamLeases:
         round trip. Raises the Redis error (the releases stay pending)."""
         drop_ids = [task_id for task_id in self._to_drop if task_id not in self._refs]
         self._to_drop.clear()
+        retire_ids, self._to_retire = list(self._to_retire), set()
         renew_ids = self.live_ids if renew else []
         try:
-            await self._store.sync_stream_leases(self.owner, renew_ids, drop_ids, self.ttl_s)
+            await self._store.sync_stream_leases(
+                self.owner,
+                renew_ids,
+                drop_ids,
+                self.ttl_s,
+                retire_ids=retire_ids,
+                retain_s=self.retain_output_s,
+                is_renewal=renew,
+            )
         except BaseException:
             self._to_drop.update(task_id for task_id in drop_ids if task_id not in self._refs)
+            self._to_retire.update(retire_ids)
             raise
         # Taken again while the delete was on its way: its SET may have landed
         # first, so write it again (rare: an idempotent retry at that moment).
@@ -198,8 +224,12 @@ class Upkeep:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, next_renew_s - time.monotonic())):
                     await leases.wake.wait()
-            leases.wake.clear()
             is_renewal = time.monotonic() >= next_renew_s
+            if not is_renewal and not self._is_stopping:
+                # Releases are not urgent (a lease left lapses by itself):
+                # those of the next moment go in the same round trip.
+                await asyncio.sleep(RELEASE_BATCH_S)
+            leases.wake.clear()
             try:
                 await leases.sync(renew=is_renewal)
             except (RedisError, OSError) as exc:

@@ -105,6 +105,9 @@ class Hardware:
 # nvidia-smi reports 81,920 MiB. Host link PCIe Gen4 x16: 16 GT/s × 16 lanes ×
 # 128/130 encoding / 8 = 31.5 GB/s per direction.
 A100_SXM4_80GB = Hardware("A100-SXM4-80GB", 312e12, 2.039e12, 81920 * MIB, 31.5e9)
+# NVIDIA A100 datasheet, the 40 GB SXM4 part: the same 312 TFLOP/s dense BF16,
+# 1,555 GB/s HBM2; nvidia-smi reports 40,960 MiB. Same PCIe Gen4 host link.
+A100_SXM4_40GB = Hardware("A100-SXM4-40GB", 312e12, 1.555e12, 40960 * MIB, 31.5e9)
 # NVIDIA H100 datasheet (SXM5): 989 TFLOP/s dense BF16, 3.35 TB/s HBM3;
 # nvidia-smi reports 81,559 MiB. Host link PCIe Gen5 x16: 63.0 GB/s per direction.
 H100_SXM5_80GB = Hardware("H100-SXM5-80GB", 989e12, 3.35e12, 81559 * MIB, 63.0e9)
@@ -428,6 +431,8 @@ def derive_profile(
 PRESETS: dict[str, tuple[ModelShape, Hardware]] = {
     "a100-llama2-7b": (LLAMA2_7B, A100_SXM4_80GB),
     "a100-llama2-13b": (LLAMA2_13B, A100_SXM4_80GB),
+    # Memory-bound: KV room is what limits a node (issue 10's third point).
+    "a100-40gb-llama2-7b": (LLAMA2_7B, A100_SXM4_40GB),
     "h100-llama2-7b": (LLAMA2_7B, H100_SXM5_80GB),
 }
 

@@ -18,7 +18,7 @@ from lemix.infra.address import join_host_port
 from lemix.infra.lifecycle import Service
 from lemix.infra.rpc import PROFILER_SERVICE
 from lemix.infra.rpc.server import start_server, stop_server
-from lemix.infra.store.client import RedisClientConfig, connect
+from lemix.infra.store.client import RedisClientConfig, connect, export_pool_metrics
 from lemix.infra.store.keys import RedisKeys
 from lemix.infra.store.store import Store
 from lemix.profile import Profile, load_profile
@@ -57,6 +57,7 @@ class ProfilerService(Service):
             RedisClientConfig(config.redis_url, max_connections=4, socket_timeout_s=30.0)
         )
         self.lifecycle.add_client("redis", redis.aclose)
+        export_pool_metrics(redis)
         await redis.ping()
         store = Store(redis, RedisKeys(config.namespace))
         core = ProfilerCore(

@@ -150,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=4)
+    p.add_argument(
+        "--sync-every",
+        type=int,
+        default=SimRunConfig().sync_every_tasks,
+        metavar="K",
+        help="SEPARATE: copy the trained weights to the serving nodes every K training tasks",
+    )
     p.add_argument("--stages", type=int, help="stages per node (must match the profile)")
     p.add_argument("--profile", metavar="FILE", help="profile JSON (default: shipped A100 one)")
     p.add_argument(
@@ -219,6 +226,7 @@ def configs_from_args(args: argparse.Namespace) -> CliSetup:
             seed=args.seed,
             batching=batching,
             train_rate=args.train_rate,
+            sync_every_tasks=args.sync_every,
             measure_decision_latency=not args.deterministic,
             **knobs,
         )
@@ -229,6 +237,7 @@ def configs_from_args(args: argparse.Namespace) -> CliSetup:
     run = SimRunConfig(
         num_nodes=args.nodes,
         batching=batching,
+        sync_every_tasks=args.sync_every,
         measure_decision_latency=not args.deterministic,
         **knobs,
     )

@@ -249,6 +249,11 @@ EXECUTOR_INFERENCE_LOSS = Gauge(
 REDIS_ERRORS = Counter(
     "lemix_redis_errors_total", "Redis calls that raised, by Store operation", ["op"]
 )
+REDIS_POOL_CONNECTIONS = Gauge(
+    "lemix_redis_pool_connections",
+    "This service's Redis connection pool: its bound (max) and the connections in use",
+    ["state"],
+)
 
 
 # ================================================================ recording
@@ -347,6 +352,12 @@ def set_slo(slo: tuple[float, float] | None) -> None:
 def set_in_flight_source(read: Callable[[], float]) -> None:
     """The in-flight gauge reads `read()` at every scrape."""
     GATEWAY_IN_FLIGHT.set_function(read)
+
+
+def set_redis_pool_source(max_connections: int, read_in_use: Callable[[], float]) -> None:
+    """The pool gauge: its bound now, and `read_in_use()` at every scrape."""
+    REDIS_POOL_CONNECTIONS.labels(state="max").set(max_connections)
+    REDIS_POOL_CONNECTIONS.labels(state="in_use").set_function(read_in_use)
 
 
 def set_queue_depth(queue: str, depth: int) -> None:

@@ -16,6 +16,7 @@ from lemix.planner.base import PlacementPolicy, PlannerConfig
 from lemix.planner.costs import CostEstimator, DecodeAwareCostEstimator, PaperCostEstimator
 from lemix.planner.planner import Planner
 from lemix.planner.policies.baselines import (
+    Capped,
     MixLeastUtilizedPolicy,
     MixRoundRobinPolicy,
     SeparatePolicy,
@@ -37,6 +38,10 @@ class PolicySpec:
     is_deprioritization_enabled: bool = True
     is_memory_aware: bool = True  # planner predicts KV waits; executor offloads
     is_colocated: bool = True
+    # False: the policy's serving nodes never train and keep no gradients or
+    # optimizer state, so their memory goes to KV (static roles only: a role
+    # that can change over a run keeps the training state everywhere).
+    is_training_state_on_serving_nodes: bool = True
 
 
 def _lemix(**kw: Any) -> Callable[[PlannerConfig], PlacementPolicy]:
@@ -90,6 +95,7 @@ POLICIES: dict[str, PolicySpec] = {
             "dedicated training/serving nodes, sync every K",
             lambda c: SeparatePolicy(),
             is_colocated=False,
+            is_training_state_on_serving_nodes=False,
         ),
         PolicySpec(
             "separate-dynamic",
@@ -102,6 +108,16 @@ POLICIES: dict[str, PolicySpec] = {
             "mix-luf",
             "co-located, least-utilized (memory) first",
             lambda c: MixLeastUtilizedPolicy(),
+        ),
+        PolicySpec(
+            "mix-rr-capped",
+            "MIX-RR's placement with LeMix's training admission control",
+            lambda c: Capped(MixRoundRobinPolicy()),
+        ),
+        PolicySpec(
+            "mix-luf-capped",
+            "MIX-LUF's placement with LeMix's training admission control",
+            lambda c: Capped(MixLeastUtilizedPolicy()),
         ),
     ]
 }

@@ -78,6 +78,15 @@ class SimRunConfig:
         )
 
 
+def serving_only_profile(profile: Profile) -> Profile:
+    """`profile` for a node that only serves: no gradients or optimizer state
+    charged, so that memory holds KV instead (SEPARATE's serving nodes)."""
+    memory = replace(
+        profile.memory, training_state_bytes=(0,) * len(profile.memory.training_state_bytes)
+    )
+    return replace(profile, memory=memory)
+
+
 def build_simulator(
     config: SimRunConfig, profile: Profile, tasks: Sequence[Task], slo: Slo
 ) -> Simulator:
@@ -99,12 +108,15 @@ def build_simulator(
         )
     planner = build_planner(config.policy, planner_config, profile, memory)
     engine_config = replace(config.engine_config(slo), memory=memory)
+    serving_only: tuple[int, ...] = ()
+    if not spec.is_training_state_on_serving_nodes:
+        serving_only = planner.policy.serving_nodes(config.num_nodes, planner.context(0.0))
     # Noise streams derive from the run seed, so every policy sees the same draws
     # per node for the same sequence of work.
     engines = [
         NodeEngine(
             i,
-            profile,
+            serving_only_profile(profile) if i in serving_only else profile,
             NoisyLatency(
                 profile.ours, config.latency_noise_cv, random.Random(config.seed * 1_000_003 + i)
             ),
@@ -155,4 +167,5 @@ def run_simulation(
     metrics["num_deferrals"] = result.num_deferrals
     metrics["num_weight_syncs"] = result.num_weight_syncs
     metrics["num_kv_offloads"] = result.num_offloads
+    metrics["sync_every_tasks"] = config.sync_every_tasks
     return metrics, result

@@ -133,6 +133,9 @@ class StackConfig:
     served_model_name: str = "lemix"
     max_model_len: int = 0
     max_in_flight: int = 1024
+    # Gateways against the one scheduler and Redis: "gateway" on `gateway_port`
+    # (and `http_port`), "gateway-1".. on free ports (`Stack.gateway_addresses`).
+    num_gateways: int = 1
 
     def __post_init__(self) -> None:
         parse_api_keys(self.api_key)  # ValueError for a malformed key
@@ -149,6 +152,8 @@ class StackConfig:
             raise ValueError(f"--max-in-flight must be >= 1, got {self.max_in_flight}")
         if self.num_nodes < 1:
             raise ValueError("--nodes must be >= 1")
+        if self.num_gateways < 1:
+            raise ValueError(f"num_gateways must be >= 1, got {self.num_gateways}")
         if self.backend not in ("emulated", "torch"):
             raise ValueError(f"backend must be 'emulated' or 'torch', got {self.backend!r}")
         if self.time_scale <= 0:
@@ -222,7 +227,7 @@ class Stack:
 
     Fault injection for tests: `pid(name)`, `kill(name, sig)`,
     `wait_restarted(name)`; names are "executor-0".., "profiler",
-    "scheduler", "gateway" and "redis".
+    "scheduler", "gateway" (then "gateway-1".. with `num_gateways`) and "redis".
     """
 
     def __init__(self, config: StackConfig, report: Callable[[str], None] = _print_report) -> None:
@@ -231,6 +236,7 @@ class Stack:
         self.redis: EmbeddedRedis | None = None
         self.children: list[ServiceProcess] = []
         self.gateway_address = ""
+        self.gateway_addresses: list[str] = []  # every gateway's, the first one's first
         self.http_address = ""  # the gateway's OpenAI-compatible API, once started
         self.failure: str | None = None  # why supervision gave up, if it did
         self._redis_child: RedisProcess | None = None
@@ -348,20 +354,29 @@ class Stack:
                     {"port": 0, "metrics_port": 0},
                 )
             )
-            gateway = await self._start_child(
-                self._child(
-                    "gateway",
-                    "gateway",
-                    GATEWAY_SERVICE,
-                    self._gateway_env(env, scheduler.address),
-                    GATEWAY,
-                    {"port": c.gateway_port, "http_port": c.http_port, "metrics_port": 0},
+            gateways = [
+                await self._start_child(
+                    self._child(
+                        f"gateway-{i}" if i else "gateway",
+                        "gateway",
+                        GATEWAY_SERVICE,
+                        self._gateway_env(env, scheduler.address),
+                        GATEWAY,
+                        {
+                            "port": 0 if i else c.gateway_port,
+                            "http_port": 0 if i else c.http_port,
+                            "metrics_port": 0,
+                        },
+                    )
                 )
-            )
+                for i in range(c.num_gateways)
+            ]
         except BaseException:
             await self.stop()
             raise
+        gateway = gateways[0]
         self.gateway_address = gateway.address
+        self.gateway_addresses = [g.address for g in gateways]
         self.http_address = gateway.http_address
         supervised: list[ServiceProcess | RedisProcess] = [*self.children]
         if self._redis_child is not None:
@@ -425,7 +440,7 @@ class Stack:
         await asyncio.gather(*self._supervisors, return_exceptions=True)
         self._supervisors.clear()
         order = {"gateway": 0, "scheduler": 1, "profiler": 2}
-        for child in sorted(self.children, key=lambda ch: order.get(ch.name, 2)):
+        for child in sorted(self.children, key=lambda ch: order.get(ch.name.partition("-")[0], 2)):
             await child.terminate()
         self.children.clear()
         if self.redis is not None:

@@ -30,7 +30,7 @@ from lemix.infra.address import join_host_port
 from lemix.infra.lifecycle import Service
 from lemix.infra.rpc import EXECUTOR_SERVICE
 from lemix.infra.rpc.server import start_server, stop_server
-from lemix.infra.store.client import RedisClientConfig, connect
+from lemix.infra.store.client import RedisClientConfig, connect, export_pool_metrics
 from lemix.infra.store.codec import FieldValue
 from lemix.infra.store.heartbeat import heartbeat_fields
 from lemix.infra.store.keys import RedisKeys
@@ -130,6 +130,7 @@ class ExecutorService(Service):
             )
         )
         self.lifecycle.add_client("redis", redis.aclose)
+        export_pool_metrics(redis)
         await redis.ping()
         self._store = Store(redis, RedisKeys(config.namespace))
         node = self.node = ExecutorNode(

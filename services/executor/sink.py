@@ -1,16 +1,17 @@
 """Writes a node's engine outcomes to Redis, as docs/protocol.md fixes them.
 
-Per `write` (one driver flush, usually one iteration):
+Per `write` (one driver flush, usually one iteration) ONE script call
+(`Store.write_node_batch`), which runs atomically, in this order:
 
-1. every token message of the batch in ONE script call
-   (`Store.append_outputs_fenced`), so per-stream order follows engine order;
-2. then, per task that ended, its final state and ``end`` message atomically
-   (`Store.finish_task_fenced`) and its completion entry for the scheduler;
-3. then the counters.
+1. every token message of the batch, so per-stream order follows engine order;
+2. then, per task that ended, its final state and ``end`` message
+   (fenced, once per task) and its completion entry for the scheduler;
+3. and the counters (tokens written, each end by its outcome).
 
 Tokens go first, so a task's ``end`` never precedes its last token. If a write
-fails the driver retries the whole batch: token messages may then repeat
-(readers go by ``n``), ``finish_task`` is a no-op the second time, and a
+fails the driver retries the whole batch: the script either ran whole or not
+at all, unless its reply was lost; then token messages may repeat (readers go
+by ``n``), the end is a no-op the second time (counted as a duplicate), and a
 completion may repeat (the scheduler treats completions by task id).
 
 Fencing (docs/protocol.md): every write carries the attempt number the
@@ -25,7 +26,6 @@ with the attempt: the scheduler ignores a stale one.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
@@ -42,7 +42,7 @@ from lemix.engine import (
 )
 from lemix.infra import telemetry
 from lemix.infra.store.codec import FieldValue
-from lemix.infra.store.fencing import FinishOutcome
+from lemix.infra.store.fencing import FinishOutcome, NodeEnd, NodeEndKind
 from lemix.infra.store.messages import (
     completion_fields,
     end_message,
@@ -143,13 +143,7 @@ class RedisOutcomeSink:
                 ends.append(outcome)
             elif isinstance(outcome, BlockingDone):
                 log.info("executor.blocking_done", node=self.node_id, tag=outcome.tag)
-        num_written = await self._write_tokens(tokens)
-        stats: Counter[str] = Counter({"tokens_generated": num_written})
-        for end in ends:
-            stats[await self._write_end(end, t)] += 1
-        for name, count in stats.items():
-            if count:
-                await self.store.incr_stat(name, count)
+        await self._write_batch(tokens, [self._end_of(end, t) for end in ends])
 
     def _attempt(self, task_id: str) -> int:
         return self._ledger.attempt_of(task_id) if self._ledger is not None else 0
@@ -157,17 +151,26 @@ class RedisOutcomeSink:
     def _is_fenced(self, task_id: str, attempt: int) -> bool:
         return self._fenced.get(task_id) == attempt
 
-    async def _write_tokens(self, tokens: list[tuple[str, int, dict[str, FieldValue]]]) -> int:
-        """One script call for the batch; returns how many messages landed."""
+    async def _write_batch(
+        self, tokens: list[tuple[str, int, dict[str, FieldValue]]], ends: list[NodeEnd]
+    ) -> None:
+        """One script call for the whole batch (`Store.write_node_batch`), then
+        the bookkeeping of what it found fenced and of the tasks that ended."""
         live = [item for item in tokens if not self._is_fenced(item[0], item[1])]
         telemetry.observe_fenced_writes(self.node_id, "token", len(tokens) - len(live))
-        if not live:
-            return 0
-        written = await self.store.append_outputs_fenced(live)
-        for (task_id, attempt, _), entry_id in zip(live, written, strict=True):
-            if entry_id is None:
+        written, outcomes = await self.store.write_node_batch(
+            live, ends, tokens_stat="tokens_generated"
+        )
+        for (task_id, attempt, _), is_written in zip(live, written, strict=True):
+            if not is_written:
                 self._fence(task_id, attempt, "token")
-        return sum(1 for entry_id in written if entry_id is not None)
+        for end, outcome in zip(ends, outcomes, strict=True):
+            if outcome is FinishOutcome.FENCED:
+                self._fence(end.task_id, end.attempt, "end")
+            if end.kind is not NodeEndKind.REPORT:
+                self._num_tokens.pop(end.task_id, None)
+                self._weight_versions.pop(end.task_id, None)
+            self._fenced.pop(end.task_id, None)
 
     def _fence(self, task_id: str, attempt: int, what: str) -> None:
         """Count a dropped write; the first for a task logs it and tells the ledger."""
@@ -191,18 +194,25 @@ class RedisOutcomeSink:
             if prompt_logprobs:  # with the first token: the prefill made them
                 fields[PROMPT_LOGPROBS_FIELD] = format_logprobs(prompt_logprobs)
 
-    async def _write_end(self, outcome: Finished | Failed | Requeued, t: float) -> str:
-        """Write one task's end; returns the name of the counter it bumps."""
+    def _end_of(self, outcome: Finished | Failed | Requeued, t: float) -> NodeEnd:
+        """One task's end as `Store.write_node_batch` writes it, with its
+        completion: always reported, even when the task was already final (a
+        redelivery) or fenced, since the scheduler needs to learn that this
+        node freed the task's memory (it ignores a stale attempt)."""
         task_id = outcome.task_id
         attempt = self._attempt(task_id)
         if isinstance(outcome, Requeued):
             # Training handed back: the scheduler re-submits it, so the task is
             # not final and gets no `end` message.
-            await self._append_completion(
-                task_id, StoredStatus.REQUEUED, outcome.reason, t, attempt
+            return NodeEnd(
+                task_id,
+                attempt,
+                NodeEndKind.REPORT,
+                self._completion(task_id, StoredStatus.REQUEUED, outcome.reason, t, attempt),
+                stat="requeued_training",
+                duplicate_stat="requeued_training",
+                fenced_stat="requeued_training",
             )
-            self._fenced.pop(task_id, None)
-            return "requeued_training"
         if isinstance(outcome, Finished):
             status, reason, n = StoredStatus.COMPLETED, "", outcome.num_output_tokens
             # Training finishes with 0 output tokens; inference always has >= 1.
@@ -227,29 +237,26 @@ class RedisOutcomeSink:
             state_fields.update(end_fields)
             if n > 0:
                 output_fields.update(end_fields)
-        if self._is_fenced(task_id, attempt):  # attempts only grow: no need to ask
-            finish = FinishOutcome.FENCED
-        else:
-            finish = await self.store.finish_task_fenced(
-                task_id, attempt, status, reason, output_fields, state_fields=state_fields
-            )
-        if finish is FinishOutcome.FENCED:
-            self._fence(task_id, attempt, "end")
-        # Always report it, even when the task was already final (a redelivery):
-        # the scheduler needs to learn that this node freed the task's memory
-        # (and ignores it when the attempt is stale).
-        await self._append_completion(task_id, status, reason, t, attempt)
-        self._num_tokens.pop(task_id, None)
-        self._weight_versions.pop(task_id, None)
-        self._fenced.pop(task_id, None)
-        if finish is FinishOutcome.FENCED:
-            return "num_fenced_ends"
-        # Count each task once.
-        return stat if finish is FinishOutcome.ENDED else "num_duplicate_ends"
+        # Attempts only grow: a task known fenced need not be asked again.
+        is_fenced = self._is_fenced(task_id, attempt)
+        return NodeEnd(
+            task_id,
+            attempt,
+            NodeEndKind.FENCED if is_fenced else NodeEndKind.FINISH,
+            self._completion(task_id, status, reason, t, attempt),
+            # Each task counted once.
+            stat=stat,
+            duplicate_stat="num_duplicate_ends",
+            fenced_stat="num_fenced_ends",
+            status=status,
+            reason=reason,
+            output_fields=output_fields,
+            state_fields=state_fields,
+        )
 
-    async def _append_completion(
+    def _completion(
         self, task_id: str, status: str, reason: str, t: float, attempt: int
-    ) -> None:
-        await self.store.append_completion(
-            completion_fields(task_id, status, reason, node_id=self.node_id, t=t, attempt=attempt)
+    ) -> dict[str, FieldValue]:
+        return completion_fields(
+            task_id, status, reason, node_id=self.node_id, t=t, attempt=attempt
         )

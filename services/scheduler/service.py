@@ -46,7 +46,7 @@ from lemix.infra.lifecycle import Service
 from lemix.infra.rpc import SCHEDULER_SERVICE
 from lemix.infra.rpc.errors import InvalidArgument, Unavailable
 from lemix.infra.rpc.server import start_server, stop_server
-from lemix.infra.store.client import RedisClientConfig, connect
+from lemix.infra.store.client import RedisClientConfig, connect, export_pool_metrics
 from lemix.infra.store.codec import Entry, Fields, get_optional_int
 from lemix.infra.store.keys import RedisKeys
 from lemix.infra.store.messages import completion_from_fields
@@ -61,11 +61,12 @@ from lemix.infra.store.task_hash import (
 from lemix.planner.recording import RecordingPlanner
 from lemix.planner.registry import build_planner
 from lemix.profile import Profile, load_profile
+from lemix.reasons import ReasonCode, format_reason
 from lemix.types import Task, TaskKind, TaskPayload
 from services.scheduler.adapters import GrpcDispatcher, RedisEventSink, RedisResultWriter
 from services.scheduler.codec import task_from_fields, task_to_fields
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
+from services.scheduler.core import FinishReport, SchedulerCore
 from services.scheduler.recovery import (
     SnapshottingSink,
     check_config,
@@ -188,6 +189,7 @@ class SchedulerService(Service):
                 )
             )
             self.lifecycle.add_client("redis", self._redis.aclose)
+            export_pool_metrics(self._redis)
         self.store = Store(self._redis, RedisKeys(config.namespace))
         await self._redis.ping()
         self.epoch_s = await self.store.scheduler_epoch(time.time())
@@ -360,7 +362,11 @@ class SchedulerService(Service):
                 await self.store.mark_cancelled(task_id)  # the intake drops it if unread
                 if self.core.knows(task_id):
                     # Deferred: end it now; the core drops it when it would place it.
-                    await self.writer.end_task(task_id, StoredStatus.FAILED, f"CANCELLED: {reason}")
+                    # The gateway's reasons may already carry the code (a stop
+                    # sequence's); the engine strips it the same way.
+                    detail = reason.removeprefix(f"{ReasonCode.CANCELLED.value}: ").strip()
+                    ended = format_reason(ReasonCode.CANCELLED, detail)
+                    await self.writer.end_task(task_id, StoredStatus.FAILED, ended)
                     return True
                 state = await self.store.get_task_state(task_id)
             node_id = self.core.node_of(task_id)  # placed while we were marking it?
@@ -459,28 +465,12 @@ class SchedulerService(Service):
 
     async def _handle_intake(self, entries: list[Entry]) -> None:
         taken = [t for t in [await self._parse(fields) for _, fields in entries] if t]
-        # One pipelined round trip for every check, one for every state write:
-        # per-task round trips made this loop the stack's bottleneck.
-        lookup = await self.store.intake_checks([task.task_id for task, _, _ in taken])
-        accepted = []
-        leased = []
-        for (task, payload, fields), (is_final, is_cancelled, has_lease) in zip(
-            taken, lookup, strict=True
-        ):
-            if is_final:
-                continue  # finished before a restart; its result stands
-            if is_cancelled:
-                await self.writer.end_task(
-                    task.task_id, StoredStatus.FAILED, CANCELLED_BEFORE_PLACEMENT
-                )
-                continue
-            self._payloads[task.task_id] = payload
-            accepted.append((task, fields))
-            if has_lease and not task.is_training:
-                leased.append(task.task_id)
-        # The task's fields go to its state hash too: a restart finds the
-        # payload of deferred training there (the intake entry is deleted).
-        await self.store.set_task_states(
+        # One pipelined round trip checks every task and records those taken:
+        # per-task round trips made this loop the stack's bottleneck. The
+        # task's fields go to its state hash too: a restart finds the payload
+        # of deferred training there (the intake entry is deleted).
+        queued_t = time.time()
+        lookup = await self.store.accept_intake(
             [
                 (
                     task.task_id,
@@ -488,14 +478,30 @@ class SchedulerService(Service):
                         **fields,
                         STATUS_FIELD: StoredStatus.QUEUED,
                         "arrival_s": task.arrival_s,
-                        "queued_t": time.time(),
+                        "queued_t": queued_t,
                     },
                 )
-                for task, fields in accepted
+                for task, _, fields in taken
             ]
         )
+        accepted = []
+        leased = []
+        for (task, payload, _), (is_final, is_cancelled, has_lease) in zip(
+            taken, lookup, strict=True
+        ):
+            if is_final:
+                continue  # finished before a restart; its result stands (not written)
+            if is_cancelled:  # not written either
+                await self.writer.end_task(
+                    task.task_id, StoredStatus.FAILED, CANCELLED_BEFORE_PLACEMENT
+                )
+                continue
+            self._payloads[task.task_id] = payload
+            accepted.append(task)
+            if has_lease and not task.is_training:
+                leased.append(task.task_id)
         self.leases.note(leased)  # before the core: it may end them at once
-        await self.core.on_tasks([task for task, _ in accepted])
+        await self.core.on_tasks(accepted)
         # Write-ahead: the decisions these entries caused are stored before the
         # entries go, so a crash in between replays them (and the redelivered
         # entries are recognised as known).
@@ -546,37 +552,48 @@ class SchedulerService(Service):
                 await self._sleep_or_stop(_LOOP_BACKOFF_S)
 
     async def _handle_completions(self, entries: list[Entry]) -> None:
-        ended = []
+        reports: list[FinishReport] = []
         for entry_id, fields in entries:
-            if fields.get(TASK_ID_FIELD):  # an entry without a task id is skipped
-                try:
-                    completion = completion_from_fields(fields)
-                except ValueError as exc:
-                    # Malformed (a foreign or corrupted writer): it can never be
-                    # applied, and retrying it would hold every later completion
-                    # behind it. Skipped and logged; the task's own hash still
-                    # has its end, which GetTask and the audit read.
-                    log.error("bad_completion", entry_id=entry_id, fields=fields, error=str(exc))
-                    self._completions_cursor = entry_id
-                    continue
-                is_applied = await self.core.on_finished(
+            if not fields.get(TASK_ID_FIELD):  # an entry without a task id is skipped
+                continue
+            try:
+                completion = completion_from_fields(fields)
+            except ValueError as exc:
+                # Malformed (a foreign or corrupted writer): it can never be
+                # applied, and retrying it would hold every later completion
+                # behind it. Skipped and logged; the task's own hash still
+                # has its end, which GetTask and the audit read.
+                log.error("bad_completion", entry_id=entry_id, fields=fields, error=str(exc))
+                continue
+            reports.append(
+                FinishReport(
                     completion.task_id,
                     is_success=completion.status == StoredStatus.COMPLETED,
                     is_requeue=completion.status == StoredStatus.REQUEUED,
                     node_id=completion.node_id,
                     attempt=completion.attempt,
                 )
-                if is_applied and completion.status != StoredStatus.REQUEUED:
-                    ended.append(completion.task_id)
-            # Advanced per entry: after an error the loop resumes after the last
-            # entry applied, never applying one twice within this process.
-            self._completions_cursor = entry_id
+            )
+        # The batch in one go (one plan). Applying a report twice is harmless:
+        # once applied, the task is no longer on that node, so a second
+        # application (after an error before the cursor moved) reads as stale.
+        applied = await self.core.on_finished_many(reports)
+        ended = [
+            report.task_id
+            for report, is_applied in zip(reports, applied, strict=True)
+            if is_applied and not report.is_requeue
+        ]
+        entry_id = entries[-1][0]
+        self._completions_cursor = entry_id
         await self.events.flush()  # the stored cursor never runs ahead of the log
-        # Entries before the cursor are applied and in the log: trimmed.
-        await self.store.advance_completions_cursor(entry_id)
-        if ended and self.config.finished_task_ttl_s > 0:
-            # Executors write most ends without a TTL: the scheduler sets it.
-            await self.store.expire_finished_tasks(ended, self.config.finished_task_ttl_s)
+        # Entries before the cursor are applied and in the log: trimmed. An
+        # applied end is final in its hash (the executor wrote the end and its
+        # completion in one script), so its hash and output stream expire
+        # with the cursor's step; executors write ends without a TTL.
+        ttl_s = self.config.finished_task_ttl_s
+        await self.store.advance_completions_cursor(
+            entry_id, expire_ids=ended if ttl_s > 0 else (), ttl_s=ttl_s
+        )
 
     # ----------------------------------------------------------------- nodes
 

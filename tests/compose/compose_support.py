@@ -18,6 +18,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -226,3 +227,23 @@ class ComposeProject:
             text = container.logs(tail=lines).decode(errors="replace")
             out.append(f"== {container.name} ({container.status})\n{text}")
         return "\n".join(out)
+
+
+@contextlib.contextmanager
+def running_project(
+    client: docker.DockerClient,
+    name: str,
+    workdir: Path,
+    env_overrides: dict[str, str],
+    num_executors: int,
+    results: dict[str, object],
+) -> Iterator[ComposeProject]:
+    """A project up (`results[name + "_up_seconds"]`: how long it took),
+    taken down with its volumes afterwards, whatever happened."""
+    project = ComposeProject(client, name=name, workdir=workdir, env_overrides=env_overrides)
+    try:
+        results[f"{name.rstrip('0123456789')}_up_seconds"] = round(project.up(num_executors), 1)
+        yield project
+    finally:
+        if project.containers():
+            project.down()

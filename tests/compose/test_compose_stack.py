@@ -25,7 +25,7 @@ from pathlib import Path
 import docker
 import openai
 import pytest
-from compose_support import REPO, ComposeProject
+from compose_support import REPO, ComposeProject, running_project
 from conftest import RESULTS
 
 from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc
@@ -43,18 +43,15 @@ Fault = Callable[[gateway_pb2_grpc.GatewayStub], Awaitable[None]]
 def project(
     docker_client: docker.DockerClient, lemix_image: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ComposeProject]:
-    stack = ComposeProject(
+    with running_project(
         docker_client,
-        name=f"lemixci{os.getpid()}",
-        workdir=tmp_path_factory.mktemp("compose"),
-        env_overrides={"LEMIX_NUM_NODES": str(NUM_NODES)},
-    )
-    try:
-        RESULTS["up_seconds"] = round(stack.up(num_executors=2), 1)
+        f"lemixci{os.getpid()}",
+        tmp_path_factory.mktemp("compose"),
+        {"LEMIX_NUM_NODES": str(NUM_NODES)},
+        num_executors=2,
+        results=RESULTS,
+    ) as stack:
         yield stack
-    finally:
-        if stack.containers():
-            stack.down()
 
 
 def _record(case: str, load: Load, result: Accounting) -> None:

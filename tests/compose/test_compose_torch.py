@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import docker
 import openai
 import pytest
-from compose_support import ComposeProject
+from compose_support import ComposeProject, running_project
 from conftest import RESULTS
 
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -38,18 +38,16 @@ TORCH_ENV = {
 def torch_project(
     docker_client: docker.DockerClient, lemix_image: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ComposeProject]:
-    stack = ComposeProject(
+    with running_project(
         docker_client,
-        name=f"lemixcitorch{os.getpid()}",
-        workdir=tmp_path_factory.mktemp("compose-torch"),
-        env_overrides=TORCH_ENV,
-    )
-    try:
-        RESULTS["torch_up_seconds"] = round(stack.up(num_executors=1), 1)
+        f"lemixcitorch{os.getpid()}",
+        tmp_path_factory.mktemp("compose-torch"),
+        TORCH_ENV,
+        num_executors=1,
+        results=RESULTS,
+    ) as stack:
         yield stack
-    finally:
-        stack.down()
-        assert stack.leftovers() == {"containers": [], "volumes": [], "networks": []}
+    assert stack.leftovers() == {"containers": [], "volumes": [], "networks": []}
 
 
 def test_torch_executor_serves_text_over_http(torch_project: ComposeProject) -> None:

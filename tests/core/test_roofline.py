@@ -187,7 +187,12 @@ def _assert_close(a: Any, b: Any, where: str = "") -> None:
 
 @pytest.mark.parametrize(
     ("preset", "num_stages"),
-    [("a100-llama2-7b", 2), ("a100-llama2-7b", 4), ("h100-llama2-7b", 2)],
+    [
+        ("a100-llama2-7b", 2),
+        ("a100-llama2-7b", 4),
+        ("h100-llama2-7b", 2),
+        ("a100-40gb-llama2-7b", 4),
+    ],
 )
 def test_shipped_profiles_match_the_generator(preset: str, num_stages: int, tmp_path: Path) -> None:
     out = tmp_path / "p.json"

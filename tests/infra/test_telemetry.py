@@ -11,6 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lemix.infra import telemetry
 from lemix.infra.metrics_http import MetricsServer
+from lemix.infra.store.client import RedisClientConfig, connect, export_pool_metrics
+from lemix.infra.store.server import EmbeddedRedis
 from lemix.reasons import NEVER_FITS
 
 
@@ -115,3 +117,21 @@ async def test_each_service_serves_only_its_own_families() -> None:
     profiler = {name for name, _ in await _scrape("profiler")}
     assert not {n for n in profiler if n.startswith("lemix_") and "redis" not in n}
     assert await MetricsServer.start_optional("127.0.0.1", -1, "executor") is None
+
+
+async def test_the_redis_pool_gauge_shows_its_bound_and_connections_in_use(
+    redis_server: EmbeddedRedis,
+) -> None:
+    client = connect(RedisClientConfig(redis_server.url, max_connections=3, socket_timeout_s=5.0))
+    try:
+        export_pool_metrics(client)
+        gauge = "lemix_redis_pool_connections"
+        assert REGISTRY.get_sample_value(gauge, {"state": "max"}) == 3
+        # Two blocking reads hold two connections while they wait.
+        readers = [asyncio.create_task(client.blpop([f"k{i}"], timeout=0.5)) for i in range(2)]
+        await asyncio.sleep(0.2)
+        assert REGISTRY.get_sample_value(gauge, {"state": "in_use"}) == 2
+        await asyncio.gather(*readers)
+        assert REGISTRY.get_sample_value(gauge, {"state": "in_use"}) == 0
+    finally:
+        await client.aclose()

@@ -398,3 +398,26 @@ def test_a_down_node_gets_no_tasks_and_none_live_means_unavailable() -> None:
     assert decisions[0].reason.startswith("UNAVAILABLE")
     planner.on_node_health(0, True, 0.0)
     assert placed_nodes(submit_and_plan(planner, make_request("d", 0.0))) == [0]
+
+
+@pytest.mark.parametrize("policy", ["mix-rr-capped", "mix-luf-capped"])
+def test_capped_baselines_defer_training_that_would_make_the_probe_miss(policy: str) -> None:
+    """The same admission control as LeMix (issue 10): the long task of
+    test_long_training_that_would_make_the_probe_miss_its_slo_is_deferred."""
+    planner = _single_node_planner(policy)
+    decisions = submit_and_plan(planner, make_training("long", 10.0, 1000))
+    assert decisions == [Deferral("long", DEFER_REASON)]
+    assert planner.num_deferrals == 1
+    short = submit_and_plan(_single_node_planner(policy), make_training("short", 10.0, 10))
+    assert placed_nodes(short) == [0]
+
+
+def test_mix_rr_capped_keeps_round_robins_order() -> None:
+    capped, plain = make_planner("mix-rr-capped", num_nodes=4), make_planner("mix-rr", num_nodes=4)
+    for planner in (capped, plain):
+        assert planner.policy.name in ("mix-rr-capped", "mix-rr")
+    nodes = {"capped": [], "plain": []}
+    for i in range(6):
+        nodes["capped"] += placed_nodes(submit_and_plan(capped, make_request(f"r{i}", 0.1 * i)))
+        nodes["plain"] += placed_nodes(submit_and_plan(plain, make_request(f"r{i}", 0.1 * i)))
+    assert nodes["capped"] == nodes["plain"] == [0, 1, 2, 3, 0, 1]

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from lemix.engine import Outcome, StageStart
 from lemix.memory import MemoryConfig
 from lemix.planner.registry import POLICIES
-from lemix.profile import Profile
+from lemix.profile import Profile, default_profile_path, load_profile
 from lemix.sim.run import SimRunConfig, build_simulator, run_simulation
 from lemix.sim.simulator import SimResult, Simulator
 from lemix.slo import compute_slo
@@ -329,3 +329,22 @@ def test_random_workloads_are_deterministic(specs: list, policy: str, seed: int)
     first, _ = run(config(policy, seed=seed), profile, tasks)
     second, _ = run(config(policy, seed=seed), profile, tasks)
     assert json.dumps(first, sort_keys=True) == json.dumps(second, sort_keys=True)
+
+
+def test_separates_serving_nodes_hold_no_training_state() -> None:
+    """A node that only serves keeps no gradients or optimizer state: its
+    memory goes to KV (issue 10: no handicap for the SEPARATE baseline)."""
+    profile = load_profile(default_profile_path())  # A100 7B: ~47 GB of it per stage
+    tasks = [make_request("r0", 0.0)]
+    slo = compute_slo(profile, tasks, SimRunConfig().slo)
+    sim = build_simulator(config("separate", num_nodes=3, train_rate=0.3), profile, tasks, slo)
+    serving = sim.planner.policy.serving_nodes(3, sim.planner.context(0.0))
+    assert serving == (0, 1)  # round(3 * 0.3) = 1 training node, the last one
+    room = [e.memory.dynamic_capacity_bytes(0) for e in sim.engines]
+    training_state = profile.memory.training_state_bytes[0]
+    assert training_state > 0
+    assert room[0] == room[1] == room[2] + training_state
+    # Co-located policies and the dynamic split keep it everywhere.
+    for policy in ("mix-rr", "separate-dynamic"):
+        colocated = build_simulator(config(policy, num_nodes=3), profile, tasks, slo)
+        assert len({e.memory.dynamic_capacity_bytes(0) for e in colocated.engines}) == 1

@@ -196,6 +196,8 @@ def test_config_rejects_bad_redis_settings() -> None:
         StackConfig(redis_password="has space")
     with pytest.raises(ValueError, match="gateway_port"):
         StackConfig(gateway_port=70000)
+    with pytest.raises(ValueError, match="num_gateways"):
+        StackConfig(num_gateways=0)
 
 
 # ------------------------------------------------------------------ the children's environment

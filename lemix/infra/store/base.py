@@ -12,6 +12,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
 
 from lemix.infra.store import scripts
 from lemix.infra.store.codec import Entry, Fields, FieldValue, encode_fields
@@ -48,6 +51,60 @@ class StoreBase:
         self._append_fenced = client.register_script(scripts.APPEND_FENCED_LUA)
         self._finish_fenced = client.register_script(scripts.FINISH_FENCED_LUA)
         self._fence = client.register_script(scripts.FENCE_LUA)
+        self._expire_finished = client.register_script(scripts.EXPIRE_FINISHED_LUA)
+        self._write_node_batch = client.register_script(scripts.WRITE_NODE_BATCH_LUA)
+        self._accept = client.register_script(scripts.ACCEPT_LUA)
+
+    # redis-py runs a script queued on a pipeline (``script(client=pipe)``)
+    # with a SCRIPT EXISTS round trip before every execute. The store queues
+    # EVALSHA itself (`queue_script`) and loads a script only when Redis
+    # answers NOSCRIPT (`execute_scripted`): one round trip per pipeline.
+
+    @staticmethod
+    def queue_script(
+        pipe: Pipeline, script: AsyncScript, keys: Sequence[str], args: Sequence[Any]
+    ) -> None:
+        """Queue `script` on `pipe` as a bare EVALSHA (see `execute_scripted`)."""
+        pipe.evalsha(script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+
+    async def execute_scripted(self, pipe: Pipeline) -> list[Any]:
+        """Execute a non-transactional `pipe` whose scripts were queued with
+        `queue_script`, in one round trip while Redis has them cached.
+
+        A NOSCRIPT reply (Redis restarted, or its script cache was flushed)
+        means that command did not run: the scripts are loaded and exactly
+        those commands run again, in order. Any other error is raised after
+        the whole pipeline ran, as redis-py does.
+        """
+        commands = list(pipe.command_stack)
+        replies = list(await pipe.execute(raise_on_error=False))
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if missing:
+            for script in self._scripts():
+                script.sha = await self.client.script_load(script.script)
+            again = self.client.pipeline(transaction=False)
+            for i in missing:
+                args, options = commands[i]
+                again.execute_command(*args, **options)
+            for i, reply in zip(missing, await again.execute(raise_on_error=False), strict=True):
+                replies[i] = reply
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
+
+    def _scripts(self) -> list[AsyncScript]:
+        return [
+            self._submit,
+            self._set_state,
+            self._finish,
+            self._append_fenced,
+            self._finish_fenced,
+            self._fence,
+            self._expire_finished,
+            self._write_node_batch,
+            self._accept,
+        ]
 
 
 # ------------------------------------------------------ commands and replies

@@ -15,7 +15,9 @@ Store calls failed instead of queueing. Here:
   restart drops every socket; the command had not run), none of a timeout
   (the command may have run, and XADD is not idempotent).
 
-`pool_size` exports the bound, so a dashboard can set waiting against it.
+`export_pool_metrics` exports the bound and the connections in use
+(``lemix_redis_pool_connections{state=max|in_use}``), so a dashboard can set
+waiting against it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+
+from lemix.infra import telemetry
 
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
 # Waiting longer than this for a pooled connection means the service is
@@ -83,3 +87,14 @@ def connect(config: RedisClientConfig) -> aioredis.Redis:
 def pool_size(client: aioredis.Redis) -> int:
     """The connection bound of `client`'s pool."""
     return int(client.connection_pool.max_connections)
+
+
+def pool_in_use(client: aioredis.Redis) -> int:
+    """Connections of `client`'s pool checked out now."""
+    # redis-py has no public accessor; this one is what its own pool uses.
+    return sum(1 for _ in client.connection_pool._get_in_use_connections())
+
+
+def export_pool_metrics(client: aioredis.Redis) -> None:
+    """Export `client`'s pool (bound, in use) as this process's pool gauge."""
+    telemetry.set_redis_pool_source(pool_size(client), lambda: pool_in_use(client))

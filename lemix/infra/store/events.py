@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lemix.infra.store.base import StoreBase, range_entries
+from lemix.infra.store.base import StoreBase, range_entries, to_ms
 from lemix.infra.store.codec import Entry, FieldValue, encode_fields
 
 
@@ -87,12 +87,23 @@ class EventOps(StoreBase):
         value = await self.client.get(self.keys.completions_cursor)
         return str(value) if value else "0-0"
 
-    async def advance_completions_cursor(self, entry_id: str) -> None:
+    async def advance_completions_cursor(
+        self, entry_id: str, *, expire_ids: Sequence[str] = (), ttl_s: float = 0.0
+    ) -> None:
         """Store the completions cursor and drop the entries before it, in one
         MULTI/EXEC: the scheduler is the stream's one reader, and what it has
-        applied is in its event log (XTRIM MINID keeps `entry_id` itself)."""
+        applied is in its event log (XTRIM MINID keeps `entry_id` itself).
+
+        `expire_ids`: tasks those entries ended (final in their hashes): their
+        hash and output stream expire `ttl_s` from now, in the same step.
+        """
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.set(self.keys.completions_cursor, entry_id)
             # Exact: "~" trims whole macro nodes only, i.e. nothing on a short stream.
             pipe.xtrim(self.keys.completions_stream, minid=entry_id, approximate=False)
+            if expire_ids:
+                ttl_ms = to_ms(ttl_s, "ttl_s")
+                for task_id in expire_ids:
+                    pipe.pexpire(self.keys.task(task_id), ttl_ms)
+                    pipe.pexpire(self.keys.output(task_id), ttl_ms)
             await pipe.execute()

@@ -9,6 +9,7 @@ of a task is `finish_task_fenced` (`TaskOps.finish_task` with an attempt).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple
 
@@ -31,6 +32,32 @@ class FinishOutcome(StrEnum):
     ENDED = "ended"  # this call wrote the final state and end message
     ALREADY_FINAL = "already_final"  # the task had ended: nothing written
     FENCED = "fenced"  # the task was placed again since: nothing written
+
+
+class NodeEndKind(StrEnum):
+    """How `Store.write_node_batch` treats one `NodeEnd`."""
+
+    FINISH = "finish"  # write the final state and end message, fenced by attempt
+    REPORT = "report"  # the completion alone (the task is not final: requeued training)
+    FENCED = "fenced"  # known fenced by the writer: the completion alone, counted fenced
+
+
+@dataclass(frozen=True)
+class NodeEnd:
+    """One task's end as an executor writes it (`Store.write_node_batch`)."""
+
+    task_id: str
+    attempt: int  # the placement the writer ran (0: none, unfenced)
+    kind: NodeEndKind
+    completion: Mapping[str, FieldValue]  # its completions entry, appended in every case
+    stat: str  # counter bumped when it ended the task (or, for REPORT, always)
+    duplicate_stat: str  # counter bumped when the task was already final
+    fenced_stat: str  # counter bumped when fenced
+    status: str = ""
+    reason: str = ""
+    output_fields: Mapping[str, FieldValue] = field(default_factory=dict)
+    state_fields: Mapping[str, FieldValue] = field(default_factory=dict)
+    ttl_s: float | None = None
 
 
 class FencingOps(StoreBase):
@@ -62,14 +89,15 @@ class FencingOps(StoreBase):
             return []
         pipe = self.client.pipeline(transaction=False)
         for task_id, attempt in taken:
-            await self._fence(
-                keys=[self.keys.task(task_id), self.keys.output(task_id)],
-                args=[int(attempt)],
-                client=pipe,
+            self.queue_script(
+                pipe,
+                self._fence,
+                [self.keys.task(task_id), self.keys.output(task_id)],
+                [int(attempt)],
             )
         return [
             FencedProgress(str(is_final) == "1", str(status), bool(int(has_output)))
-            for is_final, status, has_output in await pipe.execute()
+            for is_final, status, has_output in await self.execute_scripted(pipe)
         ]
 
     async def append_outputs_fenced(
@@ -92,6 +120,51 @@ class FencingOps(StoreBase):
         written = list(replies or [])
         written += [None] * (len(items) - len(written))
         return [None if entry_id is None else str(entry_id) for entry_id in written]
+
+    async def write_node_batch(
+        self,
+        tokens: Sequence[tuple[str, int, Mapping[str, FieldValue]]],
+        ends: Sequence[NodeEnd],
+        *,
+        tokens_stat: str,
+    ) -> tuple[list[bool], list[FinishOutcome]]:
+        """An executor's whole flush in ONE script call (`scripts.WRITE_NODE_BATCH_LUA`):
+        the token messages (task_id, attempt, fields) fenced as in
+        `append_outputs_fenced`, then each end fenced as in `finish_task_fenced`,
+        each end's completion entry, and the counters (`tokens_stat` by the
+        tokens written, one of each end's three stats by its outcome), all
+        atomically: a crash never leaves an end without its completion or count.
+
+        Returns per token message whether it was written, and per end its
+        outcome (a REPORT end is ENDED).
+        """
+        if not tokens and not ends:
+            return [], []
+        keys: list[str] = [self.keys.completions_stream, self.keys.stats]
+        args: list[str | int] = [self.output_maxlen, len(tokens), tokens_stat]
+        for task_id, attempt, fields in tokens:
+            keys += [self.keys.task(task_id), self.keys.output(task_id)]
+            flat = flatten(encode_fields(fields))
+            args += [int(attempt), len(flat), *flat]
+        for end in ends:
+            keys += [self.keys.task(end.task_id), self.keys.output(end.task_id)]
+            state_items, message_items = end_items(
+                end.status, end.reason, end.state_fields, end.output_fields
+            )
+            completion = flatten(encode_fields(end.completion))
+            ttl_ms = 0 if end.ttl_s is None else to_ms(end.ttl_s, "ttl_s")
+            args += [str(end.kind), int(end.attempt), ttl_ms]
+            args += [len(state_items), *state_items, len(message_items), *message_items]
+            args += [len(completion), *completion, end.stat, end.duplicate_stat, end.fenced_stat]
+        replies = [int(n) for n in await self._write_node_batch(keys=keys, args=args)]
+        outcomes = {
+            1: FinishOutcome.ENDED,
+            0: FinishOutcome.ALREADY_FINAL,
+            -1: FinishOutcome.FENCED,
+        }
+        return [n == 1 for n in replies[: len(tokens)]], [
+            outcomes[n] for n in replies[len(tokens) :]
+        ]
 
     async def finish_task_fenced(
         self,

@@ -228,6 +228,32 @@ class IntakeOps(StoreBase):
             for i in range(len(task_ids))
         ]
 
+    async def accept_intake(
+        self, items: Sequence[tuple[str, Mapping[str, FieldValue]]]
+    ) -> list[tuple[bool, bool, bool]]:
+        """The scheduler's intake step for (task_id, state fields) items, in
+        one pipelined round trip: per task (is it final already, was it
+        cancelled before placement, does a gateway hold a lease on its
+        stream), and, for a task neither final nor cancelled, its state fields
+        merged into its hash in the same atomic step (`scripts.ACCEPT_LUA`)."""
+        if not items:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for task_id, fields in items:
+            encoded = encode_fields(fields)
+            if not encoded:
+                raise ValueError("accept_intake needs at least one field per task")
+            keys = [
+                self.keys.task(task_id),
+                self.keys.cancelled(task_id),
+                self.keys.stream_lease(task_id),
+            ]
+            self.queue_script(pipe, self._accept, keys, flatten(encoded))
+        return [
+            (bool(int(is_final)), bool(int(is_cancelled)), bool(int(has_lease)))
+            for is_final, is_cancelled, has_lease in await self.execute_scripted(pipe)
+        ]
+
     async def mark_cancelled(self, task_id: str, ttl_s: float = 3600.0) -> None:
         """Mark the task cancelled before placement, for `ttl_s`: the intake
         loop ends it instead of placing it."""

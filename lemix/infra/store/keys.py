@@ -22,6 +22,7 @@ key                          type    what it holds
 ``ns:completions:cursor``    string  last completions entry the scheduler applied
 ``ns:cancelled:<task_id>``   string  cancelled before placement (with TTL)
 ``ns:lease:<task_id>``       string  the streaming gateway's lease on a request (TTL)
+``ns:wake:<gateway_id>``     stream  wakes that gateway's output reader (one entry, TTL)
 ``ns:scheduler:epoch``       string  wall-clock origin of the planner's time
 ``ns:scheduler:slo``         hash    the SLO the scheduler plans for (ttft_s, tbt_s)
 ``ns:profile:<name>``        string  a fitted profile as JSON text
@@ -135,6 +136,12 @@ class RedisKeys:
         the scheduler cancels the task so the executor frees its KV.
         """
         return self._key("lease", _check_part("task_id", task_id))
+
+    def reader_wake(self, owner: str) -> str:
+        """Wakes gateway `owner`'s output reader out of its blocking XREAD
+        when it starts following another stream (one entry, MAXLEN 1; its
+        TTL is renewed with the gateway's leases)."""
+        return self._key("wake", _check_part("owner", owner))
 
     @property
     def scheduler_epoch(self) -> str:

@@ -11,10 +11,13 @@ cancels a task whose lease lapsed (its gateway is gone).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-from lemix.infra.store.base import StoreBase, stream_entries, to_ms
+from lemix.infra.store.base import StoreBase, as_fields, stream_entries, to_ms
 from lemix.infra.store.codec import Entry, FieldValue, encode_fields
 from lemix.infra.store.keys import STREAM_LEASE_TTL_S
+
+_WAKE_FIELDS = {"wake": "1"}
 
 
 class OutputOps(StoreBase):
@@ -70,21 +73,76 @@ class OutputOps(StoreBase):
         )
         return stream_entries(response)
 
+    async def read_outputs(
+        self,
+        last_ids: Mapping[str, str],
+        *,
+        block_ms: int | None = None,
+        wake: tuple[str, str] | None = None,
+    ) -> tuple[dict[str, list[Entry]], str | None]:
+        """ONE XREAD over many tasks' output streams: {task_id: last entry id
+        seen} -> ({task_id: its newer entries}, for the tasks that have some).
+
+        `wake` = (owner, last wake entry seen) adds `owner`'s wake stream
+        (`wake_reader`) to the read; the second item returned is its newest
+        entry id when one arrived (the caller then reads again with its new
+        set of streams), else None. `block_ms` as in `read_output`.
+        """
+        streams = {self.keys.output(task_id): last_id for task_id, last_id in last_ids.items()}
+        task_of = {key: task_id for key, task_id in zip(streams, last_ids, strict=True)}
+        wake_key = None
+        if wake is not None:
+            wake_key = self.keys.reader_wake(wake[0])
+            streams[wake_key] = wake[1]
+        response = await self.client.xread(streams, block=block_ms)  # type: ignore[arg-type]
+        found: dict[str, list[Entry]] = {}
+        woken: str | None = None
+        pairs: Any = response.items() if isinstance(response, dict) else (response or [])
+        for key, items in pairs:
+            # RESP3 nests a stream's entries one level deeper.
+            items = items[0] if items and isinstance(items[0], list) else items
+            entries = [(str(entry_id), as_fields(fields)) for entry_id, fields in items]
+            if not entries:
+                continue
+            if str(key) == wake_key:
+                woken = entries[-1][0]
+            else:
+                found[task_of[str(key)]] = entries
+        return found, woken
+
     async def expire_output(self, task_id: str, ttl_s: float) -> None:
         """Drop the task's output stream `ttl_s` after now (readers are done)."""
         await self.client.pexpire(self.keys.output(task_id), to_ms(ttl_s, "ttl_s"))
 
     async def renew_stream_leases(
-        self, owner: str, task_ids: Sequence[str], ttl_s: float = STREAM_LEASE_TTL_S
+        self,
+        owner: str,
+        task_ids: Sequence[str],
+        ttl_s: float = STREAM_LEASE_TTL_S,
+        *,
+        wake: bool = False,
     ) -> None:
-        """(Re)take `owner`'s lease on every stream in `task_ids`, one round trip."""
-        if not task_ids:
+        """(Re)take `owner`'s lease on every stream in `task_ids`, and with
+        `wake` wake `owner`'s output reader (`wake_reader`), one round trip."""
+        if not task_ids and not wake:
             return
         ttl_ms = to_ms(ttl_s, "ttl_s")
         pipe = self.client.pipeline(transaction=False)
         for task_id in task_ids:
             pipe.set(self.keys.stream_lease(task_id), owner, px=ttl_ms)
+        if wake:
+            self._queue_wake(pipe, owner)
         await pipe.execute()
+
+    async def wake_reader(self, owner: str) -> None:
+        """Append to `owner`'s wake stream: its reader's blocking `read_outputs`
+        (given `wake`) returns, to read again with the streams added since."""
+        pipe = self.client.pipeline(transaction=False)
+        self._queue_wake(pipe, owner)
+        await pipe.execute()
+
+    def _queue_wake(self, pipe: Any, owner: str) -> None:
+        pipe.xadd(self.keys.reader_wake(owner), _WAKE_FIELDS, maxlen=1, approximate=False)
 
     async def sync_stream_leases(
         self,
@@ -92,10 +150,16 @@ class OutputOps(StoreBase):
         renew_ids: Sequence[str],
         drop_ids: Sequence[str],
         ttl_s: float = STREAM_LEASE_TTL_S,
+        *,
+        retire_ids: Sequence[str] = (),
+        retain_s: float = 0.0,
+        is_renewal: bool = False,
     ) -> None:
-        """(Re)take `owner`'s lease on `renew_ids` and delete the leases of
-        `drop_ids` (streams whose reader is done), one round trip."""
-        if not renew_ids and not drop_ids:
+        """One round trip: (re)take `owner`'s lease on `renew_ids`, delete the
+        leases of `drop_ids` (streams whose reader is done), expire the
+        output streams of `retire_ids` `retain_s` from now (read to their
+        end), and with `is_renewal` renew the TTL of `owner`'s wake stream."""
+        if not renew_ids and not drop_ids and not retire_ids and not is_renewal:
             return
         ttl_ms = to_ms(ttl_s, "ttl_s")
         pipe = self.client.pipeline(transaction=False)
@@ -103,7 +167,17 @@ class OutputOps(StoreBase):
             pipe.set(self.keys.stream_lease(task_id), owner, px=ttl_ms)
         if drop_ids:
             pipe.delete(*(self.keys.stream_lease(task_id) for task_id in drop_ids))
+        if retire_ids:
+            retain_ms = to_ms(retain_s, "retain_s")
+            for task_id in retire_ids:
+                pipe.pexpire(self.keys.output(task_id), retain_ms)
+        if is_renewal:
+            pipe.pexpire(self.keys.reader_wake(owner), ttl_ms)
         await pipe.execute()
+
+    async def drop_reader_wake(self, owner: str) -> None:
+        """Delete `owner`'s wake stream (its gateway stops)."""
+        await self.client.delete(self.keys.reader_wake(owner))
 
     async def drop_stream_lease(self, task_id: str) -> None:
         """The reader is done with the stream (it ended or was cancelled)."""

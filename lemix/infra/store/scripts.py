@@ -13,23 +13,29 @@ from __future__ import annotations
 # KEYS[1] dedupe key, KEYS[2] intake stream.
 # ARGV[1] dedupe TTL in ms; ARGV[2] the request's hash (`request_hash`);
 # ARGV[3..] the task's field/value items.
-# The dedupe key holds "<intake entry id> <request hash>" (a marker written
-# before hashes existed holds the entry id alone: its hash is unknown, so any
-# payload counts as the same request).
+# The dedupe key holds "- <request hash>" (markers written before this script
+# hold "<intake entry id> <request hash>", or, before hashes existed, the
+# entry id alone: its hash is unknown, so any payload counts as the same
+# request). It is taken first (SET NX: one command for a new id, where a
+# GET and a SET were two); if the XADD then fails, the marker is deleted
+# again, so a refused Submit never leaves a marker without its entry.
 # Returns 1 (added), 0 (same id, same request: nothing written) or -1 (same id,
 # another request: nothing written).
 SUBMIT_LUA = """
-local seen = redis.call('GET', KEYS[1])
-if seen then
-  local hash = string.match(seen, ' (%x+)$')
-  if hash and hash ~= ARGV[2] then
-    return -1
+if redis.call('SET', KEYS[1], '- ' .. ARGV[2], 'NX', 'PX', ARGV[1]) then
+  local added = redis.pcall('XADD', KEYS[2], '*', unpack(ARGV, 3))
+  if type(added) == 'table' and added.err then
+    redis.call('DEL', KEYS[1])
+    return added
   end
-  return 0
+  return 1
 end
-local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
-redis.call('SET', KEYS[1], id .. ' ' .. ARGV[2], 'PX', ARGV[1])
-return 1
+local seen = redis.call('GET', KEYS[1])
+local hash = seen and string.match(seen, ' (%x+)$')
+if hash and hash ~= ARGV[2] then
+  return -1
+end
+return 0
 """
 
 # KEYS[1] task state hash. ARGV: field/value items.
@@ -140,4 +146,120 @@ end
 return {redis.call('HGET', KEYS[1], 'is_final') or '',
         redis.call('HGET', KEYS[1], 'status') or '',
         redis.call('EXISTS', KEYS[2])}
+"""
+
+# One executor flush (`FencingOps.write_node_batch`) in one step: its token
+# messages, then its task ends, each end's completion entry, and the stats.
+# KEYS[1] completions stream, KEYS[2] stats hash; then per token message i
+# KEYS[2+2i-1] its task hash, KEYS[2+2i] its output stream; then the same
+# pair per end.
+# ARGV[1] output MAXLEN (approximate), ARGV[2] number of token messages,
+# ARGV[3] the stats field for tokens written; then per token message: the
+# writer's attempt, n, n field/value items (as APPEND_FENCED_LUA); then per
+# end: kind ("finish": FINISH_FENCED_LUA's end; "report": the completion
+# alone, e.g. requeued training; "fenced": known fenced, nothing but the
+# completion), the writer's attempt, TTL in ms (0: none), ns + ns state
+# items, nm + nm end-message items, nc + nc completion items, and the stats
+# fields to bump by 1 when the end was written / already final / fenced
+# (a "report" bumps the first).
+# Returns per token message 1 (written) or 0 (fenced), then per end 1
+# (ended, or reported), 0 (already final) or -1 (fenced).
+WRITE_NODE_BATCH_LUA = """
+local out = {}
+-- Per task hash, {attempt, is_final} read once (one HMGET): tokens change
+-- neither; an end written here marks it final for a later end of the batch.
+local state_of = {}
+local function state(hash)
+  local held = state_of[hash]
+  if held == nil then
+    held = redis.call('HMGET', hash, 'attempt', 'is_final')
+    state_of[hash] = held
+  end
+  return held
+end
+local function attempt(hash)
+  return state(hash)[1]
+end
+local num_tokens = tonumber(ARGV[2])
+local written = 0
+local at = 4
+for i = 1, num_tokens do
+  local held = attempt(KEYS[1 + 2 * i])
+  local n = tonumber(ARGV[at + 1])
+  if held == false or held == ARGV[at] then
+    redis.call('XADD', KEYS[2 + 2 * i], 'MAXLEN', '~', ARGV[1], '*',
+               unpack(ARGV, at + 2, at + 1 + n))
+    out[i] = 1
+    written = written + 1
+  else
+    out[i] = 0
+  end
+  at = at + 2 + n
+end
+local counts = {}
+if written > 0 then
+  counts[ARGV[3]] = written
+end
+local k = 2 + 2 * num_tokens
+local i = num_tokens
+while at <= #ARGV do
+  i = i + 1
+  k = k + 2
+  local kind, writer, ttl = ARGV[at], ARGV[at + 1], tonumber(ARGV[at + 2])
+  local ns = tonumber(ARGV[at + 3])
+  local state_at = at + 4
+  local nm = tonumber(ARGV[state_at + ns])
+  local message_at = state_at + ns + 1
+  local nc = tonumber(ARGV[message_at + nm])
+  local completion_at = message_at + nm + 1
+  local stats_at = completion_at + nc
+  local outcome = 1
+  if kind == 'fenced' then
+    outcome = -1
+  elseif kind == 'finish' then
+    local held = attempt(KEYS[k - 1])
+    if held and held ~= writer then
+      outcome = -1
+    elseif state(KEYS[k - 1])[2] == '1' then
+      outcome = 0
+    else
+      redis.call('HSET', KEYS[k - 1], unpack(ARGV, state_at, state_at + ns - 1))
+      state(KEYS[k - 1])[2] = '1'
+      redis.call('XADD', KEYS[k], 'MAXLEN', '~', ARGV[1], '*',
+                 unpack(ARGV, message_at, message_at + nm - 1))
+      if ttl > 0 then
+        redis.call('PEXPIRE', KEYS[k - 1], ttl)
+        redis.call('PEXPIRE', KEYS[k], ttl)
+      end
+    end
+  end
+  redis.call('XADD', KEYS[1], '*', unpack(ARGV, completion_at, completion_at + nc - 1))
+  local stat = ARGV[stats_at]
+  if outcome == 0 then
+    stat = ARGV[stats_at + 1]
+  elseif outcome == -1 then
+    stat = ARGV[stats_at + 2]
+  end
+  counts[stat] = (counts[stat] or 0) + 1
+  out[i] = outcome
+  at = stats_at + 3
+end
+for stat, count in pairs(counts) do  -- one HINCRBY per counter, not per end
+  redis.call('HINCRBY', KEYS[2], stat, count)
+end
+return out
+"""
+
+# The scheduler's intake step for one task: its checks and, when it is to be
+# taken, its state, in one step. KEYS[1] task hash, KEYS[2] its
+# cancelled-before-placement marker, KEYS[3] its stream lease. ARGV: the
+# state's field/value items, written (merged) only when the task is neither
+# final nor cancelled. Returns {is final, is cancelled, has a lease} as 1/0.
+ACCEPT_LUA = """
+local is_final = redis.call('HGET', KEYS[1], 'is_final') == '1'
+local is_cancelled = redis.call('EXISTS', KEYS[2]) == 1
+if not is_final and not is_cancelled then
+  redis.call('HSET', KEYS[1], unpack(ARGV))
+end
+return {is_final and 1 or 0, is_cancelled and 1 or 0, redis.call('EXISTS', KEYS[3])}
 """

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from lemix.infra.store import scripts
 from lemix.infra.store.base import as_fields, end_items, flatten, glob_escape, named_fields, to_ms
 from lemix.infra.store.codec import Fields, FieldValue, encode_fields
 from lemix.infra.store.fencing import FencingOps, FinishOutcome
@@ -57,10 +56,8 @@ class TaskOps(FencingOps):
             encoded = encode_fields(fields)
             if not encoded:
                 raise ValueError("set_task_states needs at least one field per task")
-            await self._set_state(
-                keys=[self.keys.task(task_id)], args=flatten(encoded), client=pipe
-            )
-        return [bool(int(done)) for done in await pipe.execute()]
+            self.queue_script(pipe, self._set_state, [self.keys.task(task_id)], flatten(encoded))
+        return [bool(int(done)) for done in await self.execute_scripted(pipe)]
 
     async def get_task_state(self, task_id: str) -> Fields:
         """The task's state hash; empty when unknown (or expired)."""
@@ -133,12 +130,13 @@ class TaskOps(FencingOps):
         pipe = self.client.pipeline(transaction=False)
         for task_id, status, reason in ends:
             state_items, message_items = end_items(status, reason, state_fields, output_fields)
-            await self._finish(
-                keys=[self.keys.task(task_id), self.keys.output(task_id)],
-                args=[self.output_maxlen, ttl_ms, len(state_items), *state_items, *message_items],
-                client=pipe,
+            self.queue_script(
+                pipe,
+                self._finish,
+                [self.keys.task(task_id), self.keys.output(task_id)],
+                [self.output_maxlen, ttl_ms, len(state_items), *state_items, *message_items],
             )
-        return [entry_id is not None for entry_id in await pipe.execute()]
+        return [entry_id is not None for entry_id in await self.execute_scripted(pipe)]
 
     async def expire_finished_tasks(self, task_ids: Sequence[str], ttl_s: float) -> int:
         """Expire the state hash and output stream of each task that is final,
@@ -146,16 +144,16 @@ class TaskOps(FencingOps):
         returns how many were final."""
         if not task_ids:
             return 0
-        script = self.client.register_script(scripts.EXPIRE_FINISHED_LUA)
         ttl_ms = to_ms(ttl_s, "ttl_s")
         pipe = self.client.pipeline(transaction=False)
         for task_id in task_ids:
-            await script(
-                keys=[self.keys.task(task_id), self.keys.output(task_id)],
-                args=[ttl_ms],
-                client=pipe,
+            self.queue_script(
+                pipe,
+                self._expire_finished,
+                [self.keys.task(task_id), self.keys.output(task_id)],
+                [ttl_ms],
             )
-        return sum(int(n) for n in await pipe.execute())
+        return sum(int(n) for n in await self.execute_scripted(pipe))
 
     async def get_task_states(
         self, task_ids: Sequence[str], field_names: Sequence[str]

@@ -1,14 +1,19 @@
-"""Baselines: SEPARATE (static and dynamic split), MIX-RR, MIX-LUF.
+"""Baselines: SEPARATE (static and dynamic split), MIX-RR, MIX-LUF, and the
+capped co-located baselines.
 
-They never run Algorithm 1 (`needs_prediction = False`) and never defer; the
-planner still does their accounting, so they are judged by the same rules.
+The plain baselines never run Algorithm 1 (`needs_prediction = False`) and
+never defer; the planner still does their accounting, so they are judged by
+the same rules. `Capped` gives a baseline LeMix's training admission control
+(the planner's deferral of training that would make the next inference miss
+its SLO, with aging) and keeps the baseline's own node order: comparing
+`mix-rr-capped` with `lemix` isolates what LeMix's placement score is worth.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lemix.planner.base import PolicyContext, Ranked
@@ -143,3 +148,36 @@ class SeparatePolicy:
 
     def restore_state(self, state: Mapping[str, Any]) -> None:
         self._counters = {str(k): int(v) for k, v in state["counters"].items()}
+
+
+@dataclass
+class Capped:
+    """`inner`'s node order, with predictions attached so the planner's
+    training deferral judges each candidate (the same mechanism, the same
+    candidates checked, as LeMix's)."""
+
+    inner: MixRoundRobinPolicy | MixLeastUtilizedPolicy
+    needs_prediction: bool = True
+
+    @property
+    def name(self) -> str:
+        return f"{self.inner.name}-capped"
+
+    def rank(
+        self,
+        task: Task,
+        views: Sequence[NodeView],
+        predictions: Mapping[int, Prediction],
+        context: PolicyContext,
+    ) -> list[Ranked]:
+        ranked = self.inner.rank(task, views, predictions, context)
+        return [replace(r, prediction=predictions.get(r.node_id)) for r in ranked]
+
+    def serving_nodes(self, num_nodes: int, context: PolicyContext) -> tuple[int, ...]:
+        return self.inner.serving_nodes(num_nodes, context)
+
+    def snapshot_state(self) -> dict[str, Any]:
+        return self.inner.snapshot_state()
+
+    def restore_state(self, state: Mapping[str, Any]) -> None:
+        self.inner.restore_state(state)

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from lemix.infra.store.codec import (
     encode_fields,
@@ -70,6 +71,18 @@ async def test_submit_is_idempotent_by_task_id(store: Store) -> None:
     assert await store.client.xlen(store.keys.intake_stream) == 1
     with pytest.raises(ValueError, match="task_id"):
         await store.submit_task({"kind": "inference"})
+
+
+async def test_a_submit_whose_append_fails_leaves_no_marker(store: Store) -> None:
+    # The marker is taken before the XADD: a failed XADD must give it back,
+    # or the retry would be refused as a duplicate of a task never stored.
+    await store.client.set(store.keys.intake_stream, "not a stream")
+    with pytest.raises(ResponseError, match="WRONGTYPE"):
+        await store.submit_task(_task("f1"))
+    assert not await store.client.exists(store.keys.dedupe("f1"))
+    await store.client.delete(store.keys.intake_stream)
+    assert await store.submit_task(_task("f1")) is True
+    assert await store.client.xlen(store.keys.intake_stream) == 1
 
 
 async def test_racing_duplicate_submits_add_one_entry(store: Store) -> None:
@@ -390,3 +403,54 @@ async def test_batched_intake_lookup_and_state_updates(redis_client) -> None:
     assert (await store.get_task_state("new"))["status"] == "queued"
     assert (await store.get_task_state("done"))["status"] == "completed"
     assert await store.intake_lookup([]) == [] and await store.set_task_states([]) == []
+
+
+async def _script_calls(client: aioredis.Redis) -> int:
+    """SCRIPT calls so far (EXISTS, LOAD, FLUSH: Redis 6 counts them as one)."""
+    stats = await client.info("commandstats")
+    return int(stats.get("cmdstat_script", {}).get("calls", 0))
+
+
+async def test_pipelined_scripts_take_one_round_trip_and_survive_a_script_flush(
+    store: Store, redis_client: aioredis.Redis
+) -> None:
+    # redis-py's `script(client=pipe)` sends SCRIPT EXISTS before every
+    # pipeline; the store's EVALSHA pipelines do not, and a NOSCRIPT (a Redis
+    # restart empties the script cache) loads the scripts and runs exactly
+    # the refused commands again.
+    await redis_client.script_flush()
+    assert await store.set_task_states([("a", {"status": "queued"}), ("b", {"n": 1})]) == [
+        True,
+        True,
+    ]
+    before = await _script_calls(redis_client)
+    assert await store.finish_tasks([("a", "completed", ""), ("b", "failed", "x")]) == [
+        True,
+        True,
+    ]
+    assert await store.set_task_states([("a", {"status": "placed"})]) == [False]
+    assert await store.expire_finished_tasks(["a", "b", "c"], 60.0) == 2
+    assert await store.fence_attempts([("b", 1)]) != []
+    assert await _script_calls(redis_client) == before  # no SCRIPT EXISTS per pipeline
+    assert (await store.get_task_state("a"))["status"] == "completed"
+    assert (await store.get_task_state("b"))["n"] == "1"
+    assert 0 < await redis_client.pttl(store.keys.task("a")) <= 60_000
+
+
+async def test_accept_intake_checks_and_records_in_one_step(store: Store) -> None:
+    await store.finish_task("done", "completed")
+    await store.mark_cancelled("gone")
+    await store.renew_stream_leases("gw", ["new"])
+    assert await store.accept_intake([]) == []
+    lookup = await store.accept_intake(
+        [(t, {"status": "queued", "payload": "p"}) for t in ("done", "gone", "new", "bare")]
+    )
+    assert lookup == [(True, False, False), (False, True, False), (False, False, True)] + [
+        (False, False, False)
+    ]
+    # Only the tasks to be taken are written: a final state is kept, a
+    # cancelled task's end is the scheduler's to write.
+    assert (await store.get_task_state("done"))["status"] == "completed"
+    assert await store.get_task_state("gone") == {}
+    assert (await store.get_task_state("new"))["payload"] == "p"
+    assert (await store.get_task_state("bare"))["status"] == "queued"

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from lemix.infra.store.fencing import FencedProgress, FinishOutcome
+from lemix.infra.store.fencing import FencedProgress, FinishOutcome, NodeEnd, NodeEndKind
 from lemix.infra.store.keys import RedisKeys
 from lemix.infra.store.store import Store
 from lemix.infra.store.task_hash import ATTEMPT_FIELD
@@ -123,3 +123,78 @@ async def test_fence_makes_an_attempt_stale_and_reads_progress_atomically(store:
     assert await store.begin_attempts(["streaming"]) == ([3], [])
     assert await store.append_outputs_fenced([("streaming", 3, {"n": 1})]) != [None]
     assert await store.fence_attempts([]) == []
+
+
+async def test_write_node_batch_writes_tokens_ends_completions_and_counts_in_one_call(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await store.set_task_state("ok", {ATTEMPT_FIELD: 1})
+    await store.set_task_state("moved", {ATTEMPT_FIELD: 2})
+    await store.finish_task("done", "completed")
+    await store.write_node_batch([], [], tokens_stat="tok")  # nothing: no call
+
+    def end(task_id: str, kind: NodeEndKind, attempt: int = 1) -> NodeEnd:
+        return NodeEnd(
+            task_id,
+            attempt,
+            kind,
+            {"task_id": task_id, "attempt": attempt},
+            stat=f"ended_{kind}",
+            duplicate_stat="dup",
+            fenced_stat="fenced",
+            status="completed",
+            output_fields={"n": 1},
+            state_fields={"node_id": 0},
+        )
+
+    calls = 0
+    real = store.client.evalsha
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(store.client, "evalsha", counted)
+    written, outcomes = await store.write_node_batch(
+        [("ok", 1, {"n": 1}), ("moved", 1, {"n": 1})],
+        [
+            end("ok", NodeEndKind.FINISH),
+            end("moved", NodeEndKind.FINISH),
+            end("done", NodeEndKind.FINISH),
+            end("train", NodeEndKind.REPORT),
+            end("known", NodeEndKind.FENCED),
+            end("ok", NodeEndKind.FINISH),  # a second end in the same batch
+        ],
+        tokens_stat="tok",
+    )
+    assert calls == 1
+    assert written == [True, False]
+    assert outcomes == [
+        FinishOutcome.ENDED,
+        FinishOutcome.FENCED,
+        FinishOutcome.ALREADY_FINAL,
+        FinishOutcome.ENDED,
+        FinishOutcome.FENCED,
+        FinishOutcome.ALREADY_FINAL,
+    ]
+    assert await tokens_of(store, "ok") == ["1", "1"]  # its token, then its end
+    assert (await store.get_task_state("ok"))["is_final"] == "1"
+    assert await store.read_output("moved") == []
+    assert not await store.client.exists(store.keys.task("train"))
+    completions = await store.read_completions("0-0")
+    assert [f["task_id"] for _, f in completions] == [
+        "ok",
+        "moved",
+        "done",
+        "train",
+        "known",
+        "ok",
+    ]
+    assert await store.get_stats() == {
+        "tok": 1,
+        "ended_finish": 1,
+        "ended_report": 1,
+        "dup": 2,
+        "fenced": 2,
+    }
