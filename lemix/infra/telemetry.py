@@ -186,6 +186,12 @@ SCHEDULER_DECISION = Histogram(
     "Wall time of one planner call (plan + inputs)",
     buckets=DECISION_BUCKETS_S,
 )
+SCHEDULER_QUEUE = Histogram(
+    "lemix_scheduler_queue_seconds",
+    "Time from the intake to a successful dispatch (deferral included), by task kind",
+    ["kind"],
+    buckets=LATENCY_BUCKETS_S,
+)
 SCHEDULER_NODE_HEALTHY = Gauge(
     "lemix_scheduler_node_healthy", "1 if the planner may place on the node", ["node"]
 )
@@ -364,8 +370,11 @@ def set_queue_depth(queue: str, depth: int) -> None:
     SCHEDULER_QUEUE_DEPTH.labels(queue=queue).set(depth)
 
 
-def observe_placed(policy: str, kind: str) -> None:
+def observe_placed(policy: str, kind: str, queued_s: float | None = None) -> None:
+    """A dispatched placement; `queued_s`: how long the task waited since the intake."""
     SCHEDULER_PLACED.labels(policy=policy, kind=kind).inc()
+    if queued_s is not None:
+        SCHEDULER_QUEUE.labels(kind=kind).observe(max(queued_s, 0.0))
 
 
 def observe_rejected(policy: str, kind: str) -> None:

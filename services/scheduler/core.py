@@ -577,7 +577,8 @@ class SchedulerCore:
         node_id, task_id = placement.node_id, placement.task_id
         if error is None:
             self.num_placed += 1
-            telemetry.observe_placed(self.policy, task.kind.value)
+            # The intake stamps arrival_s with this clock (codec.task_from_fields).
+            telemetry.observe_placed(self.policy, task.kind.value, now_s - task.arrival_s)
             self._note(StateWrite(task_id, StoredStatus.PLACED, node_id=node_id))
             return False
         self.planner.on_task_finished(task_id, now_s, is_success=False)

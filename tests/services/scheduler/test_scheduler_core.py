@@ -102,3 +102,23 @@ async def test_an_intake_batch_is_planned_once_and_dispatched_together() -> None
     assert sum(1 for e in events if e.get("input") == "plan") == 1
     await core.on_tasks([make_request("b1")])  # known: nothing new, no plan
     assert sum(1 for e in events if e.get("input") == "plan") == 1
+
+
+async def test_a_placement_records_how_long_the_task_queued() -> None:
+    from prometheus_client import REGISTRY
+
+    def observed() -> tuple[float, float]:
+        labels = {"kind": "inference"}
+        count = REGISTRY.get_sample_value("lemix_scheduler_queue_seconds_count", labels) or 0.0
+        total = REGISTRY.get_sample_value("lemix_scheduler_queue_seconds_sum", labels) or 0.0
+        return count, total
+
+    count_before, sum_before = observed()
+    ports = Ports()
+    planner = RecordingPlanner(make_planner("mix-rr", num_nodes=2), lambda event: None)
+    core = SchedulerCore(planner, ports, ports, lambda: 5.0)  # the clock reads 5 s
+    await core.on_task(make_request("q", 2.0))  # taken in at 2 s
+    assert ports.dispatched == [("q", 0)]
+    count, total = observed()
+    assert count == count_before + 1
+    assert total - sum_before == 3.0
