@@ -39,6 +39,7 @@ from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from lemix.harness.task_watch import TaskWatch, Tracked, settle
 from lemix.infra.rpc.client import channel
 from lemix.infra.rpc.tls import client_tls
+from lemix.reasons import reason_code
 from lemix.report.metrics import summarize
 from lemix.types import Task, TaskKind, TaskRecord, TaskStatus
 
@@ -306,12 +307,35 @@ async def run_replay(
     )
     metrics["run_id"] = run_id
     metrics["lost_task_ids"] = lost_ids
+    metrics["end_reasons"] = end_reasons(records)
     return metrics
 
 
+def end_reasons(records: Sequence[TaskRecord]) -> dict[str, dict[str, Any]]:
+    """Tasks that did not complete, by "<status> <CODE>" (the reason's status
+    code): how many, and the first one's reason as an example."""
+    out: dict[str, dict[str, Any]] = {}
+    for record in records:
+        if record.status is None or record.status is TaskStatus.COMPLETED:
+            continue  # completed; or lost, which `lost_task_ids` lists by id
+        code = reason_code(record.reason)
+        key = f"{record.status.value} {code.value if code is not None else 'UNKNOWN'}"
+        entry = out.setdefault(key, {"count": 0, "example": record.reason})
+        entry["count"] += 1
+    return dict(sorted(out.items()))
+
+
 def format_lost(metrics: dict[str, Any], limit: int = NUM_LOST_SHOWN) -> str:
-    """The run id line, and the lost task ids (the first `limit`), for the console."""
+    """The run id line, why tasks did not complete (count and an example per
+    status and code), and the lost task ids (the first `limit`), for the console."""
     lines = [f"run id: {metrics.get('run_id', '?')}"]
+    reasons = metrics.get("end_reasons") or {}
+    if reasons:
+        lines.append("not completed, by reason:")
+        lines.extend(
+            f"  {key}: {entry['count']} (e.g. {entry['example']!r})"
+            for key, entry in reasons.items()
+        )
     lost = list(metrics.get("lost_task_ids") or [])
     if lost:
         more = f" (first {limit}; all in the JSON)" if len(lost) > limit else ""

@@ -193,3 +193,30 @@ async def test_a_gateway_that_dies_mid_run_fails_calls_not_the_replay(
     assert len(completed) + len(lost) + metrics["num_rejected"] + metrics["num_failed"] == len(
         tasks
     )
+
+
+def test_tasks_that_did_not_complete_are_summed_up_by_status_and_code() -> None:
+    from lemix.harness.replay import end_reasons
+
+    def record(task_id: str, status: TaskStatus | None, reason: str = "") -> TaskRecord:
+        return TaskRecord(task_id, TaskKind.INFERENCE, 0.0, 8, status=status, reason=reason)
+
+    records = [
+        record("a", TaskStatus.COMPLETED),
+        record("b", TaskStatus.REJECTED, "RESOURCE_EXHAUSTED: 9000 tokens of KV cache need"),
+        record("c", TaskStatus.REJECTED, "RESOURCE_EXHAUSTED: again"),
+        record("d", TaskStatus.FAILED, "UNAVAILABLE: node 1 died"),
+        record("e", TaskStatus.FAILED, "no code here"),
+        record("f", None, "no final state: last seen queued"),  # lost: listed by id
+    ]
+    reasons = end_reasons(records)
+    assert reasons == {
+        "failed UNAVAILABLE": {"count": 1, "example": "UNAVAILABLE: node 1 died"},
+        "failed UNKNOWN": {"count": 1, "example": "no code here"},
+        "rejected RESOURCE_EXHAUSTED": {
+            "count": 2,
+            "example": "RESOURCE_EXHAUSTED: 9000 tokens of KV cache need",
+        },
+    }
+    text = format_lost({"run_id": "r", "lost_task_ids": [], "end_reasons": reasons})
+    assert "rejected RESOURCE_EXHAUSTED: 2 (e.g. 'RESOURCE_EXHAUSTED: 9000" in text
