@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import signal
 import sys
@@ -40,6 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from lemix.infra.config import (
     EXECUTOR,
@@ -218,6 +220,33 @@ def stack_env(
     }
 
 
+LOCK_FILE = ".lemix-up.lock"
+
+
+def claim_dir(directory: Path) -> IO[str]:
+    """An exclusive lock on `directory` for one running stack (held until the
+    returned file is closed), so a second `lemix up` cannot overwrite the
+    first one's logs or open its Redis AOF files beside it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = (directory / LOCK_FILE).open("a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        lock.close()
+        raise RuntimeError(
+            f"another `lemix up` (pid {holder}) is using {directory}: its logs and Redis "
+            f"files would be overwritten; stop it, or give this one its own --log-dir "
+            f"and --redis-dir"
+        ) from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
+
+
 def _print_report(message: str) -> None:
     print(f"lemix up: {message}", file=sys.stderr, flush=True)
 
@@ -244,6 +273,7 @@ class Stack:
         self._failed = asyncio.Event()
         self._service_token = generate_token()
         self._api_key = ""  # set by `_env`: the config's, else the inherited one
+        self._locks: list[IO[str]] = []  # held on the log and Redis dirs while running
 
     async def __aenter__(self) -> Stack:
         await self.start()
@@ -313,6 +343,8 @@ class Stack:
         """Start everything; return the gateway's address once it serves."""
         c = self.config
         c.log_dir.mkdir(parents=True, exist_ok=True)
+        dirs = [c.log_dir] + ([c.redis_dir] if c.redis_dir is not None else [])
+        self._locks = [claim_dir(d) for d in dict.fromkeys(dirs)]
         try:
             redis_url = c.redis_url
             if redis_url is None:
@@ -447,6 +479,9 @@ class Stack:
             self.redis.stop()
             self.redis = None
             self._redis_child = None
+        for lock in self._locks:
+            lock.close()  # closing the file releases its flock
+        self._locks = []
 
     # ------------------------------------------------------------ inspection
     def metrics_addresses(self) -> dict[str, str]:

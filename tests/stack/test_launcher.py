@@ -233,3 +233,11 @@ def test_the_children_get_only_variables_some_service_reads(tmp_path: Path) -> N
         "127.0.0.1",
         "7001",
     )
+
+
+def test_a_second_stack_cannot_take_a_running_stacks_directory(tmp_path: Path) -> None:
+    first = launcher.claim_dir(tmp_path / "logs")
+    with pytest.raises(RuntimeError, match=rf"another `lemix up` \(pid {os.getpid()}\)"):
+        launcher.claim_dir(tmp_path / "logs")
+    first.close()  # the first stack stopped: the directory is free again
+    launcher.claim_dir(tmp_path / "logs").close()
