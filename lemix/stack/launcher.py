@@ -596,9 +596,13 @@ async def run_until_signalled(config: StackConfig) -> int:
     finally:
         for task in waits:
             task.cancel()
+        if stop.is_set():
+            _print_report("stopping: the gateway drains its streams first, then the rest")
+        started_s = time.monotonic()
         await stack.stop()
         if url_file is not None:
             url_file.unlink(missing_ok=True)
+        _print_report(f"stopped in {time.monotonic() - started_s:.1f} s")
     if stack.failure is not None:
         print(f"error: {stack.failure}", file=sys.stderr)
         return 1

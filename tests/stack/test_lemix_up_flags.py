@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -144,3 +145,31 @@ async def test_a_stack_serves_its_served_model_name(tmp_path: Path) -> None:
     [model] = models["data"]
     assert model["id"] == "acme-tiny"
     assert model["max_model_len"] == 300
+
+
+def test_ctrl_c_says_what_it_does_and_a_second_stack_on_the_same_dirs_refuses(
+    tmp_path: Path,
+) -> None:
+    logs = tmp_path / "logs"
+    command = [sys.executable, "-m", "lemix.cli", "up", "--nodes", "1", "--gateway-port", "0"]
+    command += ["--http-port", "0", "--log-dir", str(logs)]
+    errors = tmp_path / "up.err"
+    with errors.open("w") as stderr:
+        up = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=_env(), cwd=tmp_path
+        )
+    try:
+        assert up.stdout is not None
+        ready = up.stdout.readline()
+        assert ready.startswith("READY "), ready + errors.read_text()
+        second = subprocess.run(
+            command, capture_output=True, text=True, timeout=UP_TIMEOUT_S, env=_env(), cwd=tmp_path
+        )
+        assert second.returncode == 1, second.stderr
+        (line,) = second.stderr.strip().splitlines()
+        assert f"another `lemix up` (pid {up.pid}) is using {logs}" in line
+    finally:
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=UP_TIMEOUT_S) == 0, errors.read_text()
+    said = errors.read_text()
+    assert "lemix up: stopping: the gateway drains" in said and "lemix up: stopped in" in said
