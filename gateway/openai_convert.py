@@ -17,9 +17,12 @@ gateway.validate resolves once the prompt is tokenized; a 0 sent on purpose is
 refused); `seed` left out (or 0) means a random seed per request
 (gateway.validate draws it). One prompt per request; `n` choices
 (`gateway.openai_choices`); `stop` and vLLM's `stop_token_ids`
-(`gateway.openai_stops`). Every other field is refused with a 400 naming it
-(`param`), unless it carries the value that asks for nothing (``echo:
-false``, penalties 0, ...: `_NEUTRAL`); `user` is accepted as metadata.
+(`gateway.openai_stops`); vLLM's `top_k`, `min_p`, `presence_penalty`,
+`frequency_penalty`, `repetition_penalty` and `min_tokens`
+(`lemix.model.sampling`; out of range: a 400 naming the field). Every other
+field is refused with a 400 naming it (`param`), unless it carries the value
+that asks for nothing (``echo: false``, ...: `_NEUTRAL`); `user` is accepted
+as metadata.
 
 Chat messages become one prompt with `chat_prompt`'s template::
 
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.openai_stops import MAX_STOP_CHARS, MAX_STOPS
+from gateway.validate import MAX_PENALTY, MAX_REPETITION_PENALTY
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
 from lemix.infra.rpc.errors import InvalidArgument, NotFound
 from lemix.outputs import MAX_TOP_LOGPROBS
@@ -66,6 +70,12 @@ _COMMON_FIELDS = frozenset(
         "ignore_eos",  # vLLM's
         "stop_token_ids",  # vLLM's
         "user",  # OpenAI's end-user id for abuse monitoring: metadata, nothing to do
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",  # vLLM's
+        "top_k",  # vLLM's (-1 / 0: off)
+        "min_p",  # vLLM's
+        "min_tokens",  # vLLM's
     }
 )
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo"}
@@ -77,12 +87,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),  # chat's: completions implement it
     "suffix": (None, ""),
     "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),  # vLLM's
-    "top_k": (None, -1, 0),  # vLLM's (-1 / 0: off)
-    "min_p": (None, 0, 0.0),  # vLLM's
-    "min_tokens": (None, 0),  # vLLM's
     "include_stop_str_in_output": (None, False),  # vLLM's
     "skip_special_tokens": (None, True),  # vLLM's
     "tools": (None, []),
@@ -154,6 +158,13 @@ def _number(body: Mapping[str, Any], name: str, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise BadRequest(f"{name} must be a number, got {value!r}", name)
     return float(value)
+
+
+def _in_range(body: Mapping[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    value = _number(body, name, default)
+    if not lo <= value <= hi:
+        raise BadRequest(f"{name} must be in [{lo:g}, {hi:g}], got {value:g}", name)
+    return value
 
 
 def _request_id(body: Mapping[str, Any]) -> str:
@@ -291,7 +302,27 @@ def _sampling(body: Mapping[str, Any], *, is_chat: bool = False) -> common_pb2.S
     top_logprobs = _top_logprobs(body, is_chat=is_chat)
     if top_logprobs is not None:
         sampling.top_logprobs = top_logprobs
+    _penalties(body, sampling)
     return sampling
+
+
+def _penalties(body: Mapping[str, Any], sampling: common_pb2.SamplingParams) -> None:
+    """vLLM's filters and penalties onto `sampling`, range-checked here too so
+    the 400 names the field (`param`); gateway.validate checks the same ranges
+    for both APIs. top_k -1 is vLLM's "off" (0 on the wire); a
+    repetition_penalty of 0 is refused (over gRPC 0 means unset)."""
+    sampling.top_k = max(0, _int(body, "top_k", 0, -1, _MAX_U32))
+    sampling.min_p = _in_range(body, "min_p", 0.0, 0.0, 1.0)
+    for name in ("presence_penalty", "frequency_penalty"):
+        setattr(sampling, name, _in_range(body, name, 0.0, -MAX_PENALTY, MAX_PENALTY))
+    repetition = _in_range(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY)
+    if repetition <= 0:
+        raise BadRequest(
+            f"repetition_penalty must be > 0 (1 = off), got {repetition:g}", "repetition_penalty"
+        )
+    sampling.repetition_penalty = repetition
+    sampling.min_tokens = _int(body, "min_tokens", 0, 0, _MAX_U32)
+    sampling.stop_token_ids.extend(_stop_token_ids(body))
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int:
