@@ -24,20 +24,25 @@ field is refused with a 400 naming it (`param`), unless it carries the value
 that asks for nothing (``echo: false``, ...: `_NEUTRAL`); `user` is accepted
 as metadata.
 
-Chat messages become one prompt with `chat_prompt`'s template::
+Chat messages become one prompt through the checkpoint's own chat template
+when its tokenizer has one (``chat_template`` in a model directory's tokenizer
+config, applied by `transformers`' ``apply_chat_template`` with the generation
+prompt; the text is encoded as the template wrote it, no BOS added:
+`use_chat_template`), else through the fallback template, `chat_prompt`::
 
     <|system|>\\n{content}\\n<|user|>\\n{content}\\n ... <|assistant|>\\n
 
 (one ``<|{role}|>`` header line per message, then the assistant's header the
-model continues from). Roles: system, developer, user, assistant; content is a
-string or a list of ``{"type": "text", "text": ...}`` parts.
+model continues from; encoded with BOS first, as a completion's prompt).
+Roles: system, developer, user, assistant; content is a string or a list of
+``{"type": "text", "text": ...}`` parts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +51,7 @@ from gateway.validate import MAX_PENALTY, MAX_REPETITION_PENALTY
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
 from lemix.infra.rpc.errors import InvalidArgument, NotFound
 from lemix.outputs import MAX_TOP_LOGPROBS
+from lemix.tokenizer import Tokenizer, render_chat
 
 # `max_tokens` left out: GenerateRequest's 0, "the rest of the context".
 DEFAULT_MAX_TOKENS = 0
@@ -137,6 +143,7 @@ class CompletionRequest:
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: token ids that end a choice
     is_echo: bool = False  # completions' echo: the prompt comes first (with its logprobs)
     is_prompt_only: bool = False  # echo with max_tokens 0: no generated token returned
+    messages: tuple[dict[str, str], ...] = ()  # chat's, checked (`use_chat_template`)
 
 
 # ------------------------------------------------------------------ fields
@@ -405,11 +412,11 @@ def _content(message: Mapping[str, Any], where: str) -> str:
     raise BadRequest(f"{where}.content must be a string or a list of text parts", where)
 
 
-def chat_prompt(messages: Any) -> str:
-    """The prompt for a chat: the module docstring's template."""
+def chat_messages(messages: Any) -> tuple[dict[str, str], ...]:
+    """`messages` checked, as ``{"role", "content"}`` with text content."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
-    lines = []
+    checked = []
     for i, raw in enumerate(messages):
         where = f"messages[{i}]"
         message = _object(raw, where)
@@ -419,20 +426,53 @@ def chat_prompt(messages: Any) -> str:
                 f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
                 f"{where}.role",
             )
-        lines.append(f"<|{role}|>\n{_content(message, where)}\n")
+        checked.append({"role": str(role), "content": _content(message, where)})
+    return tuple(checked)
+
+
+def chat_prompt(messages: Any) -> str:
+    """The prompt for a chat with the fallback template (module docstring)."""
+    lines = [f"<|{m['role']}|>\n{m['content']}\n" for m in chat_messages(messages)]
     return "".join(lines) + "<|assistant|>\n"
+
+
+def templated_chat_ids(
+    tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]]
+) -> list[int] | None:
+    """The prompt ids of a chat through the checkpoint's own chat template
+    (`lemix.tokenizer.render_chat`), encoded as the template wrote them (no
+    BOS added: the template writes its own); None when the tokenizer has no
+    template (`chat_prompt`'s fallback applies). A template that refuses the
+    messages (e.g. roles that do not alternate) is a 400 on `messages`."""
+    try:
+        text = render_chat(tokenizer, messages)
+    except ValueError as exc:
+        raise BadRequest(str(exc), "messages") from None
+    return None if text is None else tokenizer.encode(text)
+
+
+def use_chat_template(parsed: CompletionRequest, tokenizer: Tokenizer) -> None:
+    """A chat's prompt becomes its template's token ids when the checkpoint
+    has a template (`templated_chat_ids`); else it stays `chat_prompt`'s text."""
+    if not parsed.is_chat or not parsed.messages:
+        return
+    ids = templated_chat_ids(tokenizer, parsed.messages)
+    if ids is not None:
+        parsed.generate.ClearField("prompt")
+        parsed.generate.prompt_token_ids[:] = ids
 
 
 def parse_chat(body: Any, served_model: str) -> CompletionRequest:
     """A /v1/chat/completions body."""
     body = _parse(body, served_model, _CHAT_FIELDS)
+    messages = chat_messages(body.get("messages"))
     request = gateway_pb2.GenerateRequest(
-        prompt=chat_prompt(body.get("messages")),
+        prompt=chat_prompt(list(messages)),  # the fallback; see use_chat_template
         max_tokens=_max_tokens(body),
         sampling=_sampling(body, is_chat=True),
         request_id=_request_id(body),
     )
-    return _request(body, request, is_chat=True)
+    return dataclasses.replace(_request(body, request, is_chat=True), messages=messages)
 
 
 @dataclass(frozen=True)
@@ -442,6 +482,7 @@ class TokenizeRequest:
 
     text: str
     add_special_tokens: bool  # BOS first, as a completion's prompt gets it
+    messages: tuple[dict[str, str], ...] = ()  # chat's: the template may apply
 
 
 def parse_tokenize(body: Any, served_model: str) -> TokenizeRequest:
@@ -451,16 +492,15 @@ def parse_tokenize(body: Any, served_model: str) -> TokenizeRequest:
     prompt, messages = body.get("prompt"), body.get("messages")
     if (prompt is None) == (messages is None):
         raise BadRequest("send prompt (a string) or messages, one of them", "prompt")
-    if messages is not None:
-        text = chat_prompt(messages)
-    elif isinstance(prompt, str):
-        text = prompt
-    else:
-        raise BadRequest("prompt must be a string", "prompt")
     special = body.get("add_special_tokens", True)
     if not isinstance(special, bool):
         raise BadRequest("add_special_tokens must be true or false", "add_special_tokens")
-    return TokenizeRequest(text, special)
+    if messages is not None:
+        checked = chat_messages(messages)
+        return TokenizeRequest(chat_prompt(list(checked)), special, checked)
+    if not isinstance(prompt, str):
+        raise BadRequest("prompt must be a string", "prompt")
+    return TokenizeRequest(prompt, special)
 
 
 def parse_detokenize(body: Any, served_model: str) -> list[int]:

@@ -18,6 +18,7 @@ from gateway.validate import validate_generate
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
 from lemix.infra.rpc.convert import task_from_proto, task_to_proto
 from lemix.infra.rpc.errors import InvalidArgument
+from lemix.infra.store.codec import encode_value
 from lemix.tokenizer import ApproxTokenizer
 from services.scheduler.codec import task_from_fields, task_to_fields
 
@@ -107,7 +108,8 @@ def test_the_fields_travel_through_proto_and_the_intake_codec() -> None:
     task, payload = validate_generate(request, tokenizer=ApproxTokenizer(), max_context_tokens=64)
     assert (payload.top_k, payload.min_tokens, payload.stop_token_ids) == (4, 2, (11, 12))
     assert task_from_proto(task_to_proto(task, payload)) == (task, payload)
-    assert task_from_fields(task_to_fields(task, payload)) == (task, payload)
+    fields = {k: encode_value(v) for k, v in task_to_fields(task, payload).items()}
+    assert task_from_fields(fields) == (task, payload)  # as Redis stores them
     # Unset: repetition_penalty 0 on the wire reads as 1 (off), and a plain
     # payload's record gains no new fields.
     plain_task, plain = validate_generate(
@@ -190,7 +192,8 @@ async def test_sampling_fields_over_http_on_the_real_model(
         assert held.usage is not None and held.usage.completion_tokens >= 6
 
         # Out of range over HTTP: 400 naming the field; the stack serves on.
-        for extra, param in (({"min_p": 3}, "min_p"), ({"top_k": -5}, "top_k")):
+        bad: list[tuple[dict[str, Any], str]] = [({"min_p": 3}, "min_p"), ({"top_k": -5}, "top_k")]
+        for extra, param in bad:
             with pytest.raises(openai.BadRequestError) as info:
                 await complete(extra=extra)
             assert isinstance(info.value.body, dict) and info.value.body["param"] == param
