@@ -63,8 +63,9 @@ def apply_penalties(
     output_ids: Sequence[int],
 ) -> torch.Tensor:
     """float32 logits [vocab] with the repetition, frequency and presence
-    penalties applied (a new tensor; the input is not changed)."""
-    out = logits.float().clone()
+    penalties applied (the input is never changed; without penalties the
+    result may be the input itself)."""
+    out = logits.float()
     vocab = out.shape[-1]
     if s.repetition_penalty != 1.0 and (prompt_ids or output_ids):
         seen = torch.zeros(vocab, dtype=torch.bool, device=out.device)
@@ -79,11 +80,13 @@ def apply_penalties(
 
 
 def mask_ends(logits: torch.Tensor, end_ids: Collection[int]) -> torch.Tensor:
-    """`logits` with -inf at `end_ids` (in place; ids past the vocabulary skipped)."""
+    """A copy of `logits` with -inf at `end_ids` (ids past the vocabulary skipped)."""
     ids = [i for i in end_ids if 0 <= i < logits.shape[-1]]
-    if ids:
-        logits[torch.tensor(ids, device=logits.device)] = -math.inf
-    return logits
+    if not ids:
+        return logits
+    masked = logits.clone()
+    masked[torch.tensor(ids, device=logits.device)] = -math.inf
+    return masked
 
 
 def filter_probs(probs: torch.Tensor, s: SamplingState) -> torch.Tensor:

@@ -79,6 +79,7 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
     assert choose_token(logits, state, output_ids=[], eos_id=2) == 4
     assert choose_token(logits, state, output_ids=[4], eos_id=2) == 4
     assert choose_token(logits, state, output_ids=[4, 4], eos_id=2) == 2  # reached: unmasked
+    assert torch.equal(logits, torch.tensor([0.0, 0.0, 9.0, 8.0, 1.0]))  # logprobs read them after
 
 
 def test_seeded_sampling_is_reproducible_and_bad_values_are_refused() -> None:
