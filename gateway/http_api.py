@@ -82,6 +82,8 @@ from gateway.openai_convert import (
     parse_detokenize,
     parse_tokenize,
     parse_train,
+    templated_chat_ids,
+    use_chat_template,
 )
 from gateway.openai_responses import (
     CompletionBuilder,
@@ -361,7 +363,10 @@ class HttpApi:
         """The ids a completion's prompt (or a chat's messages) becomes."""
         parsed = parse_tokenize(await _json(request), self.config.served_model_name)
         tokenizer = self.core.tokenizer
-        if parsed.add_special_tokens:
+        templated = templated_chat_ids(tokenizer, parsed.messages) if parsed.messages else None
+        if templated is not None:  # as the chat endpoint prompts: the template's own BOS
+            ids = templated
+        elif parsed.add_special_tokens:
             ids = encode_prompt(tokenizer, parsed.text)  # BOS first, as a completion's
         else:
             ids = tokenizer.encode(parsed.text)
@@ -432,6 +437,7 @@ class HttpApi:
         observation: GenerateObservation,
     ) -> web.StreamResponse:
         parsed = parse(await _json(request), self.config.served_model_name)
+        use_chat_template(parsed, self.core.tokenizer)  # a chat: the checkpoint's template
         generate = parsed.generate
         if not generate.request_id:  # the body's request_id wins over the header
             generate.request_id = request.headers.get(REQUEST_ID_HEADER, "")

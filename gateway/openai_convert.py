@@ -17,31 +17,41 @@ gateway.validate resolves once the prompt is tokenized; a 0 sent on purpose is
 refused); `seed` left out (or 0) means a random seed per request
 (gateway.validate draws it). One prompt per request; `n` choices
 (`gateway.openai_choices`); `stop` and vLLM's `stop_token_ids`
-(`gateway.openai_stops`). Every other field is refused with a 400 naming it
-(`param`), unless it carries the value that asks for nothing (``echo:
-false``, penalties 0, ...: `_NEUTRAL`); `user` is accepted as metadata.
+(`gateway.openai_stops`); vLLM's `top_k`, `min_p`, `presence_penalty`,
+`frequency_penalty`, `repetition_penalty` and `min_tokens`
+(`lemix.model.sampling`; out of range: a 400 naming the field). Every other
+field is refused with a 400 naming it (`param`), unless it carries the value
+that asks for nothing (``echo: false``, ...: `_NEUTRAL`); `user` is accepted
+as metadata.
 
-Chat messages become one prompt with `chat_prompt`'s template::
+Chat messages become one prompt through the checkpoint's own chat template
+when its tokenizer has one (``chat_template`` in a model directory's tokenizer
+config, applied by `transformers`' ``apply_chat_template`` with the generation
+prompt; the text is encoded as the template wrote it, no BOS added:
+`use_chat_template`), else through the fallback template, `chat_prompt`::
 
     <|system|>\\n{content}\\n<|user|>\\n{content}\\n ... <|assistant|>\\n
 
 (one ``<|{role}|>`` header line per message, then the assistant's header the
-model continues from). Roles: system, developer, user, assistant; content is a
-string or a list of ``{"type": "text", "text": ...}`` parts.
+model continues from; encoded with BOS first, as a completion's prompt).
+Roles: system, developer, user, assistant; content is a string or a list of
+``{"type": "text", "text": ...}`` parts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.openai_stops import MAX_STOP_CHARS, MAX_STOPS
+from gateway.validate import MAX_PENALTY, MAX_REPETITION_PENALTY
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
 from lemix.infra.rpc.errors import InvalidArgument, NotFound
 from lemix.outputs import MAX_TOP_LOGPROBS
+from lemix.tokenizer import Tokenizer, render_chat
 
 # `max_tokens` left out: GenerateRequest's 0, "the rest of the context".
 DEFAULT_MAX_TOKENS = 0
@@ -66,6 +76,12 @@ _COMMON_FIELDS = frozenset(
         "ignore_eos",  # vLLM's
         "stop_token_ids",  # vLLM's
         "user",  # OpenAI's end-user id for abuse monitoring: metadata, nothing to do
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",  # vLLM's
+        "top_k",  # vLLM's (-1 / 0: off)
+        "min_p",  # vLLM's
+        "min_tokens",  # vLLM's
     }
 )
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo"}
@@ -77,12 +93,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),  # chat's: completions implement it
     "suffix": (None, ""),
     "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),  # vLLM's
-    "top_k": (None, -1, 0),  # vLLM's (-1 / 0: off)
-    "min_p": (None, 0, 0.0),  # vLLM's
-    "min_tokens": (None, 0),  # vLLM's
     "include_stop_str_in_output": (None, False),  # vLLM's
     "skip_special_tokens": (None, True),  # vLLM's
     "tools": (None, []),
@@ -133,6 +143,7 @@ class CompletionRequest:
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: token ids that end a choice
     is_echo: bool = False  # completions' echo: the prompt comes first (with its logprobs)
     is_prompt_only: bool = False  # echo with max_tokens 0: no generated token returned
+    messages: tuple[dict[str, str], ...] = ()  # chat's, checked (`use_chat_template`)
 
 
 # ------------------------------------------------------------------ fields
@@ -154,6 +165,13 @@ def _number(body: Mapping[str, Any], name: str, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise BadRequest(f"{name} must be a number, got {value!r}", name)
     return float(value)
+
+
+def _in_range(body: Mapping[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    value = _number(body, name, default)
+    if not lo <= value <= hi:
+        raise BadRequest(f"{name} must be in [{lo:g}, {hi:g}], got {value:g}", name)
+    return value
 
 
 def _request_id(body: Mapping[str, Any]) -> str:
@@ -291,7 +309,27 @@ def _sampling(body: Mapping[str, Any], *, is_chat: bool = False) -> common_pb2.S
     top_logprobs = _top_logprobs(body, is_chat=is_chat)
     if top_logprobs is not None:
         sampling.top_logprobs = top_logprobs
+    _penalties(body, sampling)
     return sampling
+
+
+def _penalties(body: Mapping[str, Any], sampling: common_pb2.SamplingParams) -> None:
+    """vLLM's filters and penalties onto `sampling`, range-checked here too so
+    the 400 names the field (`param`); gateway.validate checks the same ranges
+    for both APIs. top_k -1 is vLLM's "off" (0 on the wire); a
+    repetition_penalty of 0 is refused (over gRPC 0 means unset)."""
+    sampling.top_k = max(0, _int(body, "top_k", 0, -1, _MAX_U32))
+    sampling.min_p = _in_range(body, "min_p", 0.0, 0.0, 1.0)
+    for name in ("presence_penalty", "frequency_penalty"):
+        setattr(sampling, name, _in_range(body, name, 0.0, -MAX_PENALTY, MAX_PENALTY))
+    repetition = _in_range(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY)
+    if repetition <= 0:
+        raise BadRequest(
+            f"repetition_penalty must be > 0 (1 = off), got {repetition:g}", "repetition_penalty"
+        )
+    sampling.repetition_penalty = repetition
+    sampling.min_tokens = _int(body, "min_tokens", 0, 0, _MAX_U32)
+    sampling.stop_token_ids.extend(_stop_token_ids(body))
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int:
@@ -374,11 +412,11 @@ def _content(message: Mapping[str, Any], where: str) -> str:
     raise BadRequest(f"{where}.content must be a string or a list of text parts", where)
 
 
-def chat_prompt(messages: Any) -> str:
-    """The prompt for a chat: the module docstring's template."""
+def chat_messages(messages: Any) -> tuple[dict[str, str], ...]:
+    """`messages` checked, as ``{"role", "content"}`` with text content."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
-    lines = []
+    checked = []
     for i, raw in enumerate(messages):
         where = f"messages[{i}]"
         message = _object(raw, where)
@@ -388,20 +426,53 @@ def chat_prompt(messages: Any) -> str:
                 f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
                 f"{where}.role",
             )
-        lines.append(f"<|{role}|>\n{_content(message, where)}\n")
+        checked.append({"role": str(role), "content": _content(message, where)})
+    return tuple(checked)
+
+
+def chat_prompt(messages: Any) -> str:
+    """The prompt for a chat with the fallback template (module docstring)."""
+    lines = [f"<|{m['role']}|>\n{m['content']}\n" for m in chat_messages(messages)]
     return "".join(lines) + "<|assistant|>\n"
+
+
+def templated_chat_ids(
+    tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]]
+) -> list[int] | None:
+    """The prompt ids of a chat through the checkpoint's own chat template
+    (`lemix.tokenizer.render_chat`), encoded as the template wrote them (no
+    BOS added: the template writes its own); None when the tokenizer has no
+    template (`chat_prompt`'s fallback applies). A template that refuses the
+    messages (e.g. roles that do not alternate) is a 400 on `messages`."""
+    try:
+        text = render_chat(tokenizer, messages)
+    except ValueError as exc:
+        raise BadRequest(str(exc), "messages") from None
+    return None if text is None else tokenizer.encode(text)
+
+
+def use_chat_template(parsed: CompletionRequest, tokenizer: Tokenizer) -> None:
+    """A chat's prompt becomes its template's token ids when the checkpoint
+    has a template (`templated_chat_ids`); else it stays `chat_prompt`'s text."""
+    if not parsed.is_chat or not parsed.messages:
+        return
+    ids = templated_chat_ids(tokenizer, parsed.messages)
+    if ids is not None:
+        parsed.generate.ClearField("prompt")
+        parsed.generate.prompt_token_ids[:] = ids
 
 
 def parse_chat(body: Any, served_model: str) -> CompletionRequest:
     """A /v1/chat/completions body."""
     body = _parse(body, served_model, _CHAT_FIELDS)
+    messages = chat_messages(body.get("messages"))
     request = gateway_pb2.GenerateRequest(
-        prompt=chat_prompt(body.get("messages")),
+        prompt=chat_prompt(list(messages)),  # the fallback; see use_chat_template
         max_tokens=_max_tokens(body),
         sampling=_sampling(body, is_chat=True),
         request_id=_request_id(body),
     )
-    return _request(body, request, is_chat=True)
+    return dataclasses.replace(_request(body, request, is_chat=True), messages=messages)
 
 
 @dataclass(frozen=True)
@@ -411,6 +482,7 @@ class TokenizeRequest:
 
     text: str
     add_special_tokens: bool  # BOS first, as a completion's prompt gets it
+    messages: tuple[dict[str, str], ...] = ()  # chat's: the template may apply
 
 
 def parse_tokenize(body: Any, served_model: str) -> TokenizeRequest:
@@ -420,16 +492,15 @@ def parse_tokenize(body: Any, served_model: str) -> TokenizeRequest:
     prompt, messages = body.get("prompt"), body.get("messages")
     if (prompt is None) == (messages is None):
         raise BadRequest("send prompt (a string) or messages, one of them", "prompt")
-    if messages is not None:
-        text = chat_prompt(messages)
-    elif isinstance(prompt, str):
-        text = prompt
-    else:
-        raise BadRequest("prompt must be a string", "prompt")
     special = body.get("add_special_tokens", True)
     if not isinstance(special, bool):
         raise BadRequest("add_special_tokens must be true or false", "add_special_tokens")
-    return TokenizeRequest(text, special)
+    if messages is not None:
+        checked = chat_messages(messages)
+        return TokenizeRequest(chat_prompt(list(checked)), special, checked)
+    if not isinstance(prompt, str):
+        raise BadRequest("prompt must be a string", "prompt")
+    return TokenizeRequest(prompt, special)
 
 
 def parse_detokenize(body: Any, served_model: str) -> list[int]:

@@ -16,7 +16,9 @@ import grpc.aio
 
 from gateway.convert import TaskEnded
 from gateway.core import GatewayCore
+from gateway.grpc_stops import StopFilter
 from gateway.observe import SloCache, note_admitted, observe_generate, observe_train
+from gateway.openai_stops import STOPPED_REASON
 from gateway.tasks import TaskReader
 from gateway.validate import scope_from_headers
 from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc
@@ -65,16 +67,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
         received_s = self.core.clock()
+        stops = StopFilter(request.stop)  # checked before the task is admitted
         task, payload = await self.core.admit(request, scope=_scope(context))
         note_admitted(task.num_prompt_tokens)
+
+        def gone_reason() -> str:
+            return STOPPED_REASON if stops.is_stopped_early else _gone_reason(context)
+
         responses = self.core.generate(
-            task, payload, received_s=received_s, gone_reason=lambda: _gone_reason(context)
+            task, payload, received_s=received_s, gone_reason=gone_reason
         )
         try:
-            # aclosing: a client that goes away closes the core's stream now, so
-            # its task is cancelled and its slot released at once.
+            # aclosing: a client that goes away (or a stop string) closes the
+            # core's stream now, so its task is cancelled and its slot released.
             async with contextlib.aclosing(responses):
-                async for response in responses:
+                async for response in stops.apply(responses):
                     yield response
         except TaskEnded as end:
             await context.abort(end.code, end.details)

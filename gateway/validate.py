@@ -43,6 +43,7 @@ import math
 import secrets
 import uuid
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
 from lemix.infra.rpc.errors import InvalidArgument
@@ -127,6 +128,52 @@ def _sampling(msg: common_pb2.SamplingParams) -> tuple[float, float]:
     if not math.isfinite(top_p) or not 0 <= top_p <= 1:
         raise InvalidArgument(f"sampling.top_p must be in (0, 1] (0 or 1 = off), got {top_p}")
     return temperature, top_p or 1.0
+
+
+# vLLM's ranges for the penalties; repetition_penalty has no upper bound there
+# (a huge one forbids repeats), only this sanity cap.
+MAX_PENALTY = 2.0
+MAX_REPETITION_PENALTY = 1e6
+MAX_STOP_TOKEN_IDS = 16
+
+
+def _penalties(msg: common_pb2.SamplingParams, max_tokens: int) -> dict[str, Any]:
+    """The filters/penalties of a request as TaskPayload fields, checked
+    (ranges: protos/lemix/v1/common.proto SamplingParams)."""
+    min_p = msg.min_p
+    if not math.isfinite(min_p) or not 0 <= min_p <= 1:
+        raise InvalidArgument(f"sampling.min_p must be in [0, 1] (0 = off), got {min_p}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(msg, name)
+        if not math.isfinite(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise InvalidArgument(
+                f"sampling.{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off), "
+                f"got {value}"
+            )
+    repetition = msg.repetition_penalty
+    if not math.isfinite(repetition) or not 0 <= repetition <= MAX_REPETITION_PENALTY:
+        raise InvalidArgument(
+            f"sampling.repetition_penalty must be > 0 and <= {MAX_REPETITION_PENALTY:g} "
+            f"(1 = off; 0 = unset, read as 1), got {repetition}"
+        )
+    if msg.min_tokens > max_tokens:
+        raise InvalidArgument(
+            f"sampling.min_tokens ({msg.min_tokens}) must be <= max_tokens ({max_tokens})"
+        )
+    if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgument(
+            f"sampling.stop_token_ids may list at most {MAX_STOP_TOKEN_IDS} ids, "
+            f"got {len(msg.stop_token_ids)}"
+        )
+    return {
+        "top_k": msg.top_k,
+        "min_p": min_p,
+        "presence_penalty": msg.presence_penalty,
+        "frequency_penalty": msg.frequency_penalty,
+        "repetition_penalty": repetition or 1.0,
+        "min_tokens": msg.min_tokens,
+        "stop_token_ids": tuple(msg.stop_token_ids),
+    }
 
 
 def draw_seed(task_id: str, *, is_named: bool) -> int:
@@ -227,6 +274,8 @@ def validate_generate(
                 f"sampling.prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
                 f"got {prompt_logprobs}"
             )
+    penalties = _penalties(request.sampling, max_tokens)
+    check_token_ids(penalties["stop_token_ids"], vocab_size, "sampling.stop_token_ids")
     seed = request.sampling.seed
     if not seed and temperature:
         seed = draw_seed(task_id, is_named=bool(request.request_id))
@@ -247,6 +296,7 @@ def validate_generate(
         seed=seed,
         top_logprobs=top_logprobs,
         prompt_logprobs=prompt_logprobs,
+        **penalties,
     )
     return task, payload
 

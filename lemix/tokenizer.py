@@ -17,7 +17,7 @@ convention; `encode` itself adds no special tokens): see `encode_prompt`.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 APPROX_VOCAB_SIZE = 32_000
@@ -109,6 +109,19 @@ def emulated_token_id(position: int, vocab_size: int = APPROX_VOCAB_SIZE) -> int
     if position < 0:
         raise ValueError(f"position must be >= 0, got {position}")
     return _stable_id(b"out:%d" % position, vocab_size)
+
+
+def render_chat(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]]) -> str | None:
+    """`messages` ({role, content}) through the checkpoint's own chat template,
+    ending with the assistant's generation prompt; None when the tokenizer has
+    no template (the gateway then uses its fallback). Tokenizers that can have
+    one (`lemix.model.tokenizer.HFTokenizer`) offer a `render_chat` method.
+    ValueError when the template refuses the messages."""
+    render = getattr(tokenizer, "render_chat", None)
+    if render is None:
+        return None
+    text: str | None = render(messages)
+    return text
 
 
 def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:

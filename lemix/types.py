@@ -85,10 +85,19 @@ class TaskPayload:
     # reference_lengths[i] are its reference (reference_token_ids stays empty).
     sample_lengths: tuple[int, ...] = ()
     reference_lengths: tuple[int, ...] = ()
+    # vLLM's filters and penalties (SamplingParams in protos/lemix/v1/common.proto).
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    min_p: float = 0.0  # in [0, 1]; 0 = off
+    presence_penalty: float = 0.0  # in [-2, 2], over the output so far
+    frequency_penalty: float = 0.0  # in [-2, 2], per occurrence in the output
+    repetition_penalty: float = 1.0  # > 0, over prompt + output; 1 = off
+    min_tokens: int = 0  # EOS and stop_token_ids masked until this many are out
+    stop_token_ids: tuple[int, ...] = ()  # end the sequence like EOS
 
     def __post_init__(self) -> None:
         if self.sample_lengths or self.reference_lengths:
             self._check_samples()
+        self._check_penalties()
         if not 0.0 <= self.temperature < float("inf"):
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -105,6 +114,24 @@ class TaskPayload:
             ids = getattr(self, name)
             if any(i < 0 for i in ids):
                 raise ValueError(f"{name} must be >= 0, got {min(ids)}")
+
+    def _check_penalties(self) -> None:
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(
+                "repetition_penalty must be finite and > 0 (1 = off), "
+                f"got {self.repetition_penalty}"
+            )
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if any(i < 0 for i in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, got {min(self.stop_token_ids)}")
 
     def _check_samples(self) -> None:
         if len(self.sample_lengths) != len(self.reference_lengths):

@@ -15,7 +15,6 @@ of the weights serving the request.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from lemix.model.sampling import SamplingState, choose_token
 from lemix.model.staged import Segment, StagedModel
 from lemix.outputs import FINISH_LENGTH, FINISH_STOP, TokenLogprob
 
@@ -41,6 +41,14 @@ class GenRequest:
     ignore_eos: bool = False
     top_logprobs: int = -1  # -1: none; k: each token's logprob and the top k's
     prompt_logprobs: int = -1  # the same for the prompt's tokens, from the prefill
+    # vLLM's filters and penalties (`lemix.model.sampling`; 0 / 1.0 = off).
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # end the sequence as EOS does (after min_tokens)
     generated: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token
     prompt_logprob_entries: list[TokenLogprob] = field(default_factory=list)  # prompt[1:]
@@ -68,32 +76,28 @@ def token_logprob(logits: torch.Tensor, token: int, num_top: int) -> TokenLogpro
     return TokenLogprob(float(logprobs[token]), top)
 
 
-def sample_next(logits: torch.Tensor, req: GenRequest) -> int:
-    """Greedy at temperature 0, else temperature + nucleus (top-p) sampling,
-    drawn from the request's own seeded generator (reproducible per request)."""
-    if not bool(torch.isfinite(logits).all()):
-        raise ValueError("the model produced non-finite logits for this request")
-    if not 0.0 <= req.temperature < math.inf or not 0.0 < req.top_p <= 1.0:
-        raise ValueError(
-            f"invalid sampling values: temperature={req.temperature}, top_p={req.top_p}"
-        )
-    if req.temperature == 0.0:
-        return int(torch.argmax(logits))
-    scaled = logits.float() / req.temperature
-    if not bool(torch.isfinite(scaled).all()):
-        # A temperature so small that logits/T overflows is greedy in the
-        # limit; softmax of inf - inf would be NaN and fail the draw.
-        return int(torch.argmax(logits))
-    probs = torch.softmax(scaled, dim=-1)
-    if req.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (always >= 1 token).
-        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < req.top_p
-        sorted_probs = sorted_probs * keep
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    if req.generator is None:
-        req.generator = torch.Generator().manual_seed(req.seed)
-    return int(torch.multinomial(probs.cpu(), 1, generator=req.generator))
+def sample_next(logits: torch.Tensor, req: GenRequest, eos_id: int | None = None) -> int:
+    """`req`'s next token (`lemix.model.sampling.choose_token`: penalties,
+    min_tokens, greedy or filtered sampling), drawn from the request's own
+    seeded generator (reproducible per request)."""
+    state = SamplingState(
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        min_tokens=req.min_tokens,
+        stop_token_ids=req.stop_token_ids,
+        seed=req.seed,
+        generator=req.generator,
+    )
+    token = choose_token(
+        logits, state, prompt_ids=req.prompt_ids, output_ids=req.generated, eos_id=eos_id
+    )
+    req.generator = state.generator
+    return token
 
 
 class InferenceRunner:
@@ -216,14 +220,14 @@ class InferenceRunner:
                         token_logprob(r, t, req.prompt_logprobs)
                         for r, t in zip(rows, req.prompt_ids[1:], strict=True)
                     ]
-                token = sample_next(logits[row], req)
+                token = sample_next(logits[row], req, self.eos_id)
                 if req.top_logprobs >= 0:
                     req.logprobs.append(token_logprob(logits[row], token, req.top_logprobs))
             except (ValueError, RuntimeError) as exc:
                 self.failures[key] = f"INTERNAL: sampling failed: {type(exc).__name__}: {exc}"
                 continue
             req.generated.append(token)
-            if token == self.eos_id and not req.ignore_eos:
+            if (token == self.eos_id and not req.ignore_eos) or token in req.stop_token_ids:
                 req.finish_reason = FINISH_STOP
                 stopped.append(key)
             elif len(req.generated) >= req.max_tokens:

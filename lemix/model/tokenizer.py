@@ -142,6 +142,23 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str | None:
+        """The checkpoint's chat template (``chat_template`` of its tokenizer
+        config) applied to `messages` with the generation prompt; None when it
+        has none. The text carries the template's own special tokens (BOS
+        included): encode it as it is. ValueError when the template raises."""
+        if not getattr(self._tokenizer, "chat_template", None):
+            return None
+        from jinja2 import TemplateError  # transformers' template engine
+
+        try:
+            text = self._tokenizer.apply_chat_template(
+                [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+            )
+        except TemplateError as exc:
+            raise ValueError(f"the model's chat template refused the messages: {exc}") from exc
+        return str(text)
+
     def decode(self, ids: Sequence[int]) -> str:
         return str(
             self._tokenizer.decode(

@@ -32,6 +32,11 @@ field                  value
 ``seed``               int
 ``top_logprobs``       int, only when the request asked for logprobs (absent: -1, none)
 ``prompt_logprobs``    int, only when it asked for the prompt's (absent: -1, none)
+``top_k`` ... ``min_tokens``  vLLM's filters/penalties (``top_k``, ``min_p``,
+                       ``presence_penalty``, ``frequency_penalty``,
+                       ``repetition_penalty``, ``min_tokens``), each only when
+                       not off (absent: the TaskPayload default)
+``stop_token_ids``     comma-separated ints, only when given
 ``submit_t``           wall-clock epoch seconds when Submit stored it
 =====================  ===========================================================
 """
@@ -85,7 +90,23 @@ def task_to_fields(
         fields["top_logprobs"] = payload.top_logprobs
     if payload.prompt_logprobs >= 0:
         fields["prompt_logprobs"] = payload.prompt_logprobs
+    for name, off in _PENALTY_DEFAULTS.items():
+        if getattr(payload, name) != off:
+            fields[name] = getattr(payload, name)
+    if payload.stop_token_ids:
+        fields["stop_token_ids"] = _ids_to_text(payload.stop_token_ids)
     return fields
+
+
+# Sampling fields written only when not off (older records stay as they were).
+_PENALTY_DEFAULTS: dict[str, int | float] = {
+    "top_k": 0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_tokens": 0,
+}
 
 
 def task_from_fields(
@@ -116,6 +137,13 @@ def task_from_fields(
         seed=get_int(fields, "seed"),
         top_logprobs=get_int(fields, "top_logprobs", -1),
         prompt_logprobs=get_int(fields, "prompt_logprobs", -1),
+        top_k=get_int(fields, "top_k", 0),
+        min_p=get_float(fields, "min_p", 0.0),
+        presence_penalty=get_float(fields, "presence_penalty", 0.0),
+        frequency_penalty=get_float(fields, "frequency_penalty", 0.0),
+        repetition_penalty=get_float(fields, "repetition_penalty", 1.0),
+        min_tokens=get_int(fields, "min_tokens", 0),
+        stop_token_ids=_ids_from_text(fields.get("stop_token_ids", "")),
     )
     return task, payload
 

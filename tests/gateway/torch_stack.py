@@ -24,9 +24,16 @@ MODEL = "lemix"
 
 
 async def start_torch_stack(
-    redis_url: str, namespace: str, *, num_executors: int = 1, **gateway_overrides: Any
+    redis_url: str,
+    namespace: str,
+    *,
+    num_executors: int = 1,
+    gateway_tokenizer: str = TOKENIZER,
+    **gateway_overrides: Any,
 ) -> TaskStack:
-    """Scheduler, `num_executors` torch executors and one gateway, started."""
+    """Scheduler, `num_executors` torch executors and one gateway, started
+    (the gateway's tokenizer may be another spec of the same vocabulary, e.g.
+    a model directory with a chat template)."""
     profile_path = torch_cpu_profile_path()
     stack = TaskStack(redis_url, namespace, profile_path)
     try:
@@ -40,7 +47,7 @@ async def start_torch_stack(
                 stage_timeout_s=60.0,
             )
         await stack.start_scheduler(load_profile(profile_path))
-        await stack.start_gateway(tokenizer=TOKENIZER, **gateway_overrides)
+        await stack.start_gateway(tokenizer=gateway_tokenizer, **gateway_overrides)
     except BaseException:
         await stack.close()
         raise

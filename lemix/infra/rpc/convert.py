@@ -6,8 +6,9 @@ everything between works on `lemix.types`. Bad values raise `InvalidArgument`
 `lemix.infra.rpc.errors.handle_errors` answers INVALID_ARGUMENT without extra code.
 
 proto3 cannot tell an unset scalar from its zero, so a few zeros mean "unset"
-and read as the domain default: `Task.batch_size` 0 -> 1 and
-`SamplingParams.top_p` 0 -> 1.0 (off). Everything else is taken literally.
+and read as the domain default: `Task.batch_size` 0 -> 1,
+`SamplingParams.top_p` 0 -> 1.0 (off) and `SamplingParams.repetition_penalty`
+0 -> 1.0 (off). Everything else is taken literally.
 """
 
 from __future__ import annotations
@@ -132,6 +133,13 @@ def task_to_proto(task: Task, payload: TaskPayload | None = None) -> common_pb2.
             msg.sampling.top_logprobs = payload.top_logprobs
         if payload.prompt_logprobs >= 0:
             msg.sampling.prompt_logprobs = payload.prompt_logprobs
+        sampling = msg.sampling
+        sampling.top_k, sampling.min_p = payload.top_k, payload.min_p
+        sampling.presence_penalty = payload.presence_penalty
+        sampling.frequency_penalty = payload.frequency_penalty
+        sampling.repetition_penalty = payload.repetition_penalty
+        sampling.min_tokens = payload.min_tokens
+        sampling.stop_token_ids.extend(payload.stop_token_ids)
     return msg
 
 
@@ -169,6 +177,17 @@ def task_from_proto(msg: common_pb2.Task) -> tuple[Task, TaskPayload]:
             prompt_logprobs=(
                 sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else -1
             ),
+            top_k=sampling.top_k,
+            min_p=_finite(f"{where}: sampling.min_p", sampling.min_p),
+            presence_penalty=_finite(
+                f"{where}: sampling.presence_penalty", sampling.presence_penalty
+            ),
+            frequency_penalty=_finite(
+                f"{where}: sampling.frequency_penalty", sampling.frequency_penalty
+            ),
+            repetition_penalty=sampling.repetition_penalty or 1.0,
+            min_tokens=sampling.min_tokens,
+            stop_token_ids=tuple(sampling.stop_token_ids),
         )
     except InvalidArgument:
         raise

@@ -144,6 +144,13 @@ class TorchBackend:
                     ignore_eos=payload.ignore_eos,
                     top_logprobs=payload.top_logprobs,
                     prompt_logprobs=payload.prompt_logprobs,
+                    top_k=payload.top_k,
+                    min_p=payload.min_p,
+                    presence_penalty=payload.presence_penalty,
+                    frequency_penalty=payload.frequency_penalty,
+                    repetition_penalty=payload.repetition_penalty,
+                    min_tokens=payload.min_tokens,
+                    stop_token_ids=payload.stop_token_ids,
                 )
             )
         except ValueError as exc:

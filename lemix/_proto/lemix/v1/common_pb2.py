@@ -24,25 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15lemix/v1/common.proto\x12\x08lemix.v1\"\xb9\x02\n\x04Task\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12 \n\x04kind\x18\x02 \x01(\x0e\x32\x12.lemix.v1.TaskKind\x12\x11\n\tarrival_s\x18\x03 \x01(\x01\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11max_output_tokens\x18\x05 \x01(\r\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12\x0b\n\x03seq\x18\x07 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r\x12\x1b\n\x13reference_token_ids\x18\t \x03(\r\x12*\n\x08sampling\x18\n \x01(\x0b\x32\x18.lemix.v1.SamplingParams\x12\x16\n\x0esample_lengths\x18\x0b \x03(\r\x12\x19\n\x11reference_lengths\x18\x0c \x03(\r\"\xb4\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x19\n\x0ctop_logprobs\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x06 \x01(\rH\x01\x88\x01\x01\x42\x0f\n\r_top_logprobsB\x12\n\x10_prompt_logprobs\"\xba\x02\n\tNodeState\x12\x0f\n\x07node_id\x18\x01 \x01(\r\x12\r\n\x05now_s\x18\x02 \x01(\x01\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x1a\n\x12sum_context_tokens\x18\x05 \x01(\x04\x12\x15\n\rkv_used_bytes\x18\x06 \x01(\x04\x12\x1d\n\x15memory_capacity_bytes\x18\x07 \x01(\x04\x12\x15\n\rbusy_fraction\x18\x08 \x01(\x01\x12\x1c\n\x14num_training_updates\x18\t \x01(\x04\x12\x12\n\nis_healthy\x18\n \x01(\x08\x12\x0f\n\x07\x61\x64\x64ress\x18\x0b \x01(\t\x12\x12\n\nnum_stages\x18\x0c \x01(\r\x12#\n\x1bmax_remaining_decode_tokens\x18\r \x01(\r\"0\n\rCancelRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\"\n\x0e\x43\x61ncelResponse\x12\x10\n\x08is_found\x18\x01 \x01(\x08*V\n\x08TaskKind\x12\x19\n\x15TASK_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13TASK_KIND_INFERENCE\x10\x01\x12\x16\n\x12TASK_KIND_TRAINING\x10\x02*v\n\nTaskStatus\x12\x1b\n\x17TASK_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15TASK_STATUS_COMPLETED\x10\x01\x12\x18\n\x14TASK_STATUS_REJECTED\x10\x02\x12\x16\n\x12TASK_STATUS_FAILED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15lemix/v1/common.proto\x12\x08lemix.v1\"\xb9\x02\n\x04Task\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12 \n\x04kind\x18\x02 \x01(\x0e\x32\x12.lemix.v1.TaskKind\x12\x11\n\tarrival_s\x18\x03 \x01(\x01\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11max_output_tokens\x18\x05 \x01(\r\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12\x0b\n\x03seq\x18\x07 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r\x12\x1b\n\x13reference_token_ids\x18\t \x03(\r\x12*\n\x08sampling\x18\n \x01(\x0b\x32\x18.lemix.v1.SamplingParams\x12\x16\n\x0esample_lengths\x18\x0b \x03(\r\x12\x19\n\x11reference_lengths\x18\x0c \x03(\r\"\xcf\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x19\n\x0ctop_logprobs\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\r\x12\r\n\x05min_p\x18\x08 \x01(\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x01\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\x16\n\x0estop_token_ids\x18\r \x03(\rB\x0f\n\r_top_logprobsB\x12\n\x10_prompt_logprobs\"\xba\x02\n\tNodeState\x12\x0f\n\x07node_id\x18\x01 \x01(\r\x12\r\n\x05now_s\x18\x02 \x01(\x01\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x1a\n\x12sum_context_tokens\x18\x05 \x01(\x04\x12\x15\n\rkv_used_bytes\x18\x06 \x01(\x04\x12\x1d\n\x15memory_capacity_bytes\x18\x07 \x01(\x04\x12\x15\n\rbusy_fraction\x18\x08 \x01(\x01\x12\x1c\n\x14num_training_updates\x18\t \x01(\x04\x12\x12\n\nis_healthy\x18\n \x01(\x08\x12\x0f\n\x07\x61\x64\x64ress\x18\x0b \x01(\t\x12\x12\n\nnum_stages\x18\x0c \x01(\r\x12#\n\x1bmax_remaining_decode_tokens\x18\r \x01(\r\"0\n\rCancelRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\"\n\x0e\x43\x61ncelResponse\x12\x10\n\x08is_found\x18\x01 \x01(\x08*V\n\x08TaskKind\x12\x19\n\x15TASK_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13TASK_KIND_INFERENCE\x10\x01\x12\x16\n\x12TASK_KIND_TRAINING\x10\x02*v\n\nTaskStatus\x12\x1b\n\x17TASK_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15TASK_STATUS_COMPLETED\x10\x01\x12\x18\n\x14TASK_STATUS_REJECTED\x10\x02\x12\x16\n\x12TASK_STATUS_FAILED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lemix.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TASKKIND']._serialized_start=937
-  _globals['_TASKKIND']._serialized_end=1023
-  _globals['_TASKSTATUS']._serialized_start=1025
-  _globals['_TASKSTATUS']._serialized_end=1143
+  _globals['_TASKKIND']._serialized_start=1092
+  _globals['_TASKKIND']._serialized_end=1178
+  _globals['_TASKSTATUS']._serialized_start=1180
+  _globals['_TASKSTATUS']._serialized_end=1298
   _globals['_TASK']._serialized_start=36
   _globals['_TASK']._serialized_end=349
   _globals['_SAMPLINGPARAMS']._serialized_start=352
-  _globals['_SAMPLINGPARAMS']._serialized_end=532
-  _globals['_NODESTATE']._serialized_start=535
-  _globals['_NODESTATE']._serialized_end=849
-  _globals['_CANCELREQUEST']._serialized_start=851
-  _globals['_CANCELREQUEST']._serialized_end=899
-  _globals['_CANCELRESPONSE']._serialized_start=901
-  _globals['_CANCELRESPONSE']._serialized_end=935
+  _globals['_SAMPLINGPARAMS']._serialized_end=687
+  _globals['_NODESTATE']._serialized_start=690
+  _globals['_NODESTATE']._serialized_end=1004
+  _globals['_CANCELREQUEST']._serialized_start=1006
+  _globals['_CANCELREQUEST']._serialized_end=1054
+  _globals['_CANCELRESPONSE']._serialized_start=1056
+  _globals['_CANCELRESPONSE']._serialized_end=1090
 # @@protoc_insertion_point(module_scope)
