@@ -101,7 +101,7 @@ from lemix import __version__
 from lemix._proto.lemix.v1 import gateway_pb2
 from lemix.infra import telemetry
 from lemix.infra.rpc.auth import ApiKeyCheck
-from lemix.infra.rpc.errors import ServiceError
+from lemix.infra.rpc.errors import ServiceError, Unavailable
 from lemix.infra.rpc.server import MAX_MESSAGE_BYTES
 from lemix.infra.task_states import task_info_to_dict
 from lemix.tokenizer import encode_prompt
@@ -111,6 +111,7 @@ log = structlog.get_logger(__name__)
 
 # The failure reason a task gets when its HTTP client goes away (docs/protocol.md).
 HTTP_GONE_REASON = "CANCELLED: the HTTP client disconnected"
+SHUTDOWN_REASON = "CANCELLED: the gateway stopped before the stream ended"
 # How often a non-streaming request checks that its client is still there.
 _DISCONNECT_POLL_S = 0.1
 # A completion's idempotency key when its body has no `request_id` (vLLM's header).
@@ -285,9 +286,17 @@ async def _send(stream: web.StreamResponse, body: Json) -> None:
     await stream.write(f"data: {json.dumps(body)}\n\n".encode())
 
 
-def _gone_reason(builder: CompletionBuilder) -> Callable[[], str]:
+def _gone_reason(
+    builder: CompletionBuilder, is_shutting_down: Callable[[], bool]
+) -> Callable[[], str]:
     """Why a choice's task is cancelled when its stream is closed early."""
-    return lambda: STOPPED_REASON if builder.is_stopped_early else HTTP_GONE_REASON
+
+    def reason() -> str:
+        if builder.is_stopped_early:
+            return STOPPED_REASON
+        return SHUTDOWN_REASON if is_shutting_down() else HTTP_GONE_REASON
+
+    return reason
 
 
 class HttpApi:
@@ -309,6 +318,23 @@ class HttpApi:
         self._tasks = TaskReader(core.store)
         keys = config.api_keys
         self._key_check = ApiKeyCheck(keys) if keys else None
+        # One event per open SSE stream: set when the server stops past its
+        # drain grace, so the stream ends itself with an error event.
+        self._open_streams: set[asyncio.Event] = set()
+        self._is_shutting_down = False
+
+    def is_shutting_down(self) -> bool:
+        return self._is_shutting_down
+
+    async def _on_shutdown(self, app: web.Application) -> None:
+        """aiohttp's shutdown signal (before it cancels handlers): streams get
+        the drain grace to finish, then the rest are told and ended."""
+        give_up_s = time.monotonic() + max(self.config.shutdown_grace_s - _SHUTDOWN_WRITE_S, 0.0)
+        while self._open_streams and time.monotonic() < give_up_s:
+            await asyncio.sleep(0.05)
+        self._is_shutting_down = True
+        for stopping in list(self._open_streams):
+            stopping.set()
 
     def app(self) -> web.Application:
         middlewares: list[Middleware] = [_common_headers]  # outermost: sees every answer
@@ -319,6 +345,7 @@ class HttpApi:
             middlewares.append(require_api_key(self._key_check))
         middlewares.append(_openai_errors)
         app = web.Application(middlewares=middlewares, client_max_size=MAX_MESSAGE_BYTES)
+        app.on_shutdown.append(self._on_shutdown)
         if cors.origins:
             app.on_response_prepare.append(cors.on_response_prepare)
         app.add_routes(
@@ -492,7 +519,7 @@ class HttpApi:
                                 task,
                                 payload,
                                 received_s=received_s,
-                                gone_reason=_gone_reason(builder),
+                                gone_reason=_gone_reason(builder, self.is_shutting_down),
                             )
                         )
                     )
@@ -531,26 +558,70 @@ class HttpApi:
             headers={**_SSE_HEADERS, REQUEST_ID_HEADER: request_id_of(request)}
         )
         await stream.prepare(request)
+        stopping = asyncio.Event()
+        self._open_streams.add(stopping)
+        forward = asyncio.create_task(
+            self._forward(stream, parsed, choices, streams, first, on_stop)
+        )
+        stop_wait = asyncio.create_task(stopping.wait())
         try:
-            async with contextlib.aclosing(merged(streams, choices, first, on_stop)) as chunks:
-                async for chunk in chunks:
-                    await _send(stream, chunk)
-            if parsed.include_usage:
-                await _send(stream, choices.usage_chunk())
+            await asyncio.wait({forward, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            if not forward.done():  # the server stops past its drain grace
+                forward.cancel()
+                with contextlib.suppress(BaseException):
+                    await forward
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(_send_shutdown(stream), _SHUTDOWN_WRITE_S)
+                return stream
+            forward.result()  # its error, if it ended with one
         except ConnectionError:  # the client went away: closing `streams` cancels the tasks
             return stream
         except Exception as exc:  # the status line is sent: the error goes as an event
             await _send(stream, error_for(exc)[1])
+        finally:
+            self._open_streams.discard(stopping)
+            stop_wait.cancel()
+            if not forward.done():  # this handler was cancelled (the client left)
+                forward.cancel()
+                with contextlib.suppress(BaseException):
+                    await forward
         # The client may go right after the last chunk: not an error of ours.
         with contextlib.suppress(ConnectionError):
             await stream.write(b"data: [DONE]\n\n")
             await stream.write_eof()
         return stream
 
+    async def _forward(
+        self,
+        stream: web.StreamResponse,
+        parsed: CompletionRequest,
+        choices: Choices,
+        streams: Sequence[AsyncIterator[gateway_pb2.GenerateResponse]],
+        first: Sequence[gateway_pb2.GenerateResponse],
+        on_stop: Callable[[], None],
+    ) -> None:
+        """Every chunk of the merged choices, then the usage chunk if asked."""
+        async with contextlib.aclosing(merged(streams, choices, first, on_stop)) as chunks:
+            async for chunk in chunks:
+                await _send(stream, chunk)
+        if parsed.include_usage:
+            await _send(stream, choices.usage_chunk())
+
     async def _train(self, request: web.Request) -> list[str]:
         return await self.core.train(
             parse_train(await _json(request)), scope=scope_from_headers(request.headers)
         )
+
+
+_SHUTDOWN_WRITE_S = 1.0  # the most a stopping server spends telling one stream
+
+
+async def _send_shutdown(stream: web.StreamResponse) -> None:
+    """An error event (UNAVAILABLE: retry elsewhere or later), then [DONE]."""
+    error = Unavailable("the gateway is shutting down; retry the request")
+    await _send(stream, error_for(error)[1])
+    await stream.write(b"data: [DONE]\n\n")
+    await stream.write_eof()
 
 
 # ------------------------------------------------------------------ server

@@ -363,6 +363,25 @@ async def test_stop_with_open_stream_releases_everything(stack: HttpStack) -> No
         await held.close()
 
 
+async def test_a_stream_cut_by_shutdown_gets_an_error_event_then_done(stack: HttpStack) -> None:
+    """Past its drain grace a stopping gateway ends open streams with an
+    UNAVAILABLE error event and [DONE], not a bare cut (issue 11)."""
+    gateway = await stack.make_gateway(shutdown_grace_s=0.2)
+    body = {"model": "lemix", "messages": MESSAGES, "max_tokens": 3000, "stream": True}
+    url = f"http://{gateway.http_address}/v1/chat/completions"
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as reply:
+        assert reply.status == 200
+        first = await reply.content.readline()
+        assert first.startswith(b"data: {")
+        stopping = asyncio.create_task(gateway.stop())
+        rest = (await reply.content.read()).decode()
+        await stopping
+    events = [line for line in rest.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]", rest[-500:]
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "unavailable" and "shutting down" in error["message"]
+
+
 # ------------------------------------------------------------ metrics, bind
 
 
