@@ -372,3 +372,56 @@ def test_lemix_pods_read_the_redis_url_from_the_secret(name: str) -> None:
     env = {v["name"]: v for v in container(WORKLOADS[name])["env"]}
     assert _secret_ref(env["LEMIX_REDIS_URL"]) == {"name": "lemix-redis", "key": "url"}
     assert "LEMIX_REDIS_URL" not in CONFIG  # it carries the password
+
+
+# ------------------------------------------------------------------ checkpoint overlay
+
+OVERLAY = K8S_DIR / "overlays" / "checkpoint"
+_MERGE_KEYS = {"containers": "name", "env": "name", "volumeMounts": "name", "volumes": "name"}
+
+
+def _merge(base: Any, patch: Any, key: str = "") -> Any:
+    """A strategic merge as kubectl does it for the lists used here (merged by
+    name), maps recursively, anything else replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for k, v in patch.items():
+            out[k] = _merge(base[k], v, k) if k in base else copy.deepcopy(v)
+        return out
+    if isinstance(base, list) and key in _MERGE_KEYS:
+        name = _MERGE_KEYS[key]
+        out_list = [copy.deepcopy(item) for item in base]
+        for item in patch:
+            match = [i for i, b in enumerate(out_list) if b[name] == item[name]]
+            if match:
+                out_list[match[0]] = _merge(out_list[match[0]], item)
+            else:
+                out_list.append(copy.deepcopy(item))
+        return out_list
+    return copy.deepcopy(patch)
+
+
+def test_the_checkpoint_overlay_mounts_one_checkpoint_as_model_and_tokenizer() -> None:
+    kustomization = yaml.safe_load((OVERLAY / "kustomization.yaml").read_text())
+    assert set(kustomization) <= KUSTOMIZATION_KEYS
+    assert kustomization["resources"][0] == "../.."
+    listed = {*kustomization["resources"][1:], *(p["path"] for p in kustomization["patches"])}
+    assert listed == {p.name for p in OVERLAY.glob("*.yaml")} - {"kustomization.yaml"}
+    (claim,) = yaml.safe_load_all((OVERLAY / "checkpoint-pvc.yaml").read_text())
+    k8s.V1PersistentVolumeClaim.model_validate(claim)
+    assert claim["spec"]["accessModes"] == ["ReadOnlyMany"]
+    for entry in kustomization["patches"]:
+        patch = yaml.safe_load((OVERLAY / entry["path"]).read_text())
+        base = WORKLOADS[patch["metadata"]["name"]]
+        assert base["kind"] == patch["kind"]
+        merged = _merge(base, patch)
+        MODELS[(merged["apiVersion"], merged["kind"])].model_validate(merged)
+        pod = merged["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "checkpoint"]
+        assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+        env = {e["name"]: e.get("value") for e in container(merged)["env"]}
+        (mount,) = [m for m in container(merged)["volumeMounts"] if m["name"] == "checkpoint"]
+        assert mount["readOnly"] is True
+        assert env["LEMIX_TOKENIZER"] == mount["mountPath"]  # the gateway's and the executors'
+        if base["kind"] == "StatefulSet":
+            assert env["LEMIX_MODEL"] == mount["mountPath"]
