@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import os
 import sys
@@ -82,7 +83,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         help="emulated stage time multiplier (<1 runs faster than the profile)",
     )
     up.add_argument("--train-rate", type=float, default=0.0, help="SEPARATE's training share")
-    up.add_argument("--log-dir", default="runs/stack-logs", help="each service's log file")
+    up.add_argument(
+        "--log-dir",
+        help="each service's log file (default: a new runs/stack-logs/<UTC time>-<pid>/ per "
+        "start, runs/stack-logs/latest pointing at it)",
+    )
     up.add_argument(
         "--served-model-name",
         default="lemix",
@@ -394,9 +399,32 @@ def _profile_path(profile: str | None, num_stages: int | None, backend: str = "e
     return path
 
 
+LOG_ROOT = Path("runs/stack-logs")
+
+
+def run_log_dir(root: Path = LOG_ROOT) -> Path:
+    """A new directory name under `root` for one start's logs (UTC time, pid)."""
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+    return root / f"{stamp}-{os.getpid()}"
+
+
+def point_latest(log_dir: Path) -> None:
+    """`<root>/latest` -> this start's log directory (replaced atomically)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    link = log_dir.parent / "latest"
+    tmp = log_dir.parent / f".latest-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(log_dir.name)
+    tmp.replace(link)
+
+
 def stack_config(args: argparse.Namespace) -> StackConfig:
     if args.policy not in POLICIES:
         raise ValueError(f"unknown policy {args.policy!r}; choose from {', '.join(POLICIES)}")
+    # --log-dir as given; else one new directory per start (runs/redis stays
+    # the Redis default either way: beside the log root).
+    log_root = Path(args.log_dir) if args.log_dir else LOG_ROOT
+    log_dir = Path(args.log_dir) if args.log_dir else run_log_dir()
     return StackConfig(
         num_nodes=args.nodes,
         profile_path=_profile_path(args.profile, args.stages, args.backend),
@@ -407,9 +435,9 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         http_port=args.http_port,
         time_scale=args.time_scale,
         train_rate=args.train_rate,
-        log_dir=Path(args.log_dir),
+        log_dir=log_dir,
         redis_url=os.environ.get("LEMIX_REDIS_URL") or None,  # else an embedded one
-        redis_dir=Path(args.redis_dir) if args.redis_dir else Path(args.log_dir).parent / "redis",
+        redis_dir=Path(args.redis_dir) if args.redis_dir else log_root.parent / "redis",
         redis_fsync=args.redis_fsync,
         redis_password=args.redis_password or os.environ.get("LEMIX_REDIS_PASSWORD") or None,
         model=args.model,
@@ -447,6 +475,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             gpus_per_node=args.gpus_per_node,
         )
         return run_containers_until_signalled(config, containers)
+    if args.log_dir is None:
+        point_latest(config.log_dir)
     try:
         return asyncio.run(run_until_signalled(config))
     except (RuntimeError, OSError) as exc:  # a service or Redis did not come up

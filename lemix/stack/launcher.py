@@ -579,6 +579,7 @@ async def run_until_signalled(config: StackConfig) -> int:
     address = await stack.start()
     url_file: Path | None = None
     print(f"READY gateway={address} http={stack.http_address}", flush=True)
+    print(f"logs: {config.log_dir}", flush=True)
     for name, metrics in stack.metrics_addresses().items():
         print(f"metrics {name}: http://{metrics}/metrics", flush=True)
     if stack.is_api_key_required:

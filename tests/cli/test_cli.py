@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -160,6 +161,19 @@ def test_up_maps_the_redis_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert (config.redis_dir, config.redis_fsync) == (tmp_path / "r", "always")
     assert config.redis_password == "from-the-env"
     assert "from-the-env" not in repr(config)
+
+
+def test_up_logs_each_start_in_its_own_directory(tmp_path: Path) -> None:
+    from lemix.cli.services import LOG_ROOT, point_latest, run_log_dir, stack_config
+
+    config = stack_config(build_parser().parse_args(["up"]))
+    assert config.log_dir.parent == LOG_ROOT and config.log_dir.name.endswith(f"-{os.getpid()}")
+    assert config.redis_dir == LOG_ROOT.parent / "redis"  # one Redis dir across runs
+    first, second = tmp_path / "a-1", tmp_path / "b-2"
+    point_latest(first)
+    point_latest(second)
+    assert (tmp_path / "latest").resolve() == second.resolve()
+    assert run_log_dir(tmp_path).parent == tmp_path
 
 
 def test_up_rejects_a_bad_redis_password_or_fsync(capsys: pytest.CaptureFixture[str]) -> None:
