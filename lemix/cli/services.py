@@ -123,11 +123,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     )
     up.add_argument(
         "--redis-fsync",
-        default="everysec",
+        default="always",
         choices=APPENDFSYNC_POLICIES,
-        help="the embedded Redis's appendfsync: everysec (a Redis crash loses no "
-        "acknowledged write, a power loss up to ~1 s) or always (fsync before "
-        "every reply)",
+        help="the embedded Redis's appendfsync: always (default: fsync before every "
+        "reply, so no acknowledged write is lost to a Redis or machine crash) or "
+        "everysec (faster; a crash may lose up to ~2 s of acknowledged writes when "
+        "the disk is slow, see lemix/infra/store/server.py)",
     )
     up.add_argument(
         "--redis-password",

@@ -110,7 +110,7 @@ class StackConfig:
     # The embedded Redis's data dir (its AOF); None = a temporary one, kept
     # across Redis restarts and removed when the stack stops.
     redis_dir: Path | None = None
-    redis_fsync: str = "everysec"  # the embedded Redis's appendfsync: everysec | always
+    redis_fsync: str = "always"  # the embedded Redis's appendfsync: always | everysec
     # The embedded Redis's password; None = a random one per start.
     redis_password: str | None = field(default=None, repr=False)
     restart_policy: RestartPolicy = RestartPolicy()

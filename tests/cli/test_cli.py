@@ -151,7 +151,7 @@ def test_up_maps_the_redis_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     logs = tmp_path / "run" / "logs"
     config = stack_config(build_parser().parse_args(["up", "--log-dir", str(logs)]))
     assert config.redis_dir == tmp_path / "run" / "redis"  # beside the logs, kept across runs
-    assert config.redis_fsync == "everysec" and config.redis_password is None  # random
+    assert config.redis_fsync == "always" and config.redis_password is None  # random
     monkeypatch.setenv("LEMIX_REDIS_PASSWORD", "from-the-env")
     config = stack_config(
         build_parser().parse_args(

@@ -266,8 +266,8 @@ def test_redis_persists_with_aof_and_requires_the_password() -> None:
     redis = BASE["services"]["redis"]
     command = redis["command"]
     assert command[command.index("--appendonly") + 1] == "yes"
-    # Written before each reply, fsynced each second (lemix/infra/store/server.py says why).
-    assert command[command.index("--appendfsync") + 1] == "everysec"
+    # Written and fsynced before each reply (lemix/infra/store/server.py says why).
+    assert command[command.index("--appendfsync") + 1] == "always"
     assert any(v.endswith(":/data") and not v.startswith(("/", ".")) for v in redis["volumes"])
     password = REQUIRED_ENV["LEMIX_REDIS_PASSWORD"]
     assert command[command.index("--requirepass") + 1] == password

@@ -145,7 +145,7 @@ def test_redis_persists_on_a_volume_claim() -> None:
     redis = WORKLOADS["redis"]
     args = container(redis)["args"]
     assert args[args.index("--appendonly") + 1] == "yes"
-    assert args[args.index("--appendfsync") + 1] == "everysec"
+    assert args[args.index("--appendfsync") + 1] == "always"
     claims = {t["metadata"]["name"] for t in redis["spec"]["volumeClaimTemplates"]}
     mounts = {m["name"]: m["mountPath"] for m in container(redis)["volumeMounts"]}
     assert mounts == {name: "/data" for name in claims}

@@ -34,17 +34,19 @@ to write the AOF before replying to the client"; the same order in 6.2.14).
 So once a client has read the reply to an XADD/HSET/EVAL, the command is in
 the kernel's page cache:
 
-* ``appendfsync everysec`` (the default here, in compose and in k8s): a crash
-  or SIGKILL of *redis-server* loses no acknowledged write (the kernel still
-  writes the page cache out); a crash of the *machine* (power loss, kernel
-  panic) may lose the last ~1 s, since a background thread fsyncs once a
-  second. One caveat from ``flushAppendOnlyFile``: while that background
-  fsync is still running, Redis may postpone the write(2) for up to 2 s (and
-  replies still go out), so on a disk too slow to fsync within a second a
-  process crash can lose up to ~2 s as well.
-* ``appendfsync always``: the buffer is written *and* fdatasync'ed before the
-  replies are sent, so an acknowledged write survives a power loss too, at
-  the price of one fsync per event-loop iteration.
+* ``appendfsync always`` (`lemix up`'s default, compose's and k8s'): the
+  buffer is written *and* fdatasync'ed before the replies are sent, so an
+  acknowledged write survives a Redis crash and a power loss, at the price of
+  one fsync per event-loop iteration (a group commit, not one per command).
+* ``appendfsync everysec`` (this class's default, for tests that need no
+  durability; `lemix up --redis-fsync everysec`): usually a SIGKILL of
+  *redis-server* loses nothing (the kernel writes the page cache out) and a
+  machine crash the last ~1 s. But ``flushAppendOnlyFile`` *postpones* the
+  write(2) for up to 2 s while the previous background fsync still runs, and
+  the replies still go out: on a busy disk a process crash can lose up to
+  ~2 s of acknowledged writes. CI saw exactly that once (2026-12-01, a
+  SIGKILL right after an HSET lost it while another job loaded the disk),
+  which is why the stack's default is ``always``.
 
 LeMix acknowledges a Submit only after the Redis call that records the task
 has replied, so "acknowledged" inherits exactly these guarantees. `restart`

@@ -181,12 +181,15 @@ def _wait_dead(server: EmbeddedRedis, timeout_s: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-@pytest.mark.parametrize("appendfsync", ["everysec", "always"])
+@pytest.mark.parametrize("appendfsync", ["always"])
 def test_acknowledged_writes_survive_a_sigkill_and_restart(
     tmp_path: Path, appendfsync: str
 ) -> None:
-    """A write whose reply was read is in the AOF before the reply went out
-    (beforeSleep writes the AOF buffer first), so a SIGKILL loses none."""
+    """With `always`, a write whose reply was read is written and fsynced
+    before the reply went out, so a SIGKILL loses none. Not with `everysec`:
+    Redis may postpone the write while a slow background fsync runs (it lost
+    the HSET here once in CI; lemix/infra/store/server.py), so that mode makes
+    no such promise and this test does not claim it."""
     with EmbeddedRedis(dir=tmp_path, appendonly=True, appendfsync=appendfsync) as server:
         port, pid = server.port, server.pid
         assert pid is not None
