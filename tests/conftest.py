@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
+from redis_pool import TEST_POOL_SIZE
 
 from lemix.infra.store.server import EmbeddedRedis
 
@@ -47,7 +48,9 @@ def redis_server() -> Iterator[EmbeddedRedis]:
 @pytest.fixture
 async def redis_client(redis_server: EmbeddedRedis) -> AsyncIterator[aioredis.Redis]:
     """An asyncio client (decode_responses=True) on an empty database."""
-    client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    client = aioredis.Redis.from_url(
+        redis_server.url, decode_responses=True, max_connections=TEST_POOL_SIZE
+    )
     await client.flushdb()
     try:
         yield client

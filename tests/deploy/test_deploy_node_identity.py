@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 import redis.asyncio as aioredis
+from redis_pool import TEST_POOL_SIZE
 
 from lemix.infra.store import node_identity
 from lemix.infra.store.keys import RedisKeys
@@ -168,7 +169,9 @@ def test_module_passes_sigterm_on_and_releases(redis_server: EmbeddedRedis) -> N
         stdout=subprocess.PIPE,
         text=True,
     )
-    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    client = redis.Redis.from_url(
+        redis_server.url, decode_responses=True, max_connections=TEST_POOL_SIZE
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
         assert client.get(RedisKeys("sig").node_claim(0))

@@ -23,6 +23,7 @@ import grpc.aio  # noqa: E402
 import pytest  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
 from gateway_fakes import FAKE_NODE_ID, FakeScheduler, GatewayFactory  # noqa: E402
+from redis_pool import TEST_POOL_SIZE  # noqa: E402
 
 from gateway.config import GatewayConfig  # noqa: E402
 from gateway.service import GatewayService  # noqa: E402
@@ -42,7 +43,9 @@ def namespace() -> str:
 
 @pytest.fixture
 async def store(redis_server: EmbeddedRedis, namespace: str) -> AsyncIterator[Store]:
-    client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    client = aioredis.Redis.from_url(
+        redis_server.url, decode_responses=True, max_connections=TEST_POOL_SIZE
+    )
     try:
         yield Store(client, RedisKeys(namespace))
     finally:

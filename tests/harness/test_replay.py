@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
+from redis_pool import TEST_POOL_SIZE
 from task_stack import TaskStack, start_stack
 
 from gateway.tasks import INFO_FIELDS
@@ -35,7 +36,9 @@ def namespace() -> str:
 
 @pytest.fixture
 async def store(redis_server: EmbeddedRedis, namespace: str) -> AsyncIterator[Store]:
-    client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    client = aioredis.Redis.from_url(
+        redis_server.url, decode_responses=True, max_connections=TEST_POOL_SIZE
+    )
     try:
         yield Store(client, RedisKeys(namespace))
     finally:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
+from redis_pool import TEST_POOL_SIZE
 
 from lemix.infra.store.codec import (
     encode_fields,
@@ -45,7 +46,7 @@ def _task(task_id: str, **extra: Any) -> dict[str, Any]:
 
 
 def test_store_needs_decoded_responses(redis_server: Any) -> None:
-    raw = aioredis.Redis.from_url(redis_server.url)
+    raw = aioredis.Redis.from_url(redis_server.url, max_connections=TEST_POOL_SIZE)
     with pytest.raises(ValueError, match="decode_responses"):
         Store(raw)
 

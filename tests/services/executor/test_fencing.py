@@ -16,6 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 from factories import make_profile, make_request, make_training
 from prometheus_client import REGISTRY
+from redis_pool import TEST_POOL_SIZE
 from waiting import wait_until
 
 from lemix._proto.lemix.v1 import common_pb2, executor_pb2, executor_pb2_grpc
@@ -68,7 +69,9 @@ async def nodes(
     )
     namespace = f"fence-{uuid.uuid4().hex[:8]}"
     started: list[Node] = []
-    client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    client = aioredis.Redis.from_url(
+        redis_server.url, decode_responses=True, max_connections=TEST_POOL_SIZE
+    )
     try:
         for node_id in (OLD, NEW):
             service = ExecutorService(
