@@ -73,6 +73,13 @@ class EngineConfig:
     # longer ones run in slices, and inference iterations may run between
     # slices; None = a stage's whole training pass at once (v1).
     max_training_slice_s: float | None = None
+    # What `batching.max_batch_size` (C) caps with micro-batches: False = the
+    # node's running requests, split evenly (each group holds ceil(C / M));
+    # True = each micro-batch's own iteration, as vLLM's pipeline-parallel
+    # virtual engines do (one scheduler per stage, each with its own
+    # max_num_seqs), so the node may hold M × C when KV memory allows. Equal
+    # with M = 1.
+    is_batch_cap_per_micro_batch: bool = False
 
     def __post_init__(self) -> None:
         if self.stage_order not in ("inference-first", "fifo"):
@@ -244,7 +251,12 @@ class NodeEngine:
         self.swapped: deque[Request] = deque()
         num_micro_batches = config.num_micro_batches or self.num_stages
         self.micro_batches = [MicroBatch(i) for i in range(num_micro_batches)]
-        self._micro_batch_cap = micro_batch_cap(config.batching.max_batch_size, num_micro_batches)
+        cap = config.batching.max_batch_size
+        if config.is_batch_cap_per_micro_batch:
+            self._node_cap, self._micro_batch_cap = cap * num_micro_batches, cap
+        else:
+            self._node_cap = cap
+            self._micro_batch_cap = micro_batch_cap(cap, num_micro_batches)
         self._reload_s = 0.0  # KV reload time owed by the next iteration
         self._train_waiting: deque[_TrainWait] = deque()
         self._max_training = config.max_training_in_flight or self.num_stages
@@ -580,7 +592,7 @@ class NodeEngine:
 
     def _resume_swapped(self, batch: MicroBatch) -> None:
         """Swapped-out requests come back (into the forming micro-batch) first."""
-        cap = self.config.batching.max_batch_size
+        cap = self._node_cap
         while (
             self.swapped and self.num_running < cap and len(batch.running) < self._micro_batch_cap
         ):
@@ -656,7 +668,7 @@ class NodeEngine:
         """The head of the waiting queue `batch` may take, before memory and the
         join window (`admit` checks those): within the node's cap C, the
         micro-batch's share of it, the prefill budget and the balance rule."""
-        num_free = self.config.batching.max_batch_size - self.num_running
+        num_free = self._node_cap - self.num_running
         room = min(num_free, self._micro_batch_cap - len(batch.running))
         if room <= 0:
             return []

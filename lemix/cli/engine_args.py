@@ -12,6 +12,10 @@ flight per node, whole prompts, whole training passes.
   that arrives behind a slice still has half its SLO left to run in. The SLO
   depends on the workload (`lemix.slo.compute_slo`), so auto is resolved when
   each run's SLO is known (`SimRunConfig.train_slice_tbt_fraction`).
+- ``--batch-cap node|micro-batch``: what ``--max-batch-size`` C caps once there
+  are micro-batches: the node's running requests, split evenly (default), or
+  each micro-batch's iteration (the node holds up to M × C when KV memory
+  allows), as vLLM's pipeline-parallel virtual engines do.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from lemix.engine import default_prefill_token_budget
 from lemix.profile import Profile
 
 AUTO, OFF = "auto", "off"
+BATCH_CAP_NODE, BATCH_CAP_MICRO_BATCH = "node", "micro-batch"
 AUTO_TRAIN_SLICE_TBT_FRACTION = 0.5  # --train-slice-s auto: half the TBT SLO
 
 
@@ -46,6 +51,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS|auto|off",
         help="longest piece of a training pass on a stage (auto: half the TBT SLO; default off)",
     )
+    p.add_argument(
+        "--batch-cap",
+        default=BATCH_CAP_NODE,
+        choices=(BATCH_CAP_NODE, BATCH_CAP_MICRO_BATCH),
+        help="what --max-batch-size caps with micro-batches: the node's running requests "
+        "(default) or each micro-batch's iteration",
+    )
 
 
 def engine_knobs(args: argparse.Namespace, profile: Profile) -> dict[str, Any]:
@@ -54,6 +66,7 @@ def engine_knobs(args: argparse.Namespace, profile: Profile) -> dict[str, Any]:
         "num_micro_batches": parse_micro_batches(args.micro_batches),
         "prefill_token_budget": parse_prefill_budget(args.prefill_budget, profile),
         **parse_train_slice(args.train_slice_s),
+        "is_batch_cap_per_micro_batch": args.batch_cap == BATCH_CAP_MICRO_BATCH,
     }
 
 

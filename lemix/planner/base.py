@@ -40,6 +40,14 @@ class PlannerConfig:
     train_rate: float = 0.0  # r: the SEPARATE split uses it
     sync_every_tasks: int = 100  # K: SEPARATE weight sync period in training tasks
     dynamic_full_rate_rps: float = 32.0  # SEPARATE-dynamic: rate at which serving gets N-1 nodes
+    # The executors' engine shape (`lemix.engine.EngineConfig`, resolved), so
+    # the decode-aware costs model the engine the nodes run. The defaults are
+    # the v1 engine: one iteration in flight, C caps the node, whole prompts,
+    # whole training passes.
+    num_micro_batches: int = 1
+    is_batch_cap_per_micro_batch: bool = False
+    prefill_token_budget: int | None = None
+    max_training_slice_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.num_stages < 1:
@@ -62,6 +70,19 @@ class PlannerConfig:
             raise ValueError("train_rate must be in [0, 1)")
         if self.sync_every_tasks < 1:
             raise ValueError("sync_every_tasks must be >= 1")
+        if self.num_micro_batches < 1:
+            raise ValueError("num_micro_batches must be >= 1 (resolved: auto is num_stages)")
+        if self.prefill_token_budget is not None and self.prefill_token_budget < 1:
+            raise ValueError("prefill_token_budget must be >= 1 or None")
+        if self.max_training_slice_s is not None and not self.max_training_slice_s > 0:
+            raise ValueError("max_training_slice_s must be > 0 or None")
+
+    @property
+    def max_running_per_node(self) -> int:
+        """Requests a node runs at once: C, or M × C when C caps each micro-batch."""
+        if self.is_batch_cap_per_micro_batch:
+            return self.max_batch_size * self.num_micro_batches
+        return self.max_batch_size
 
 
 @dataclass(frozen=True, slots=True)

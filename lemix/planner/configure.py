@@ -22,9 +22,15 @@ def build_planner_config(
     defer_recheck_s: float,
     train_rate: float,
     sync_every_tasks: int,
+    num_micro_batches: int | None = 1,
+    is_batch_cap_per_micro_batch: bool = False,
+    prefill_token_budget: int | None = None,
+    max_training_slice_s: float | None = None,
 ) -> PlannerConfig:
     """The planner's config for `num_nodes` nodes running `profile`'s stages
-    under `slo`; the other knobs keep `PlannerConfig`'s defaults."""
+    under `slo`; the other knobs keep `PlannerConfig`'s defaults. The engine
+    knobs are the executors' (`lemix.engine.EngineConfig`'s, same meaning;
+    `num_micro_batches` None = one per stage)."""
     return PlannerConfig(
         num_nodes=num_nodes,
         num_stages=profile.num_stages,
@@ -35,4 +41,8 @@ def build_planner_config(
         defer_recheck_s=defer_recheck_s,
         train_rate=train_rate,
         sync_every_tasks=sync_every_tasks,
+        num_micro_batches=num_micro_batches or profile.num_stages,
+        is_batch_cap_per_micro_batch=is_batch_cap_per_micro_batch,
+        prefill_token_budget=prefill_token_budget,
+        max_training_slice_s=max_training_slice_s,
     )

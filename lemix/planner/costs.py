@@ -8,6 +8,14 @@ Two estimators share one interface:
   it may first wait for a batch slot or KV memory; and the running batch's
   decode iterations occupy every stage until they drain (`DecodeLoad`), which
   is busy time, not idleness. This answers the review's main objection.
+
+  Engine v2 shapes (`PlannerConfig`'s engine knobs): with M micro-batches the
+  running requests form M groups of ~n/M, each an iteration that visits the
+  stages in turn, so a stage is busy M × step(n/M) per round and a request
+  waits for the slower of its group's pass through the stages and the busiest
+  stage's round; a chunked prompt of P tokens takes ceil(P/B) iterations
+  before its first token; and a training item holds a stage at most one slice,
+  so that is what an inference iteration waits behind.
 """
 
 from __future__ import annotations
@@ -58,9 +66,41 @@ class DecodeAwareCostEstimator:
 
     latency: LatencyModel
     optimizer_step_s: tuple[float, ...]
-    max_batch_size: int  # C: the executor's running-batch cap
+    max_batch_size: int  # requests a node runs at once (`PlannerConfig.max_running_per_node`)
     kv_capacity_tokens: int  # KV tokens that fit under the memory threshold, per node
     is_memory_aware: bool = True
+    num_micro_batches: int = 1  # M: inference iterations in flight per node
+    prefill_token_budget: int | None = None  # B: tokens per iteration (None: whole prompts)
+    max_training_slice_s: float | None = None  # longest piece of a training item on a stage
+
+    def _training_stall_s(self, mean_item_s: float) -> float:
+        """What an inference iteration waits behind a training item it finds
+        on a stage: the item, or one slice of it."""
+        if self.max_training_slice_s is None:
+            return mean_item_s
+        return min(mean_item_s, self.max_training_slice_s)
+
+    def _round(self, num_running: int, sum_context: int, num_stages: int) -> tuple[float, ...]:
+        """Per-stage busy time of one decode round of `num_running` requests."""
+        groups = min(self.num_micro_batches, num_running)
+        if groups <= 1:
+            return tuple(
+                self.latency.decode_step_s(s, num_running, sum_context) for s in range(num_stages)
+            )
+        per_group, per_context = -(-num_running // groups), sum_context // groups
+        return tuple(
+            groups * self.latency.decode_step_s(s, per_group, per_context)
+            for s in range(num_stages)
+        )
+
+    def _period_s(self, busy: tuple[float, ...], num_running: int) -> float:
+        """Time between a request's tokens, given the stages' busy time per round."""
+        groups = min(self.num_micro_batches, num_running)
+        if groups <= 1:
+            return sum(busy)
+        # The slower of: the request's own group through every stage, and the
+        # busiest stage working through all groups once.
+        return max(sum(busy) / groups, max(busy))
 
     def _batch_state(self, view: NodeView) -> tuple[int, int, int, float]:
         """(running, sum_context, max_remaining, mean_output) of the held requests."""
@@ -83,12 +123,14 @@ class DecodeAwareCostEstimator:
         if num_running == 0:
             step = (0.0,) * view.num_stages
         else:
-            step = tuple(
-                self.latency.decode_step_s(s, num_running, sum_context)
-                for s in range(view.num_stages)
-            )
+            step = self._round(num_running, sum_context, view.num_stages)
         view.cached["iteration_s"] = (view.version, step)
         return step
+
+    def period_s(self, view: NodeView) -> float:
+        """Time between tokens of the node's running batch as it is."""
+        num_running = min(len(view.requests), self.max_batch_size)
+        return self._period_s(self.iteration_s(view), num_running)
 
     def _slot_wait_s(
         self, view: NodeView, task: Task, period_s: float, mean_output: float
@@ -108,7 +150,7 @@ class DecodeAwareCostEstimator:
     def costs(self, view: NodeView, task: Task, now_s: float) -> TaskCosts:
         stages = range(view.num_stages)
         step = self.iteration_s(view)
-        period_s = sum(step)
+        period_s = self.period_s(view)
         if not task.is_training:
             _, _, _, mean_output = self._batch_state(view)
             forward = tuple(
@@ -116,6 +158,10 @@ class DecodeAwareCostEstimator:
             )
             # Joining happens at an iteration boundary: half a period on average.
             delay_s = 0.5 * period_s + self._slot_wait_s(view, task, period_s, mean_output)
+            budget = self.prefill_token_budget
+            if budget is not None and task.num_prompt_tokens > budget:
+                # The chunks before the last ride one iteration each.
+                delay_s += (-(-task.num_prompt_tokens // budget) - 1) * period_s
             return TaskCosts(
                 forward_s=forward,
                 start_delay_s=delay_s,
@@ -156,30 +202,30 @@ class DecodeAwareCostEstimator:
         num_running, sum_context, _, _ = self._batch_state(view)
         num_after = min(num_running + 1, self.max_batch_size)
         context_after = sum_context + task.num_prompt_tokens + task.max_output_tokens // 2
-        period_s = sum(
-            self.latency.decode_step_s(s, num_after, context_after) for s in range(view.num_stages)
-        )
+        period_s = self._period_s(self._round(num_after, context_after, view.num_stages), num_after)
         busy_fraction, mean_item_s = view.training_load(now_s, TRAINING_LOAD_WINDOW_S)
-        return period_s + view.num_stages * min(busy_fraction, 1.0) * mean_item_s
+        stall_s = self._training_stall_s(mean_item_s)
+        return period_s + view.num_stages * min(busy_fraction, 1.0) * stall_s
 
     def _batch_tbt_with_training_s(self, view: NodeView, now_s: float, work_s: float) -> float:
         """The running batch's time between tokens if training of `work_s` joins the
         node's recent training load (0 when nothing is decoding there)."""
         if not view.requests:
             return 0.0
-        period_s = sum(self.iteration_s(view))
+        period_s = self.period_s(view)
         busy_fraction, mean_item_s = view.training_load(now_s, TRAINING_LOAD_WINDOW_S)
         num_items = 2 * len(view.recent_training)
         mean_item_s = (mean_item_s * num_items + work_s) / (num_items + 2)
         busy_fraction += work_s / TRAINING_LOAD_WINDOW_S
-        return period_s + view.num_stages * min(busy_fraction, 1.0) * mean_item_s
+        stall_s = self._training_stall_s(mean_item_s)
+        return period_s + view.num_stages * min(busy_fraction, 1.0) * stall_s
 
     def decode_load(self, view: NodeView, now_s: float) -> DecodeLoad | None:
         num_running, _, max_remaining, _ = self._batch_state(view)
         if num_running == 0:
             return None
         step = self.iteration_s(view)
-        period_s = sum(step)
+        period_s = self.period_s(view)
         if period_s <= 0:
             return None
         # Until the longest request drains (at most max_remaining iterations).

@@ -38,6 +38,11 @@ from lemix.types import Decision, Deferral, Placement, Rejection, Task, TaskKind
 _TOKEN_EPSILON = 1e-9
 _MAX_DEFER_CANDIDATES = 3  # nodes a training task is checked against before deferral
 NO_NODE_REASON = format_reason(ReasonCode.UNAVAILABLE, "no live executor can take this task")
+NO_TRAINING_NODE_REASON = format_reason(
+    ReasonCode.INVALID_ARGUMENT,
+    "the placement policy keeps no node for training (separate at train rate 0 serves on "
+    "every node); set a train rate > 0 to train",
+)
 
 
 @dataclass(slots=True)
@@ -78,6 +83,7 @@ class Planner:
         self._train_done_since_sync = 0
         self._is_deferred_dirty = False
         self._down_nodes: set[int] = set()
+        self._is_rank_empty_by_policy = False  # the last rank(): the policy offered no node
         self._deferred_eval_s = 0.0
         self._aged_tokens = float(config.num_nodes)  # token bucket for forced releases
         self._aged_tokens_at_s = 0.0
@@ -276,9 +282,17 @@ class Planner:
 
     def _rank(self, task: Task, now_s: float, context: PolicyContext) -> list[Ranked]:
         ranked = self.policy.rank(task, self.views, self._candidates(task, now_s), context)
+        self._is_rank_empty_by_policy = not ranked
         if self._down_nodes:
             ranked = [r for r in ranked if r.node_id not in self._down_nodes]
         return ranked
+
+    def _no_node_reason(self, task: Task) -> str:
+        """Why `task` got no node: the policy keeps none for its kind (SEPARATE
+        at train rate 0 trains nowhere), or every eligible node is down."""
+        if task.is_training and self._is_rank_empty_by_policy:
+            return NO_TRAINING_NODE_REASON
+        return NO_NODE_REASON
 
     def _never_fits(self, task: Task) -> str | None:
         """A reason when `task` cannot fit on some stage GPU even on an empty node."""
@@ -310,7 +324,7 @@ class Planner:
             return Rejection(task.task_id, reason)
         ranked = self._rank(task, now_s, context)
         if not ranked:
-            return Rejection(task.task_id, NO_NODE_REASON)
+            return Rejection(task.task_id, self._no_node_reason(task))
         return self._commit(task, ranked[0], now_s)
 
     def _commit(self, task: Task, choice: Ranked, now_s: float) -> Placement:
@@ -332,7 +346,7 @@ class Planner:
             return Rejection(task.task_id, reason)
         ranked = self._rank(task, now_s, context)
         if not ranked:
-            return Rejection(task.task_id, NO_NODE_REASON)
+            return Rejection(task.task_id, self._no_node_reason(task))
         if not (self.config.is_deprioritization_enabled and self.policy.needs_prediction):
             return self._commit(task, ranked[0], now_s)
         # The best few nodes only: the score already ranks nodes by the decode

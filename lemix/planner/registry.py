@@ -152,9 +152,12 @@ def make_estimator(
     return DecodeAwareCostEstimator(
         latency,
         profile.optimizer_step_s,
-        config.max_batch_size,
+        config.max_running_per_node,
         kv_tokens,
         is_memory_aware=spec.is_memory_aware,
+        num_micro_batches=config.num_micro_batches,
+        prefill_token_budget=config.prefill_token_budget,
+        max_training_slice_s=config.max_training_slice_s,
     )
 
 

@@ -48,6 +48,8 @@ class SimRunConfig:
     # Slice = this fraction of the run's TBT SLO, which is only known once the
     # workload is (`compute_slo`): the CLI's `--train-slice-s auto` sets 0.5.
     train_slice_tbt_fraction: float | None = None
+    # `EngineConfig.is_batch_cap_per_micro_batch`: C caps each micro-batch.
+    is_batch_cap_per_micro_batch: bool = False
 
     def __post_init__(self) -> None:
         get_spec(self.policy)  # unknown names fail here, with the list of choices
@@ -75,6 +77,7 @@ class SimRunConfig:
             num_micro_batches=self.num_micro_batches,
             prefill_token_budget=self.prefill_token_budget,
             max_training_slice_s=slice_s,
+            is_batch_cap_per_micro_batch=self.is_batch_cap_per_micro_batch,
         )
 
 
@@ -91,6 +94,7 @@ def build_simulator(
     config: SimRunConfig, profile: Profile, tasks: Sequence[Task], slo: Slo
 ) -> Simulator:
     spec = get_spec(config.policy)
+    engine_config = config.engine_config(slo)
     planner_config = build_planner_config(
         num_nodes=config.num_nodes,
         profile=profile,
@@ -100,6 +104,10 @@ def build_simulator(
         defer_recheck_s=config.defer_recheck_s,
         train_rate=config.train_rate,
         sync_every_tasks=config.sync_every_tasks,
+        num_micro_batches=engine_config.num_micro_batches,
+        is_batch_cap_per_micro_batch=engine_config.is_batch_cap_per_micro_batch,
+        prefill_token_budget=engine_config.prefill_token_budget,
+        max_training_slice_s=engine_config.max_training_slice_s,
     )
     memory = config.memory
     if not spec.is_memory_aware:
@@ -107,7 +115,7 @@ def build_simulator(
             kappa=memory.kappa, max_wait_s=memory.max_wait_s, is_offload_enabled=False
         )
     planner = build_planner(config.policy, planner_config, profile, memory)
-    engine_config = replace(config.engine_config(slo), memory=memory)
+    engine_config = replace(engine_config, memory=memory)
     serving_only: tuple[int, ...] = ()
     if not spec.is_training_state_on_serving_nodes:
         serving_only = planner.policy.serving_nodes(config.num_nodes, planner.context(0.0))

@@ -122,6 +122,20 @@ def test_separate_splits_training_and_serving_nodes(
     assert served == serve_nodes
 
 
+def test_separate_at_train_rate_zero_serves_on_every_node_and_refuses_training() -> None:
+    # No training offered: every node serves (and, in the simulator, holds no
+    # training state); a training task that comes anyway is refused, not
+    # parked on a serving node.
+    planner = make_planner("separate", num_nodes=4, train_rate=0.0)
+    served = []
+    for i in range(4):
+        served += placed_nodes(submit_and_plan(planner, make_request(f"r{i}", 0.0)))
+    assert served == [0, 1, 2, 3]
+    decisions = submit_and_plan(planner, make_training("t0", 0.0, 100))
+    assert len(decisions) == 1 and isinstance(decisions[0], Rejection)
+    assert decisions[0].reason.startswith("INVALID_ARGUMENT: the placement policy keeps no")
+
+
 def test_separate_syncs_weights_after_exactly_k_training_tasks() -> None:
     planner = make_planner("separate", num_nodes=4, train_rate=0.3, sync_every_tasks=3)
     for i in range(7):

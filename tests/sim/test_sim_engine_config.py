@@ -16,7 +16,12 @@ from lemix.slo import Slo
 from lemix.workload import LONG_PROMPT_MAX_TOTAL_TOKENS, WorkloadConfig, build_workload
 
 SLO = Slo(ttft_s=2.0, tbt_s=0.06)
-KNOBS = ("num_micro_batches", "prefill_token_budget", "max_training_slice_s")
+KNOBS = (
+    "num_micro_batches",
+    "prefill_token_budget",
+    "max_training_slice_s",
+    "is_batch_cap_per_micro_batch",
+)
 
 
 def _engine_configs(config: SimRunConfig) -> list[EngineConfig]:
@@ -96,6 +101,27 @@ def test_cli_flags() -> None:
     run = _setup(*SIM, "--micro-batches", "3", "--prefill-budget", "off", "--train-slice-s", "auto")
     assert (run.num_micro_batches, run.prefill_token_budget) == (3, None)
     assert run.train_slice_s is None and run.train_slice_tbt_fraction == 0.5
+    assert not run.is_batch_cap_per_micro_batch
+    run = _setup(*SIM, "--micro-batches", "auto", "--batch-cap", "micro-batch")
+    assert run.is_batch_cap_per_micro_batch
+
+
+def test_the_planner_models_the_engine_the_nodes_run() -> None:
+    run = SimRunConfig(
+        num_nodes=2,
+        num_micro_batches=None,
+        prefill_token_budget=256,
+        train_slice_s=0.02,
+        is_batch_cap_per_micro_batch=True,
+    )
+    tasks = build_workload(WorkloadConfig(request_rate=2.0, duration_s=5.0, seed=1)).tasks
+    sim = build_simulator(run, make_profile(), tasks, SLO)
+    planner = sim.planner.config
+    engine = sim.engines[0].config
+    assert planner.num_micro_batches == make_profile().num_stages  # auto, resolved
+    assert planner.prefill_token_budget == engine.prefill_token_budget == 256
+    assert planner.max_training_slice_s == engine.max_training_slice_s == 0.02
+    assert planner.max_running_per_node == 2 * engine.batching.max_batch_size
 
 
 def test_compare_template_carries_the_knobs() -> None:

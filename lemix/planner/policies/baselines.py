@@ -24,6 +24,8 @@ from lemix.types import Task
 def _rotate(candidates: Sequence[int], counter: int) -> list[Ranked]:
     """Round-robin order starting at `counter` (scores descend with position)."""
     num = len(candidates)
+    if num == 0:
+        return []
     start = counter % num
     order = list(candidates[start:]) + list(candidates[:start])
     return [Ranked(node_id, float(num - i)) for i, node_id in enumerate(order)]
@@ -98,8 +100,11 @@ class SeparatePolicy:
     """Dedicated training and serving nodes, round-robin inside each group.
 
     Static split (the prototype's): train = max(1, round(N·r)) nodes, the last
-    ones; serving = the rest (at least 1). Dynamic: the serving share grows
-    with the estimated request rate, ceil(N·λ/λ_full) clamped to [1, N−1].
+    ones; serving = the rest (at least 1). At r = 0 (no training offered) every
+    node serves and none keeps training state; a training task that comes
+    anyway is refused (INVALID_ARGUMENT) rather than parked on a serving
+    node. Dynamic: the serving share grows with the estimated request rate,
+    ceil(N·λ/λ_full) clamped to [1, N−1].
     Weights flow from training to serving nodes every K training tasks (the
     planner emits the syncs).
     """
@@ -112,6 +117,8 @@ class SeparatePolicy:
     def _num_serving(self, num_nodes: int, context: PolicyContext) -> int:
         if num_nodes == 1:
             return 1
+        if not self.is_dynamic and context.config.train_rate == 0.0:
+            return num_nodes
         if self.is_dynamic:
             share = context.request_rate_rps / context.config.dynamic_full_rate_rps
             return min(max(math.ceil(num_nodes * share), 1), num_nodes - 1)
@@ -123,6 +130,8 @@ class SeparatePolicy:
 
     def training_nodes(self, num_nodes: int, context: PolicyContext) -> tuple[int, ...]:
         num_serving = self._num_serving(num_nodes, context)
+        if not self.is_dynamic and context.config.train_rate == 0.0:
+            return ()
         if num_nodes == 1:
             return (0,)
         return tuple(range(num_serving, num_nodes))

@@ -1,0 +1,116 @@
+"""The decode-aware costs model the engine the nodes run (issue 9): micro-batch
+rounds, a per-micro-batch cap, chunked prefill and training slices.
+
+Hand-computable profile: a decode step costs d0 + d1·batch per stage (no
+context term), so every expected number below is a sum of those terms.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from factories import make_profile, make_request, make_training
+
+from lemix.planner.base import PlannerConfig
+from lemix.planner.costs import DecodeAwareCostEstimator
+from lemix.planner.trace import NodeView, Prediction
+
+D0_S, D1_S = 0.01, 0.001
+PROFILE = make_profile(decode_d0_s=D0_S, decode_d1_s=D1_S, forward_s_per_token=0.0001)
+
+
+def estimator(**kw: object) -> DecodeAwareCostEstimator:
+    args: dict[str, object] = {"kv_capacity_tokens": 10**9, "max_batch_size": 64, **kw}
+    return DecodeAwareCostEstimator(PROFILE.ours, PROFILE.optimizer_step_s, **args)  # type: ignore[arg-type]
+
+
+def _prediction(work_s: float = 0.0) -> Prediction:
+    return Prediction(0, 0.0, 0.0, 0.0, (0.0, 0.0), (work_s, work_s), None, 0)
+
+
+def view_with(num_requests: int) -> NodeView:
+    view = NodeView(0, 2)
+    for i in range(num_requests):
+        view.commit(make_request(f"r{i}", 0.0, 100, 10), _prediction())
+    return view
+
+
+def step(batch: int) -> float:
+    return D0_S + D1_S * batch
+
+
+def test_one_micro_batch_is_the_v1_formula() -> None:
+    est = estimator()
+    view = view_with(32)
+    assert est.iteration_s(view) == pytest.approx((step(32), step(32)))
+    assert est.period_s(view) == pytest.approx(2 * step(32))
+
+
+def test_two_micro_batches_split_the_batch_and_keep_both_stages_busy() -> None:
+    est = estimator(num_micro_batches=2)
+    view = view_with(32)
+    # Each stage runs two group steps of 16 per round; a request waits a round.
+    assert est.iteration_s(view) == pytest.approx((2 * step(16), 2 * step(16)))
+    assert est.period_s(view) == pytest.approx(2 * step(16))
+    # Less than v1's 2·step(32): the round is shorter because the fixed cost
+    # is paid by smaller batches on both stages at once.
+    assert est.period_s(view) < estimator().period_s(view)
+    # One request cannot be split: a lone request's period is v1's.
+    lone = view_with(1)
+    assert est.period_s(lone) == pytest.approx(estimator().period_s(lone))
+
+
+def test_cap_per_micro_batch_admits_m_times_c_before_a_slot_wait() -> None:
+    config = PlannerConfig(
+        num_nodes=1,
+        num_stages=2,
+        slo_ttft_s=1.0,
+        slo_tbt_s=0.1,
+        max_batch_size=8,
+        num_micro_batches=2,
+        is_batch_cap_per_micro_batch=True,
+    )
+    assert config.max_running_per_node == 16
+    node_cap = estimator(max_batch_size=8, num_micro_batches=2)
+    group_cap = estimator(max_batch_size=config.max_running_per_node, num_micro_batches=2)
+    view = view_with(12)
+    task = make_request("new", 0.0, 100, 10)
+    # 12 held: the node-wide cap of 8 makes the newcomer wait for slots; a cap
+    # of 8 per micro-batch has room for 16.
+    assert (
+        node_cap.costs(view, task, 0.0).start_delay_s
+        > group_cap.costs(view, task, 0.0).start_delay_s
+    )
+    assert group_cap.costs(view, task, 0.0).start_delay_s == pytest.approx(
+        0.5 * group_cap.period_s(view)
+    )
+
+
+def test_chunked_prefill_delays_the_first_token_by_the_extra_iterations() -> None:
+    view = view_with(8)
+    task = make_request("long", 0.0, 1000, 10)
+    whole = estimator().costs(view, task, 0.0)
+    chunked = estimator(prefill_token_budget=256).costs(view, task, 0.0)
+    extra_iterations = math.ceil(1000 / 256) - 1
+    assert chunked.start_delay_s - whole.start_delay_s == pytest.approx(
+        extra_iterations * estimator().period_s(view)
+    )
+    short = make_request("short", 0.0, 200, 10)
+    assert estimator(prefill_token_budget=256).costs(view, short, 0.0).start_delay_s == (
+        pytest.approx(estimator().costs(view, short, 0.0).start_delay_s)
+    )
+
+
+def test_training_slices_bound_the_stall_an_inference_iteration_sees() -> None:
+    view = view_with(8)
+    item_s = 0.2
+    view.commit(make_training("t0", 0.0, 100), _prediction(work_s=2 * item_s), now_s=0.0)
+    task = make_request("new", 0.0, 100, 10)
+    whole = estimator().costs(view, task, 0.0).time_between_tokens_s
+    sliced = estimator(max_training_slice_s=0.02).costs(view, task, 0.0).time_between_tokens_s
+    assert whole > sliced
+    busy_fraction, mean_item_s = view.training_load(0.0, 10.0)
+    assert mean_item_s > 0.02
+    # The stall term is S · u · w with w = one slice instead of the whole item.
+    assert whole - sliced == pytest.approx(2 * busy_fraction * (mean_item_s - 0.02))
