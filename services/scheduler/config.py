@@ -22,6 +22,7 @@ from typing import Any
 from lemix.batching import BatchingConfig
 from lemix.infra import settings
 from lemix.infra.config import COMMON_CLI_DEFAULTS, SCHEDULER, CommonServiceConfig, common_options
+from lemix.infra.engine_options import ENGINE_OPTIONS, EngineKnobs
 from lemix.infra.settings import Option, option
 from lemix.infra.store.keys import NODE_HEARTBEAT_TTL_S, STREAM_LEASE_TTL_S
 from lemix.memory import MemoryConfig
@@ -69,6 +70,12 @@ class SchedulerConfig(CommonServiceConfig):
     slo_output_tokens: int = 0
     kappa: float = MemoryConfig().kappa  # usable GPU memory fraction (the executors' κ)
     max_batch_size: int = BatchingConfig().max_batch_size  # the executors' running-batch cap
+    # The executors' engine v2 knobs (lemix.infra.engine_options), so the
+    # planner models the engine the nodes run; the defaults are the v1 engine.
+    num_micro_batches: int = EngineKnobs().num_micro_batches
+    prefill_token_budget: int = EngineKnobs().prefill_token_budget
+    train_slice_s: float = EngineKnobs().train_slice_s
+    batch_cap: str = EngineKnobs().batch_cap
     train_rate: float = _DEFAULT_PLANNER.train_rate  # SEPARATE's training share of nodes
     sync_every_tasks: int = _DEFAULT_PLANNER.sync_every_tasks  # SEPARATE's K
     max_defer_s: float = _DEFAULT_PLANNER.max_defer_s
@@ -118,6 +125,7 @@ class SchedulerConfig(CommonServiceConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         get_spec(self.policy)  # unknown names fail here, with the list of choices
+        self.engine_knobs()  # the engine knobs' own range checks
         if self.num_nodes < 1:
             raise ValueError(f"num_nodes must be >= 1, got {self.num_nodes}")
         if self.slo_ttft_s < 0 or self.slo_tbt_s < 0:
@@ -208,6 +216,12 @@ class SchedulerConfig(CommonServiceConfig):
             defer_recheck_s=self.defer_recheck_s,
             train_rate=self.train_rate,
             sync_every_tasks=self.sync_every_tasks,
+            **self.engine_knobs().resolve(profile),
+        )
+
+    def engine_knobs(self) -> EngineKnobs:
+        return EngineKnobs(
+            self.num_micro_batches, self.prefill_token_budget, self.train_slice_s, self.batch_cap
         )
 
 
@@ -246,6 +260,7 @@ _OPTIONS: tuple[Option, ...] = (
     ),
     option("kappa", "LEMIX_KAPPA", float, "usable fraction of each GPU's memory"),
     option("max_batch_size", "LEMIX_MAX_BATCH_SIZE", int, "executors' running-batch cap"),
+    *ENGINE_OPTIONS,
     option("train_rate", "LEMIX_TRAIN_RATE", float, "SEPARATE: training share of nodes"),
     option("sync_every_tasks", "LEMIX_SYNC_EVERY_TASKS", int, "SEPARATE: weight sync period K"),
     option("max_defer_s", "LEMIX_MAX_DEFER_S", float, "longest a training task is deferred"),

@@ -34,6 +34,7 @@ from lemix._proto.lemix.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from lemix.engine import default_prefill_token_budget
 from lemix.infra.rpc import EXECUTOR_SERVICE
 from lemix.infra.rpc.client import channel
 from lemix.infra.rpc.convert import task_to_proto
@@ -251,6 +252,33 @@ def test_config_flags_override_env_and_env_overrides_defaults() -> None:
     with pytest.raises(ValueError, match="unknown policy"):
         from_env_and_args(["--policy", "nope"], {})
     assert all(env_var.startswith("LEMIX_") for _, env_var, _ in env_table())
+
+
+def test_the_planner_models_the_executors_engine_from_the_shared_variables() -> None:
+    # The executors' engine v2 variables reach the scheduler's planner config,
+    # resolved against the profile the same way the executors resolve them.
+    env = {
+        "LEMIX_NUM_MICRO_BATCHES": "auto",
+        "LEMIX_PREFILL_TOKEN_BUDGET": "auto",
+        "LEMIX_TRAIN_SLICE_S": "0.02",
+        "LEMIX_BATCH_CAP": "micro-batch",
+        "LEMIX_MAX_BATCH_SIZE": "16",
+    }
+    planner = from_env_and_args([], env).planner_config(PROFILE)
+    assert planner.num_micro_batches == PROFILE.num_stages
+    assert planner.prefill_token_budget == default_prefill_token_budget(PROFILE)
+    assert planner.max_training_slice_s == 0.02
+    assert planner.max_running_per_node == 16 * PROFILE.num_stages
+    v1 = SchedulerConfig().planner_config(PROFILE)
+    assert (v1.num_micro_batches, v1.prefill_token_budget, v1.max_training_slice_s) == (
+        1,
+        None,
+        None,
+    )
+    with pytest.raises(ValueError, match="LEMIX_BATCH_CAP"):
+        from_env_and_args([], {"LEMIX_BATCH_CAP": "sometimes"})
+    with pytest.raises(ValueError, match="num_micro_batches"):
+        SchedulerConfig(num_micro_batches=-1)
 
 
 def test_derived_slo_uses_compute_slo() -> None:
