@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from lemix import __version__
 from lemix.cli import workload_args
 from lemix.harness.replay import ReplayConfig, format_lost, run_replay
+from lemix.infra.engine_options import ENGINE_OPTIONS, EngineKnobs
 from lemix.infra.rpc.auth import API_KEY_ENV
 from lemix.infra.store.keys import DEFAULT_NAMESPACE, RedisKeys
 from lemix.infra.store.server import APPENDFSYNC_POLICIES
@@ -107,6 +108,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         default=1024,
         help="concurrent Generate streams the gateway holds; more get 429 / RESOURCE_EXHAUSTED",
     )
+    for opt in ENGINE_OPTIONS:  # the executors' engine, declared once (lemix.infra)
+        default = getattr(EngineKnobs(), opt.field)
+        up.add_argument(
+            opt.flag,
+            dest=opt.field,
+            type=opt.parse,
+            default=default,
+            metavar=opt.metavar,
+            help=f"{opt.help} (default: v1, {default})",
+        )
     up.add_argument(
         "--model", default="tiny-llama", help="torch: model preset or local checkpoint directory"
     )
@@ -447,6 +458,9 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         served_model_name=args.served_model_name,
         max_model_len=args.max_model_len,
         max_in_flight=args.max_in_flight,
+        engine=EngineKnobs(
+            args.num_micro_batches, args.prefill_token_budget, args.train_slice_s, args.batch_cap
+        ),
     )
 
 

@@ -51,6 +51,7 @@ from lemix.infra.config import (
     SHARED_ENV,
     listener_options,
 )
+from lemix.infra.engine_options import ENGINE_OPTIONS, EngineKnobs
 from lemix.infra.rpc import EXECUTOR_SERVICE, GATEWAY_SERVICE, PROFILER_SERVICE, SCHEDULER_SERVICE
 from lemix.infra.rpc.auth import API_KEY_ENV, SERVICE_TOKEN_ENV, generate_token, parse_api_keys
 from lemix.infra.store.server import (
@@ -92,6 +93,8 @@ SERVICE_ENV = {
     "served_model_name": "LEMIX_SERVED_MODEL_NAME",  # gateway
     "max_context_tokens": "LEMIX_MAX_CONTEXT_TOKENS",  # gateway (`lemix up --max-model-len`)
     "max_in_flight": "LEMIX_MAX_IN_FLIGHT",  # gateway
+    # scheduler, executor: the engine v2 knobs (one table for both)
+    **{opt.field: opt.env for opt in ENGINE_OPTIONS},
 }
 
 
@@ -118,6 +121,8 @@ class StackConfig:
     time_scale: float = 1.0
     latency_noise_cv: float = 0.05
     max_batch_size: int = 64
+    # The executors' engine (and the scheduler's model of it); default v1.
+    engine: EngineKnobs = EngineKnobs()
     train_rate: float = 0.0  # SEPARATE's split
     log_dir: Path = Path("runs/stack-logs")
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -203,6 +208,10 @@ def stack_env(
         "served_model_name": c.served_model_name,
         "max_context_tokens": str(c.max_model_len),
         "max_in_flight": str(c.max_in_flight),
+        "num_micro_batches": str(c.engine.num_micro_batches),
+        "prefill_token_budget": str(c.engine.prefill_token_budget),
+        "train_slice_s": repr(c.engine.train_slice_s),
+        "batch_cap": c.engine.batch_cap,
     }
     profile = profile_path or (str(c.profile_path) if c.profile_path is not None else None)
     if profile is not None:
