@@ -8,15 +8,17 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
 from factories import make_profile, make_request
 
 from lemix.engine import EngineConfig, Failed, Finished, NodeEngine, StageStart, WorkKind
 from lemix.model.presets import ModelSpec, build_model
-from lemix.model.runner import InferenceRunner
+from lemix.model.runner import GenRequest, InferenceRunner
 from lemix.model.staged import StagedModel
 from lemix.model.training import PipelineTrainer, TrainingConfig
 from lemix.outputs import TokenLogprob
 from lemix.types import TaskPayload
+from services.executor.backends.base import RequestsFailed
 from services.executor.backends.torch import TorchBackend
 from services.executor.node import ExecutorNode
 from services.executor.torch_setup import model_profile
@@ -145,3 +147,20 @@ async def test_micro_batches_and_chunked_prefill_give_the_v1_outputs() -> None:
         assert math.isclose(got.logprob, want.logprob, abs_tol=1e-4)
     assert backend.num_stage_errors == 0 and not backend.runner.requests
     assert all(st.kv.device_bytes == 0 for st in backend.staged.stages)
+
+
+def test_only_the_last_stage_takes_sampling_failures() -> None:
+    """Stage 0 running micro-batch 1 must not take (and report) the failures the
+    last stage just recorded for micro-batch 0: they are the last stage's to take."""
+    staged = StagedModel(build_model(ModelSpec("tiny-llama", vocab_size=VOCAB, seed=3)), NUM_STAGES)
+    runner = InferenceRunner(staged, eos_id=None)
+    backend = TorchBackend(staged, runner, PipelineTrainer(staged, TrainingConfig()))
+    runner.admit(GenRequest("ok", PROMPTS["a"], 3))
+    runner.failures["poisoned"] = "INTERNAL: sampling failed: ValueError: nan"
+    assert backend._run_iteration(0, 1, ["ok"], [], [(0, 4)]) == []
+    assert runner.failures == {"poisoned": "INTERNAL: sampling failed: ValueError: nan"}
+    with pytest.raises(RequestsFailed) as failed:
+        backend._run_iteration(NUM_STAGES - 1, 1, ["ok"], [], [(0, 4)])
+    assert failed.value.task_ids == ("poisoned",) and not runner.failures
+    assert runner.requests["ok"].num_prefilled == 4 and not runner.requests["ok"].generated
+    backend.close()
