@@ -21,9 +21,9 @@ the reference ids; prompt logprobs are collected chunk by chunk.
 Several iterations may be in flight at once (micro-batches), each on another
 stage's thread: the stage-to-stage carry is keyed by iteration, KV lives per
 request per stage, and a request belongs to one iteration at a time (the
-engine's contract), so iterations share no mutable state but `requests`
-(locked) and `failures`, which only the last stage writes and only its
-thread (or a single-threaded caller) takes.
+engine's contract), so iterations share no mutable state but the `requests`
+dict (changed under a lock) and `failures`, which only the last stage writes
+and only its thread (or a single-threaded caller) takes.
 """
 
 from __future__ import annotations
