@@ -11,6 +11,19 @@ loss): the prompt and reference go through the stages together, causally, so
 the logits at prompt positions are unchanged; only the prompt's K/V is kept.
 One forward pass gives the first token and the teacher-forced cross-entropy
 of the weights serving the request.
+
+Chunked prefill (engine v2): a prefill carries a span (start, num_tokens) of
+its prompt; the chunk's tokens run at positions start.. and append to the
+request's cache after the earlier chunks' K/V (`Stage.forward`'s offset causal
+mask). Only the chunk that ends the prompt samples the first token and carries
+the reference ids; prompt logprobs are collected chunk by chunk.
+
+Several iterations may be in flight at once (micro-batches), each on another
+stage's thread: the stage-to-stage carry is keyed by iteration, KV lives per
+request per stage, and a request belongs to one iteration at a time (the
+engine's contract), so iterations share no mutable state but the `requests`
+dict (changed under a lock) and `failures`, which only the last stage writes
+and only its thread (or a single-threaded caller) takes.
 """
 
 from __future__ import annotations
@@ -51,10 +64,17 @@ class GenRequest:
     stop_token_ids: tuple[int, ...] = ()  # end the sequence as EOS does (after min_tokens)
     generated: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token
-    prompt_logprob_entries: list[TokenLogprob] = field(default_factory=list)  # prompt[1:]
+    # prompt[1:], appended chunk by chunk; complete once the first token is made
+    prompt_logprob_entries: list[TokenLogprob] = field(default_factory=list)
+    num_prefilled: int = 0  # prompt tokens stage 0 has packed (chunked prefill)
     inference_loss: float | None = None
     finish_reason: str | None = None
     generator: torch.Generator | None = None
+
+
+# (start, num_tokens): the prompt tokens one iteration prefills for a request,
+# as `lemix.engine_groups.Iteration.prefill_spans`.
+PrefillSpan = tuple[int, int]
 
 
 @dataclass
@@ -147,18 +167,27 @@ class InferenceRunner:
 
     @torch.no_grad()
     def run_stage(
-        self, stage_index: int, iteration: int, prefill: Sequence[str], decode: Sequence[str]
+        self,
+        stage_index: int,
+        iteration: int,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        prefill_spans: Sequence[PrefillSpan] | None = None,
     ) -> list[str]:
         """Run one iteration's work on one stage.
 
-        `iteration` identifies the iteration across its stages. Returns, on the
-        last stage, the keys that stopped at an end-of-sequence token.
+        `iteration` identifies the iteration across its stages (unique among
+        those in flight). `prefill_spans[i]` is the chunk of `prefill[i]`'s
+        prompt this iteration prefills; None or empty: whole prompts. Every
+        stage of an iteration gets the same arguments. Returns, on the last
+        stage, the keys that stopped at an end-of-sequence token.
         """
+        spans = self._spans(prefill, prefill_spans)
         stage = self.staged.stages[stage_index]
         for key in (*prefill, *decode):
             stage.kv.reload(key)  # no-op unless it was offloaded
         if stage.is_first:
-            inputs, positions, segments = self._pack(prefill, decode)
+            inputs, positions, segments = self._pack(prefill, spans, decode)
         else:
             with self._lock:
                 carry = self._carry.pop(iteration)
@@ -168,58 +197,90 @@ class InferenceRunner:
             with self._lock:
                 self._carry[iteration] = _Carry(out, positions, segments)
             return []
-        return self._sample(out[0], prefill, decode, segments)
+        return self._sample(out[0], prefill, spans, decode, segments)
+
+    def _spans(
+        self, prefill: Sequence[str], prefill_spans: Sequence[PrefillSpan] | None
+    ) -> list[PrefillSpan]:
+        """Each prefill's chunk, checked against its prompt (whole if not given)."""
+        if not prefill_spans:
+            return [(0, len(self.requests[key].prompt_ids)) for key in prefill]
+        if len(prefill_spans) != len(prefill):
+            raise ValueError(f"{len(prefill)} prefills but {len(prefill_spans)} prefill spans")
+        for key, (start, num_tokens) in zip(prefill, prefill_spans, strict=True):
+            num_prompt = len(self.requests[key].prompt_ids)
+            if start < 0 or num_tokens < 1 or start + num_tokens > num_prompt:
+                raise ValueError(
+                    f"request {key!r}: prefill span ({start}, {num_tokens}) is not within "
+                    f"its {num_prompt} prompt tokens"
+                )
+        return list(prefill_spans)
 
     def _pack(
-        self, prefill: Sequence[str], decode: Sequence[str]
+        self, prefill: Sequence[str], spans: Sequence[PrefillSpan], decode: Sequence[str]
     ) -> tuple[torch.Tensor, torch.Tensor, list[Segment]]:
+        """Stage 0's packed ids [N], positions [N] and one segment per request."""
         ids: list[int] = []
         positions: list[int] = []
         segments: list[Segment] = []
-        for key in prefill:
+        for key, (start, num_tokens) in zip(prefill, spans, strict=True):
             req = self.requests[key]
-            tokens = req.prompt_ids + req.reference_ids
-            start = len(ids)
+            # Chunks must come in order: each appends to the KV of the last.
+            if start != req.num_prefilled:
+                raise ValueError(
+                    f"request {key!r}: prefill chunk starts at {start} but "
+                    f"{req.num_prefilled} prompt tokens were prefilled"
+                )
+            end = start + num_tokens
+            req.num_prefilled = end
+            # The reference rides with the chunk that ends the prompt: its rows
+            # follow the last prompt position's, and only the chunk is cached.
+            reference = req.reference_ids if end == len(req.prompt_ids) else ()
+            tokens = req.prompt_ids[start:end] + reference
+            first_row = len(ids)
             ids.extend(tokens)
-            positions.extend(range(len(tokens)))
-            segments.append(Segment(start, len(ids), key, len(req.prompt_ids)))
+            positions.extend(range(start, start + len(tokens)))
+            segments.append(Segment(first_row, len(ids), key, num_tokens))
         for key in decode:
             req = self.requests[key]
-            start = len(ids)
+            first_row = len(ids)
             ids.append(req.generated[-1])
             positions.append(len(req.prompt_ids) + len(req.generated) - 1)
-            segments.append(Segment(start, start + 1, key, 1))
+            segments.append(Segment(first_row, first_row + 1, key, 1))
         return torch.tensor(ids), torch.tensor(positions), segments
 
     def _sample(
         self,
         logits: torch.Tensor,
         prefill: Sequence[str],
+        spans: Sequence[PrefillSpan],
         decode: Sequence[str],
         segments: Sequence[Segment],
     ) -> list[str]:
         """logits [N, vocab]: next token per request; the inference loss of prefills.
 
+        A prefill chunk that does not end its prompt only adds prompt logprobs.
         A request whose sampling fails is recorded in `failures` (key -> reason)
         and skipped; the others in the batch go on.
         """
         stopped = []
-        for key, seg in zip((*prefill, *decode), segments, strict=True):
+        one_row = [(0, 1)] * len(decode)  # a decode's span: its one new token
+        for i, (key, seg, (start, num_tokens)) in enumerate(
+            zip((*prefill, *decode), segments, (*spans, *one_row), strict=True)
+        ):
             req = self.requests[key]
-            num_prompt = len(req.prompt_ids)
-            row = seg.start + num_prompt - 1 if key in prefill else seg.start
+            is_prefill = i < len(prefill)
+            # Row of the chunk's last token: it predicts the next token.
+            row = seg.start + num_tokens - 1
             try:
-                if req.reference_ids and not req.generated:
+                if is_prefill and req.prompt_logprobs >= 0:
+                    self._add_prompt_logprobs(req, logits, seg.start, start, num_tokens)
+                if is_prefill and start + num_tokens < len(req.prompt_ids):
+                    continue  # more chunks to come: no token yet
+                if req.reference_ids and is_prefill:
                     rows = logits[row : row + len(req.reference_ids)]
                     target = torch.tensor(req.reference_ids, device=rows.device)
                     req.inference_loss = float(F.cross_entropy(rows, target))
-                if req.prompt_logprobs >= 0 and not req.generated:
-                    # rows [num_prompt - 1, vocab]: position i predicts prompt[i + 1]
-                    rows = logits[seg.start : seg.start + num_prompt - 1]
-                    req.prompt_logprob_entries = [
-                        token_logprob(r, t, req.prompt_logprobs)
-                        for r, t in zip(rows, req.prompt_ids[1:], strict=True)
-                    ]
                 token = sample_next(logits[row], req, self.eos_id)
                 if req.top_logprobs >= 0:
                     req.logprobs.append(token_logprob(logits[row], token, req.top_logprobs))
@@ -233,6 +294,19 @@ class InferenceRunner:
             elif len(req.generated) >= req.max_tokens:
                 req.finish_reason = FINISH_LENGTH
         return stopped
+
+    @staticmethod
+    def _add_prompt_logprobs(
+        req: GenRequest, logits: torch.Tensor, first_row: int, start: int, num_tokens: int
+    ) -> None:
+        """Append the prompt logprobs of one chunk: the row at prompt position i
+        predicts prompt[i + 1], so the prompt's last position gives none."""
+        num_rows = min(num_tokens, len(req.prompt_ids) - 1 - start)
+        rows = logits[first_row : first_row + num_rows]  # [num_rows, vocab]
+        targets = req.prompt_ids[start + 1 : start + 1 + num_rows]
+        req.prompt_logprob_entries.extend(
+            token_logprob(r, t, req.prompt_logprobs) for r, t in zip(rows, targets, strict=True)
+        )
 
     def generate_alone(self, req: GenRequest) -> list[int]:
         """Prefill then decode `req` by itself to completion (tests, benchmarks)."""

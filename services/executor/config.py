@@ -145,23 +145,8 @@ class ExecutorConfig(CommonServiceConfig):
         check_finite("train_slice_s", self.train_slice_s, allow_zero=True)
 
     def _check_torch_engine_knobs(self) -> None:
-        """The torch backend executes the v1 engine's work only (so far)."""
-        if self.num_micro_batches != 1:
-            # InferenceRunner keys its stage-to-stage carry per iteration and KV per
-            # request, but keeps ONE node-wide list of sampling failures that every
-            # stage thread takes after its item: with several iterations in flight,
-            # stage 0's thread could take (and report) another micro-batch's failures.
-            raise ValueError(
-                "num_micro_batches (--micro-batches, LEMIX_NUM_MICRO_BATCHES) must be 1 with "
-                "the torch backend: it runs one inference iteration in flight per node "
-                "(use the emulated backend for micro-batches)"
-            )
-        if self.prefill_token_budget != 0:
-            raise ValueError(
-                "prefill_token_budget (--prefill-token-budget, LEMIX_PREFILL_TOKEN_BUDGET) must "
-                "be off with the torch backend: it cannot execute chunked prefill yet "
-                "(use the emulated backend)"
-            )
+        """What of engine v2 the torch backend cannot execute yet (micro-batches
+        and chunked prefill it runs: `lemix.model.runner`)."""
         if self.train_slice_s != 0:
             raise ValueError(
                 "train_slice_s (--train-slice-s, LEMIX_TRAIN_SLICE_S) must be off with the "
@@ -413,8 +398,7 @@ _OPTIONS: tuple[Option, ...] = (
         "--micro-batches",
         "LEMIX_NUM_MICRO_BATCHES",
         micro_batches,
-        "inference micro-batches in flight per node (auto or 0 = one per stage; "
-        "emulated backend only for now)",
+        "inference micro-batches in flight per node (auto or 0 = one per stage)",
         "N|auto",
     ),
     Option(
@@ -423,7 +407,7 @@ _OPTIONS: tuple[Option, ...] = (
         "LEMIX_PREFILL_TOKEN_BUDGET",
         token_budget,
         "chunked prefill: tokens per iteration (off or 0 = whole prompts; auto or -1 = "
-        "the profile's default; emulated backend only for now)",
+        "the profile's default)",
         "TOKENS|auto|off",
     ),
     Option(

@@ -63,9 +63,9 @@ def test_offload_then_reload_gives_identical_next_token_logits() -> None:
     captured: list[torch.Tensor] = []
     real_sample = runner._sample
 
-    def sample(logits, prefill, decode, segments):  # type: ignore[no-untyped-def]
+    def sample(logits, *rest):  # type: ignore[no-untyped-def]
         captured.append(logits.clone())
-        return real_sample(logits, prefill, decode, segments)
+        return real_sample(logits, *rest)
 
     runner._sample = sample  # type: ignore[method-assign]
 

@@ -4,14 +4,18 @@ The node engine still decides what runs where and when (the same engine the
 simulator and the emulated executor run); this backend executes each
 `StageStart` for real on its stage's device:
 
-* ``iter``  — one inference iteration's share on that stage (`InferenceRunner`);
-  the last stage samples and reports end-of-sequence stops to the engine;
+* ``iter``  — one inference iteration's share on that stage (`InferenceRunner`):
+  its decodes and prefill chunks (engine v2's chunked prefill; whole prompts
+  without a budget); the last stage samples and reports end-of-sequence stops
+  to the engine;
 * ``fwd`` / ``bwd`` — a training task's forward / backward + optimizer step
   on that stage (`PipelineTrainer`);
 * ``block`` — a weight save or load of that stage's parameters (safetensors).
 
 Each stage has one worker thread, so a stage runs one thing at a time (the
-engine's contract) while different stages overlap, as on separate GPUs.
+engine's contract) while different stages overlap, as on separate GPUs:
+with engine v2's micro-batches, stage 0 may run one micro-batch's iteration
+while stage 1 runs another's (the runner keeps them apart, see its docstring).
 Before an iteration the backend mirrors the engine's KV offload decisions:
 requests the engine swapped out get their KV moved to host memory.
 """
@@ -234,7 +238,10 @@ class TorchBackend:
             iteration: Any = start.work
             prefill = [r.task.task_id for r in iteration.prefill]
             decode = [r.task.task_id for r in iteration.decode]
-            return lambda: self._run_iteration(stage, id(iteration), prefill, decode)
+            spans = list(iteration.prefill_spans)  # chunked prefill; () = whole prompts
+            # id(): the engine holds the Iteration until its last stage is done,
+            # so no two iterations in flight (micro-batches) share one.
+            return lambda: self._run_iteration(stage, id(iteration), prefill, decode, spans)
         if start.kind == WorkKind.FORWARD:
             task: Task = start.work  # type: ignore[assignment]
             samples = self._samples.get(task.task_id, []) if stage == 0 else []
@@ -248,12 +255,20 @@ class TorchBackend:
         return lambda: self._sync_stage(stage, job)
 
     def _run_iteration(
-        self, stage: int, iteration: int, prefill: list[str], decode: list[str]
+        self,
+        stage: int,
+        iteration: int,
+        prefill: list[str],
+        decode: list[str],
+        spans: list[tuple[int, int]],
     ) -> Sequence[str]:
+        is_last = stage == self.staged.num_stages - 1
         try:
-            stopped = self.runner.run_stage(stage, iteration, prefill, decode)
-            failures = self.runner.take_failures()
-            if stage == self.staged.num_stages - 1 and self._on_inference_loss is not None:
+            stopped = self.runner.run_stage(stage, iteration, prefill, decode, prefill_spans=spans)
+            # Only the last stage samples, so only its thread takes the failures:
+            # with micro-batches another stage's thread runs at the same time.
+            failures = self.runner.take_failures() if is_last else {}
+            if is_last and self._on_inference_loss is not None:
                 for key in prefill:
                     req = self.runner.requests.get(key)
                     if key not in failures and req is not None and req.inference_loss is not None:

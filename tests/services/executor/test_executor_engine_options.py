@@ -1,5 +1,6 @@
 """The executor's engine v2 options (issue 9): flags and LEMIX_* variables into
-the node's EngineConfig, and the torch backend refusing what it cannot run."""
+the node's EngineConfig, and the torch backend refusing what it cannot run
+(training slices; it runs micro-batches and chunked prefill)."""
 
 from __future__ import annotations
 
@@ -71,26 +72,39 @@ def test_bad_values_name_the_option(env: str, value: str, match: str) -> None:
         _config(**{env: value})
 
 
+def test_torch_backend_refuses_what_it_cannot_execute() -> None:
+    with pytest.raises(ValueError, match="LEMIX_TRAIN_SLICE_S.*torch backend"):
+        _config(LEMIX_EXECUTOR_BACKEND="torch", LEMIX_TRAIN_SLICE_S="0.01")
+
+
 @pytest.mark.parametrize(
-    ("env", "value", "names"),
-    [
-        ("LEMIX_NUM_MICRO_BATCHES", "2", "LEMIX_NUM_MICRO_BATCHES"),
-        ("LEMIX_NUM_MICRO_BATCHES", "auto", "LEMIX_NUM_MICRO_BATCHES"),
-        ("LEMIX_PREFILL_TOKEN_BUDGET", "256", "LEMIX_PREFILL_TOKEN_BUDGET"),
-        ("LEMIX_PREFILL_TOKEN_BUDGET", "auto", "LEMIX_PREFILL_TOKEN_BUDGET"),
-        ("LEMIX_TRAIN_SLICE_S", "0.01", "LEMIX_TRAIN_SLICE_S"),
-    ],
+    ("micro_batches", "budget", "want"),
+    [("1", "off", (1, None)), ("2", "256", (2, 256)), ("auto", "auto", (None, "auto"))],
 )
-def test_torch_backend_refuses_what_it_cannot_execute(env: str, value: str, names: str) -> None:
-    with pytest.raises(ValueError, match=f"{names}.*torch backend"):
-        _config(LEMIX_EXECUTOR_BACKEND="torch", **{env: value})
-
-
-def test_torch_backend_accepts_the_v1_values() -> None:
+def test_torch_backend_runs_micro_batches_and_chunked_prefill(
+    micro_batches: str, budget: str, want: tuple[int | None, int | str | None]
+) -> None:
     config = _config(
         LEMIX_EXECUTOR_BACKEND="torch",
-        LEMIX_NUM_MICRO_BATCHES="1",
-        LEMIX_PREFILL_TOKEN_BUDGET="off",
+        LEMIX_NUM_MICRO_BATCHES=micro_batches,
+        LEMIX_PREFILL_TOKEN_BUDGET=budget,
         LEMIX_TRAIN_SLICE_S="off",
     )
-    assert config.backend == "torch" and config.num_micro_batches == 1
+    profile = make_profile()
+    engine = config.engine_config(profile)
+    want_budget = default_prefill_token_budget(profile) if want[1] == "auto" else want[1]
+    assert config.backend == "torch"
+    assert (engine.num_micro_batches, engine.prefill_token_budget) == (want[0], want_budget)
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "match"),
+    [
+        ("LEMIX_NUM_MICRO_BATCHES", "-1", "num_micro_batches"),
+        ("LEMIX_PREFILL_TOKEN_BUDGET", "-2", "prefill_token_budget"),
+        ("LEMIX_PREFILL_TOKEN_BUDGET", "big", "LEMIX_PREFILL_TOKEN_BUDGET"),
+    ],
+)
+def test_torch_backend_still_refuses_bad_values(env: str, value: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ExecutorConfig.from_env_and_args([], env={"LEMIX_EXECUTOR_BACKEND": "torch", env: value})

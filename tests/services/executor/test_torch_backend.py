@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -261,12 +262,12 @@ async def test_a_failing_iteration_ends_its_requests_failed_internal() -> None:
     await node.start()
     real = backend.runner.run_stage
 
-    def broken(stage: int, iteration: int, prefill: list, decode: list) -> list:
+    def broken(stage: int, iteration: int, prefill: list, decode: list, **kw: Any) -> list:
         if stage == 1 and "bad" in prefill:
             raise RuntimeError("boom")
-        return real(stage, iteration, prefill, decode)
+        return real(stage, iteration, prefill, decode, **kw)
 
-    backend.runner.run_stage = broken  # type: ignore[method-assign]
+    backend.runner.run_stage = broken  # type: ignore[method-assign,assignment]
     node.dispatch(make_request("bad", 0.0, 5, 4), TaskPayload(prompt_token_ids=_prompt(5, 1)))
     await sink.wait_for({"bad"})
     node.dispatch(make_request("ok", 0.0, 5, 3), TaskPayload(prompt_token_ids=_prompt(5, 2)))
