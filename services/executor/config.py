@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lemix.batching import BatchingConfig
-from lemix.engine import EngineConfig, default_prefill_token_budget
+from lemix.engine import EngineConfig
 from lemix.infra import settings
 from lemix.infra.config import COMMON_CLI_DEFAULTS, EXECUTOR, CommonServiceConfig, common_options
+from lemix.infra.engine_options import ENGINE_OPTIONS, EngineKnobs
 from lemix.infra.settings import Option, boolean, check_finite
 from lemix.memory import MemoryConfig
 from lemix.profile import Profile
@@ -31,25 +32,6 @@ BACKENDS = ("emulated", "torch")
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
 _MAX_NODE_ID = (1 << 32) - 1  # NodeState.node_id is a uint32 on the wire
 _TTL_PER_HEARTBEAT = 3.0  # docs/protocol.md: heartbeat TTL defaults to 3x the period
-AUTO_PREFILL_TOKEN_BUDGET = -1  # prefill_token_budget: the profile's default
-
-
-def micro_batches(text: str) -> int:
-    """N, or "auto" (0: one per stage)."""
-    return 0 if text.strip().lower() == "auto" else int(text)
-
-
-def token_budget(text: str) -> int:
-    """TOKENS, "off" (0: whole prompts) or "auto" (-1: the profile's default)."""
-    lowered = text.strip().lower()
-    if lowered == "off":
-        return 0
-    return AUTO_PREFILL_TOKEN_BUDGET if lowered == "auto" else int(text)
-
-
-def slice_seconds(text: str) -> float:
-    """Seconds, or "off" (0: whole training passes)."""
-    return 0.0 if text.strip().lower() == "off" else float(text)
 
 
 @dataclass(frozen=True)
@@ -94,9 +76,10 @@ class ExecutorConfig(CommonServiceConfig):
     # Engine v2 (lemix.engine.EngineConfig; issue 9). The defaults are the v1
     # engine; sentinels, not None, because a flag parsed to None counts as not
     # given (lemix.infra.settings).
-    num_micro_batches: int = 1  # inference micro-batches in flight; 0 = one per stage
-    prefill_token_budget: int = 0  # tokens per iteration; 0 = off (whole prompts), -1 = auto
-    train_slice_s: float = 0.0  # longest piece of a training pass, profile s; 0 = off
+    num_micro_batches: int = EngineKnobs().num_micro_batches  # 0 = one per stage
+    prefill_token_budget: int = EngineKnobs().prefill_token_budget  # 0 = off, -1 = auto
+    train_slice_s: float = EngineKnobs().train_slice_s  # profile s; 0 = off
+    batch_cap: str = EngineKnobs().batch_cap  # node | micro-batch
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -121,7 +104,7 @@ class ExecutorConfig(CommonServiceConfig):
             raise ValueError(f"weight_sync_dir must name a directory, got {self.weight_sync_dir!r}")
         self._check_engine_knobs()
         # batching/memory ranges are checked by their own configs
-        self._engine_config(prefill_token_budget=None)
+        self._engine_config(None)
         if self.backend == "torch":
             if self.time_scale != 1.0:
                 raise ValueError(
@@ -132,17 +115,13 @@ class ExecutorConfig(CommonServiceConfig):
             self.torch_config()
 
     def _check_engine_knobs(self) -> None:
-        if self.num_micro_batches < 0:
-            raise ValueError(
-                f"num_micro_batches must be >= 1, or 0 (auto: one per stage), "
-                f"got {self.num_micro_batches}"
-            )
-        if self.prefill_token_budget < AUTO_PREFILL_TOKEN_BUDGET:
-            raise ValueError(
-                f"prefill_token_budget must be >= 1 tokens, 0 (off) or -1 (auto), "
-                f"got {self.prefill_token_budget}"
-            )
-        check_finite("train_slice_s", self.train_slice_s, allow_zero=True)
+        self.engine_knobs()  # their own range checks
+
+    def engine_knobs(self) -> EngineKnobs:
+        """The engine v2 options (shared with the scheduler: lemix.infra.engine_options)."""
+        return EngineKnobs(
+            self.num_micro_batches, self.prefill_token_budget, self.train_slice_s, self.batch_cap
+        )
 
     def _check_torch_engine_knobs(self) -> None:
         """What of engine v2 the torch backend cannot execute yet (micro-batches
@@ -183,19 +162,14 @@ class ExecutorConfig(CommonServiceConfig):
     def engine_config(self, profile: Profile) -> EngineConfig:
         """The node engine's config (streaming executors need every token);
         `profile` resolves an auto prefill token budget."""
-        budget: int | None = self.prefill_token_budget or None
-        if self.prefill_token_budget == AUTO_PREFILL_TOKEN_BUDGET:
-            budget = default_prefill_token_budget(profile)
-        return self._engine_config(prefill_token_budget=budget)
+        return self._engine_config(profile)
 
-    def _engine_config(self, *, prefill_token_budget: int | None) -> EngineConfig:
+    def _engine_config(self, profile: Profile | None) -> EngineConfig:
         return EngineConfig(
             batching=BatchingConfig(self.max_batch_size, self.join_window_s),
             memory=MemoryConfig(self.kappa, self.max_wait_s, self.is_offload_enabled),
             emit_tokens=True,
-            num_micro_batches=self.num_micro_batches or None,
-            prefill_token_budget=prefill_token_budget,
-            max_training_slice_s=self.train_slice_s or None,
+            **self.engine_knobs().resolve(profile),
         )
 
     def advertised_host(self, fallback_host: str) -> str:
@@ -393,32 +367,7 @@ _OPTIONS: tuple[Option, ...] = (
         "torch: intra-op threads (0 = default)",
         "N",
     ),
-    Option(
-        "num_micro_batches",
-        "--micro-batches",
-        "LEMIX_NUM_MICRO_BATCHES",
-        micro_batches,
-        "inference micro-batches in flight per node (auto or 0 = one per stage)",
-        "N|auto",
-    ),
-    Option(
-        "prefill_token_budget",
-        "--prefill-token-budget",
-        "LEMIX_PREFILL_TOKEN_BUDGET",
-        token_budget,
-        "chunked prefill: tokens per iteration (off or 0 = whole prompts; auto or -1 = "
-        "the profile's default)",
-        "TOKENS|auto|off",
-    ),
-    Option(
-        "train_slice_s",
-        "--train-slice-s",
-        "LEMIX_TRAIN_SLICE_S",
-        slice_seconds,
-        "longest piece of a training pass on a stage, profile s (off or 0 = whole passes; "
-        "emulated backend only for now)",
-        "S|off",
-    ),
+    *ENGINE_OPTIONS,
 )
 
 # `python -m services.executor` serves metrics unless told not to.

@@ -47,6 +47,15 @@ def test_flags_beat_variables_and_auto_off_words() -> None:
     assert engine.prefill_token_budget is None and engine.max_training_slice_s is None
 
 
+def test_batch_cap_variable_and_flag() -> None:
+    assert not _config().engine_config(make_profile()).is_batch_cap_per_micro_batch
+    config = _config(LEMIX_BATCH_CAP="micro-batch", LEMIX_NUM_MICRO_BATCHES="auto")
+    assert config.engine_config(make_profile()).is_batch_cap_per_micro_batch
+    assert _config(["--batch-cap", "node"], LEMIX_BATCH_CAP="micro-batch").batch_cap == "node"
+    with pytest.raises(ValueError, match="LEMIX_BATCH_CAP"):
+        _config(LEMIX_BATCH_CAP="each")
+
+
 def test_prefill_budget_auto_is_the_engines_profile_default() -> None:
     config = _config(LEMIX_PREFILL_TOKEN_BUDGET="auto")
     assert config.prefill_token_budget == -1  # resolved once the profile is known
