@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
@@ -33,7 +34,9 @@ from typing import Any
 import numpy as np
 
 import lemix.harness.replay
+from lemix.cli.engine_args import add_engine_args, engine_knobs
 from lemix.harness.replay import ReplayConfig, run_replay
+from lemix.infra.engine_options import EngineKnobs
 from lemix.profile import Profile, default_profile_path, load_profile
 from lemix.report.metrics import format_table
 from lemix.sim.run import SimRunConfig, run_simulation
@@ -117,6 +120,7 @@ async def run_live(
             time_scale=1.0,
             latency_noise_cv=args.noise_cv,
             train_rate=args.train_rate,
+            engine=args.engine,
             log_dir=Path(tmp) / "logs",
             extra_env={
                 "LEMIX_SLO_TTFT_S": repr(slo.ttft_s),
@@ -295,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--drain-timeout-s", type=float, default=120.0)
     parser.add_argument("--json", metavar="PATH")
+    add_engine_args(parser)  # the same engine v2 flags as `lemix sim`, given to both runs
     args = parser.parse_args(argv)
     profile: Profile = load_profile(args.profile)
     wl, source = make_workload(args)
@@ -311,7 +316,16 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         latency_noise_cv=args.noise_cv,
         train_rate=args.train_rate,
+        **engine_knobs(args, profile),
     )
+    engine = sim_config.engine_config(slo)  # knobs resolved (an auto slice needs the SLO)
+    args.engine = EngineKnobs(
+        engine.num_micro_batches or 0,
+        engine.prefill_token_budget or 0,
+        engine.max_training_slice_s or 0.0,
+        "micro-batch" if engine.is_batch_cap_per_micro_batch else "node",
+    )
+    print(f"engine: {args.engine}")
     sim, sim_result = run_simulation(
         sim_config, profile, tasks, request_rate=args.rate, duration_s=wl.duration_s, slo=slo
     )
@@ -422,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                     "num_nodes": args.nodes,
                     "policy": args.policy,
                     "noise_cv": args.noise_cv,
+                    "engine": dataclasses.asdict(args.engine),
                     "profile": profile.name,
                     "slo": {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s},
                     "targets": {"slo_pp": TARGET_PP, "throughput_pct": TARGET_PCT},
