@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from lemix.memory import dynamic_bytes, threshold_bytes
@@ -30,7 +30,7 @@ from lemix.planner.snapshot import (
     view_from_state,
     view_to_state,
 )
-from lemix.planner.trace import NodeView, Prediction, compute_idleness
+from lemix.planner.trace import NodeView, Prediction, TaskCosts, compute_idleness
 from lemix.profile import MemoryProfile
 from lemix.reasons import NEVER_FITS, ReasonCode, format_reason
 from lemix.types import Decision, Deferral, Placement, Rejection, Task, TaskKind, WeightSync
@@ -273,12 +273,28 @@ class Planner:
     def _candidates(self, task: Task, now_s: float) -> dict[int, Prediction]:
         if not self.policy.needs_prediction:
             return {}
-        predictions = {}
-        for view in self.views:
-            costs = self.estimator.costs(view, task, now_s)
-            decode = self.estimator.decode_load(view, now_s)
-            predictions[view.node_id] = compute_idleness(view, task, now_s, costs, decode)
-        return predictions
+        return {view.node_id: self._predict(view, task, now_s) for view in self.views}
+
+    def _predict(self, view: NodeView, task: Task, now_s: float) -> Prediction:
+        """Algorithm 1 for `task` on `view`, with an inference response that
+        knows training slices (see `_sliced_response_s`)."""
+        costs = self.estimator.costs(view, task, now_s)
+        prediction = compute_idleness(
+            view, task, now_s, costs, self.estimator.decode_load(view, now_s)
+        )
+        if task.is_training or self.config.max_training_slice_s is None:
+            return prediction
+        response_s = min(prediction.response_s, self._sliced_response_s(view, costs))
+        return replace(prediction, response_s=response_s)
+
+    def _sliced_response_s(self, view: NodeView, costs: TaskCosts) -> float:
+        """An inference's response when training runs in slices: inference goes
+        first at every slice boundary, so a request waits behind at most one
+        slice per stage, not behind the training that Algorithm 1's FIFO trace
+        queues ahead of it (the trace itself is kept: idleness still counts it)."""
+        slice_s = self.config.max_training_slice_s or 0.0
+        stall_s = view.num_stages * slice_s if view.training_tasks else 0.0
+        return costs.start_delay_s + sum(costs.forward_s) + stall_s
 
     def _rank(self, task: Task, now_s: float, context: PolicyContext) -> list[Ranked]:
         ranked = self.policy.rank(task, self.views, self._candidates(task, now_s), context)
@@ -386,10 +402,7 @@ class Planner:
             num_prompt_tokens=max(1, round(self._inference_len_mean)),
             max_output_tokens=max(1, round(self._inference_out_mean)),
         )
-        costs = self.estimator.costs(view, probe, now_s)
-        prediction = compute_idleness(
-            view, probe, now_s, costs, self.estimator.decode_load(view, now_s)
-        )
+        prediction = self._predict(view, probe, now_s)
         headroom = self.config.slo_headroom
         return (
             prediction.response_s > headroom * self.config.slo_ttft_s

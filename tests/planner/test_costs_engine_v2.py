@@ -114,3 +114,30 @@ def test_training_slices_bound_the_stall_an_inference_iteration_sees() -> None:
     assert mean_item_s > 0.02
     # The stall term is S · u · w with w = one slice instead of the whole item.
     assert whole - sliced == pytest.approx(2 * busy_fraction * (mean_item_s - 0.02))
+
+
+def test_with_slices_an_inference_waits_one_slice_not_the_queued_training() -> None:
+    # One node, a long training task queued on it: Algorithm 1's FIFO trace
+    # puts the next request's forward after the training forward; the engine
+    # (inference first at every slice boundary) makes it wait one slice per
+    # stage at most, and that is what the planner now predicts.
+    from factories import make_planner
+
+    from lemix.types import Placement
+
+    def response_after_training(slice_s: float | None) -> float:
+        planner = make_planner("lemix", num_nodes=1, profile=PROFILE, max_training_slice_s=slice_s)
+        planner.submit(make_training("t0", 0.0, 1000), 0.0)
+        assert any(isinstance(d, Placement) for d in planner.plan(0.0))
+        request = make_request("r0", 0.0, 100, 10)
+        view = planner.views[0]
+        return planner._predict(view, request, 0.0).response_s
+
+    trace_s = response_after_training(None)
+    sliced_s = response_after_training(0.01)
+    # The training forward is 1000 tokens x 0.1 ms per stage: 0.1 s ahead in
+    # the trace at each stage; with slices the request waits 2 x 0.01 s.
+    assert trace_s > 0.1
+    costs = estimator().costs(view_with(0), make_request("r0", 0.0, 100, 10), 0.0)
+    assert sliced_s == pytest.approx(sum(costs.forward_s) + 2 * 0.01, rel=0.05)
+    assert sliced_s < trace_s
