@@ -145,7 +145,7 @@ class ExecutorConfig(CommonServiceConfig):
         check_finite("train_slice_s", self.train_slice_s, allow_zero=True)
 
     def _check_torch_engine_knobs(self) -> None:
-        """The torch backend executes the v1 engine's work only (so far)."""
+        """Engine v2 knobs the torch backend cannot execute yet (training slices it can)."""
         if self.num_micro_batches != 1:
             # InferenceRunner keys its stage-to-stage carry per iteration and KV per
             # request, but keeps ONE node-wide list of sampling failures that every
@@ -160,12 +160,6 @@ class ExecutorConfig(CommonServiceConfig):
             raise ValueError(
                 "prefill_token_budget (--prefill-token-budget, LEMIX_PREFILL_TOKEN_BUDGET) must "
                 "be off with the torch backend: it cannot execute chunked prefill yet "
-                "(use the emulated backend)"
-            )
-        if self.train_slice_s != 0:
-            raise ValueError(
-                "train_slice_s (--train-slice-s, LEMIX_TRAIN_SLICE_S) must be off with the "
-                "torch backend: it cannot execute training in slices yet "
                 "(use the emulated backend)"
             )
 

@@ -78,7 +78,6 @@ def test_bad_values_name_the_option(env: str, value: str, match: str) -> None:
         ("LEMIX_NUM_MICRO_BATCHES", "auto", "LEMIX_NUM_MICRO_BATCHES"),
         ("LEMIX_PREFILL_TOKEN_BUDGET", "256", "LEMIX_PREFILL_TOKEN_BUDGET"),
         ("LEMIX_PREFILL_TOKEN_BUDGET", "auto", "LEMIX_PREFILL_TOKEN_BUDGET"),
-        ("LEMIX_TRAIN_SLICE_S", "0.01", "LEMIX_TRAIN_SLICE_S"),
     ],
 )
 def test_torch_backend_refuses_what_it_cannot_execute(env: str, value: str, names: str) -> None:
@@ -94,3 +93,8 @@ def test_torch_backend_accepts_the_v1_values() -> None:
         LEMIX_TRAIN_SLICE_S="off",
     )
     assert config.backend == "torch" and config.num_micro_batches == 1
+
+
+def test_torch_backend_runs_training_in_slices() -> None:
+    config = _config(LEMIX_EXECUTOR_BACKEND="torch", LEMIX_TRAIN_SLICE_S="0.01")
+    assert config.engine_config(make_profile()).max_training_slice_s == 0.01
