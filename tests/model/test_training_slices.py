@@ -251,3 +251,17 @@ def test_slices_out_of_order_are_refused() -> None:
     trainer.forward(1, "w")
     with pytest.raises(RuntimeError, match="sliced forward"):
         trainer.backward(1, "w", part=(1, 2))
+
+
+def test_discarding_a_task_between_slices_releases_its_graphs() -> None:
+    trainer = _trainer()
+    for s in (0, 1):
+        trainer.forward(s, "t", [SAMPLE] if s == 0 else [], part=(0, 1))
+    trainer.backward(1, "t", part=(1, 2))  # stage 1's upper group stepped, the rest pending
+    trainer.discard("t")
+    assert not trainer._sliced and not trainer._grads and not trainer._packed
+    for stash in trainer.stashes:
+        assert not any(stash._live.values()) and not any(stash._snapshots.values())
+    # The stages train on; num_steps counts completed passes only.
+    assert _train(trainer, "u", SAMPLE, (2, 2), (2, 2)) is not None
+    assert trainer.num_steps == [1, 1]
