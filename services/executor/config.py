@@ -426,7 +426,7 @@ _OPTIONS: tuple[Option, ...] = (
         "LEMIX_TRAIN_SLICE_S",
         slice_seconds,
         "longest piece of a training pass on a stage, profile s (off or 0 = whole passes; "
-        "emulated backend only for now)",
+        "emulated and torch backends; on torch a slice clips its layer group's gradient norm)",
         "S|off",
     ),
 )
