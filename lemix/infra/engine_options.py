@@ -79,7 +79,8 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
         "--train-slice-s",
         "LEMIX_TRAIN_SLICE_S",
         slice_seconds,
-        "longest piece of a training pass on a stage, profile s (off or 0 = whole passes)",
+        "longest piece of a training pass on a stage, profile s (off or 0 = whole passes; "
+        "on torch a slice clips its layer group's gradient norm)",
         "S|off",
     ),
     Option(

@@ -103,9 +103,31 @@ class Stage:
         Returns hidden [1, N, hidden], or logits [1, N, vocab] on the last stage.
         Appends each segment's first `num_cached` K/V to its cache.
         """
+        return self.forward_part(
+            inputs, positions, segments, self.layers, embed=self.is_first, head=self.is_last
+        )
+
+    def forward_part(
+        self,
+        inputs: torch.Tensor,
+        positions: torch.Tensor,
+        segments: Sequence[Segment],
+        layers: range,
+        *,
+        embed: bool,
+        head: bool,
+    ) -> torch.Tensor:
+        """Part of `forward`: the embedding (if `embed`), `layers` (a sub-range of
+        this stage's, model-wide indices), then the head (if `head`).
+
+        Training in slices runs a stage this way, a layer group at a time
+        (`lemix.model.training`); inputs are ids [N] when `embed`, else hidden.
+        Segments with a KV cache go through `forward` only: each call advances
+        their cache lengths, so parts would count their tokens once per part.
+        """
         inputs = inputs.to(self.device)
         positions = positions.to(self.device)
-        x = self.family.embed(inputs, positions) if self.is_first else inputs
+        x = self.family.embed(inputs, positions) if embed else inputs
         caches = [self.kv.get(s.cache_key) if s.cache_key is not None else None for s in segments]
         past = [c.length if c is not None else 0 for c in caches]
 
@@ -113,12 +135,12 @@ class Stage:
             local = layer - self.layers.start
             return ragged_attention(q, k, v, segments, caches, past, local, self._scales[local])
 
-        for i in self.layers:
+        for i in layers:
             x = self.family.layer_forward(i, x, positions, attend)
         for seg, cache in zip(segments, caches, strict=True):
             if cache is not None:
                 cache.length += seg.num_cached
-        return self.family.head(x) if self.is_last else x
+        return self.family.head(x) if head else x
 
 
 # Decode steps batched into one attention call from this many on; fewer run

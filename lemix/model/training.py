@@ -11,19 +11,39 @@ Each stage steps its own AdamW right after its backward (as PipeDream and
 1F1B schedules do per micro-batch), clipping that stage's gradient norm; a
 global-norm clip would need every stage's gradients before any stage steps.
 Weight stashing (`lemix.model.stash`) keeps in-flight backwards exact.
+
+Slices (the engine's `TrainingSlice`, see "Training slices" in
+`lemix.engine_groups`): a pass given as ``part=(index, count)`` runs only
+layer group `index` of `count` equal groups of the stage's layers (the
+embedding belongs to group 0, the head and loss to group count - 1), so the
+stage can serve inference iterations between slices. A sliced forward keeps
+one graph piece per *unit* (the embedding, each layer, the head), each unit's
+input a leaf requiring grad, so a backward can run in slices of any count,
+not only the forward's (the engine sizes each from its own duration):
+backward slice i backpropagates group i's units from the gradient group
+i + 1 left, then steps the optimizer on group i's parameters only
+(optimizer-in-backward; their gradients are final, the units' parameters are
+disjoint). The gradients equal the unsliced ones; so do the updated weights,
+except when clipping cuts in: a slice clips its own group's norm to
+`max_grad_norm` (the rest of the stage's gradient does not exist yet). The
+stash copies a group's weights only for other tasks' live graphs that saved
+them, never for the same task's later slices (they use other groups' weights).
+Inference between backward slices sees the groups stepped so far, as it sees
+the stages a whole-pass backward has already stepped.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from lemix.model.staged import Segment, StagedModel
-from lemix.model.stash import WeightStash
+from lemix.model.families import Family
+from lemix.model.staged import Segment, Stage, StagedModel
+from lemix.model.stash import Recording, WeightStash
 
 
 @dataclass(frozen=True)
@@ -58,7 +78,26 @@ class Sample:
 class _Graph:
     inputs: torch.Tensor  # stage input (ids on stage 0; a leaf requiring grad elsewhere)
     output: torch.Tensor
-    epoch: int
+    recording: Recording
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """A piece of a stage a sliced pass cuts its graph at."""
+
+    layers: range  # model-wide layer indices (empty for the embedding / head)
+    embed: bool = False
+    head: bool = False  # the head and the loss
+
+
+@dataclass
+class _SlicedPass:
+    """One task's training pass on one stage, run in slices: a graph per unit."""
+
+    stage_input: torch.Tensor  # ids on stage 0; a leaf requiring grad elsewhere
+    pieces: list[_Graph | None] = field(default_factory=list)  # per unit done forward
+    num_pending: int = 0  # units (a prefix) not backpropagated yet
+    grad: torch.Tensor | None = None  # grad of unit `num_pending`'s input
 
 
 @dataclass
@@ -95,6 +134,21 @@ def pack_samples(samples: Sequence[Sample]) -> _Packed:
     )
 
 
+def unit_group(num_units: int, num_layers: int, has_embed: bool, index: int, count: int) -> range:
+    """Units of layer group `index` of `count` on a stage (units in order: the
+    embedding if `has_embed`, its `num_layers` layers, the head if any).
+
+    Layers split as evenly as possible; with more groups than layers some hold
+    none (an empty slice). The embedding belongs to group 0, the head to the last.
+    """
+    if not 0 <= index < count:
+        raise ValueError(f"slice index must be in [0, {count}), got {index}")
+    offset = 1 if has_embed else 0
+    start = 0 if index == 0 else offset + index * num_layers // count
+    stop = num_units if index == count - 1 else offset + (index + 1) * num_layers // count
+    return range(start, stop)
+
+
 class PipelineTrainer:
     """Optimizers and in-flight graphs of one node's staged model."""
 
@@ -111,16 +165,33 @@ class PipelineTrainer:
             for stage in staged.stages
         ]
         self.stashes = [WeightStash(stage.parameters()) for stage in staged.stages]
-        self.num_steps = [0] * staged.num_stages
+        self.num_steps = [0] * staged.num_stages  # completed backward passes per stage
+        self._units = [_stage_units(stage) for stage in staged.stages]
+        self._unit_params = [
+            _unit_params(staged.family, stage, units)
+            for stage, units in zip(staged.stages, self._units, strict=True)
+        ]
         self._graphs: dict[tuple[str, int], _Graph] = {}
+        self._sliced: dict[tuple[str, int], _SlicedPass] = {}
         self._packed: dict[str, _Packed] = {}
         self._grads: dict[tuple[str, int], torch.Tensor] = {}  # grad of stage s's input
         self._losses: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def forward(self, stage_index: int, key: str, samples: Sequence[Sample] = ()) -> None:
-        """Training forward of task `key` on one stage (samples on stage 0)."""
+    def forward(
+        self,
+        stage_index: int,
+        key: str,
+        samples: Sequence[Sample] = (),
+        part: tuple[int, int] | None = None,
+    ) -> None:
+        """Training forward of task `key` on one stage (samples on stage 0):
+        the whole stage, or with `part` = (index, count) its layer group
+        `index` of `count` (groups in order 0..count-1; samples with group 0)."""
         stage = self.staged.stages[stage_index]
+        if part is not None:
+            self._forward_slice(stage_index, key, samples, *part)
+            return
         if stage.is_first:
             packed = pack_samples(samples)
             with self._lock:
@@ -128,33 +199,45 @@ class PipelineTrainer:
             inputs = packed.ids
         else:
             packed = self._packed[key]
-            prev = self._graphs[(key, stage_index - 1)].output
+            prev = self._stage_output(key, stage_index - 1)
             inputs = prev.detach().to(stage.device).requires_grad_(True)
         stash = self.stashes[stage_index]
-        with torch.enable_grad(), stash.recording() as epoch:
+        with torch.enable_grad(), stash.recording() as recording:
             output = stage.forward(inputs, packed.positions, packed.segments)
             if stage.is_last:
-                logits = output[0, packed.target_index.to(stage.device)]
-                output = F.cross_entropy(logits, packed.targets.to(stage.device))
+                output = _loss(output, packed)
         with self._lock:
-            self._graphs[(key, stage_index)] = _Graph(inputs, output, epoch)
+            self._graphs[(key, stage_index)] = _Graph(inputs, output, recording)
             if stage.is_last:
                 self._losses[key] = float(output.detach())
 
-    def backward(self, stage_index: int, key: str) -> float | None:
-        """Backward + optimizer step of task `key` on one stage.
+    def backward(
+        self, stage_index: int, key: str, part: tuple[int, int] | None = None
+    ) -> float | None:
+        """Backward + optimizer step of task `key` on one stage: the whole stage,
+        or with `part` = (index, count) its layer group `index` of `count`
+        (groups in order count-1..0, each stepping its own parameters).
 
         Returns the task's loss once stage 0 is done (the task is complete)."""
+        with self._lock:
+            graph = self._graphs.pop((key, stage_index), None)
+        if graph is None:
+            index, count = part if part is not None else (0, 1)
+            return self._backward_slice(stage_index, key, index, count)
+        if part is not None and part[1] != 1:
+            raise RuntimeError(
+                f"task {key!r}: a backward in {part[1]} slices needs a sliced forward "
+                f"on stage {stage_index}"
+            )
         stage = self.staged.stages[stage_index]
         with self._lock:
-            graph = self._graphs.pop((key, stage_index))
             grad = None if stage.is_last else self._grads.pop((key, stage_index + 1))
         if grad is None:
             graph.output.backward()
         else:
             graph.output.backward(grad.to(stage.device))
         stash = self.stashes[stage_index]
-        stash.on_backward_done(graph.epoch)
+        stash.on_backward_done(graph.recording)
         if not stage.is_first:
             with self._lock:
                 grad_in = graph.inputs.grad
@@ -162,11 +245,7 @@ class PipelineTrainer:
                     raise RuntimeError(f"stage {stage_index} input of {key!r} got no gradient")
                 self._grads[(key, stage_index)] = grad_in
         self._step(stage_index)
-        if stage.is_first:
-            with self._lock:
-                self._packed.pop(key, None)
-                return self._losses.pop(key, None)
-        return None
+        return self._on_stage_done(stage_index, key)
 
     def discard(self, key: str) -> None:
         """Drop every trace of task `key` (requeued or failed mid-pipeline)."""
@@ -174,19 +253,139 @@ class PipelineTrainer:
             for s in range(self.staged.num_stages):
                 graph = self._graphs.pop((key, s), None)
                 if graph is not None:
-                    self.stashes[s].on_backward_done(graph.epoch)
+                    self.stashes[s].on_backward_done(graph.recording)
+                sliced = self._sliced.pop((key, s), None)
+                if sliced is not None:
+                    for piece in sliced.pieces:
+                        if piece is not None:  # not backpropagated yet
+                            self.stashes[s].on_backward_done(piece.recording)
                 self._grads.pop((key, s), None)
             self._packed.pop(key, None)
             self._losses.pop(key, None)
 
-    def _step(self, stage_index: int) -> None:
-        params = self.staged.stages[stage_index].parameters()
+    def _step(self, stage_index: int, params: list[torch.nn.Parameter] | None = None) -> None:
+        """Clip and step `params` (None: the whole stage's); only they hold grads."""
+        if params is None:
+            params = self.staged.stages[stage_index].parameters()
         if self.config.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
-        self.stashes[stage_index].before_step()
+        self.stashes[stage_index].before_step(params)
         self.optimizers[stage_index].step()
         self.optimizers[stage_index].zero_grad(set_to_none=True)
+
+    def _on_stage_done(self, stage_index: int, key: str) -> float | None:
         self.num_steps[stage_index] += 1
+        if not self.staged.stages[stage_index].is_first:
+            return None
+        with self._lock:
+            self._packed.pop(key, None)
+            return self._losses.pop(key, None)
+
+    def _stage_output(self, key: str, stage_index: int) -> torch.Tensor:
+        """Output of a finished training forward on `stage_index`."""
+        with self._lock:
+            graph = self._graphs.get((key, stage_index))
+            if graph is not None:
+                return graph.output
+            sliced = self._sliced[(key, stage_index)]
+        last = sliced.pieces[-1] if sliced.pieces else None
+        if last is None or len(sliced.pieces) != len(self._units[stage_index]):
+            raise RuntimeError(f"stage {stage_index} forward of {key!r} is not finished")
+        return last.output
+
+    def _forward_slice(
+        self, stage_index: int, key: str, samples: Sequence[Sample], index: int, count: int
+    ) -> None:
+        stage = self.staged.stages[stage_index]
+        units = self._units[stage_index]
+        group = unit_group(len(units), len(stage.layers), stage.is_first, index, count)
+        with self._lock:
+            state = self._sliced.get((key, stage_index))
+        if state is None:
+            if index != 0:
+                raise RuntimeError(f"task {key!r}: forward slice {index} before slice 0")
+            if stage.is_first:
+                packed = pack_samples(samples)
+                with self._lock:
+                    self._packed[key] = packed
+                stage_input = packed.ids
+            else:
+                prev = self._stage_output(key, stage_index - 1)
+                stage_input = prev.detach().to(stage.device).requires_grad_(True)
+            state = _SlicedPass(stage_input)
+            with self._lock:
+                self._sliced[(key, stage_index)] = state
+        if group.start != len(state.pieces):
+            raise RuntimeError(
+                f"task {key!r}: forward slice {index}/{count} on stage {stage_index} out of order"
+            )
+        packed = self._packed[key]
+        stash = self.stashes[stage_index]
+        for u in group:
+            prev_piece = state.pieces[u - 1] if u else None
+            # Each unit's input is a leaf, so a backward slice can start at any unit.
+            inputs = (
+                prev_piece.output.detach().requires_grad_(True)
+                if prev_piece is not None
+                else state.stage_input
+            )
+            unit = units[u]
+            with torch.enable_grad(), stash.recording() as recording:
+                output = stage.forward_part(
+                    inputs,
+                    packed.positions,
+                    packed.segments,
+                    unit.layers,
+                    embed=unit.embed,
+                    head=unit.head,
+                )
+                if unit.head:
+                    output = _loss(output, packed)
+            state.pieces.append(_Graph(inputs, output, recording))
+            if unit.head:
+                with self._lock:
+                    self._losses[key] = float(output.detach())
+        state.num_pending = len(state.pieces)
+
+    def _backward_slice(self, stage_index: int, key: str, index: int, count: int) -> float | None:
+        stage = self.staged.stages[stage_index]
+        units = self._units[stage_index]
+        group = unit_group(len(units), len(stage.layers), stage.is_first, index, count)
+        with self._lock:
+            state = self._sliced[(key, stage_index)]
+        if len(state.pieces) != len(units) or group.stop != state.num_pending:
+            raise RuntimeError(
+                f"task {key!r}: backward slice {index}/{count} on stage {stage_index} out of order"
+            )
+        if state.num_pending == len(units) and not stage.is_last:
+            with self._lock:
+                state.grad = self._grads.pop((key, stage_index + 1))
+        stash = self.stashes[stage_index]
+        for u in reversed(group):
+            piece = state.pieces[u]
+            assert piece is not None  # backpropagated units are dropped, the rest kept
+            if units[u].head:
+                piece.output.backward()
+            else:
+                if state.grad is None:
+                    raise RuntimeError(f"stage {stage_index} unit {u} of {key!r}: no gradient")
+                piece.output.backward(state.grad.to(piece.output.device))
+            stash.on_backward_done(piece.recording)
+            state.grad = piece.inputs.grad if piece.inputs.requires_grad else None
+            state.pieces[u] = None  # frees the unit's activations
+        state.num_pending = group.start
+        params = [p for u in group for p in self._unit_params[stage_index][u]]
+        if params:
+            self._step(stage_index, params)
+        if index > 0:  # group 0 may be empty (a non-first stage with fewer layers than groups)
+            return None
+        with self._lock:
+            del self._sliced[(key, stage_index)]
+            if not stage.is_first:
+                if state.grad is None:
+                    raise RuntimeError(f"stage {stage_index} input of {key!r} got no gradient")
+                self._grads[(key, stage_index)] = state.grad
+        return self._on_stage_done(stage_index, key)
 
     def loss(self, samples: Sequence[Sample]) -> float:
         """Mean reference-token loss of `samples` with the current weights (no grad)."""
@@ -195,5 +394,40 @@ class PipelineTrainer:
             x: torch.Tensor = packed.ids
             for stage in self.staged.stages:
                 x = stage.forward(x, packed.positions, packed.segments)
-            logits = x[0, packed.target_index.to(x.device)]
-            return float(F.cross_entropy(logits, packed.targets.to(x.device)))
+            return float(_loss(x, packed))
+
+
+def _loss(logits: torch.Tensor, packed: _Packed) -> torch.Tensor:
+    """Mean cross-entropy of the reference tokens; logits [1, N, vocab]."""
+    picked = logits[0, packed.target_index.to(logits.device)]
+    return F.cross_entropy(picked, packed.targets.to(logits.device))
+
+
+def _stage_units(stage: Stage) -> list[_Unit]:
+    units = [_Unit(range(0), embed=True)] if stage.is_first else []
+    units += [_Unit(range(i, i + 1)) for i in stage.layers]
+    if stage.is_last:
+        units.append(_Unit(range(0), head=True))
+    return units
+
+
+def _unit_params(
+    family: Family, stage: Stage, units: Sequence[_Unit]
+) -> list[list[torch.nn.Parameter]]:
+    """Each unit's parameters; a slice steps its units' ones, so none may be shared."""
+    result: list[list[torch.nn.Parameter]] = []
+    seen: set[int] = set()
+    for unit in units:
+        modules = [family.layer(i) for i in unit.layers]
+        if unit.embed:
+            modules += family.embed_modules()
+        if unit.head:
+            modules += family.head_modules()
+        params = list(torch.nn.ModuleList(modules).parameters())
+        if any(id(p) in seen for p in params):
+            raise ValueError("stage units share a parameter (tied weights): untie them first")
+        seen.update(id(p) for p in params)
+        result.append(params)
+    if seen != {id(p) for p in stage.parameters()}:
+        raise ValueError(f"stage {stage.index}: its units do not cover its parameters")
+    return result

@@ -111,7 +111,6 @@ class ExecutorConfig(CommonServiceConfig):
                     "time_scale applies to the emulated backend only; the torch "
                     "backend runs in real time (leave it at 1)"
                 )
-            self._check_torch_engine_knobs()
             self.torch_config()
 
     def _check_engine_knobs(self) -> None:
@@ -122,16 +121,6 @@ class ExecutorConfig(CommonServiceConfig):
         return EngineKnobs(
             self.num_micro_batches, self.prefill_token_budget, self.train_slice_s, self.batch_cap
         )
-
-    def _check_torch_engine_knobs(self) -> None:
-        """What of engine v2 the torch backend cannot execute yet (micro-batches
-        and chunked prefill it runs: `lemix.model.runner`)."""
-        if self.train_slice_s != 0:
-            raise ValueError(
-                "train_slice_s (--train-slice-s, LEMIX_TRAIN_SLICE_S) must be off with the "
-                "torch backend: it cannot execute training in slices yet "
-                "(use the emulated backend)"
-            )
 
     def torch_config(self) -> TorchBackendConfig:
         from services.executor.torch_setup import TorchBackendConfig

@@ -9,7 +9,9 @@ simulator and the emulated executor run); this backend executes each
   without a budget); the last stage samples and reports end-of-sequence stops
   to the engine;
 * ``fwd`` / ``bwd`` — a training task's forward / backward + optimizer step
-  on that stage (`PipelineTrainer`);
+  on that stage (`PipelineTrainer`), or one slice of it (a layer group, the
+  backward stepping that group's weights) when the engine slices training
+  (``train_slice_s``); inference iterations run on the stage between slices;
 * ``block`` — a weight save or load of that stage's parameters (safetensors).
 
 Each stage has one worker thread, so a stage runs one thing at a time (the
@@ -33,7 +35,7 @@ from typing import Any
 import structlog
 import torch
 
-from lemix.engine import NodeEngine, StageStart, WorkKind
+from lemix.engine import NodeEngine, StageStart, TrainingSlice, WorkKind
 from lemix.infra.rpc.errors import InvalidArgument, Unavailable
 from lemix.infra.store.model_limits import ModelLimits
 from lemix.model.device_memory import stage_used_bytes
@@ -242,13 +244,22 @@ class TorchBackend:
             # id(): the engine holds the Iteration until its last stage is done,
             # so no two iterations in flight (micro-batches) share one.
             return lambda: self._run_iteration(stage, id(iteration), prefill, decode, spans)
-        if start.kind == WorkKind.FORWARD:
-            task: Task = start.work  # type: ignore[assignment]
+        if start.kind in (WorkKind.FORWARD, WorkKind.BACKWARD):
+            # A `TrainingSlice` when the engine slices training (max_training_slice_s).
+            # Its index counts slices in the order they run; the trainer's counts
+            # layer groups, which a backward runs last to first.
+            work: Any = start.work
+            task: Task = work.task if isinstance(work, TrainingSlice) else work
+            part = None
+            if isinstance(work, TrainingSlice):
+                group = work.index
+                if start.kind == WorkKind.BACKWARD:
+                    group = work.count - 1 - work.index
+                part = (group, work.count)
+            if start.kind == WorkKind.BACKWARD:
+                return lambda: self._backward(stage, task.task_id, part)
             samples = self._samples.get(task.task_id, []) if stage == 0 else []
-            return lambda: self.trainer.forward(stage, task.task_id, samples)
-        if start.kind == WorkKind.BACKWARD:
-            task = start.work  # type: ignore[assignment]
-            return lambda: self._backward(stage, task.task_id)
+            return lambda: self.trainer.forward(stage, task.task_id, samples, part)
         job = self._syncs.get(str(start.work))
         if job is None:
             raise RuntimeError(f"blocking item {start.work!r} has no weight sync job")
@@ -290,9 +301,9 @@ class TorchBackend:
             raise RequestsFailed(list(failures), next(iter(failures.values())), stopped=stopped)
         return stopped
 
-    def _backward(self, stage: int, key: str) -> None:
-        loss = self.trainer.backward(stage, key)
-        if stage == 0:
+    def _backward(self, stage: int, key: str, part: tuple[int, int] | None) -> None:
+        loss = self.trainer.backward(stage, key, part)
+        if stage == 0 and (part is None or part[0] == 0):  # group 0: the task's last slice
             self.num_training_done += 1
             self._samples.pop(key, None)
             if loss is not None:

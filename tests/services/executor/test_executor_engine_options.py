@@ -1,6 +1,5 @@
 """The executor's engine v2 options (issue 9): flags and LEMIX_* variables into
-the node's EngineConfig, and the torch backend refusing what it cannot run
-(training slices; it runs micro-batches and chunked prefill)."""
+the node's EngineConfig; the torch backend takes every one of them."""
 
 from __future__ import annotations
 
@@ -81,11 +80,6 @@ def test_bad_values_name_the_option(env: str, value: str, match: str) -> None:
         _config(**{env: value})
 
 
-def test_torch_backend_refuses_what_it_cannot_execute() -> None:
-    with pytest.raises(ValueError, match="LEMIX_TRAIN_SLICE_S.*torch backend"):
-        _config(LEMIX_EXECUTOR_BACKEND="torch", LEMIX_TRAIN_SLICE_S="0.01")
-
-
 @pytest.mark.parametrize(
     ("micro_batches", "budget", "want"),
     [("1", "off", (1, None)), ("2", "256", (2, 256)), ("auto", "auto", (None, "auto"))],
@@ -117,3 +111,8 @@ def test_torch_backend_runs_micro_batches_and_chunked_prefill(
 def test_torch_backend_still_refuses_bad_values(env: str, value: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ExecutorConfig.from_env_and_args([], env={"LEMIX_EXECUTOR_BACKEND": "torch", env: value})
+
+
+def test_torch_backend_runs_training_in_slices() -> None:
+    config = _config(LEMIX_EXECUTOR_BACKEND="torch", LEMIX_TRAIN_SLICE_S="0.01")
+    assert config.engine_config(make_profile()).max_training_slice_s == 0.01
