@@ -222,9 +222,7 @@ def attend(
     """
     n = plan.num_tokens
     if plan.is_plain_causal:
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=n > 1, scale=scale, enable_gqa=True
-        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=n > 1, scale=scale, enable_gqa=True)
         return out.transpose(1, 2).reshape(1, n, -1)
     q_rows, k_rows, v_rows = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)
     # ^ [N, h, d], [N, kvh, d]: views, rows are tokens
@@ -300,4 +298,8 @@ def _attend_prefill(
         scale=scale,
         enable_gqa=True,
     )  # [G, h, Q, d]
-    return out.transpose(1, 2).reshape(g * num_q, num_heads, head_dim).index_select(0, group.query_dest)
+    return (
+        out.transpose(1, 2)
+        .reshape(g * num_q, num_heads, head_dim)
+        .index_select(0, group.query_dest)
+    )

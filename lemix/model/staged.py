@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lemix.model.families import Family, attention_scale, family_for
 from lemix.model.attention import AttentionPlan, attend
+from lemix.model.families import Family, attention_scale, family_for
 from lemix.model.kv import KVStore
 
 
