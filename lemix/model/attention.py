@@ -227,7 +227,10 @@ def attend(
     q_rows, k_rows, v_rows = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)
     # ^ [N, h, d], [N, kvh, d]: views, rows are tokens
     if plan.write_slots is not None and pool_k is not None and pool_v is not None:
-        k_new, v_new = k_rows.detach(), v_rows.detach()
+        # The pool keeps values, not a graph (a training forward has no cache,
+        # but a scored prefill may run with grad enabled).
+        k_new = k_rows.detach() if k_rows.requires_grad else k_rows
+        v_new = v_rows.detach() if v_rows.requires_grad else v_rows
         if plan.write_rows is not None:
             k_new = k_new.index_select(0, plan.write_rows)
             v_new = v_new.index_select(0, plan.write_rows)

@@ -94,6 +94,7 @@ class KVStore:
         # Zeros, not empty: a padded gather may read a slot nobody wrote, and
         # its (masked) value must be finite or 0 * NaN poisons the output.
         self.pool = self._zeros(initial_slots)
+        self._views = self._layer_views()
         self._free: list[tuple[int, int]] = [(0, initial_slots)] if initial_slots else []
         self._entries: dict[str, RequestKV] = {}
         self._lock = threading.Lock()  # stage threads and the event loop both touch it
@@ -116,7 +117,11 @@ class KVStore:
 
     def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s K and V over every slot: [num_slots, kv_heads, head_dim] each."""
-        return self.pool[layer, 0], self.pool[layer, 1]
+        return self._views[layer]
+
+    def _layer_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # Made once per pool tensor: a stage asks for them every layer of every forward.
+        return [(layer[0], layer[1]) for layer in self.pool]
 
     def allocate(self, key: str, capacity: int) -> RequestKV:
         if capacity < 1:
@@ -182,7 +187,10 @@ class KVStore:
 
     def _zeros(self, num_slots: int) -> torch.Tensor:
         shape = (self.num_layers, 2, num_slots, self.num_kv_heads, self.head_dim)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # A plain tensor even when a reload grows the pool inside a stage's
+        # inference_mode: an inference tensor could not be written outside it.
+        with torch.inference_mode(False):
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _take(self, capacity: int) -> int:
         """First slot of a free run of `capacity` slots (first fit); grows the pool if
@@ -206,6 +214,7 @@ class KVStore:
             pool = self._zeros(new)
             pool[:, :, :old] = self.pool
             self.pool = pool
+            self._views = self._layer_views()
         self._give_back(old, new - old)
 
     def _give_back(self, start: int, size: int) -> None:

@@ -168,7 +168,7 @@ class InferenceRunner:
     def reload(self, key: str) -> int:
         return sum(stage.kv.reload(key) for stage in self.staged.stages)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def run_stage(
         self, stage_index: int, iteration: int, prefill: Sequence[str], decode: Sequence[str]
     ) -> list[str]:
