@@ -16,9 +16,10 @@ read or fill one request's cache directly.
 Runs are handed out first-fit from a free list whose neighbours merge on
 free. When no free run fits, the pool grows (to at least twice its size, so
 growth copies amortise) and keeps every slot index: a request's `base` stays
-valid. Fragmentation can leave the pool larger than the booked bytes;
-`device_bytes` books what the requests reserve (what the ledger checks),
-`pool_bytes` is what the tensor really holds.
+valid; once no request holds a run, it shrinks back. Growth slack and
+fragmentation can leave the pool larger than the booked bytes: `device_bytes`
+books what the requests reserve (what the ledger checks), `pool_bytes` is what
+the tensor really holds.
 
 Offload copies a waiting request's run to its own host buffer (``cpu`` on a
 GPU node) and frees the run; reload takes a new run and copies the buffer back
@@ -93,6 +94,7 @@ class KVStore:
         self.host_device = torch.device(host_device)
         # Zeros, not empty: a padded gather may read a slot nobody wrote, and
         # its (masked) value must be finite or 0 * NaN poisons the output.
+        self._initial_slots = initial_slots
         self.pool = self._zeros(initial_slots)
         self._views = self._layer_views()
         self._free: list[tuple[int, int]] = [(0, initial_slots)] if initial_slots else []
@@ -156,6 +158,7 @@ class KVStore:
             else:
                 self.device_bytes -= entry.num_bytes
                 self._give_back(entry.base, entry.capacity)
+                self._shrink_if_idle()
             entry.base = -1
 
     def offload(self, key: str) -> int:
@@ -170,6 +173,7 @@ class KVStore:
             entry.base = -1
             self.host_bytes += entry.num_bytes
             self.device_bytes -= entry.num_bytes
+            self._shrink_if_idle()
             return entry.num_bytes
 
     def reload(self, key: str) -> int:
@@ -216,6 +220,16 @@ class KVStore:
             self.pool = pool
             self._views = self._layer_views()
         self._give_back(old, new - old)
+
+    def _shrink_if_idle(self) -> None:
+        """Back to the initial pool once no request holds a run: growth slack
+        would otherwise stay allocated on the device for good. Caller holds the lock."""
+        if self.device_bytes or self.num_slots == self._initial_slots:
+            return
+        with self.pool_lock:
+            self.pool = self._zeros(self._initial_slots)
+            self._views = self._layer_views()
+        self._free = [(0, self._initial_slots)] if self._initial_slots else []
 
     def _give_back(self, start: int, size: int) -> None:
         """Return a run to the free list, merged with free neighbours. Caller holds the lock."""

@@ -74,6 +74,7 @@ def test_offload_reload_round_trip_is_bit_exact_and_booked() -> None:
     for key in ("a", "b", "c"):
         store.free(key)
     assert (store.device_bytes, store.host_bytes) == (0, 0)
+    assert store.num_slots == 0  # idle: the grown pool is released
     store.allocate("x", 1)
     store.offload("x")
     store.free("x")  # freeing an offloaded run books the host side
