@@ -96,6 +96,12 @@ class AttentionPlan:
             if cache is None:
                 pre.append(i)
                 continue
+            if cache.length + num_cached > cache.capacity:
+                # The pool has no bounds per request: past its run lies another's.
+                raise ValueError(
+                    f"segment [{start}, {end}) would fill {cache.length + num_cached} "
+                    f"positions of a cache of capacity {cache.capacity}"
+                )
             if num_cached:
                 first = cache.base + cache.length
                 write_rows.extend(range(start, start + num_cached))

@@ -128,3 +128,15 @@ def test_decodes_of_different_lengths_batched_equal_alone_over_steps() -> None:
     for key, n in starts.items():
         want = staged.logits(seqs[key][: n + 5])[n:]
         torch.testing.assert_close(torch.cat(got[key]), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_write_past_the_capacity_is_refused_not_spilled_into_a_neighbour() -> None:
+    staged = _staged("tiny-llama")
+    _allocate(staged, "small", 4)
+    _allocate(staged, "next", 4)
+    _forward(staged, [("next", _ids(4, 1), 0, 4)])
+    before = [t.clone() for t in staged.stages[0].kv.get("next").keys]
+    with pytest.raises(ValueError, match="capacity 4"):
+        _forward(staged, [("small", _ids(5, 2), 0, 5)])
+    after = staged.stages[0].kv.get("next").keys
+    assert all(torch.equal(b, a) for b, a in zip(before, after, strict=True))
