@@ -89,6 +89,11 @@ class LlamaFamily:
         self.max_positions = config.max_position_embeddings
         self._layers: Any = model.model.layers
         self._rotary: Any = model.model.rotary_emb
+        # (positions, dtype, cos, sin) of the latest forward: every layer of a
+        # forward shares its positions tensor, so RoPE is computed once per
+        # forward, as HF does, not once per layer. One tuple, swapped whole,
+        # since the stages of a node run on their own threads.
+        self._rope_memo: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def embed_modules(self) -> list[nn.Module]:
         return [self.model.model.embed_tokens]
@@ -112,12 +117,20 @@ class LlamaFamily:
         q = attn.q_proj(h).view(1, n, self.num_heads, self.head_dim).transpose(1, 2)
         k = attn.k_proj(h).view(1, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = attn.v_proj(h).view(1, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = self._rotary(h, positions[None])  # [1, N, d] each
-        cos, sin = cos[:, None], sin[:, None]
+        cos, sin = self._rope(h, positions)  # [1, 1, N, d] each
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         x = x + attn.o_proj(attend(index, q, k, v))
         return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def _rope(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        memo = self._rope_memo
+        if memo is not None and memo[0] is positions and memo[1] == h.dtype:
+            return memo[2], memo[3]
+        cos, sin = self._rotary(h, positions[None])  # [1, N, d] each
+        cos, sin = cos[:, None], sin[:, None]
+        self._rope_memo = (positions, h.dtype, cos, sin)
+        return cos, sin
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.model.norm(x)).float()

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from lemix.model.sampling import SamplingState, choose_token
+from lemix.model.sampling import SamplingState, check_sampling, choose_token
 from lemix.model.staged import Segment, StagedModel
 from lemix.outputs import FINISH_LENGTH, FINISH_STOP, TokenLogprob
 
@@ -96,11 +96,9 @@ def token_logprob(logits: torch.Tensor, token: int, num_top: int) -> TokenLogpro
     return TokenLogprob(float(logprobs[token]), top)
 
 
-def sample_next(logits: torch.Tensor, req: GenRequest, eos_id: int | None = None) -> int:
-    """`req`'s next token (`lemix.model.sampling.choose_token`: penalties,
-    min_tokens, greedy or filtered sampling), drawn from the request's own
-    seeded generator (reproducible per request)."""
-    state = SamplingState(
+def sampling_state(req: GenRequest) -> SamplingState:
+    """`req`'s sampling parameters and generator as `lemix.model.sampling` takes them."""
+    return SamplingState(
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=req.top_k,
@@ -113,11 +111,36 @@ def sample_next(logits: torch.Tensor, req: GenRequest, eos_id: int | None = None
         seed=req.seed,
         generator=req.generator,
     )
+
+
+def sample_next(logits: torch.Tensor, req: GenRequest, eos_id: int | None = None) -> int:
+    """`req`'s next token (`lemix.model.sampling.choose_token`: penalties,
+    min_tokens, greedy or filtered sampling), drawn from the request's own
+    seeded generator (reproducible per request)."""
+    state = sampling_state(req)
     token = choose_token(
         logits, state, prompt_ids=req.prompt_ids, output_ids=req.generated, eos_id=eos_id
     )
     req.generator = state.generator
     return token
+
+
+def is_plain_greedy(req: GenRequest) -> bool:
+    """Whether `choose_token` reduces to the argmax for `req` now: temperature
+    0, no penalty, min_tokens reached (so no end token is masked)."""
+    return (
+        req.temperature == 0.0
+        and req.repetition_penalty == 1.0
+        and req.presence_penalty == 0.0
+        and req.frequency_penalty == 0.0
+        and len(req.generated) >= req.min_tokens
+    )
+
+
+def needs_all_rows(req: GenRequest) -> bool:
+    """Whether sampling `req` reads logits at every prompt position (its
+    inference loss or prompt logprobs), not just at the last one."""
+    return not req.generated and (bool(req.reference_ids) or req.prompt_logprobs >= 0)
 
 
 class InferenceRunner:
@@ -165,7 +188,7 @@ class InferenceRunner:
     def reload(self, key: str) -> int:
         return sum(stage.kv.reload(key) for stage in self.staged.stages)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def run_stage(
         self,
         stage_index: int,
@@ -192,12 +215,15 @@ class InferenceRunner:
             with self._lock:
                 carry = self._carry.pop(iteration)
             inputs, positions, segments = carry.hidden, carry.positions, carry.segments
-        out = stage.forward(inputs, positions, segments)
         if not stage.is_last:
+            out = stage.forward(inputs, positions, segments)
             with self._lock:
                 self._carry[iteration] = _Carry(out, positions, segments)
             return []
-        return self._sample(out[0], prefill, spans, decode, segments)
+        rows, starts = self._logit_rows(prefill, spans, segments)
+        logit_rows = torch.tensor(rows, dtype=torch.long)  # may be empty: no chunk ends
+        out = stage.forward(inputs, positions, segments, logit_rows=logit_rows)
+        return self._sample(out[0], prefill, spans, decode, starts)
 
     def _spans(
         self, prefill: Sequence[str], prefill_spans: Sequence[PrefillSpan] | None
@@ -215,6 +241,32 @@ class InferenceRunner:
                     f"its {num_prompt} prompt tokens"
                 )
         return list(prefill_spans)
+
+    def _logit_rows(
+        self,
+        prefill: Sequence[str],
+        spans: Sequence[PrefillSpan],
+        segments: Sequence[Segment],
+    ) -> tuple[list[int], list[int]]:
+        """The packed rows the last stage's head computes, and per request the
+        place of its first one among them: all of a prefill chunk's rows when
+        `needs_all_rows` (prompt logprobs, reference scoring), else only the
+        row its next token is sampled from (none for a chunk that does not
+        end its prompt)."""
+        rows: list[int] = []
+        starts: list[int] = []
+        for i, seg in enumerate(segments):
+            starts.append(len(rows))
+            if i >= len(prefill):  # a decode: its one token
+                rows.append(seg.start)
+                continue
+            req = self.requests[prefill[i]]
+            start, num_tokens = spans[i]
+            if needs_all_rows(req):
+                rows.extend(range(seg.start, seg.end))
+            elif start + num_tokens == len(req.prompt_ids):
+                rows.append(seg.start + num_tokens - 1)
+        return rows, starts
 
     def _pack(
         self, prefill: Sequence[str], spans: Sequence[PrefillSpan], decode: Sequence[str]
@@ -255,33 +307,67 @@ class InferenceRunner:
         prefill: Sequence[str],
         spans: Sequence[PrefillSpan],
         decode: Sequence[str],
-        segments: Sequence[Segment],
+        starts: Sequence[int],
     ) -> list[str]:
-        """logits [N, vocab]: next token per request; the inference loss of prefills.
+        """logits [R, vocab] (`_logit_rows`; request i's from row starts[i]):
+        next token per request; the inference loss of prefills.
 
         A prefill chunk that does not end its prompt only adds prompt logprobs.
         A request whose sampling fails is recorded in `failures` (key -> reason)
         and skipped; the others in the batch go on.
         """
+        keys = (*prefill, *decode)
+        reqs = [self.requests[key] for key in keys]
+        # Each request's sampling row among `logits`: the last of its chunk's
+        # rows when it has them all, else its one row. A chunk that does not
+        # end its prompt samples nothing (its row, if any, is unused).
+        num_spans = [n for _, n in spans] + [1] * len(decode)
+        rows = [
+            start + (num_tokens - 1 if needs_all_rows(req) and i < len(prefill) else 0)
+            for i, (req, start, num_tokens) in enumerate(zip(reqs, starts, num_spans, strict=True))
+        ]
+        # Plain greedy requests take the argmax of their rows in one op rather
+        # than one `choose_token` each (same token: it checks finiteness, then
+        # takes the argmax); the per-request calls cost more than a decode
+        # step's attention at batch 32 on a small model.
+        is_sampling = [
+            i >= len(prefill) or sum(spans[i]) == len(req.prompt_ids) for i, req in enumerate(reqs)
+        ]
+        greedy = [i for i, req in enumerate(reqs) if is_sampling[i] and is_plain_greedy(req)]
+        greedy_tokens: dict[int, int | None] = {}
+        if greedy:
+            picked = logits.index_select(0, torch.tensor([rows[i] for i in greedy]))
+            # max and min of each row tell whether it holds a NaN (max is NaN)
+            # or an infinity: two reductions instead of a [B, vocab] isfinite.
+            highs, tokens_t = picked.max(dim=1)  # the first maximum, as argmax
+            is_finite = (torch.isfinite(highs) & torch.isfinite(picked.amin(dim=1))).tolist()
+            tokens = tokens_t.tolist()
+            for i, ok, token in zip(greedy, is_finite, tokens, strict=True):
+                greedy_tokens[i] = int(token) if ok else None
         stopped = []
         one_row = [(0, 1)] * len(decode)  # a decode's span: its one new token
-        for i, (key, seg, (start, num_tokens)) in enumerate(
-            zip((*prefill, *decode), segments, (*spans, *one_row), strict=True)
+        for i, (key, req, (start, num_tokens)) in enumerate(
+            zip(keys, reqs, (*spans, *one_row), strict=True)
         ):
-            req = self.requests[key]
             is_prefill = i < len(prefill)
-            # Row of the chunk's last token: it predicts the next token.
-            row = seg.start + num_tokens - 1
+            row = rows[i]
             try:
                 if is_prefill and req.prompt_logprobs >= 0:
-                    self._add_prompt_logprobs(req, logits, seg.start, start, num_tokens)
+                    self._add_prompt_logprobs(req, logits, starts[i], start, num_tokens)
                 if is_prefill and start + num_tokens < len(req.prompt_ids):
                     continue  # more chunks to come: no token yet
                 if req.reference_ids and is_prefill:
-                    rows = logits[row : row + len(req.reference_ids)]
-                    target = torch.tensor(req.reference_ids, device=rows.device)
-                    req.inference_loss = float(F.cross_entropy(rows, target))
-                token = sample_next(logits[row], req, self.eos_id)
+                    ref_rows = logits[row : row + len(req.reference_ids)]
+                    target = torch.tensor(req.reference_ids, device=ref_rows.device)
+                    req.inference_loss = float(F.cross_entropy(ref_rows, target))
+                if i in greedy_tokens:
+                    check_sampling(sampling_state(req))
+                    greedy_token = greedy_tokens[i]
+                    if greedy_token is None:
+                        raise ValueError("the model produced non-finite logits for this request")
+                    token = greedy_token
+                else:
+                    token = sample_next(logits[row], req, self.eos_id)
                 if req.top_logprobs >= 0:
                     req.logprobs.append(token_logprob(logits[row], token, req.top_logprobs))
             except (ValueError, RuntimeError) as exc:

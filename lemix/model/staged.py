@@ -9,22 +9,24 @@ builds its own autograd graph and gradients are handed back stage by stage
 (`lemix.model.training`), so no graph spans devices.
 
 Batches are packed and ragged (`Segment`s over one token sequence, see
-`lemix.model.families`); each segment attends to its own KV cache.
+`lemix.model.families`); each segment attends to its own KV cache, all of
+them batched per layer (`lemix.model.attention`, over `lemix.model.kv`'s
+per-stage pool).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils.rnn import pad_sequence
 
+from lemix.model.attention import AttentionPlan, attend
 from lemix.model.families import Family, attention_scale, family_for
-from lemix.model.kv import KVStore, RequestKV
+from lemix.model.kv import KVStore
 
 
 @dataclass(frozen=True)
@@ -96,15 +98,27 @@ class Stage:
         return list(self.modules.parameters())
 
     def forward(
-        self, inputs: torch.Tensor, positions: torch.Tensor, segments: Sequence[Segment]
+        self,
+        inputs: torch.Tensor,
+        positions: torch.Tensor,
+        segments: Sequence[Segment],
+        logit_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """inputs: ids [N] (first stage) or hidden [1, N, hidden]; positions [N].
 
-        Returns hidden [1, N, hidden], or logits [1, N, vocab] on the last stage.
-        Appends each segment's first `num_cached` K/V to its cache.
+        Returns hidden [1, N, hidden], or logits [1, N, vocab] on the last stage
+        ([1, R, vocab] for `logit_rows` [R]: only the rows sampling reads, since
+        the LM head over a whole prompt costs more than the rest of a decode
+        step). Appends each segment's first `num_cached` K/V to its cache.
         """
         return self.forward_part(
-            inputs, positions, segments, self.layers, embed=self.is_first, head=self.is_last
+            inputs,
+            positions,
+            segments,
+            self.layers,
+            embed=self.is_first,
+            head=self.is_last,
+            logit_rows=logit_rows,
         )
 
     def forward_part(
@@ -116,6 +130,7 @@ class Stage:
         *,
         embed: bool,
         head: bool,
+        logit_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Part of `forward`: the embedding (if `embed`), `layers` (a sub-range of
         this stage's, model-wide indices), then the head (if `head`).
@@ -129,132 +144,29 @@ class Stage:
         positions = positions.to(self.device)
         x = self.family.embed(inputs, positions) if embed else inputs
         caches = [self.kv.get(s.cache_key) if s.cache_key is not None else None for s in segments]
-        past = [c.length if c is not None else 0 for c in caches]
+        bounds = [(s.start, s.end, s.num_cached) for s in segments]
+        uses_pool = any(c is not None for c in caches)
+        # The pool lock keeps the pool from growing (a copy) under this forward's writes.
+        with self.kv.pool_lock if uses_pool else contextlib.nullcontext():
+            plan = AttentionPlan.build(bounds, caches, x.shape[1], self.device, x.dtype)
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            local = layer - self.layers.start
-            return ragged_attention(q, k, v, segments, caches, past, local, self._scales[local])
+            def attend_layer(
+                layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+            ) -> torch.Tensor:
+                local = layer - self.layers.start
+                pool_k, pool_v = self.kv.layer_views(local) if uses_pool else (None, None)
+                return attend(plan, q, k, v, pool_k, pool_v, self._scales[local])
 
-        for i in layers:
-            x = self.family.layer_forward(i, x, positions, attend)
+            for i in layers:
+                x = self.family.layer_forward(i, x, positions, attend_layer)
         for seg, cache in zip(segments, caches, strict=True):
             if cache is not None:
                 cache.length += seg.num_cached
-        return self.family.head(x) if head else x
-
-
-# Decode steps batched into one attention call from this many on; fewer run
-# one by one (the gather into a padded batch costs more than it saves).
-MIN_BATCHED_DECODES = 2
-
-
-def ragged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    segments: Sequence[Segment],
-    caches: Sequence[RequestKV | None],
-    past: Sequence[int],
-    local: int,
-    scale: float,
-) -> torch.Tensor:
-    """Attention of a packed batch, each segment against its own cache.
-
-    q [1, h, N, d], k/v [1, kvh, N, d] (this step's) -> [1, N, h*d]. Writes each
-    segment's first `num_cached` K/V into its cache (layer `local`). Decode
-    steps (one new token after a cached past) attend together: their caches
-    are gathered into one padded batch with a length mask, one SDPA call.
-    Everything else (prefills, a lone decode) attends segment by segment.
-    """
-    out = torch.empty_like(q)
-    decode = [
-        i
-        for i, (seg, cache, num_past) in enumerate(zip(segments, caches, past, strict=True))
-        if cache is not None and num_past and seg.num_tokens == seg.num_cached == 1
-    ]
-    batched = set(decode) if len(decode) >= MIN_BATCHED_DECODES else set()
-    for i, (seg, cache, num_past) in enumerate(zip(segments, caches, past, strict=True)):
-        a, b = seg.start, seg.end
-        qs, ks, vs = q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]
-        if cache is not None and seg.num_cached:
-            end = num_past + seg.num_cached
-            cache.keys[local][:, num_past:end] = ks[0, :, : seg.num_cached]
-            cache.values[local][:, num_past:end] = vs[0, :, : seg.num_cached]
-        if i in batched:
-            continue
-        if cache is not None and num_past:
-            total = num_past + seg.num_tokens
-            if seg.num_cached == seg.num_tokens:
-                # Every new token is already in the cache: attend over a view
-                # of it, no copy of the past.
-                ks = cache.keys[local][None, :, :total]
-                vs = cache.values[local][None, :, :total]
-            else:
-                ks = torch.cat((cache.keys[local][None, :, :num_past], ks), dim=2)
-                vs = torch.cat((cache.values[local][None, :, :num_past], vs), dim=2)
-            mask = _offset_causal_mask(seg.num_tokens, total, q.device)
-            out[:, :, a:b] = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True
-            )
-        else:
-            out[:, :, a:b] = F.scaled_dot_product_attention(
-                qs, ks, vs, is_causal=seg.num_tokens > 1, scale=scale, enable_gqa=True
-            )
-    if batched:
-        _batched_decode(
-            out,
-            q,
-            [segments[i].start for i in decode],
-            [caches[i] for i in decode],
-            [past[i] + 1 for i in decode],
-            local,
-            scale,
-        )
-    return out.transpose(1, 2).reshape(1, out.shape[2], -1)
-
-
-def _batched_decode(
-    out: torch.Tensor,
-    q: torch.Tensor,
-    rows: list[int],
-    caches: Sequence[RequestKV | None],
-    lengths: list[int],
-    local: int,
-    scale: float,
-) -> None:
-    """One SDPA for B decode tokens: caches padded to the longest, masked."""
-    device = q.device
-    keys = pad_sequence(
-        [
-            c.keys[local][:, :n].transpose(0, 1)  # type: ignore[union-attr]
-            for c, n in zip(caches, lengths, strict=True)
-        ],
-        batch_first=True,
-    )
-    values = pad_sequence(
-        [
-            c.values[local][:, :n].transpose(0, 1)  # type: ignore[union-attr]
-            for c, n in zip(caches, lengths, strict=True)
-        ],
-        batch_first=True,
-    )
-    keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, kvh, Lmax, d]
-    length_t = torch.tensor(lengths, device=device)
-    mask = torch.arange(keys.shape[2], device=device)[None, :] < length_t[:, None]
-    index = torch.tensor(rows, device=device)
-    q_rows = q[0].index_select(1, index).transpose(0, 1)[:, :, None]  # [B, h, 1, d]
-    attended = F.scaled_dot_product_attention(
-        q_rows, keys, values, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
-    )  # [B, h, 1, d]
-    out[0].index_copy_(1, index, attended[:, :, 0].transpose(0, 1))
-
-
-def _offset_causal_mask(num_new: int, total: int, device: torch.device) -> torch.Tensor | None:
-    """Bool mask [num_new, total]: new token i sees positions <= total - num_new + i."""
-    if num_new == 1:
-        return None  # one new token sees every cached position and itself
-    rows = torch.arange(num_new, device=device)[:, None] + (total - num_new)
-    return torch.arange(total, device=device)[None, :] <= rows
+        if not head:
+            return x
+        if logit_rows is not None:
+            x = x.index_select(1, logit_rows.to(self.device))
+        return self.family.head(x)
 
 
 class StagedModel:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from lemix.model.presets import ModelSpec, build_model
-from lemix.model.runner import GenRequest, InferenceRunner
+from lemix.model.runner import GenRequest, InferenceRunner, token_logprob
 from lemix.model.staged import StagedModel
 
 VOCAB = 300
@@ -135,3 +136,46 @@ def test_admit_refuses_what_exceeds_the_model_positions() -> None:
         runner.admit(GenRequest("r", _prompt(10, 1), 5000))
     with pytest.raises(ValueError, match="no prompt"):
         runner.admit(GenRequest("r", (), 5))
+
+
+def test_logprobs_of_a_mixed_batch_come_from_each_requests_own_rows() -> None:
+    """The last stage computes logits only for the rows sampling reads: all of
+    a prompt_logprobs request's, one row of the others. Each request's
+    logprobs and first token must still be those of its own full-prompt logits."""
+    staged = _staged()
+    runner = InferenceRunner(staged, eos_id=None)
+    specs = {"plain": _prompt(7, 1), "scored": _prompt(9, 2), "top": _prompt(5, 3)}
+    reqs = {
+        "plain": GenRequest("plain", specs["plain"], 3),
+        "scored": GenRequest("scored", specs["scored"], 3, prompt_logprobs=2),
+        "top": GenRequest("top", specs["top"], 3, top_logprobs=1),
+    }
+    for req in reqs.values():
+        runner.admit(req)
+    _step(runner, 0, ["plain", "scored", "top"], [])
+    alone = {key: staged.logits(prompt) for key, prompt in specs.items()}
+    for key, req in reqs.items():
+        assert req.generated == [int(alone[key][-1].argmax())]
+    want = [
+        token_logprob(row, t, 2)
+        for row, t in zip(alone["scored"], specs["scored"][1:], strict=False)
+    ]
+    got = reqs["scored"].prompt_logprob_entries
+    assert [e.top[0][0] for e in got] == [e.top[0][0] for e in want]
+    assert [e.logprob for e in got] == pytest.approx([e.logprob for e in want], abs=1e-5)
+    top_want = token_logprob(alone["top"][-1], reqs["top"].generated[0], 1)
+    assert reqs["top"].logprobs[0].logprob == pytest.approx(top_want.logprob, abs=1e-5)
+
+
+def test_batched_greedy_fails_only_the_request_with_non_finite_logits() -> None:
+    runner = InferenceRunner(_staged(), eos_id=None)
+    for key in ("nan", "inf", "ok"):
+        runner.requests[key] = GenRequest(key, _prompt(3, 1), 5, generated=[4])
+    logits = torch.zeros(3, VOCAB)
+    logits[0, 7] = math.nan
+    logits[1, 9] = -math.inf
+    logits[2, 11] = 1.0
+    assert runner._sample(logits, [], [], ["nan", "inf", "ok"], [0, 1, 2]) == []
+    assert set(runner.take_failures()) == {"nan", "inf"}
+    assert runner.requests["ok"].generated == [4, 11]
+    assert runner.requests["nan"].generated == [4]
