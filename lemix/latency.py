@@ -261,7 +261,8 @@ def fit_chunk(points: Sequence[ChunkPoint]) -> ChunkCoeffs:
     if len(points) < 5:
         raise ValueError("need at least 5 points to fit a chunk model")
     rows = [
-        [1.0, n, n * n, n * p, p] for n, p in ((q.num_new_tokens, q.num_past_tokens) for q in points)
+        [1.0, n, n * n, n * p, p]
+        for n, p in ((q.num_new_tokens, q.num_past_tokens) for q in points)
     ]
     a, b, c, e, f = _lstsq(rows, [q.latency_s for q in points])
     return ChunkCoeffs(a, b, c, e, f)

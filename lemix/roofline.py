@@ -33,7 +33,6 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from lemix.latency import ChunkPoint, DecodePoint, PhasePoint
 from lemix.latency_fit import (
@@ -301,7 +300,6 @@ def fit_stage(roof: StageRoofline, free_bytes: int, holdout_fraction: float, see
         if n + p <= MAX_CONTEXT_TOKENS
     ]
     return fit_stage_points(fwd, bwd, dec, holdout_fraction, seed, chunk)
-
 
 
 # ------------------------------------------------------------------ the profile

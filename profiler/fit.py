@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lemix.latency import DecodePoint, PhasePoint
-from lemix.profile import Profile
 from lemix.latency_fit import fit_quality_summary, fit_stage_points, latency_models
+from lemix.profile import Profile
 
 PHASES = ("forward", "backward", "decode", "chunk")  # chunk: only where measured
 MODELS = ("paper", "ours")
