@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ from lemix.latency_fit import fit_chunk_points  # noqa: E402
 from lemix.model.staged import StagedModel  # noqa: E402
 from lemix.profile import Profile, default_profile_path, load_profile, save_profile  # noqa: E402
 from profiler.fit import PHASES  # noqa: E402
-from profiler.runner import ProfileGrid, run_profile  # noqa: E402
+from profiler.runner import STATISTICS, ProfileGrid, run_profile  # noqa: E402
 from services.executor.backends.torch import TorchBackend, set_torch_threads  # noqa: E402
 from services.executor.config import ExecutorConfig  # noqa: E402
 from services.executor.service import ExecutorService  # noqa: E402
@@ -62,12 +61,13 @@ def measure_v2(
         if n + p <= limit
     ]
     batch_size, num_tokens = (int(v) for v in args.slice_shape.split("x"))
+    aggregate = STATISTICS[args.statistic]
     chunks: list[list[ChunkPoint]] = []
     slices: list[dict[str, Any]] = []
     for s, stage in enumerate(staged.stages):
         chunks.append(
             [
-                ChunkPoint(n, p, statistics.median(measure_chunk(staged, s, n, p, args.repeats)))
+                ChunkPoint(n, p, aggregate(measure_chunk(staged, s, n, p, args.repeats)))
                 for n, p in pairs
             ]
         )
@@ -75,7 +75,7 @@ def measure_v2(
         if num_slices < 2:
             continue
         timing = measure_training_slices(
-            staged, s, batch_size, num_tokens, num_slices, args.repeats
+            staged, s, batch_size, num_tokens, num_slices, args.repeats, aggregate
         )
         slices.append(
             {
@@ -149,6 +149,7 @@ async def main(args: argparse.Namespace) -> int:
             real_profile,
             args.name or Path(args.out).stem,
             deadline_s=600.0,
+            statistic=args.statistic,
         )
         backend = node.backend
         assert isinstance(backend, TorchBackend)  # config.backend is "torch"
@@ -216,6 +217,12 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", default="16,32,64,128,256")
     parser.add_argument("--contexts", default="64,256,1024,4096")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--statistic",
+        choices=sorted(STATISTICS),
+        default="median",
+        help="a point's latency from its repeats; min on a shared, loaded machine",
+    )
     parser.add_argument("--chunk-new-tokens", default="16,32,64,128,256,512")
     parser.add_argument("--chunk-past-tokens", default="0,128,512,1024,1536")
     parser.add_argument("--slice-shape", default="1x256", help="CxL of the slice timing")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -205,7 +205,7 @@ def measure_chunk(
 
 @dataclass(frozen=True)
 class SliceTiming:
-    """Medians (s) of one stage's training pass run whole and as `num_slices`
+    """Times (s, aggregated over repeats) of one stage's training pass run whole and as `num_slices`
     layer groups, one after another (what an engine training slice runs)."""
 
     num_slices: int
@@ -310,10 +310,12 @@ def measure_training_slices(
     num_tokens: int,
     num_slices: int,
     num_repeats: int,
+    aggregate: Callable[[Sequence[float]], float] = statistics.median,
 ) -> SliceTiming:
     """Time one stage's training forward and backward whole and as `num_slices`
-    layer groups (same code, one group vs k), medians of `num_repeats` after a
-    warm-up. The difference per extra slice is the slice's fixed overhead."""
+    layer groups (same code, one group vs k), `aggregate` (median; min on a
+    shared machine) of `num_repeats` runs after a warm-up. The difference per
+    extra slice is the slice's fixed overhead."""
     if num_slices < 2:
         raise ValueError("measure at least 2 slices (1 is the whole pass)")
     stage = staged.stages[stage_index]
@@ -336,5 +338,4 @@ def measure_training_slices(
                     samples.append(time.perf_counter() - t0)
             stage.modules.zero_grad(set_to_none=True)
     (fw1, bw1), (fwk, bwk) = timings[1], timings[num_slices]
-    median = statistics.median
-    return SliceTiming(num_slices, median(fw1), median(fwk), median(bw1), median(bwk))
+    return SliceTiming(num_slices, aggregate(fw1), aggregate(fwk), aggregate(bw1), aggregate(bwk))
