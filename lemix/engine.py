@@ -714,22 +714,17 @@ class NodeEngine:
                 # (`chunk_forward_s`). First chunks keep the forward call so
                 # that unchunked (v1) iterations are predicted as before.
                 fixed_s = truth.forward_s(s, 1, 0)
-                d += (
-                    sum(
-                        (
-                            truth.chunk_forward_s(s, c.num_tokens, c.start)
-                            if c.start
-                            else truth.forward_s(s, 1, c.num_tokens)
-                        )
-                        - fixed_s
-                        for c in chunks
-                    )
-                    + fixed_s
-                )
+                d += sum(self._chunk_s(s, c) - fixed_s for c in chunks) + fixed_s
             if decode:
                 d += truth.decode_step_s(s, len(decode), sum_context)
             out.append(d)
         return tuple(out)
+
+    def _chunk_s(self, stage: int, chunk: PrefillChunk) -> float:
+        """One prefill chunk alone on `stage`: with its cached past, if any."""
+        if chunk.start:
+            return self.truth.chunk_forward_s(stage, chunk.num_tokens, chunk.start)
+        return self.truth.forward_s(stage, 1, chunk.num_tokens)
 
     def _finish_iteration(self, iteration: Iteration, outcomes: list[Outcome]) -> None:
         batch = self.micro_batches[iteration.micro_batch]

@@ -7,9 +7,9 @@ decode step at every (C, Σctx) with Σctx ≥ C (each sequence holds at least o
 token). Each point is one `Measure` call asking for `num_repeats` runs; the
 point's latency is their median (robust to a stray slow run), or their minimum
 with `statistic="min"` (for a shared machine, where most runs are slowed by
-other work and the fastest is the best estimate of the hardware's time). Calls go one at
-a time, never concurrently: on a real GPU two measurements at once would time
-each other. Every call carries a deadline.
+other work and the fastest is the best estimate of the hardware's time).
+Calls go one at a time, never concurrently: on a real GPU two measurements at
+once would time each other. Every call carries a deadline.
 
 Errors are the domain errors of `lemix.infra.rpc.errors`: `InvalidArgument` for a
 bad grid (or one the executor refuses), `Unavailable` when the executor cannot
