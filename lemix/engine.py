@@ -720,16 +720,23 @@ class NodeEngine:
             d = reload_s
             if chunks:
                 # Ragged (unpadded) prefill, as vLLM/SGLang run it: per-sequence
-                # terms add up, the fixed per-pass cost is paid once. A chunk
-                # costs what a prompt of its length would: the model has no
-                # term for a later chunk's attention over the earlier chunks'
-                # KV, so chunked prefill is predicted slightly cheap.
+                # terms add up, the fixed per-pass cost is paid once. A first
+                # chunk (nothing cached) costs what a prompt of its length
+                # would; a later one also attends over the earlier chunks' KV
+                # (`chunk_forward_s`). First chunks keep the forward call so
+                # that unchunked (v1) iterations are predicted as before.
                 fixed_s = truth.forward_s(s, 1, 0)
-                d += sum(truth.forward_s(s, 1, c.num_tokens) - fixed_s for c in chunks) + fixed_s
+                d += sum(self._chunk_s(s, c) - fixed_s for c in chunks) + fixed_s
             if decode:
                 d += truth.decode_step_s(s, len(decode), sum_context)
             out.append(d)
         return tuple(out)
+
+    def _chunk_s(self, stage: int, chunk: PrefillChunk) -> float:
+        """One prefill chunk alone on `stage`: with its cached past, if any."""
+        if chunk.start:
+            return self.truth.chunk_forward_s(stage, chunk.num_tokens, chunk.start)
+        return self.truth.forward_s(stage, 1, chunk.num_tokens)
 
     def _finish_iteration(self, iteration: Iteration, outcomes: list[Outcome]) -> None:
         batch = self.micro_batches[iteration.micro_batch]

@@ -6,6 +6,12 @@ of a running batch takes. Times are seconds; `batch_size` is C (sequences),
 `num_tokens` is ℓ (padded tokens per sequence), `sum_context_tokens` is the KV
 length summed over the decode batch.
 
+A prefill chunk (engine v2's chunked prefill) is one sequence's n new tokens
+run after p tokens of it are already in the KV cache: `chunk_forward_s(stage,
+n, p)`. Besides what a prompt of n tokens costs, it attends over the p cached
+tokens (n·p query-key pairs) and reads their KV. With p = 0 it is a forward of
+one sequence of n tokens.
+
 Fitting is ordinary least squares on measured points; `fit_report` gives R² and
 MAPE on held-out points so a profile always says how good it is.
 """
@@ -38,6 +44,8 @@ class LatencyModel(Protocol):
 
     def decode_step_s(self, stage: int, batch_size: int, sum_context_tokens: int) -> float: ...
 
+    def chunk_forward_s(self, stage: int, num_new_tokens: int, num_past_tokens: int) -> float: ...
+
 
 @dataclass(frozen=True)
 class PaperLatencyModel:
@@ -68,6 +76,12 @@ class PaperLatencyModel:
     def decode_step_s(self, stage: int, batch_size: int, sum_context_tokens: int) -> float:
         return self.eta_forward[stage] * batch_size
 
+    def chunk_forward_s(self, stage: int, num_new_tokens: int, num_past_tokens: int) -> float:
+        # Work conservation: the chunk is what a prompt of p + n tokens costs
+        # beyond one of p tokens, η·((p + n)² − p²) = η·(n² + 2·n·p).
+        n, p = num_new_tokens, num_past_tokens
+        return self.eta_forward[stage] * (n * n + 2 * n * p)
+
 
 @dataclass(frozen=True)
 class QuadCoeffs:
@@ -95,17 +109,50 @@ class DecodeCoeffs:
 
 
 @dataclass(frozen=True)
+class ChunkCoeffs:
+    """Δ_chunk = a + b·n + c·n² + e·n·p + f·p (seconds) for n new tokens of one
+    sequence after p cached ones: a forward of n tokens (a, b, c), attention of
+    the new tokens over the past (e) and reading the past's KV (f)."""
+
+    a: float
+    b: float
+    c: float
+    e: float
+    f: float
+
+    def __call__(self, num_new_tokens: int, num_past_tokens: int) -> float:
+        n, p = num_new_tokens, num_past_tokens
+        return self.a + self.b * n + self.c * n * n + self.e * n * p + self.f * p
+
+    @classmethod
+    def derived(cls, forward: QuadCoeffs, decode: DecodeCoeffs) -> ChunkCoeffs:
+        """The default where a profile has no measured chunk model.
+
+        (a, b, c) are the forward's at C = 1. e = 2·c is work conservation: a
+        prompt of p + n tokens in one pass has c·(p + n)² of quadratic cost,
+        c·p² of it the first p tokens', so the n later ones add c·(n² + 2·n·p);
+        chunking then costs only an extra fixed a per chunk. f = d2: the past's
+        KV is read once, at what a decode step pays per context token.
+        """
+        return cls(forward.a, forward.b, forward.c, 2.0 * forward.c, decode.d2)
+
+
+@dataclass(frozen=True)
 class AffineQuadraticLatencyModel:
-    """Ours: affine-quadratic prefill/forward and backward, plus a decode-step model."""
+    """Ours: affine-quadratic prefill/forward and backward, a decode-step model and
+    a prefill-chunk model (measured, or `ChunkCoeffs.derived` where `chunk` is empty)."""
 
     forward: tuple[QuadCoeffs, ...]
     backward: tuple[QuadCoeffs, ...]
     decode: tuple[DecodeCoeffs, ...]
+    chunk: tuple[ChunkCoeffs, ...] = ()  # () = derived from forward and decode
     name: str = "affine-quadratic"
 
     def __post_init__(self) -> None:
         if not (len(self.forward) == len(self.backward) == len(self.decode) > 0):
             raise ValueError("forward, backward and decode need one entry per stage")
+        if self.chunk and len(self.chunk) != len(self.forward):
+            raise ValueError("chunk needs one entry per stage, or none (derived)")
 
     @property
     def num_stages(self) -> int:
@@ -119,6 +166,15 @@ class AffineQuadraticLatencyModel:
 
     def decode_step_s(self, stage: int, batch_size: int, sum_context_tokens: int) -> float:
         return self.decode[stage](batch_size, sum_context_tokens)
+
+    def chunk_coeffs(self, stage: int) -> ChunkCoeffs:
+        """The stage's chunk model: measured if the profile has one, else derived."""
+        if self.chunk:
+            return self.chunk[stage]
+        return ChunkCoeffs.derived(self.forward[stage], self.decode[stage])
+
+    def chunk_forward_s(self, stage: int, num_new_tokens: int, num_past_tokens: int) -> float:
+        return self.chunk_coeffs(stage)(num_new_tokens, num_past_tokens)
 
 
 # ------------------------------------------------------------------ fitting
@@ -139,6 +195,15 @@ class DecodePoint:
 
     batch_size: int
     sum_context_tokens: int
+    latency_s: float
+
+
+@dataclass(frozen=True)
+class ChunkPoint:
+    """One measured prefill chunk: n new tokens of one sequence after p cached ones."""
+
+    num_new_tokens: int
+    num_past_tokens: int
     latency_s: float
 
 
@@ -189,6 +254,18 @@ def fit_decode(points: Sequence[DecodePoint]) -> DecodeCoeffs:
     rows = [[1.0, float(p.batch_size), float(p.sum_context_tokens)] for p in points]
     d0, d1, d2 = _lstsq(rows, [p.latency_s for p in points])
     return DecodeCoeffs(d0, d1, d2)
+
+
+def fit_chunk(points: Sequence[ChunkPoint]) -> ChunkCoeffs:
+    """a, b, c, e, f for Δ = a + b·n + c·n² + e·n·p + f·p."""
+    if len(points) < 5:
+        raise ValueError("need at least 5 points to fit a chunk model")
+    rows = [
+        [1.0, n, n * n, n * p, p]
+        for n, p in ((q.num_new_tokens, q.num_past_tokens) for q in points)
+    ]
+    a, b, c, e, f = _lstsq(rows, [q.latency_s for q in points])
+    return ChunkCoeffs(a, b, c, e, f)
 
 
 def fit_quality(predicted: Sequence[float], measured: Sequence[float], num_fit: int) -> FitQuality:

@@ -37,3 +37,7 @@ class NoisyLatency:
 
     def decode_step_s(self, stage: int, batch_size: int, sum_context_tokens: int) -> float:
         return self.base.decode_step_s(stage, batch_size, sum_context_tokens) * self._factor()
+
+    def chunk_forward_s(self, stage: int, num_new_tokens: int, num_past_tokens: int) -> float:
+        base_s = self.base.chunk_forward_s(stage, num_new_tokens, num_past_tokens)
+        return base_s * self._factor()

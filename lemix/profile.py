@@ -15,6 +15,7 @@ from typing import Any
 
 from lemix.latency import (
     AffineQuadraticLatencyModel,
+    ChunkCoeffs,
     DecodeCoeffs,
     LatencyModel,
     PaperLatencyModel,
@@ -114,6 +115,8 @@ class Profile:
                     "forward": [asdict(c) for c in self.ours.forward],
                     "backward": [asdict(c) for c in self.ours.backward],
                     "decode": [asdict(c) for c in self.ours.decode],
+                    # Absent = derived from forward and decode (ChunkCoeffs.derived).
+                    **({"chunk": [asdict(c) for c in self.ours.chunk]} if self.ours.chunk else {}),
                 },
             },
             "optimizer_step_s": list(self.optimizer_step_s),
@@ -148,6 +151,7 @@ class Profile:
                     forward=tuple(QuadCoeffs(**c) for c in lat["ours"]["forward"]),
                     backward=tuple(QuadCoeffs(**c) for c in lat["ours"]["backward"]),
                     decode=tuple(DecodeCoeffs(**c) for c in lat["ours"]["decode"]),
+                    chunk=tuple(ChunkCoeffs(**c) for c in lat["ours"].get("chunk", ())),
                 ),
                 optimizer_step_s=tuple(float(x) for x in data["optimizer_step_s"]),
                 memory=MemoryProfile(

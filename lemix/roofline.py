@@ -18,6 +18,10 @@ Counting conventions (choices, stated once):
 - Backward = 2 × forward FLOPs (input- and weight-gradient GEMMs; no
   recomputation). Its memory floor reads the weights and writes the gradients.
 - Prefill and training forwards are one "forward" (logits for every token).
+- A prefill chunk of n tokens after p cached ones is a forward of n tokens plus
+  2·n·p attention pairs over the past (the full-square convention applied to
+  the new-past block; see `StageRoofline.chunk_forward_s`) and a read of the
+  past's KV.
 - Activation hand-off between stages (C·ℓ·h·2 bytes over NVLink) is ignored.
 """
 
@@ -29,20 +33,13 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
-from lemix.latency import (
-    AffineQuadraticLatencyModel,
-    DecodeCoeffs,
-    DecodePoint,
-    PaperLatencyModel,
-    PhasePoint,
-    QuadCoeffs,
-    fit_decode,
-    fit_paper_eta,
-    fit_quad,
-    fit_quality,
-    split_holdout,
+from lemix.latency import ChunkPoint, DecodePoint, PhasePoint
+from lemix.latency_fit import (
+    StageFit,
+    fit_quality_summary,
+    fit_stage_points,
+    latency_models,
 )
 from lemix.memory import MemoryConfig, NodeMemory
 from lemix.profile import MemoryProfile, Profile, TransferProfile, save_profile
@@ -244,6 +241,22 @@ class StageRoofline:
         kv_read = kv_bytes_per_token(self.model, self.stage) * sum_context_tokens
         return self._time_s(flops, self._weight_bytes_read + kv_read, self._num_kernels)
 
+    def chunk_forward_s(self, num_new_tokens: int, num_past_tokens: int) -> float:
+        """n new tokens of one sequence after p cached: the forward of n tokens,
+        plus attention of the new tokens over the past, plus reading the past's KV.
+
+        Attention pairs counted as the forward counts them (see top): the full
+        n × n square for the new tokens, and twice the n·p new-past pairs, since
+        the full-square convention charges a causal kernel 2 pair-costs per pair
+        it computes. So a prompt of p + n tokens costs as much attention in one
+        pass as in a chunk of p and one of n (work conservation).
+        """
+        n, p = num_new_tokens, num_past_tokens
+        linear = 2.0 * stage_matmul_params(self.model, self.stage) * n
+        flops = linear + self._attention_flops(n, n + 2 * p)
+        kv_read = kv_bytes_per_token(self.model, self.stage) * p
+        return self._time_s(flops, self._weight_bytes_read + kv_read, self._num_kernels)
+
     def optimizer_step_s(self) -> float:
         params = stage_params(self.model, self.stage)
         nbytes = params * self.asm.adamw_bytes_touched_per_param
@@ -256,6 +269,10 @@ BATCH_SIZES = (1, 2, 4, 8, 16)
 NUM_TOKENS = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # Llama-2 context is 4,096
 DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 DECODE_CONTEXT_TOKENS = (128, 256, 512, 1024, 2048, 4096)  # per sequence
+# Prefill chunks: n new tokens of one sequence after p cached, n + p <= 4,096.
+CHUNK_NEW_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+CHUNK_PAST_TOKENS = (0, 256, 512, 1024, 2048, 3072)
+MAX_CONTEXT_TOKENS = 4096
 
 
 def feasible_grid(
@@ -264,36 +281,6 @@ def feasible_grid(
     """(C, ℓ) pairs a co-located node could profile: C·ℓ tokens of state must fit."""
     grid = itertools.product(batch_sizes, lengths)
     return [(c, n) for c, n in grid if c * n * bytes_per_token <= free_bytes]
-
-
-@dataclass(frozen=True)
-class StageFit:
-    """Both models fitted on one stage, and their held-out quality."""
-
-    eta_forward: float
-    eta_backward: float
-    forward: QuadCoeffs
-    backward: QuadCoeffs
-    decode: DecodeCoeffs
-    quality: dict[str, dict[str, dict[str, Any]]]  # phase -> "paper"|"ours" -> FitQuality
-
-
-def _score(paper: list[float], ours: list[float], measured: list[float], num_fit: int) -> Any:
-    return {
-        "paper": asdict(fit_quality(paper, measured, num_fit)),
-        "ours": asdict(fit_quality(ours, measured, num_fit)),
-    }
-
-
-def _fit_phase(
-    points: Sequence[PhasePoint], holdout_fraction: float, seed: int
-) -> tuple[float, QuadCoeffs, dict[str, dict[str, Any]]]:
-    """Fit η and (a, b, c) on one split; score both on the held-out rest."""
-    fit_pts, held = split_holdout(points, holdout_fraction, seed)
-    eta, quad = fit_paper_eta(fit_pts), fit_quad(fit_pts)
-    paper = [eta * p.batch_size * p.num_tokens**2 for p in held]
-    ours = [quad(p.batch_size, p.num_tokens) for p in held]
-    return eta, quad, _score(paper, ours, [p.latency_s for p in held], len(fit_pts))
 
 
 def fit_stage(roof: StageRoofline, free_bytes: int, holdout_fraction: float, seed: int) -> StageFit:
@@ -306,57 +293,13 @@ def fit_stage(roof: StageRoofline, free_bytes: int, holdout_fraction: float, see
     kv = kv_bytes_per_token(roof.model, roof.stage)
     dec_grid = feasible_grid(DECODE_BATCH_SIZES, DECODE_CONTEXT_TOKENS, kv, free_bytes)
     dec = [DecodePoint(c, c * n, roof.decode_step_s(c, c * n)) for c, n in dec_grid]
-    return fit_stage_points(fwd, bwd, dec, holdout_fraction, seed)
-
-
-def fit_stage_points(
-    forward: Sequence[PhasePoint],
-    backward: Sequence[PhasePoint],
-    decode: Sequence[DecodePoint],
-    holdout_fraction: float,
-    seed: int,
-) -> StageFit:
-    """Fit both models to one stage's points (synthetic or measured) and score
-    each on a held-out `holdout_fraction` of them (split seeded with `seed`).
-
-    The returned coefficients are the ones fitted on the non-held-out points,
-    so the quality figures describe exactly what a profile stores.
-    """
-    eta_f, quad_f, q_f = _fit_phase(forward, holdout_fraction, seed)
-    eta_b, quad_b, q_b = _fit_phase(backward, holdout_fraction, seed)
-    dec_fit, held = split_holdout(decode, holdout_fraction, seed)
-    coeffs = fit_decode(dec_fit)
-    # The paper has no decode model; its form implies a forward with ℓ = 1: η_F·C.
-    paper = [eta_f * p.batch_size for p in held]
-    ours = [coeffs(p.batch_size, p.sum_context_tokens) for p in held]
-    q_d = _score(paper, ours, [p.latency_s for p in held], len(dec_fit))
-    quality = {"forward": q_f, "backward": q_b, "decode": q_d}
-    return StageFit(eta_f, eta_b, quad_f, quad_b, coeffs, quality)
-
-
-def latency_models(
-    fits: Sequence[StageFit],
-) -> tuple[PaperLatencyModel, AffineQuadraticLatencyModel]:
-    """The paper's and our per-stage models from one `StageFit` per stage."""
-    paper = PaperLatencyModel(
-        tuple(f.eta_forward for f in fits), tuple(f.eta_backward for f in fits)
-    )
-    ours = AffineQuadraticLatencyModel(
-        tuple(f.forward for f in fits),
-        tuple(f.backward for f in fits),
-        tuple(f.decode for f in fits),
-    )
-    return paper, ours
-
-
-def fit_quality_summary(
-    fits: Sequence[StageFit], holdout_fraction: float, seed: int
-) -> dict[str, Any]:
-    """`Profile.fit_quality`: phase -> "paper"|"ours" -> [S] of FitQuality dicts."""
-    quality: dict[str, Any] = {"holdout_fraction": holdout_fraction, "seed": seed}
-    for phase in ("forward", "backward", "decode"):
-        quality[phase] = {k: [f.quality[phase][k] for f in fits] for k in ("paper", "ours")}
-    return quality
+    # One sequence's KV (at most 4,096 tokens) always fits beside the static bytes.
+    chunk = [
+        ChunkPoint(n, p, roof.chunk_forward_s(n, p))
+        for n, p in itertools.product(CHUNK_NEW_TOKENS, CHUNK_PAST_TOKENS)
+        if n + p <= MAX_CONTEXT_TOKENS
+    ]
+    return fit_stage_points(fwd, bwd, dec, holdout_fraction, seed, chunk)
 
 
 # ------------------------------------------------------------------ the profile

@@ -24,10 +24,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lemix.latency import DecodePoint, PhasePoint
+from lemix.latency_fit import fit_quality_summary, fit_stage_points, latency_models
 from lemix.profile import Profile
-from lemix.roofline import fit_quality_summary, fit_stage_points, latency_models
 
-PHASES = ("forward", "backward", "decode")
+PHASES = ("forward", "backward", "decode", "chunk")  # chunk: only where measured
 MODELS = ("paper", "ours")
 
 

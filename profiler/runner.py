@@ -5,9 +5,11 @@
 Per stage, forward and backward are measured at every (C, ℓ) of the grid and a
 decode step at every (C, Σctx) with Σctx ≥ C (each sequence holds at least one
 token). Each point is one `Measure` call asking for `num_repeats` runs; the
-point's latency is their median (robust to a stray slow run). Calls go one at
-a time, never concurrently: on a real GPU two measurements at once would time
-each other. Every call carries a deadline.
+point's latency is their median (robust to a stray slow run), or their minimum
+with `statistic="min"` (for a shared machine, where most runs are slowed by
+other work and the fastest is the best estimate of the hardware's time).
+Calls go one at a time, never concurrently: on a real GPU two measurements at
+once would time each other. Every call carries a deadline.
 
 Errors are the domain errors of `lemix.infra.rpc.errors`: `InvalidArgument` for a
 bad grid (or one the executor refuses), `Unavailable` when the executor cannot
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
@@ -39,6 +41,11 @@ DEFAULT_NUM_REPEATS = 3
 # backward of 8 x 1,024 tokens repeated many times takes seconds.
 DEFAULT_MEASURE_DEADLINE_S = 60.0
 MAX_NUM_REPEATS = 10_000  # the executor's own cap per Measure call
+# How one point's repeats become its latency.
+STATISTICS: dict[str, Callable[[Sequence[float]], float]] = {
+    "median": statistics.median,
+    "min": min,
+}
 
 _Phase = executor_pb2.MeasureRequest.Phase
 T = TypeVar("T")
@@ -123,10 +130,14 @@ async def run_profile(
     fit_config: FitConfig | None = None,
     deadline_s: float = DEFAULT_MEASURE_DEADLINE_S,
     service_token: str = "",
+    statistic: str = "median",
 ) -> ProfileRun:
     """`profile_executor`, also returning the fit report (quality, memory check, run info).
 
-    `service_token`: the stack's token, when its executors require one."""
+    `service_token`: the stack's token, when its executors require one.
+    `statistic`: how a point's repeats become its latency, "median" or "min"."""
+    if statistic not in STATISTICS:
+        raise InvalidArgument(f"statistic must be one of {sorted(STATISTICS)}, got {statistic!r}")
     if not 1 <= num_repeats <= MAX_NUM_REPEATS:
         raise InvalidArgument(f"num_repeats must be in [1, {MAX_NUM_REPEATS}], got {num_repeats}")
     if not (math.isfinite(deadline_s) and deadline_s > 0):
@@ -147,13 +158,13 @@ async def run_profile(
                 f"{base_profile.name!r} has {base_profile.num_stages}; pass its own profile"
             )
         measurements = [
-            await measure_stage(stub, address, stage, grid, num_repeats, deadline_s)
+            await measure_stage(stub, address, stage, grid, num_repeats, deadline_s, statistic)
             for stage in range(num_stages)
         ]
     provenance = (
         f"measured by the LeMix profiler on executor {address}: forward/backward at "
         f"C in {list(grid.batch_sizes)} x l in {list(grid.num_tokens)}, decode at C x "
-        f"sum_context in {list(grid.sum_context_tokens)}, median of {num_repeats} repeat(s); "
+        f"sum_context in {list(grid.sum_context_tokens)}, {statistic} of {num_repeats} repeat(s); "
         f"memory, transfer and optimizer_step_s copied from base profile {base_profile.name!r}"
     )
     result = fit_profile(
@@ -169,6 +180,7 @@ async def run_profile(
         "executor_address": address,
         "grid": asdict(grid),
         "num_repeats": num_repeats,
+        "statistic": statistic,
         "num_measure_calls": num_stages * grid.num_calls_per_stage,
         # Work running during the measurement perturbs it on a real GPU.
         "executor_load_at_start": {
@@ -186,10 +198,11 @@ async def measure_stage(
     grid: ProfileGrid,
     num_repeats: int,
     deadline_s: float,
+    statistic: str = "median",
 ) -> StageMeasurements:
     """Every grid point of one stage, one `Measure` call each, in order."""
 
-    async def median(
+    async def point(
         phase: _Phase, batch_size: int, num_tokens: int, sum_context_tokens: int
     ) -> tuple[float, int]:
         request = executor_pb2.MeasureRequest(
@@ -205,20 +218,20 @@ async def measure_stage(
             f"l={num_tokens} sum_context={sum_context_tokens}"
         )
         reply = await _call(address, what, stub.Measure(request, timeout=deadline_s))
-        return _median_s(address, what, reply.latency_s), reply.peak_memory_bytes
+        return _aggregate_s(address, what, reply.latency_s, statistic), reply.peak_memory_bytes
 
     forward: list[PhasePoint] = []
     backward: list[PhasePoint] = []
     training_memory: list[MemoryPoint] = []
     for points, phase in ((forward, _Phase.PHASE_FORWARD), (backward, _Phase.PHASE_BACKWARD)):
         for c, n in grid.phase_points():
-            latency_s, peak_bytes = await median(phase, c, n, 0)
+            latency_s, peak_bytes = await point(phase, c, n, 0)
             points.append(PhasePoint(c, n, latency_s))
             training_memory.append(MemoryPoint(c * n, peak_bytes))
     decode: list[DecodePoint] = []
     decode_memory: list[MemoryPoint] = []
     for c, s in grid.decode_points():
-        latency_s, peak_bytes = await median(_Phase.PHASE_DECODE, c, 0, s)
+        latency_s, peak_bytes = await point(_Phase.PHASE_DECODE, c, 0, s)
         decode.append(DecodePoint(c, s, latency_s))
         decode_memory.append(MemoryPoint(s, peak_bytes))
     return StageMeasurements(
@@ -226,13 +239,13 @@ async def measure_stage(
     )
 
 
-def _median_s(address: str, what: str, samples: Sequence[float]) -> float:
+def _aggregate_s(address: str, what: str, samples: Sequence[float], statistic: str) -> float:
     if not samples or not all(math.isfinite(x) and x > 0 for x in samples):
         raise Unavailable(
             f"executor {address}: {what} returned no usable samples "
             f"(need positive latencies, got {list(samples)[:5]})"
         )
-    return statistics.median(samples)
+    return float(STATISTICS[statistic](samples))
 
 
 async def _call(address: str, what: str, call: Awaitable[T]) -> T:

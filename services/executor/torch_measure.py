@@ -12,12 +12,17 @@ KV cache bytes. Each call runs one warm-up that is not reported.
 
 from __future__ import annotations
 
+import functools
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from lemix.model.staged import Segment, Stage, StagedModel
+from lemix.model.families import attention_scale
+from lemix.model.kv import RequestKV
+from lemix.model.staged import Segment, Stage, StagedModel, ragged_attention
 from services.executor.convert import MeasurePhase, MeasureResult, MeasureSpec
 
 _MEASURE_KEY = "__measure__"
@@ -155,3 +160,182 @@ def _measure_decode(
     finally:
         for key in keys:
             stage.kv.free(key)
+
+
+# ------------------------------------------------------------ engine v2 shapes
+# Not phases of the Measure RPC (its proto is unchanged): scripts/profile_torch.py
+# calls these in process, on the executor's own loaded model, after the RPC grid.
+
+
+def measure_chunk(
+    staged: StagedModel,
+    stage_index: int,
+    num_new_tokens: int,
+    num_past_tokens: int,
+    num_repeats: int,
+) -> list[float]:
+    """`num_repeats` timings (s) of one prefill chunk: n new tokens of one
+    sequence appended to a KV cache already holding p tokens (random K/V), the
+    path the executor runs for a later chunk of a chunked prefill. p = 0 is a
+    first chunk (a plain prompt). One warm-up run is not reported."""
+    stage = staged.stages[stage_index]
+    generator = torch.Generator().manual_seed(stage_index * 7919 + num_new_tokens)
+    key = f"{_MEASURE_KEY}chunk"
+    entry = stage.kv.allocate(key, num_past_tokens + num_new_tokens)
+    try:
+        for t in (*entry.keys, *entry.values):
+            t.normal_(generator=None)
+        positions = torch.arange(num_past_tokens, num_past_tokens + num_new_tokens)
+        segments = [Segment(0, num_new_tokens, key, num_new_tokens)]
+        samples: list[float] = []
+        for i in range(num_repeats + 1):
+            entry.length = num_past_tokens  # the chunk appends; reset it each run
+            x = _inputs(stage, num_new_tokens, generator)
+            _sync(stage.device)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                stage.forward(x, positions, segments)
+            _sync(stage.device)
+            if i > 0:
+                samples.append(time.perf_counter() - t0)
+        return samples
+    finally:
+        stage.kv.free(key)
+
+
+@dataclass(frozen=True)
+class SliceTiming:
+    """Times (s, aggregated over repeats) of one stage's training pass run whole and as `num_slices`
+    layer groups, one after another (what an engine training slice runs)."""
+
+    num_slices: int
+    forward_whole_s: float
+    forward_sliced_s: float  # sum over the slices
+    backward_whole_s: float
+    backward_sliced_s: float
+
+    @property
+    def forward_overhead_s(self) -> float:
+        """Extra time per extra slice: (sliced − whole) / (k − 1)."""
+        return (self.forward_sliced_s - self.forward_whole_s) / (self.num_slices - 1)
+
+    @property
+    def backward_overhead_s(self) -> float:
+        return (self.backward_sliced_s - self.backward_whole_s) / (self.num_slices - 1)
+
+
+@dataclass(frozen=True)
+class SlicedPass:
+    """One training pass as slices: run every forward, then every backward, in order."""
+
+    forwards: list[Callable[[], None]]
+    backwards: list[Callable[[], None]]
+    group_outputs: list[torch.Tensor]  # filled as the forwards run; [-1] is the stage's output
+
+
+def layer_groups(layers: range, num_groups: int) -> list[range]:
+    """`layers` as `num_groups` contiguous groups, earlier groups the larger."""
+    if not 1 <= num_groups <= len(layers):
+        raise ValueError(f"num_groups must be in [1, {len(layers)}], got {num_groups}")
+    base, extra = divmod(len(layers), num_groups)
+    groups, start = [], layers.start
+    for g in range(num_groups):
+        size = base + (1 if g < extra else 0)
+        groups.append(range(start, start + size))
+        start += size
+    return groups
+
+
+def sliced_training_pass(
+    staged: StagedModel,
+    stage_index: int,
+    inputs: torch.Tensor,
+    batch_size: int,
+    num_tokens: int,
+    num_slices: int,
+) -> SlicedPass:
+    """The forward and backward of one training pass of a stage as `num_slices`
+    runs each: a layer group's forward (the embedding with the first, the head
+    with the last) on the detached output of the group before it, and its
+    backward on the gradient the group after it handed back (the last group's
+    output gradient is all ones). `num_slices` = 1 is the whole pass."""
+    stage = staged.stages[stage_index]
+    family = stage.family
+    scales = {i: attention_scale(staged.model, i, family.head_dim) for i in stage.layers}
+    positions, segments = _packed(batch_size, num_tokens)
+    caches: list[RequestKV | None] = [None] * len(segments)
+    past = [0] * len(segments)
+    groups = layer_groups(stage.layers, num_slices)
+    group_in: list[torch.Tensor] = []
+    group_out: list[torch.Tensor] = []
+
+    def forward(g: int) -> None:
+        layers = groups[g]
+        x = inputs if g == 0 else group_out[g - 1].detach().requires_grad_(True)
+        if x.is_floating_point() and not x.requires_grad:
+            x.requires_grad_(True)
+        group_in.append(x)
+        with torch.enable_grad():
+            h = family.embed(x, positions) if g == 0 and stage.is_first else x
+            for i in layers:
+
+                def attend(
+                    layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                ) -> torch.Tensor:
+                    local = layer - stage.layers.start
+                    return ragged_attention(q, k, v, segments, caches, past, local, scales[layer])
+
+                h = family.layer_forward(i, h, positions, attend)
+            if g == num_slices - 1 and stage.is_last:
+                h = family.head(h)
+        group_out.append(h)
+
+    def backward(g: int) -> None:
+        out = group_out[g]
+        grad = torch.ones_like(out) if g == num_slices - 1 else group_in[g + 1].grad
+        assert grad is not None  # the group after it ran its backward first
+        out.backward(grad)
+
+    return SlicedPass(
+        forwards=[functools.partial(forward, g) for g in range(num_slices)],
+        backwards=[functools.partial(backward, g) for g in reversed(range(num_slices))],
+        group_outputs=group_out,
+    )
+
+
+def measure_training_slices(
+    staged: StagedModel,
+    stage_index: int,
+    batch_size: int,
+    num_tokens: int,
+    num_slices: int,
+    num_repeats: int,
+    aggregate: Callable[[Sequence[float]], float] = statistics.median,
+) -> SliceTiming:
+    """Time one stage's training forward and backward whole and as `num_slices`
+    layer groups (same code, one group vs k), `aggregate` (median; min on a
+    shared machine) of `num_repeats` runs after a warm-up. The difference per
+    extra slice is the slice's fixed overhead."""
+    if num_slices < 2:
+        raise ValueError("measure at least 2 slices (1 is the whole pass)")
+    stage = staged.stages[stage_index]
+    generator = torch.Generator().manual_seed(stage_index * 7919 + num_tokens)
+    timings: dict[int, tuple[list[float], list[float]]] = {1: ([], []), num_slices: ([], [])}
+    for i in range(num_repeats + 1):
+        for k in (1, num_slices):
+            x = _inputs(stage, batch_size * num_tokens, generator)
+            sliced = sliced_training_pass(staged, stage_index, x, batch_size, num_tokens, k)
+            for runs, samples in (
+                (sliced.forwards, timings[k][0]),
+                (sliced.backwards, timings[k][1]),
+            ):
+                _sync(stage.device)
+                t0 = time.perf_counter()
+                for run in runs:
+                    run()
+                _sync(stage.device)
+                if i > 0:
+                    samples.append(time.perf_counter() - t0)
+            stage.modules.zero_grad(set_to_none=True)
+    (fw1, bw1), (fwk, bwk) = timings[1], timings[num_slices]
+    return SliceTiming(num_slices, aggregate(fw1), aggregate(fwk), aggregate(bw1), aggregate(bwk))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -149,3 +150,41 @@ def test_other_shipped_profiles_load(filename: str, num_stages: int) -> None:
     profile = load_profile(default_profile_path().parent / filename)
     assert profile.num_stages == num_stages
     assert len(profile.memory.kv_bytes_per_token) == num_stages
+
+
+def test_chunk_model_round_trips_and_is_absent_when_derived(tmp_path: Path) -> None:
+    from lemix.latency import ChunkCoeffs
+
+    derived = make_profile()
+    assert "chunk" not in derived.to_json_dict()["latency"]["ours"]
+    chunk = (ChunkCoeffs(1e-3, 4e-5, 2e-9, 5e-9, 3e-7),) * 2
+    measured = dataclasses.replace(derived, ours=dataclasses.replace(derived.ours, chunk=chunk))
+    data = measured.to_json_dict()
+    assert data["latency"]["ours"]["chunk"][1] == {
+        "a": 1e-3,
+        "b": 4e-5,
+        "c": 2e-9,
+        "e": 5e-9,
+        "f": 3e-7,
+    }
+    path = tmp_path / "chunk.json"
+    save_profile(measured, path)
+    assert load_profile(path) == measured
+    assert load_profile(path).ours.chunk_forward_s(1, 10, 20) == pytest.approx(chunk[1](10, 20))
+
+
+def test_a_profile_written_before_chunks_loads_with_the_derived_model(tmp_path: Path) -> None:
+    data = make_profile().to_json_dict()
+    data["latency"]["ours"].pop("chunk", None)
+    profile = load_profile(_write(tmp_path, data))
+    assert profile.ours.chunk == ()
+    # Derived: forward (a, b, c), e = 2·c, f = d2 (see ChunkCoeffs.derived).
+    expected = 1e-3 + 4e-5 * 10 + 2e-9 * 100 + 4e-9 * 10 * 20 + 2e-7 * 20
+    assert profile.ours.chunk_forward_s(0, 10, 20) == pytest.approx(expected)
+
+
+def test_a_chunk_list_of_the_wrong_length_is_rejected(tmp_path: Path) -> None:
+    data = make_profile().to_json_dict()
+    data["latency"]["ours"]["chunk"] = [{"a": 0.0, "b": 0.0, "c": 0.0, "e": 0.0, "f": 0.0}]
+    with pytest.raises(ValueError, match="chunk"):
+        load_profile(_write(tmp_path, data))

@@ -205,3 +205,38 @@ def test_cli_refuses_a_profile_that_cannot_fit(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     assert main(["--preset", "a100-llama2-13b", "--stages", "2", "--out", str(out)]) == 2
     assert not out.exists()
+
+
+# ------------------------------------------------------------------ prefill chunks
+
+
+def test_chunk_without_past_is_a_forward_and_the_past_costs_more() -> None:
+    roof = _roof()
+    for n in (16, 512, 2048):
+        assert roof.chunk_forward_s(n, 0) == roof.forward_s(1, n)
+        assert roof.chunk_forward_s(n, 1024) > roof.chunk_forward_s(n, 0)
+
+
+def test_compute_bound_chunks_conserve_the_prompts_work() -> None:
+    """At 2,048 + 2,048 tokens the stage is compute-bound: a chunk costs what
+    the long prompt costs beyond the short one, plus one more pass's launches."""
+    roof = _roof()
+    launches_s = Assumptions().kernel_launch_s * Assumptions().kernels_per_layer * 16
+    expected = roof.forward_s(1, 4096) - roof.forward_s(1, 2048) + launches_s
+    assert roof.chunk_forward_s(2048, 2048) == pytest.approx(expected, rel=1e-12)
+
+
+def test_memory_bound_chunks_pay_the_past_kv_read() -> None:
+    roof = _roof()
+    # 16 new tokens: weight + KV read bound. KV: 2·16 layers·4096·2 B = 262,144 B/token.
+    extra_s = roof.chunk_forward_s(16, 3072) - roof.chunk_forward_s(16, 0)
+    assert extra_s == pytest.approx(262_144 * 3072 / A100_HBM_ACHIEVED, rel=1e-9)
+
+
+def test_shipped_profiles_fit_the_chunk_roofline(a100_2stage) -> None:
+    chunk = a100_2stage.fit_quality["chunk"]
+    assert set(chunk) == {"paper", "ours", "derived"}
+    for stage in range(a100_2stage.num_stages):
+        assert chunk["ours"][stage]["r2"] > 0.95
+        assert chunk["ours"][stage]["mape"] < chunk["paper"][stage]["mape"]
+    assert len(a100_2stage.ours.chunk) == 2
