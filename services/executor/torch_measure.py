@@ -20,9 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lemix.model.families import attention_scale
-from lemix.model.kv import RequestKV
-from lemix.model.staged import Segment, Stage, StagedModel, ragged_attention
+from lemix.model.staged import Segment, Stage, StagedModel
 from services.executor.convert import MeasurePhase, MeasureResult, MeasureSpec
 
 _MEASURE_KEY = "__measure__"
@@ -260,34 +258,26 @@ def sliced_training_pass(
     backward on the gradient the group after it handed back (the last group's
     output gradient is all ones). `num_slices` = 1 is the whole pass."""
     stage = staged.stages[stage_index]
-    family = stage.family
-    scales = {i: attention_scale(staged.model, i, family.head_dim) for i in stage.layers}
     positions, segments = _packed(batch_size, num_tokens)
-    caches: list[RequestKV | None] = [None] * len(segments)
-    past = [0] * len(segments)
     groups = layer_groups(stage.layers, num_slices)
     group_in: list[torch.Tensor] = []
     group_out: list[torch.Tensor] = []
 
     def forward(g: int) -> None:
-        layers = groups[g]
         x = inputs if g == 0 else group_out[g - 1].detach().requires_grad_(True)
         if x.is_floating_point() and not x.requires_grad:
             x.requires_grad_(True)
         group_in.append(x)
         with torch.enable_grad():
-            h = family.embed(x, positions) if g == 0 and stage.is_first else x
-            for i in layers:
-
-                def attend(
-                    layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                ) -> torch.Tensor:
-                    local = layer - stage.layers.start
-                    return ragged_attention(q, k, v, segments, caches, past, local, scales[layer])
-
-                h = family.layer_forward(i, h, positions, attend)
-            if g == num_slices - 1 and stage.is_last:
-                h = family.head(h)
+            # The stage's own code for a layer group (what sliced training runs).
+            h = stage.forward_part(
+                x,
+                positions,
+                segments,
+                groups[g],
+                embed=g == 0 and stage.is_first,
+                head=g == num_slices - 1 and stage.is_last,
+            )
         group_out.append(h)
 
     def backward(g: int) -> None:
