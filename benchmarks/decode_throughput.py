@@ -294,6 +294,31 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     return info
 
 
+def hbm_floor(
+    runner: InferenceRunner, rows: list[dict[str, Any]], hbm_gbps: float
+) -> dict[str, Any]:
+    """Each batch's measured decode step (both stages) against the memory-bound
+    floor: every weight byte read once per step at `hbm_gbps` (KV reads, small
+    at these contexts, are left out, so the floor is a lower bound)."""
+    weight_bytes = sum(runner.staged.weight_bytes())
+    floor_s = weight_bytes / (hbm_gbps * 1e9)
+    per_batch = []
+    for row in rows:
+        step_s = row["batch"] / row["ours"]["decode_tok_s"]
+        per_batch.append({"batch": row["batch"], "step_s": step_s, "floor_ratio": step_s / floor_s})
+        print(
+            f"batch {row['batch']:3d}: decode step {step_s * 1e3:.3f} ms vs the HBM floor "
+            f"{floor_s * 1e3:.3f} ms ({weight_bytes / 1e9:.2f} GB of weights at "
+            f"{hbm_gbps:g} GB/s): {step_s / floor_s:.2f}x"
+        )
+    return {
+        "weight_bytes": weight_bytes,
+        "hbm_gbps": hbm_gbps,
+        "floor_s": floor_s,
+        "rows": per_batch,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -312,6 +337,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--staggered-gap-s", type=float, default=0.05, help="mean arrival gap")
     parser.add_argument("--staggered-batch", type=int, default=16, help="max requests at once")
+    parser.add_argument(
+        "--hbm-gbps",
+        type=float,
+        default=0.0,
+        help="device memory bandwidth, GB/s (e.g. 4800 for an H200): reports each decode "
+        "step against the floor of reading every weight once (0 = skip)",
+    )
     args = parser.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     if not batch_sizes or min(batch_sizes) < 1:
@@ -385,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     targets = _targets(rows)
+    floor = hbm_floor(runner, rows, args.hbm_gbps) if args.hbm_gbps > 0 else None
     staggered = None
     if args.staggered_requests > 0:
         staggered = bench_staggered(
@@ -418,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
+        "hbm_floor": floor,
         "machine": machine_info(device),
         "rows": rows,
         "staggered": staggered,

@@ -13,7 +13,8 @@
 #   3. scripts/gpu_profile_torch.py: llama-1b, 2 stages on cuda:0, measured with
 #      the executor's own code (services/executor/torch_measure.py), both latency
 #      models fitted (profiler/fit.py) -> h200-llama-1b-2stage.json + fit report;
-#   4. benchmarks/decode_throughput.py --model llama-1b --device cuda:0.
+#   4. benchmarks/decode_throughput.py --model llama-1b --device cuda:0, batch 1/8/32,
+#      each decode step against the HBM floor (weight bytes / 4.8 TB/s, H200).
 # Budget: ~1 min start + <1 min tests + <=5 min profile + <=4 min benchmark,
 # inside the device tool's 10-minute command limit (run it with timeout_s=600).
 #
@@ -121,7 +122,8 @@ fi
 
 step "4. decode throughput, llama-1b on cuda:0 (benchmarks/decode_throughput.py)" 240 \
     "$PY" benchmarks/decode_throughput.py --model llama-1b --device cuda:0 \
-    --batch-sizes 1,2,4,8,16 --prompt-tokens 64 --new-tokens 64 --repeats 3 \
+    --batch-sizes 1,8,32 --prompt-tokens 64 --new-tokens 64 --repeats 3 \
+    --staggered-requests 0 --hbm-gbps 4800 \
     --json "$OUT/decode_throughput_llama-1b.json"
 
 header "done in $((SECONDS - START_S)) s; files in $OUT:"
