@@ -629,7 +629,8 @@ class NodeEngine:
         decode = [r for r in batch.running if r.is_prefilled]
         partial = [r for r in batch.running if not r.is_prefilled]
         prefill_budget = None if budget is None else max(budget - len(decode), 0)
-        chunks = take_chunks(partial, prefill_budget)
+        fit = None if budget is None else self._fit_chunk
+        chunks = take_chunks(partial, prefill_budget, fit)
         if prefill_budget is not None:
             prefill_budget -= sum(c.num_tokens for c in chunks)
         if self.swapped:
@@ -646,7 +647,7 @@ class NodeEngine:
             self._drop_stale_waiting(now_s, outcomes)
         for req in joined:
             req.micro_batch = batch.index
-        chunks += take_chunks(joined, prefill_budget)
+        chunks += take_chunks(joined, prefill_budget, fit)
         if not chunks and not decode:
             return []
         durations = self._iteration_durations(chunks, decode)
@@ -731,6 +732,35 @@ class NodeEngine:
                 d += truth.decode_step_s(s, len(decode), sum_context)
             out.append(d)
         return tuple(out)
+
+    def _fit_chunk(
+        self, num_past_tokens: int, num_tokens: int, num_left_tokens: int
+    ) -> tuple[int, int]:
+        """A chunk of at most `num_tokens` after `num_past_tokens` cached ones,
+        fitted to the time `num_left_tokens` take with nothing cached (on the
+        slowest stage; the profile's model, not the noisy truth: a decision, not
+        a duration): (its tokens, at least 1 so a prompt always advances; the
+        budget tokens its time is worth, at most `num_left_tokens`)."""
+        model = self.profile.ours
+        stages = range(self.num_stages)
+
+        def fresh_s(n: int) -> float:
+            return max(model.forward_s(s, 1, n) for s in stages)
+
+        def chunk_s(n: int) -> float:
+            return max(model.chunk_forward_s(s, n, num_past_tokens) for s in stages)
+
+        limit_s = fresh_s(num_left_tokens)
+        lo, hi = 1, num_tokens  # time grows with n: the largest n within the limit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if chunk_s(mid) <= limit_s else (lo, mid - 1)
+        cost_s = chunk_s(lo)
+        first, last = lo, num_left_tokens  # the fewest fresh tokens that take as long
+        while first < last:
+            mid = (first + last) // 2
+            first, last = (first, mid) if fresh_s(mid) >= cost_s else (mid + 1, last)
+        return lo, first
 
     def _chunk_s(self, stage: int, chunk: PrefillChunk) -> float:
         """One prefill chunk alone on `stage`: with its cached past, if any."""

@@ -56,8 +56,14 @@ Chunked prefill
     With a per-iteration token budget B (`EngineConfig.prefill_token_budget`),
     every decode request costs one token; what remains goes to prefill chunks,
     first to requests whose prefill is partly done (in the order they joined),
-    then to newly admitted ones. A new request joins only if it gets at least
-    one token this iteration, so nothing holds KV without making progress. If
+    then to newly admitted ones. A later chunk attends over the KV of the
+    earlier ones, so it costs more per token: the budget is time, counted in
+    tokens with nothing cached. A later chunk takes the most tokens whose time
+    (the profile's `chunk_forward_s`) fits in what is left and uses up the
+    tokens that time is worth, so a long prompt's last chunks do not stretch
+    the iteration (and its decodes' time between tokens). A new
+    request joins only if it gets at least one token this iteration, so
+    nothing holds KV without making progress. If
     the decodes alone use the budget, they all still run and prefill waits. It
     cannot wait forever: a request starts decoding only when its last chunk
     ran, which took budget, so decodes exceed the budget only when swapped-out
@@ -80,7 +86,7 @@ Training slices
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from lemix.types import Task
@@ -157,11 +163,19 @@ def micro_batch_cap(max_batch_size: int, num_micro_batches: int) -> int:
     return -(-max_batch_size // num_micro_batches)
 
 
-def take_chunks(requests: Sequence[Request], budget: int | None) -> list[PrefillChunk]:
+def take_chunks(
+    requests: Sequence[Request],
+    budget: int | None,
+    fit: Callable[[int, int, int], tuple[int, int]] | None = None,
+) -> list[PrefillChunk]:
     """Prefill chunks for `requests` in order from `budget` tokens (None: no limit).
 
     Each gets the rest of its prompt or what is left of the budget; requests
-    past the point the budget runs out get none.
+    past the point the budget runs out get none. `fit(past, n, left)`, when
+    given, prices a chunk that follows `past` cached tokens (it also attends
+    over the earlier chunks' KV): it returns the tokens the chunk may take (at
+    most `n`, costing no more time than `left` tokens with nothing cached)
+    and the budget tokens that time is worth, which the chunk uses up.
     """
     chunks = []
     left = math.inf if budget is None else budget
@@ -170,8 +184,11 @@ def take_chunks(requests: Sequence[Request], budget: int | None) -> list[Prefill
             break
         remaining = req.task.num_prompt_tokens - req.num_prefilled
         num_tokens = int(min(remaining, left))
+        charged = num_tokens
+        if fit is not None and req.num_prefilled:
+            num_tokens, charged = fit(req.num_prefilled, num_tokens, int(left))
         chunks.append(PrefillChunk(req, req.num_prefilled, num_tokens))
-        left -= num_tokens
+        left -= charged
     return chunks
 
 
