@@ -121,6 +121,7 @@ async def run_live(
             latency_noise_cv=args.noise_cv,
             train_rate=args.train_rate,
             engine=args.engine,
+            redis_fsync=args.redis_fsync,
             log_dir=Path(tmp) / "logs",
             extra_env={
                 "LEMIX_SLO_TTFT_S": repr(slo.ttft_s),
@@ -224,18 +225,19 @@ def compare(sim: dict[str, Any], live: dict[str, Any]) -> list[dict[str, Any]]:
 def per_request(
     sim_records: list[TaskRecord], live_records: list[TaskRecord], slo: Slo
 ) -> dict[str, Any]:
-    """Live minus sim, per inference task completed in both (same ids)."""
+    """Live minus sim, per inference task completed in both (the same task:
+    a live id is the replay's run id, a dash, then the workload's id)."""
     sim_by_id = {
         r.task_id: r
         for r in sim_records
         if r.kind is TaskKind.INFERENCE and r.status is TaskStatus.COMPLETED
     }
     pairs = [
-        (sim_by_id[r.task_id], r)
+        (sim_by_id[workload_id], r)
         for r in live_records
         if r.kind is TaskKind.INFERENCE
         and r.status is TaskStatus.COMPLETED
-        and r.task_id in sim_by_id
+        and (workload_id := r.task_id.partition("-")[2]) in sim_by_id
     ]
 
     def stats(values: list[float]) -> dict[str, float | None]:
@@ -299,6 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--drain-timeout-s", type=float, default=120.0)
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument(
+        "--redis-fsync",
+        default="always",
+        choices=("always", "everysec"),
+        help="the embedded Redis's appendfsync (always: `lemix up`'s default)",
+    )
     add_engine_args(parser)  # the same engine v2 flags as `lemix sim`, given to both runs
     args = parser.parse_args(argv)
     profile: Profile = load_profile(args.profile)
@@ -437,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
                     "policy": args.policy,
                     "noise_cv": args.noise_cv,
                     "engine": dataclasses.asdict(args.engine),
+                    "redis_fsync": args.redis_fsync,
                     "profile": profile.name,
                     "slo": {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s},
                     "targets": {"slo_pp": TARGET_PP, "throughput_pct": TARGET_PCT},
