@@ -19,6 +19,7 @@ Memory goes through `lemix.memory.NodeMemory` only.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections import deque
 from collections.abc import Iterable
@@ -30,8 +31,9 @@ from lemix.batching import BatchingConfig, admit
 from lemix.engine_groups import (
     Iteration,
     MicroBatch,
-    PrefillChunk,
     Request,
+    fit_chunk,
+    iteration_durations,
     micro_batch_cap,
     num_balanced_joins,
     num_slices,
@@ -629,10 +631,12 @@ class NodeEngine:
         decode = [r for r in batch.running if r.is_prefilled]
         partial = [r for r in batch.running if not r.is_prefilled]
         prefill_budget = None if budget is None else max(budget - len(decode), 0)
-        fit = None if budget is None else self._fit_chunk
-        chunks = take_chunks(partial, prefill_budget, fit)
+        fit = None
+        if budget is not None:
+            fit = functools.partial(fit_chunk, self.profile.ours, self.num_stages)
+        chunks, num_used = take_chunks(partial, prefill_budget, fit)
         if prefill_budget is not None:
-            prefill_budget -= sum(c.num_tokens for c in chunks)
+            prefill_budget -= num_used
         if self.swapped:
             fits: list = []  # swapped requests go first: no new admissions
         else:
@@ -647,10 +651,11 @@ class NodeEngine:
             self._drop_stale_waiting(now_s, outcomes)
         for req in joined:
             req.micro_batch = batch.index
-        chunks += take_chunks(joined, prefill_budget, fit)
+        chunks += take_chunks(joined, prefill_budget, fit)[0]
         if not chunks and not decode:
             return []
-        durations = self._iteration_durations(chunks, decode)
+        reload_s, self._reload_s = self._reload_s, 0.0  # owed once, by this iteration
+        durations = iteration_durations(self.truth, self.num_stages, chunks, decode, reload_s)
         batch.running = decode + partial + joined
         batch.is_in_flight = True
         self.num_iterations += 1
@@ -709,64 +714,6 @@ class NodeEngine:
             free = [f - n for n, f in zip(need, free, strict=True)]
             total += req.task.num_prompt_tokens
         return total
-
-    def _iteration_durations(
-        self, chunks: list[PrefillChunk], decode: list[Request]
-    ) -> tuple[float, ...]:
-        truth = self.truth
-        sum_context = sum(r.context_tokens for r in decode)
-        reload_s, self._reload_s = self._reload_s, 0.0
-        out = []
-        for s in range(self.num_stages):
-            d = reload_s
-            if chunks:
-                # Ragged (unpadded) prefill, as vLLM/SGLang run it: per-sequence
-                # terms add up, the fixed per-pass cost is paid once. A first
-                # chunk (nothing cached) costs what a prompt of its length
-                # would; a later one also attends over the earlier chunks' KV
-                # (`chunk_forward_s`). First chunks keep the forward call so
-                # that unchunked (v1) iterations are predicted as before.
-                fixed_s = truth.forward_s(s, 1, 0)
-                d += sum(self._chunk_s(s, c) - fixed_s for c in chunks) + fixed_s
-            if decode:
-                d += truth.decode_step_s(s, len(decode), sum_context)
-            out.append(d)
-        return tuple(out)
-
-    def _fit_chunk(
-        self, num_past_tokens: int, num_tokens: int, num_left_tokens: int
-    ) -> tuple[int, int]:
-        """A chunk of at most `num_tokens` after `num_past_tokens` cached ones,
-        fitted to the time `num_left_tokens` take with nothing cached (on the
-        slowest stage; the profile's model, not the noisy truth: a decision, not
-        a duration): (its tokens, at least 1 so a prompt always advances; the
-        budget tokens its time is worth, at most `num_left_tokens`)."""
-        model = self.profile.ours
-        stages = range(self.num_stages)
-
-        def fresh_s(n: int) -> float:
-            return max(model.forward_s(s, 1, n) for s in stages)
-
-        def chunk_s(n: int) -> float:
-            return max(model.chunk_forward_s(s, n, num_past_tokens) for s in stages)
-
-        limit_s = fresh_s(num_left_tokens)
-        lo, hi = 1, num_tokens  # time grows with n: the largest n within the limit
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if chunk_s(mid) <= limit_s else (lo, mid - 1)
-        cost_s = chunk_s(lo)
-        first, last = lo, num_left_tokens  # the fewest fresh tokens that take as long
-        while first < last:
-            mid = (first + last) // 2
-            first, last = (first, mid) if fresh_s(mid) >= cost_s else (mid + 1, last)
-        return lo, first
-
-    def _chunk_s(self, stage: int, chunk: PrefillChunk) -> float:
-        """One prefill chunk alone on `stage`: with its cached past, if any."""
-        if chunk.start:
-            return self.truth.chunk_forward_s(stage, chunk.num_tokens, chunk.start)
-        return self.truth.forward_s(stage, 1, chunk.num_tokens)
 
     def _finish_iteration(self, iteration: Iteration, outcomes: list[Outcome]) -> None:
         batch = self.micro_batches[iteration.micro_batch]

@@ -89,6 +89,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from lemix.latency import LatencyModel
 from lemix.types import Task
 
 
@@ -167,8 +168,9 @@ def take_chunks(
     requests: Sequence[Request],
     budget: int | None,
     fit: Callable[[int, int, int], tuple[int, int]] | None = None,
-) -> list[PrefillChunk]:
-    """Prefill chunks for `requests` in order from `budget` tokens (None: no limit).
+) -> tuple[list[PrefillChunk], int]:
+    """Prefill chunks for `requests` in order from `budget` tokens (None: no
+    limit), and the budget tokens they use up.
 
     Each gets the rest of its prompt or what is left of the budget; requests
     past the point the budget runs out get none. `fit(past, n, left)`, when
@@ -179,6 +181,7 @@ def take_chunks(
     """
     chunks = []
     left = math.inf if budget is None else budget
+    used = 0
     for req in requests:
         if left <= 0:
             break
@@ -189,7 +192,8 @@ def take_chunks(
             num_tokens, charged = fit(req.num_prefilled, num_tokens, int(left))
         chunks.append(PrefillChunk(req, req.num_prefilled, num_tokens))
         left -= charged
-    return chunks
+        used += charged
+    return chunks, used
 
 
 def num_within_budget(prompt_tokens: Sequence[int], budget: int | None) -> int:
@@ -255,3 +259,74 @@ def slice_s(duration_s: float, index: int, count: int) -> float:
     """
     end_s = duration_s if index == count - 1 else duration_s * (index + 1) / count
     return end_s - duration_s * index / count
+
+
+# ------------------------------------------------------------ iteration costs
+
+
+def iteration_durations(
+    truth: LatencyModel,
+    num_stages: int,
+    chunks: Sequence[PrefillChunk],
+    decode: Sequence[Request],
+    reload_s: float,
+) -> tuple[float, ...]:
+    """Per-stage time of an iteration carrying `chunks` and `decode` (plus KV
+    reload time it owes), by `truth` (the node's actual latency)."""
+    sum_context = sum(r.context_tokens for r in decode)
+    out = []
+    for s in range(num_stages):
+        d = reload_s
+        if chunks:
+            # Ragged (unpadded) prefill, as vLLM/SGLang run it: per-sequence
+            # terms add up, the fixed per-pass cost is paid once. A first
+            # chunk (nothing cached) costs what a prompt of its length
+            # would; a later one also attends over the earlier chunks' KV
+            # (`chunk_forward_s`). First chunks keep the forward call so
+            # that unchunked (v1) iterations are predicted as before.
+            fixed_s = truth.forward_s(s, 1, 0)
+            d += sum(chunk_s(truth, s, c) - fixed_s for c in chunks) + fixed_s
+        if decode:
+            d += truth.decode_step_s(s, len(decode), sum_context)
+        out.append(d)
+    return tuple(out)
+
+
+def chunk_s(truth: LatencyModel, stage: int, chunk: PrefillChunk) -> float:
+    """One prefill chunk alone on `stage`: with its cached past, if any."""
+    if chunk.start:
+        return truth.chunk_forward_s(stage, chunk.num_tokens, chunk.start)
+    return truth.forward_s(stage, 1, chunk.num_tokens)
+
+
+def fit_chunk(
+    model: LatencyModel,
+    num_stages: int,
+    num_past_tokens: int,
+    num_tokens: int,
+    num_left_tokens: int,
+) -> tuple[int, int]:
+    """A chunk of at most `num_tokens` after `num_past_tokens` cached ones,
+    fitted to the time `num_left_tokens` take with nothing cached on the
+    slowest stage (`model` is the profile's, not the noisy truth: a decision,
+    not a duration): (its tokens, at least 1 so a prompt always advances; the
+    budget tokens its time is worth, at most `num_left_tokens`)."""
+    stages = range(num_stages)
+
+    def fresh_s(n: int) -> float:
+        return max(model.forward_s(s, 1, n) for s in stages)
+
+    def past_s(n: int) -> float:
+        return max(model.chunk_forward_s(s, n, num_past_tokens) for s in stages)
+
+    limit_s = fresh_s(num_left_tokens)
+    lo, hi = 1, num_tokens  # time grows with n: the largest n within the limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if past_s(mid) <= limit_s else (lo, mid - 1)
+    cost_s = past_s(lo)
+    first, last = lo, num_left_tokens  # the fewest fresh tokens that take as long
+    while first < last:
+        mid = (first + last) // 2
+        first, last = (first, mid) if fresh_s(mid) >= cost_s else (mid + 1, last)
+    return lo, first

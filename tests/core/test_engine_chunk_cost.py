@@ -100,3 +100,28 @@ def test_without_a_budget_no_chunk_is_priced_with_a_past(num_micro_batches: int 
         )
         chunked.add(make_request("r", 0.0, 200, 1))
         chunked.run()
+
+
+def test_a_shrunk_later_chunk_uses_up_its_whole_share_of_the_budget() -> None:
+    # The later chunk of "r" takes 54 tokens but the time of 64: the budget is
+    # spent, so "s", waiting since iteration 1, gets no 10 tokens squeezed into
+    # iteration 2 (which would run past the budget's time); it joins once r's
+    # last chunk leaves budget time over.
+    base = make_profile(forward_a_s=0.01)
+    chunk = ChunkCoeffs(a=0.01, b=0.001, c=0.0, e=1e-6, f=1e-4)
+    profile = dataclasses.replace(base, ours=dataclasses.replace(base.ours, chunk=(chunk, chunk)))
+    driver = EngineDriver(make_engine(profile, prefill_token_budget=64))
+    driver.add(make_request("r", 0.0, 200, 1))
+    driver.add(make_request("s", 0.01, 30, 1))
+    driver.run()
+    starts = iterations(driver)
+    spans = [
+        list(zip([r.task.task_id for r in s.work.prefill], s.work.prefill_spans, strict=True))  # type: ignore[attr-defined]
+        for _, s in starts
+    ]
+    assert spans[0] == [("r", (0, 64))]
+    assert spans[1] == [("r", (64, 54))]  # and nothing for "s"
+    assert spans[2] == [("r", (118, 46))]
+    assert spans[3] == [("r", (164, 36)), ("s", (0, 5))]  # 36 after 164 leave 5 tokens' time
+    assert spans[4] == [("s", (5, 25))]
+    assert max(s.duration_s for _, s in starts) <= 0.074 + 1e-12
