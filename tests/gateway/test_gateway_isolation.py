@@ -19,6 +19,7 @@ import pytest
 import redis.asyncio as aioredis
 from gateway_fakes import FakeScheduler, GatewayFactory, Script, TcpProxy, flushed_stats
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis_pool import TEST_POOL_SIZE
 from waiting import wait_until
 
 from gateway.service import GatewayService
@@ -396,7 +397,9 @@ async def test_a_dedupe_marker_without_a_hash_reads_as_the_same_request(store: S
 
 
 async def test_a_failed_counter_flush_keeps_its_counts(store: Store) -> None:
-    dead = aioredis.Redis(port=find_free_port(), decode_responses=True)  # nothing listens
+    dead = aioredis.Redis(
+        port=find_free_port(), decode_responses=True, max_connections=TEST_POOL_SIZE
+    )  # nothing listens
     try:
         counters = BatchedCounters(Store(dead, store.keys))
         counters.add("requests_received", 3)

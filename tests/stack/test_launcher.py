@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 import redis.asyncio as aioredis
+from redis_pool import TEST_POOL_SIZE
 
 from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc
 from lemix.infra.rpc.client import channel
@@ -135,7 +136,9 @@ async def test_embedded_redis_requires_the_password_the_services_get(tmp_path: P
     async with Stack(config) as stack:
         assert stack.redis is not None
         assert stack.redis.url.startswith("redis://:given-password-123@127.0.0.1:")
-        anonymous = aioredis.Redis(host="127.0.0.1", port=stack.redis.port)
+        anonymous = aioredis.Redis(
+            host="127.0.0.1", port=stack.redis.port, max_connections=TEST_POOL_SIZE
+        )
         with pytest.raises(Exception, match="(?i)auth"):
             await anonymous.ping()
         await anonymous.aclose()

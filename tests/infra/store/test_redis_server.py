@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from redis_pool import TEST_POOL_SIZE
 
 from lemix.infra.store.server import (
     EmbeddedRedis,
@@ -45,7 +46,7 @@ def _wait_gone(pid: int, timeout_s: float = 5.0) -> bool:
 
 
 def _ping(url: str) -> bool:
-    client = redis.Redis.from_url(url, socket_connect_timeout=1.0)
+    client = redis.Redis.from_url(url, socket_connect_timeout=1.0, max_connections=TEST_POOL_SIZE)
     try:
         return bool(client.ping())
     finally:
@@ -66,7 +67,7 @@ def test_start_on_free_port_answers_ping_and_stop_leaves_no_process() -> None:
     assert server.port > 0
     assert server.url == f"redis://127.0.0.1:{server.port}/0"
     assert server.is_running and _ping(server.url)
-    client = redis.Redis.from_url(server.url, decode_responses=True)
+    client = redis.Redis.from_url(server.url, decode_responses=True, max_connections=TEST_POOL_SIZE)
     assert client.config_get("save") == {"save": ""}
     assert client.config_get("appendonly") == {"appendonly": "no"}
     assert client.config_get("bind")["bind"] == "127.0.0.1"
@@ -113,13 +114,17 @@ def test_failing_binary_error_quotes_its_stderr(tmp_path: Path) -> None:
 
 def test_appendonly_keeps_data_across_restarts_in_a_given_dir(tmp_path: Path) -> None:
     with EmbeddedRedis(dir=tmp_path, appendonly=True) as server:
-        client = redis.Redis.from_url(server.url, decode_responses=True)
+        client = redis.Redis.from_url(
+            server.url, decode_responses=True, max_connections=TEST_POOL_SIZE
+        )
         assert client.config_get("appendonly") == {"appendonly": "yes"}
         client.xadd("stream", {"task_id": "t1"})
         client.close()
     assert tmp_path.exists()  # a given dir is never removed
     with EmbeddedRedis(dir=tmp_path, appendonly=True) as server:
-        client = redis.Redis.from_url(server.url, decode_responses=True)
+        client = redis.Redis.from_url(
+            server.url, decode_responses=True, max_connections=TEST_POOL_SIZE
+        )
         assert client.xlen("stream") == 1
         client.close()
 
@@ -193,7 +198,9 @@ def test_acknowledged_writes_survive_a_sigkill_and_restart(
     with EmbeddedRedis(dir=tmp_path, appendonly=True, appendfsync=appendfsync) as server:
         port, pid = server.port, server.pid
         assert pid is not None
-        client = redis.Redis.from_url(server.url, decode_responses=True)
+        client = redis.Redis.from_url(
+            server.url, decode_responses=True, max_connections=TEST_POOL_SIZE
+        )
         assert client.config_get("appendfsync") == {"appendfsync": appendfsync}
         ids = [client.xadd("intake", {"task_id": f"t{i}"}) for i in range(200)]
         client.hset("task:t199", mapping={"state": "queued"})  # the last reply read
@@ -211,7 +218,7 @@ def test_restart_keeps_a_temporary_data_dir_until_stop() -> None:
     server = EmbeddedRedis(appendonly=True).start()
     data_dir, port = server.data_dir, server.port
     assert data_dir is not None
-    client = redis.Redis.from_url(server.url, decode_responses=True)
+    client = redis.Redis.from_url(server.url, decode_responses=True, max_connections=TEST_POOL_SIZE)
     client.set("k", "v")
     server.restart()  # a running server: SHUTDOWN (AOF fsynced), then start again
     assert server.port == port and server.data_dir == data_dir
@@ -243,11 +250,13 @@ def test_password_is_required_and_kept_out_of_the_command_line() -> None:
         assert server.url == f"redis://:s3cret-Pass_word%21@127.0.0.1:{server.port}/0"
         assert password not in server.address
         assert _ping(server.url)
-        anonymous = redis.Redis(host="127.0.0.1", port=server.port)
+        anonymous = redis.Redis(host="127.0.0.1", port=server.port, max_connections=TEST_POOL_SIZE)
         with pytest.raises(redis.AuthenticationError):
             anonymous.set("k", "v")
         anonymous.close()
-        wrong = redis.Redis(host="127.0.0.1", port=server.port, password="nope")
+        wrong = redis.Redis(
+            host="127.0.0.1", port=server.port, password="nope", max_connections=TEST_POOL_SIZE
+        )
         with pytest.raises(redis.AuthenticationError):
             wrong.ping()
         wrong.close()
