@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from executor_sinks import RecordingSink
 from factories import make_profile, make_request, make_training
 from waiting import wait_until
 
@@ -20,7 +21,7 @@ from lemix.model.runner import GenRequest, InferenceRunner
 from lemix.model.staged import StagedModel
 from lemix.model.training import PipelineTrainer, TrainingConfig
 from lemix.types import TaskPayload
-from services.executor.backends import EmulatedBackend, ExecutorBackend
+from services.executor.backends import EmulatedBackend
 from services.executor.backends.torch import TorchBackend
 from services.executor.convert import (
     MeasurePhase,
@@ -32,33 +33,6 @@ from services.executor.node import ExecutorNode
 from services.executor.torch_setup import model_profile
 
 VOCAB = 300
-
-
-class RecordingSink:
-    """Records outcomes and, like the Redis sink, the model's ids at write time."""
-
-    def __init__(self, model: ExecutorBackend) -> None:
-        self.model = model
-        self.ended: dict[str, Finished | Failed] = {}
-        self.ids: dict[str, list[int]] = {}
-        self.end_fields: dict[str, dict] = {}
-        self.changed = asyncio.Event()
-
-    async def write(self, batch: list) -> None:
-        for _, outcome in batch:
-            if isinstance(outcome, Finished | Failed):
-                self.ended[outcome.task_id] = outcome
-                self.ids[outcome.task_id] = list(self.model.output_ids(outcome.task_id))
-                self.end_fields[outcome.task_id] = self.model.end_fields(outcome.task_id)
-        self.changed.set()
-
-    async def wait_for(self, ids: set[str], timeout_s: float = 60.0) -> None:
-        async def loop() -> None:
-            while not ids <= set(self.ended):
-                self.changed.clear()
-                await self.changed.wait()
-
-        await asyncio.wait_for(loop(), timeout_s)
 
 
 def _backend(seed: int = 3) -> TorchBackend:

@@ -3,20 +3,19 @@ behind a real executor node give the v1 engine's outputs."""
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from executor_sinks import RecordingSink
 from factories import make_profile, make_request
 
-from lemix.engine import EngineConfig, Failed, Finished, NodeEngine, StageStart, WorkKind
+from lemix.engine import EngineConfig, Finished, NodeEngine, StageStart, WorkKind
 from lemix.model.presets import ModelSpec, build_model
 from lemix.model.runner import GenRequest, InferenceRunner
 from lemix.model.staged import StagedModel
 from lemix.model.training import PipelineTrainer, TrainingConfig
-from lemix.outputs import TokenLogprob
 from lemix.types import TaskPayload
 from services.executor.backends.base import RequestsFailed
 from services.executor.backends.torch import TorchBackend
@@ -25,36 +24,6 @@ from services.executor.torch_setup import model_profile
 
 VOCAB = 300
 NUM_STAGES = 2
-
-
-class _Sink:
-    """Records each request's end, ids, prompt logprobs and end fields at write time."""
-
-    def __init__(self, backend: TorchBackend) -> None:
-        self.backend = backend
-        self.ended: dict[str, Finished | Failed] = {}
-        self.ids: dict[str, list[int]] = {}
-        self.prompt_logprobs: dict[str, list[TokenLogprob]] = {}
-        self.end_fields: dict[str, dict] = {}
-        self.changed = asyncio.Event()
-
-    async def write(self, batch: list) -> None:
-        for _, outcome in batch:
-            if isinstance(outcome, Finished | Failed):
-                key = outcome.task_id
-                self.ended[key] = outcome
-                self.ids[key] = list(self.backend.output_ids(key))
-                self.prompt_logprobs[key] = list(self.backend.prompt_logprobs(key))
-                self.end_fields[key] = self.backend.end_fields(key)
-        self.changed.set()
-
-    async def wait_for(self, ids: set[str], timeout_s: float = 60.0) -> None:
-        async def loop() -> None:
-            while not ids <= set(self.ended):
-                self.changed.clear()
-                await self.changed.wait()
-
-        await asyncio.wait_for(loop(), timeout_s)
 
 
 def _prompt(n: int, offset: int) -> tuple[int, ...]:
@@ -101,7 +70,7 @@ class _Spy:
         backend.execute = execute  # type: ignore[method-assign]
 
 
-async def _serve(config: EngineConfig) -> tuple[_Sink, TorchBackend, _Spy]:
+async def _serve(config: EngineConfig) -> tuple[RecordingSink, TorchBackend, _Spy]:
     """Serve PROMPTS (greedy; "c" with a reference and prompt logprobs) on a
     fresh node with the same seeded weights; all dispatched at once."""
     staged = StagedModel(build_model(ModelSpec("tiny-llama", vocab_size=VOCAB, seed=3)), NUM_STAGES)
@@ -110,7 +79,7 @@ async def _serve(config: EngineConfig) -> tuple[_Sink, TorchBackend, _Spy]:
     )
     spy = _Spy(backend)
     profile = model_profile(make_profile(NUM_STAGES), staged, ["cpu"] * NUM_STAGES, 1 << 30)
-    sink = _Sink(backend)
+    sink = RecordingSink(backend)
     node = ExecutorNode(NodeEngine(0, profile, profile.ours, config), backend, sink)
     await node.start()
     for key, prompt in PROMPTS.items():

@@ -3,14 +3,13 @@ serving inference between slices."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 
+from executor_sinks import RecordingSink
 from factories import make_profile, make_request, make_training
 
 from lemix.engine import (
     EngineConfig,
-    Failed,
     Finished,
     NodeEngine,
     StageStart,
@@ -43,26 +42,6 @@ class LoggingBackend(TorchBackend):
         return await super().execute(start, expected_wall_s)
 
 
-class Sink:
-    def __init__(self) -> None:
-        self.ended: dict[str, Finished | Failed] = {}
-        self.changed = asyncio.Event()
-
-    async def write(self, batch: list) -> None:
-        for _, outcome in batch:
-            if isinstance(outcome, Finished | Failed):
-                self.ended[outcome.task_id] = outcome
-        self.changed.set()
-
-    async def wait_for(self, ids: set[str], timeout_s: float = 60.0) -> None:
-        async def loop() -> None:
-            while not ids <= set(self.ended):
-                self.changed.clear()
-                await self.changed.wait()
-
-        await asyncio.wait_for(loop(), timeout_s)
-
-
 def _prompt(n: int, offset: int) -> tuple[int, ...]:
     return tuple((offset + 13 * i) % (VOCAB - 3) + 3 for i in range(n))
 
@@ -77,7 +56,7 @@ async def _train_and_serve(slice_s: float | None) -> tuple[list[float], LoggingB
     backend = LoggingBackend(staged, InferenceRunner(staged, eos_id=None), trainer)
     profile = model_profile(make_profile(2), staged, ["cpu", "cpu"], 1 << 30)
     config = EngineConfig(emit_tokens=True, max_training_slice_s=slice_s)
-    sink = Sink()
+    sink = RecordingSink()
     node = ExecutorNode(NodeEngine(0, profile, profile.ours, config), backend, sink)
     await node.start()
     sample = _prompt(30, 9)
