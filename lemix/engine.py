@@ -32,7 +32,7 @@ from lemix.engine_groups import (
     Iteration,
     MicroBatch,
     Request,
-    fit_chunk,
+    fit_prefill_chunk,
     iteration_durations,
     micro_batch_cap,
     num_balanced_joins,
@@ -633,7 +633,7 @@ class NodeEngine:
         prefill_budget = None if budget is None else max(budget - len(decode), 0)
         fit = None
         if budget is not None:
-            fit = functools.partial(fit_chunk, self.profile.ours, self.num_stages)
+            fit = functools.partial(fit_prefill_chunk, self.profile.ours, self.num_stages)
         chunks, num_used = take_chunks(partial, prefill_budget, fit)
         if prefill_budget is not None:
             prefill_budget -= num_used

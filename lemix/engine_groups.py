@@ -299,7 +299,7 @@ def chunk_s(truth: LatencyModel, stage: int, chunk: PrefillChunk) -> float:
     return truth.forward_s(stage, 1, chunk.num_tokens)
 
 
-def fit_chunk(
+def fit_prefill_chunk(
     model: LatencyModel,
     num_stages: int,
     num_past_tokens: int,
