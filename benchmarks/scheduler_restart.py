@@ -128,7 +128,7 @@ async def write_log(
     )
     return {
         "num_events": recorder.num_events,
-        "num_trimmed": sink.num_trimmed_events,
+        "num_trimmed": sink.num_trimmed_entries,
         "num_snapshots": sink.num_snapshots_stored,
         "snapshot_bytes": sink.last_snapshot_bytes,
         "snapshot_ms": snapshot_ms,

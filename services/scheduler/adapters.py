@@ -44,7 +44,7 @@ from lemix.infra.store.task_hash import (
 )
 from lemix.planner.recording import Event
 from lemix.types import Placement, Task, TaskPayload, WeightSync
-from services.scheduler.codec import EVENT_FIELD, event_to_fields
+from services.scheduler.codec import EVENT_FIELD, events_to_fields
 from services.scheduler.ports import DispatchError, StateWrite, TaskProgress, TaskRefused
 from services.scheduler.recovery import SNAPSHOT_MARKER
 
@@ -324,6 +324,30 @@ class RedisResultWriter:
 
 
 _EVENTS_PER_TRIP = 500
+_EVENTS_PER_ENTRY = 250  # bounds an entry (a recovery reads it whole)
+
+
+def _entry_groups(events: Sequence[Event]) -> list[list[Event]]:
+    """`events` cut into stream entries, in order: a snapshot alone, runs of
+    other events together (at most `_EVENTS_PER_ENTRY` each)."""
+    groups: list[list[Event]] = []
+    run: list[Event] = []
+    for event in events:
+        if SNAPSHOT_MARKER in event:
+            if run:
+                groups.append(run)
+                run = []
+            groups.append([event])
+            continue
+        run.append(event)
+        if len(run) == _EVENTS_PER_ENTRY:
+            groups.append(run)
+            run = []
+    if run:
+        groups.append(run)
+    return groups
+
+
 _STOP_WAIT_S = 1.0  # what the sink's loop gets to finish its last round trip on stop
 
 
@@ -349,7 +373,7 @@ class RedisEventSink:
         self._trim_before_id: str | None = None  # the latest stored snapshot's entry id
         self._is_stopping = False
         self.num_snapshots_stored = 0
-        self.num_trimmed_events = 0
+        self.num_trimmed_entries = 0
         self.last_snapshot_bytes = 0
 
     def __call__(self, event: Event) -> None:
@@ -404,25 +428,27 @@ class RedisEventSink:
                 log.error("events_not_stored", num_events=len(self._buffer))
 
     async def _drain(self) -> None:
-        # Whatever has accumulated goes in one pipelined round trip, in order;
+        # Whatever has accumulated goes in one pipelined round trip, in order,
+        # packed into as few entries as the snapshots allow (codec module doc);
         # events leave the buffer only once Redis has them.
         while self._buffer:
             events = list(islice(self._buffer, _EVENTS_PER_TRIP))
-            batch = [event_to_fields(e) for e in events]
+            groups = _entry_groups(events)
+            batch = [events_to_fields(group) for group in groups]
             entry_ids = await self.store.append_events(batch)
-            for event, fields, entry_id in zip(events, batch, entry_ids, strict=True):
-                if SNAPSHOT_MARKER in event:
+            for group, fields, entry_id in zip(groups, batch, entry_ids, strict=True):
+                if SNAPSHOT_MARKER in group[0]:
                     self._on_snapshot_stored(entry_id, len(str(fields[EVENT_FIELD])))
-            for _ in batch:
+            for _ in events:
                 self._buffer.popleft()
-            self._num_stored += len(batch)
+            self._num_stored += len(events)
             if self._waiters:
                 self._release_waiters()
         if self._trim_before_id is not None:
             # After the waiters: trimming is upkeep, nobody waits for it.
             num_trimmed = await self.store.trim_events_before(self._trim_before_id)
             self._trim_before_id = None
-            self.num_trimmed_events += num_trimmed
+            self.num_trimmed_entries += num_trimmed
             log.info(
                 "events_compacted", num_trimmed=num_trimmed, snapshot_bytes=self.last_snapshot_bytes
             )

@@ -3,8 +3,14 @@
 * A task in the intake stream and in its state hash: `task_to_fields` (Submit
   writes it) and `task_from_fields` (the intake loop and restart recovery read
   it). One pair, so the two sides cannot drift.
-* A planner event in the events stream: one field, ``json``, holding the
-  RecordingPlanner's event dict (it nests dicts, so a flat hash will not do).
+* Planner events in the events stream. An entry holds either one event, in
+  the field ``json`` (the RecordingPlanner's event dict: it nests dicts, so a
+  flat hash will not do), or several consecutive ones, in the field
+  ``jsonl`` (one JSON object per line): the scheduler packs what one drain
+  of its sink holds into one entry, so a request costs a fraction of an
+  ``XADD`` instead of one per event. Snapshot events always stand alone
+  (compaction trims the log before a snapshot's entry, recovery looks for it
+  without parsing). `events_from_fields` reads both kinds.
 
 A node's heartbeat hash has its own codec (`lemix.infra.store.heartbeat`),
 shared with the gateway; the fields other services add to a task's state hash
@@ -45,15 +51,16 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from lemix.infra.store.codec import FieldValue, get_bool, get_float, get_int
+from lemix.infra.store.codec import Entry, FieldValue, get_bool, get_float, get_int
 from lemix.infra.store.task_hash import SUBMIT_T_FIELD, TASK_ID_FIELD
 from lemix.planner.recording import Event
 from lemix.types import Task, TaskKind, TaskPayload
 
-EVENT_FIELD = "json"
+EVENT_FIELD = "json"  # an entry with one event
+EVENTS_FIELD = "jsonl"  # an entry with several, one JSON object per line
 
 
 def _ids_to_text(ids: tuple[int, ...]) -> str:
@@ -157,15 +164,43 @@ def event_to_fields(event: Event) -> dict[str, FieldValue]:
     return {EVENT_FIELD: json.dumps(event, separators=(",", ":"))}
 
 
+def events_to_fields(events: Sequence[Event]) -> dict[str, FieldValue]:
+    """Consecutive events as one stream entry (one event: `event_to_fields`).
+    JSON text never holds a raw newline (json.dumps escapes it), so lines
+    split back exactly."""
+    if len(events) == 1:
+        return event_to_fields(events[0])
+    return {EVENTS_FIELD: "\n".join(json.dumps(e, separators=(",", ":")) for e in events)}
+
+
 def event_from_fields(fields: Mapping[str, str]) -> Event:
-    event: Any = json.loads(fields[EVENT_FIELD])
+    """The one event of an entry written by `event_to_fields`."""
+    return _as_event(json.loads(fields[EVENT_FIELD]), fields[EVENT_FIELD])
+
+
+def events_from_fields(fields: Mapping[str, str]) -> list[Event]:
+    """The events of an entry of either kind, in order."""
+    if EVENT_FIELD in fields:
+        return [event_from_fields(fields)]
+    if EVENTS_FIELD not in fields:
+        raise ValueError(f"not an event entry: fields {sorted(fields)}")
+    return [_as_event(json.loads(line), line) for line in fields[EVENTS_FIELD].split("\n")]
+
+
+def events_from_entries(entries: Iterable[Entry]) -> list[Event]:
+    """Every event of `entries` (the event log, oldest first), in order."""
+    return [event for _, fields in entries for event in events_from_fields(fields)]
+
+
+def _as_event(event: Any, text: str) -> Event:
     if not isinstance(event, dict):
-        raise ValueError(f"event is not a JSON object: {fields[EVENT_FIELD][:80]!r}")
+        raise ValueError(f"event is not a JSON object: {text[:80]!r}")
     return event
 
 
 def event_has_key(fields: Mapping[str, str], key: str) -> bool:
-    """Whether the stored event's first key is `key`, without parsing it (a
-    snapshot event is large; recovery looks for the last one)."""
+    """Whether the entry holds one event whose first key is `key`, without
+    parsing it (a snapshot event is large; recovery looks for the last one;
+    snapshots are never packed with other events)."""
     prefix = json.dumps({key: 0}, separators=(",", ":"))[:-2]  # '{"key":'
     return fields.get(EVENT_FIELD, "").startswith(prefix)

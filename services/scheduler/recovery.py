@@ -32,7 +32,7 @@ from lemix.planner.planner import Planner
 from lemix.planner.recording import Event, replay, task_from_event
 from lemix.planner.snapshot import task_from_state, task_to_state
 from lemix.types import Task
-from services.scheduler.codec import event_from_fields, event_has_key
+from services.scheduler.codec import event_has_key, events_from_entries
 
 START_MARKER = "start"  # an event key; replay and recorded_decision_keys skip it
 SNAPSHOT_MARKER = "snapshot"  # likewise
@@ -160,7 +160,7 @@ def events_to_recover(entries: Sequence[Entry]) -> list[Event]:
         if event_has_key(entries[i][1], SNAPSHOT_MARKER):
             start = i
             break
-    return [event_from_fields(fields) for _, fields in entries[start:]]
+    return events_from_entries(entries[start:])
 
 
 def _last_snapshot(events: Sequence[Event]) -> int | None:

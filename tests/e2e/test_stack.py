@@ -24,7 +24,7 @@ from lemix.planner.registry import build_planner
 from lemix.profile import default_profile_path, load_profile
 from lemix.stack.launcher import Stack, StackConfig
 from lemix.workload import WorkloadConfig, build_workload
-from services.scheduler.codec import event_from_fields
+from services.scheduler.codec import events_from_entries
 from services.scheduler.recovery import START_MARKER
 
 TIME_SCALE = 0.05  # 20x faster than the A100 profile, so the test stays short
@@ -90,7 +90,7 @@ async def _read_events(redis_url: str, namespace: str) -> list[dict]:
     client = aioredis.from_url(redis_url, decode_responses=True)
     try:
         store = Store(client, RedisKeys(namespace))
-        return [event_from_fields(fields) for _, fields in await store.read_events()]
+        return events_from_entries(await store.read_events())
     finally:
         await client.aclose()
 

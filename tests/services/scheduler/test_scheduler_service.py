@@ -52,7 +52,7 @@ from lemix.planner.recording import (
 )
 from lemix.planner.registry import build_planner
 from lemix.types import Placement, Task, TaskKind, TaskPayload
-from services.scheduler.codec import event_from_fields, task_from_fields, task_to_fields
+from services.scheduler.codec import events_from_entries, task_from_fields, task_to_fields
 from services.scheduler.config import SchedulerConfig, env_table, from_env_and_args
 from services.scheduler.recovery import START_MARKER
 from services.scheduler.service import SchedulerService
@@ -222,7 +222,7 @@ def fresh_planner(config: SchedulerConfig) -> Planner:
 
 
 async def read_events(store: Store) -> list[dict[str, Any]]:
-    return [event_from_fields(f) for _, f in await store.read_events()]
+    return events_from_entries(await store.read_events())
 
 
 # ------------------------------------------------------------------ codec + config
