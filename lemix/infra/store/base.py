@@ -47,6 +47,7 @@ class StoreBase:
         self._dedupe_ttl_ms = to_ms(dedupe_ttl_s, "dedupe_ttl_s")
         self._submit = client.register_script(scripts.SUBMIT_LUA)
         self._set_state = client.register_script(scripts.SET_STATE_LUA)
+        self._set_states = client.register_script(scripts.SET_STATES_LUA)
         self._finish = client.register_script(scripts.FINISH_LUA)
         self._append_fenced = client.register_script(scripts.APPEND_FENCED_LUA)
         self._finish_fenced = client.register_script(scripts.FINISH_FENCED_LUA)
@@ -97,6 +98,7 @@ class StoreBase:
         return [
             self._submit,
             self._set_state,
+            self._set_states,
             self._finish,
             self._append_fenced,
             self._finish_fenced,
@@ -115,6 +117,17 @@ def to_ms(seconds: float, what: str) -> int:
     if seconds <= 0:
         raise ValueError(f"{what} must be > 0 seconds, got {seconds}")
     return max(1, round(seconds * 1000))
+
+
+# Tasks per call of a batch script (`scripts.ACCEPT_LUA`, `SET_STATES_LUA`):
+# one call per batch saves a command per task, and the bound keeps one call
+# from holding Redis (single-threaded) for long.
+TASKS_PER_SCRIPT_CALL = 128
+
+
+def chunks(items: Sequence[Any], size: int = TASKS_PER_SCRIPT_CALL) -> list[Sequence[Any]]:
+    """`items` in consecutive slices of at most `size`."""
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def flatten(fields: Fields) -> list[str]:

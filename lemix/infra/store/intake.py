@@ -18,7 +18,14 @@ import grpc
 from redis.exceptions import ResponseError
 
 from lemix.infra.rpc.errors import ServiceError
-from lemix.infra.store.base import StoreBase, as_fields, flatten, range_entries, stream_entries
+from lemix.infra.store.base import (
+    StoreBase,
+    as_fields,
+    chunks,
+    flatten,
+    range_entries,
+    stream_entries,
+)
 from lemix.infra.store.codec import Entry, FieldValue, encode_fields
 from lemix.infra.store.task_hash import IS_FINAL_FIELD, SUBMIT_T_FIELD, TASK_ID_FIELD
 
@@ -235,23 +242,31 @@ class IntakeOps(StoreBase):
         one pipelined round trip: per task (is it final already, was it
         cancelled before placement, does a gateway hold a lease on its
         stream), and, for a task neither final nor cancelled, its state fields
-        merged into its hash in the same atomic step (`scripts.ACCEPT_LUA`)."""
+        merged into its hash in the same atomic step (`scripts.ACCEPT_LUA`,
+        one call per `TASKS_PER_SCRIPT_CALL` tasks)."""
         if not items:
             return []
         pipe = self.client.pipeline(transaction=False)
-        for task_id, fields in items:
-            encoded = encode_fields(fields)
-            if not encoded:
-                raise ValueError("accept_intake needs at least one field per task")
-            keys = [
-                self.keys.task(task_id),
-                self.keys.cancelled(task_id),
-                self.keys.stream_lease(task_id),
-            ]
-            self.queue_script(pipe, self._accept, keys, flatten(encoded))
+        for chunk in chunks(items):
+            keys: list[str] = []
+            counts: list[int] = []
+            values: list[str] = []
+            for task_id, fields in chunk:
+                encoded = flatten(encode_fields(fields))
+                if not encoded:
+                    raise ValueError("accept_intake needs at least one field per task")
+                keys += [
+                    self.keys.task(task_id),
+                    self.keys.cancelled(task_id),
+                    self.keys.stream_lease(task_id),
+                ]
+                counts.append(len(encoded))
+                values += encoded
+            self.queue_script(pipe, self._accept, keys, [len(chunk), *counts, *values])
+        flags = [int(flag) for reply in await self.execute_scripted(pipe) for flag in reply]
         return [
-            (bool(int(is_final)), bool(int(is_cancelled)), bool(int(has_lease)))
-            for is_final, is_cancelled, has_lease in await self.execute_scripted(pipe)
+            (bool(flags[i]), bool(flags[i + 1]), bool(flags[i + 2]))
+            for i in range(0, len(flags), 3)
         ]
 
     async def mark_cancelled(self, task_id: str, ttl_s: float = 3600.0) -> None:

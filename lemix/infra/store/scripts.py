@@ -48,6 +48,26 @@ redis.call('HSET', KEYS[1], unpack(ARGV))
 return 1
 """
 
+# SET_STATE_LUA for a batch, in one call: KEYS the tasks' hashes; ARGV[1 ..
+# m] the number of items of each task (m = #KEYS), then the items, task after
+# task. Returns per task 1, or 0 when it was final (kept).
+SET_STATES_LUA = """
+local m = #KEYS
+local at = m + 1
+local out = {}
+for i = 1, m do
+  local n = tonumber(ARGV[i])
+  if redis.call('HGET', KEYS[i], 'is_final') == '1' then
+    out[i] = 0
+  else
+    redis.call('HSET', KEYS[i], unpack(ARGV, at, at + n - 1))
+    out[i] = 1
+  end
+  at = at + n
+end
+return out
+"""
+
 # KEYS[1] task state hash, KEYS[2] output stream.
 # ARGV[1] output MAXLEN (approximate), ARGV[2] TTL in ms for both keys (0: none),
 # ARGV[3] n = number of state items, ARGV[4 .. 3+n] state field/value items,
@@ -250,16 +270,29 @@ end
 return out
 """
 
-# The scheduler's intake step for one task: its checks and, when it is to be
-# taken, its state, in one step. KEYS[1] task hash, KEYS[2] its
-# cancelled-before-placement marker, KEYS[3] its stream lease. ARGV: the
-# state's field/value items, written (merged) only when the task is neither
-# final nor cancelled. Returns {is final, is cancelled, has a lease} as 1/0.
+# The scheduler's intake step for a batch of tasks: per task its checks and,
+# when it is to be taken, its state, in one step (one EVALSHA per batch: a
+# script call per task cost a command per task). Per task i (0-based):
+# KEYS[3i+1] its hash, KEYS[3i+2] its cancelled-before-placement marker,
+# KEYS[3i+3] its stream lease. ARGV[1] = m, the number of tasks; ARGV[2 ..
+# 1+m] the number of state items of each; then the items, task after task,
+# written (merged) only when the task is neither final nor cancelled.
+# Returns {is final, is cancelled, has a lease} as 1/0, per task, flattened.
 ACCEPT_LUA = """
-local is_final = redis.call('HGET', KEYS[1], 'is_final') == '1'
-local is_cancelled = redis.call('EXISTS', KEYS[2]) == 1
-if not is_final and not is_cancelled then
-  redis.call('HSET', KEYS[1], unpack(ARGV))
+local m = tonumber(ARGV[1])
+local at = 2 + m
+local out = {}
+for i = 0, m - 1 do
+  local n = tonumber(ARGV[2 + i])
+  local is_final = redis.call('HGET', KEYS[3 * i + 1], 'is_final') == '1'
+  local is_cancelled = redis.call('EXISTS', KEYS[3 * i + 2]) == 1
+  if not is_final and not is_cancelled then
+    redis.call('HSET', KEYS[3 * i + 1], unpack(ARGV, at, at + n - 1))
+  end
+  at = at + n
+  out[#out + 1] = is_final and 1 or 0
+  out[#out + 1] = is_cancelled and 1 or 0
+  out[#out + 1] = redis.call('EXISTS', KEYS[3 * i + 3])
 end
-return {is_final and 1 or 0, is_cancelled and 1 or 0, redis.call('EXISTS', KEYS[3])}
+return out
 """

@@ -16,7 +16,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from lemix.infra.store.base import as_fields, end_items, flatten, glob_escape, named_fields, to_ms
+from lemix.infra.store.base import (
+    as_fields,
+    chunks,
+    end_items,
+    flatten,
+    glob_escape,
+    named_fields,
+    to_ms,
+)
 from lemix.infra.store.codec import Fields, FieldValue, encode_fields
 from lemix.infra.store.fencing import FencingOps, FinishOutcome
 
@@ -48,16 +56,23 @@ class TaskOps(FencingOps):
     async def set_task_states(
         self, updates: Sequence[tuple[str, Mapping[str, FieldValue]]]
     ) -> list[bool]:
-        """`set_task_state` for many tasks in one pipelined round trip."""
+        """`set_task_state` for many tasks in one round trip (one script call
+        per `TASKS_PER_SCRIPT_CALL` tasks, `scripts.SET_STATES_LUA`)."""
         if not updates:
             return []
         pipe = self.client.pipeline(transaction=False)
-        for task_id, fields in updates:
-            encoded = encode_fields(fields)
-            if not encoded:
-                raise ValueError("set_task_states needs at least one field per task")
-            self.queue_script(pipe, self._set_state, [self.keys.task(task_id)], flatten(encoded))
-        return [bool(int(done)) for done in await self.execute_scripted(pipe)]
+        for chunk in chunks(updates):
+            counts: list[int] = []
+            items: list[str] = []
+            for _, fields in chunk:
+                encoded = flatten(encode_fields(fields))
+                if not encoded:
+                    raise ValueError("set_task_states needs at least one field per task")
+                counts.append(len(encoded))
+                items += encoded
+            keys = [self.keys.task(task_id) for task_id, _ in chunk]
+            self.queue_script(pipe, self._set_states, keys, [*counts, *items])
+        return [bool(int(done)) for reply in await self.execute_scripted(pipe) for done in reply]
 
     async def get_task_state(self, task_id: str) -> Fields:
         """The task's state hash; empty when unknown (or expired)."""

@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 from redis_pool import TEST_POOL_SIZE
 
+from lemix.infra.store.base import TASKS_PER_SCRIPT_CALL
 from lemix.infra.store.codec import (
     encode_fields,
     get_float,
@@ -455,3 +456,42 @@ async def test_accept_intake_checks_and_records_in_one_step(store: Store) -> Non
     assert await store.get_task_state("gone") == {}
     assert (await store.get_task_state("new"))["payload"] == "p"
     assert (await store.get_task_state("bare"))["status"] == "queued"
+
+
+async def _evalsha_calls(client: aioredis.Redis) -> int:
+    stats = await client.info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+async def test_batch_scripts_take_one_call_per_chunk_and_keep_per_task_answers(
+    store: Store, redis_client: aioredis.Redis
+) -> None:
+    # More tasks than one script call takes, final / cancelled / leased ones
+    # spread over the chunks: every task's answer and write is its own.
+    num_tasks = TASKS_PER_SCRIPT_CALL * 2 + 5
+    ids = [f"t{i}" for i in range(num_tasks)]
+    for i in range(0, num_tasks, 7):
+        await store.finish_task(ids[i], "completed")
+    for i in range(3, num_tasks, 11):
+        await store.mark_cancelled(ids[i])
+    await store.renew_stream_leases("gw", ids[::5])
+    await store.set_task_states([("warm", {"n": 1})])  # the scripts are loaded
+    before = await _evalsha_calls(redis_client)
+    lookup = await store.accept_intake(
+        [(t, {"status": "queued", "i": i}) for i, t in enumerate(ids)]
+    )
+    assert await _evalsha_calls(redis_client) - before == 3
+    expected = [(i % 7 == 0, i % 11 == 3, i % 5 == 0) for i in range(num_tasks)]
+    assert lookup == expected
+    states = await store.get_task_state_hashes(ids)
+    for i, state in enumerate(states):
+        is_taken = not expected[i][0] and not expected[i][1]
+        assert (state.get("i") == str(i)) is is_taken
+    before = await _evalsha_calls(redis_client)
+    done = await store.set_task_states(
+        [(t, {"status": "placed", "j": i}) for i, t in enumerate(ids)]
+    )
+    assert await _evalsha_calls(redis_client) - before == 3
+    assert done == [i % 7 != 0 for i in range(num_tasks)]
+    states = await store.get_task_state_hashes(ids)
+    assert [s.get("j") == str(i) for i, s in enumerate(states)] == done
