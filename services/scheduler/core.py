@@ -6,7 +6,9 @@ planner's decisions through two narrow ports: a `Dispatcher` (gRPC to the
 executors) and a `ResultWriter` (Redis: task states, progress lookups). All
 scheduling logic lives in the planner; this module only sequences it, one
 input at a time under a lock, so the recorded event log is exactly what the
-planner saw.
+planner saw. The Dispatch calls a plan yields are sent after the lock is
+released and their results settled under it again (`_carry_out`), so no
+executor round trip holds up other inputs.
 
 No ghost placements (issue 12): every `Placement` ends resolved, whatever
 fails. The executor took the task -> it stands (its "placed" state write is
@@ -95,6 +97,15 @@ DEFAULT_MAX_TASK_MOVES = 3
 _MAX_REVOKED_PER_NODE = 100_000
 
 
+@dataclass(frozen=True)
+class _Sending:
+    """A placement on its way: its Dispatch is sent without the planner lock."""
+
+    placement: Placement
+    task: Task
+    attempt: int  # the attempt numbered for it (0: no fencing)
+
+
 class SchedulerCore:
     """Sequences planner inputs and applies decisions through the ports.
 
@@ -133,7 +144,8 @@ class SchedulerCore:
         self.writer = writer
         self.clock = clock
         self.max_task_moves = max_task_moves
-        self._lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # planner inputs, one at a time (module doc)
+        self._flush_lock = asyncio.Lock()
         self._dispatch_slots = asyncio.Semaphore(max_concurrent_dispatches)
         self._tasks: dict[str, Task] = {}  # placed, deferred or queued; not finished
         self._num_moves: dict[str, int] = {}  # re-placements so far, by task id
@@ -249,8 +261,10 @@ class SchedulerCore:
                 self._tasks[task.task_id] = task
                 self.planner.submit(task, now_s)
                 is_new = True
-            if is_new:
-                await self._apply(self._plan(now_s))
+            if not is_new:
+                return
+            batch = await self._decide(self._plan(now_s))
+        await self._carry_out(batch)
 
     async def on_finished(
         self,
@@ -296,10 +310,12 @@ class SchedulerCore:
                     self._note(StateWrite(task_id, StoredStatus.QUEUED))
                 else:
                     self._forget(task_id)
-            if any(applied):
-                decisions += self._plan(now_s)
-                await self._apply(decisions)
-            return applied
+            if not any(applied):
+                return applied
+            decisions += self._plan(now_s)
+            batch = await self._decide(decisions)
+        await self._carry_out(batch)
+        return applied
 
     def _is_current(self, report: FinishReport) -> bool:
         """Whether a report is about the task's current placement (module doc)."""
@@ -325,7 +341,8 @@ class SchedulerCore:
         async with self._lock:
             now_s = self.clock()
             self._set_health(node_id, is_healthy, now_s)
-            await self._apply(self._plan(now_s))
+            batch = await self._decide(self._plan(now_s))
+        await self._carry_out(batch)
 
     async def on_node_down(self, node_id: int, why: str = "went down") -> None:
         """The node is lost: no new work, and its tasks are taken away from it.
@@ -338,7 +355,8 @@ class SchedulerCore:
             if node_id not in self.down_nodes:
                 self._set_health(node_id, False, now_s)
             await self._evacuate(node_id, why, now_s)
-            await self._apply(self._plan(self.clock()))
+            batch = await self._decide(self._plan(self.clock()))
+        await self._carry_out(batch)
 
     async def mark_down(self, node_ids: Iterable[int]) -> None:
         """Record nodes as down without planning (at start: every node is down
@@ -351,17 +369,21 @@ class SchedulerCore:
 
     async def on_timer(self) -> None:
         async with self._lock:
-            await self._apply(self._plan(self.clock()))
+            batch = await self._decide(self._plan(self.clock()))
+        await self._carry_out(batch)
 
     async def retry_writes(self) -> None:
         """Store the state writes an earlier Redis error left behind, and plan
         again what an earlier Redis error kept from being dispatched."""
-        if self._unwritten or self._is_replan_due:
+        if not (self._unwritten or self._is_replan_due):
+            return
+        await self._flush_writes()
+        batch: list[_Sending] = []
+        if self._is_replan_due:
             async with self._lock:
-                await self._flush_writes()
-                if self._is_replan_due:
-                    self._is_replan_due = False
-                    await self._apply(self._plan(self.clock()))
+                self._is_replan_due = False
+                batch = await self._decide(self._plan(self.clock()))
+        await self._carry_out(batch)
 
     async def fence_revoked(self, node_id: int) -> None:
         """Fence every attempt taken away from `node_id`, one round trip; call
@@ -438,19 +460,61 @@ class SchedulerCore:
         self._note(StateWrite(task.task_id, StoredStatus.QUEUED))
         return True
 
-    async def _apply(self, decisions: list[Decision]) -> None:
-        """Apply decisions; re-plan while rolled-back tasks went back to the planner.
+    async def _decide(self, decisions: list[Decision]) -> list[_Sending]:
+        """Under the lock: apply decisions, and number the placements to send
+        (`_begin_attempts`, one round trip). The Dispatches are sent by
+        `_carry_out`, after the lock is released."""
+        placements = await self._apply_decisions(decisions)
+        if not placements:
+            return []
+        now_s = self.clock()
+        sendable: list[tuple[Placement, Task]] = []
+        for placement in placements:
+            task = self._tasks.get(placement.task_id)
+            if task is None:  # the planner placed a task the core does not hold: a bug
+                log.error("placement_of_unknown_task", task_id=placement.task_id)
+                self.planner.on_task_finished(placement.task_id, now_s, is_success=False)
+                continue
+            sendable.append((placement, task))
+        sendable = await self._begin_attempts(sendable, now_s)
+        return [_Sending(p, t, self._attempts.get(t.task_id, 0)) for p, t in sendable]
 
-        Terminates: each round either places everything, or a task moved
-        (bounded by `max_task_moves`) or a node went down.
+    async def _carry_out(self, batch: list[_Sending]) -> None:
+        """Without the lock: send a batch's Dispatches (bounded), then settle
+        each under the lock; plan again while rolled-back tasks went back to
+        the planner; store the state writes.
+
+        The planner lock is not held across Dispatch round trips (issue 15): a
+        slow or hung executor no longer holds up intake, completions and other
+        nodes' placements. Meanwhile the task may end (its completion beat the
+        Dispatch's reply) or move (its node went down: that attempt was
+        fenced); a result about an attempt that is no longer current is then
+        only counted (`_is_in_flight`). Terminates: each round either places
+        everything, or a task moved (bounded by `max_task_moves`) or a node
+        went down.
         """
-        while True:
-            placements = await self._apply_decisions(decisions)
-            is_moved = await self._place(placements) if placements else False
-            await self._flush_writes()
-            if not is_moved:
-                break
-            decisions = self._plan(self.clock())
+        while batch:
+            sent, failed_nodes = batch, set[int]()
+            errors = await asyncio.gather(*(self._dispatch(s, failed_nodes) for s in sent))
+            async with self._lock:
+                now_s = self.clock()
+                is_moved = False
+                for sending, error in zip(sent, errors, strict=True):
+                    is_moved |= self._resolve(sending, error, now_s)
+            # A Dispatch that may have reached its node: that attempt is fenced
+            # now, before the task is numbered again, not only once it is.
+            await self._fence_quietly(
+                [
+                    (s.placement.task_id, s.attempt)
+                    for s, error in zip(sent, errors, strict=True)
+                    if isinstance(error, DispatchError) and error.is_maybe_taken
+                ]
+            )
+            batch = []
+            if is_moved:
+                async with self._lock:
+                    batch = await self._decide(self._plan(self.clock()))
+        await self._flush_writes()
         self.wakeup.set()
 
     async def _apply_decisions(self, decisions: list[Decision]) -> list[Placement]:
@@ -473,34 +537,6 @@ class SchedulerCore:
             elif isinstance(decision, Deferral):
                 log.debug("deferred", task_id=decision.task_id)
         return placements
-
-    async def _place(self, placements: list[Placement]) -> bool:
-        """Dispatch placements (bounded), then resolve each; True if any moved."""
-        now_s = self.clock()
-        sendable: list[tuple[Placement, Task]] = []
-        for placement in placements:
-            task = self._tasks.get(placement.task_id)
-            if task is None:  # the planner placed a task the core does not hold: a bug
-                log.error("placement_of_unknown_task", task_id=placement.task_id)
-                self.planner.on_task_finished(placement.task_id, now_s, is_success=False)
-                continue
-            sendable.append((placement, task))
-        sendable = await self._begin_attempts(sendable, now_s)
-        failed_nodes: set[int] = set()
-        errors = await asyncio.gather(*(self._dispatch(p, t, failed_nodes) for p, t in sendable))
-        is_moved = False
-        for (placement, task), error in zip(sendable, errors, strict=True):
-            is_moved |= self._resolve(placement, task, error, self.clock())
-        # A Dispatch that may have reached its node: that attempt is fenced
-        # now, not only once the task is placed again.
-        await self._fence_quietly(
-            [
-                (p.task_id, self._attempts.get(p.task_id, 0))
-                for (p, _), error in zip(sendable, errors, strict=True)
-                if isinstance(error, DispatchError) and error.is_maybe_taken
-            ]
-        )
-        return is_moved
 
     async def _begin_attempts(
         self, sendable: list[tuple[Placement, Task]], now_s: float
@@ -548,38 +584,51 @@ class SchedulerCore:
                 "fence_deferred", num_tasks=len(taken), error=f"{type(exc).__name__}: {exc}"
             )
 
-    async def _dispatch(
-        self, placement: Placement, task: Task, failed_nodes: set[int]
-    ) -> BaseException | None:
+    async def _dispatch(self, sending: _Sending, failed_nodes: set[int]) -> BaseException | None:
         """One Dispatch under the concurrency bound; its error, or None if taken.
 
         Once a node failed one Dispatch of this batch, the batch's calls still
         waiting for a slot skip it: a hung node costs one deadline per wave of
         calls in flight, not one per task queued for it.
         """
+        placement = sending.placement
         async with self._dispatch_slots:
             if placement.node_id in failed_nodes:
                 return DispatchError(
                     f"skipped: node {placement.node_id} failed another dispatch of this batch"
                 )
             try:
-                await self.dispatcher.dispatch(placement, task)
+                await self.dispatcher.dispatch(placement, sending.task)
             except Exception as exc:
                 if isinstance(exc, DispatchError) and not isinstance(exc, TaskRefused):
                     failed_nodes.add(placement.node_id)
                 return exc
         return None
 
-    def _resolve(
-        self, placement: Placement, task: Task, error: BaseException | None, now_s: float
-    ) -> bool:
+    def _is_in_flight(self, sending: _Sending) -> bool:
+        """Whether the planner still has the task on the node of this Dispatch,
+        at its attempt (`_carry_out`: it may have ended or moved meanwhile)."""
+        task_id = sending.placement.task_id
+        return (
+            task_id in self._tasks
+            and self.node_of(task_id) == sending.placement.node_id
+            and self._attempts.get(task_id, 0) == sending.attempt
+        )
+
+    def _resolve(self, sending: _Sending, error: BaseException | None, now_s: float) -> bool:
         """Settle one dispatched placement; True when the task went back to the planner."""
+        placement, task = sending.placement, sending.task
         node_id, task_id = placement.node_id, placement.task_id
         if error is None:
             self.num_placed += 1
             # The intake stamps arrival_s with this clock (codec.task_from_fields).
             telemetry.observe_placed(self.policy, task.kind.value, now_s - task.arrival_s)
-            self._note(StateWrite(task_id, StoredStatus.PLACED, node_id=node_id))
+            if self._is_in_flight(sending):
+                self._note(StateWrite(task_id, StoredStatus.PLACED, node_id=node_id))
+            return False
+        if not self._is_in_flight(sending):
+            # Ended or moved while its Dispatch failed: nothing left to settle.
+            log.info("stale_dispatch_failure", task_id=task_id, node_id=node_id, error=str(error))
             return False
         self.planner.on_task_finished(task_id, now_s, is_success=False)
         if isinstance(error, TaskRefused):
@@ -661,6 +710,12 @@ class SchedulerCore:
         )
 
     async def _flush_writes(self) -> None:
+        # One flush at a time, so a later state of a task is never stored
+        # before an earlier one that is still on its way.
+        async with self._flush_lock:
+            await self._flush_writes_now()
+
+    async def _flush_writes_now(self) -> None:
         if not self._unwritten:
             return
         writes = list(self._unwritten.values())

@@ -306,3 +306,79 @@ async def test_a_paused_node_s_tasks_move_and_its_resumed_writes_are_fenced(
         assert (state["status"], state["node_id"]) == ("completed", "1")
         assert state[ATTEMPT_FIELD] == attempts[task_id][ATTEMPT_FIELD]  # nothing moved since
         assert not scheduler.core.knows(task_id)
+
+
+class HeldExecutors(Executors):
+    """Dispatches to `held` nodes wait until `release` is set (a slow executor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: set[int] = set()
+        self.release = asyncio.Event()
+        self.is_waiting = asyncio.Event()
+        self.fail_held = False
+
+    async def dispatch(self, placement: Placement, task: Task) -> None:
+        if placement.node_id in self.held:
+            self.is_waiting.set()
+            await self.release.wait()
+            if self.fail_held:
+                raise DispatchError("DEADLINE_EXCEEDED", is_maybe_taken=True)
+        await super().dispatch(placement, task)
+
+
+def make_held_core(store: Store) -> tuple[SchedulerCore, HeldExecutors]:
+    core, _ = make_core(store)
+    executors = HeldExecutors()
+    executors.core = core
+    core.dispatcher = executors
+    return core, executors
+
+
+async def test_a_slow_dispatch_does_not_hold_up_other_inputs(store: Store) -> None:
+    # The planner lock is not held across a Dispatch round trip (issue 15):
+    # while node 0's Dispatch hangs, node 1 gets its task and a completion
+    # is applied.
+    core, executors = make_held_core(store)
+    executors.held.add(0)
+    slow = asyncio.create_task(core.on_task(make_request("s")))  # round robin: node 0
+    await asyncio.wait_for(executors.is_waiting.wait(), 5.0)
+    await asyncio.wait_for(core.on_task(make_request("f")), 5.0)  # node 1, not waiting
+    assert executors.dispatched == [("f", 1, 1)]
+    assert await asyncio.wait_for(core.on_finished("f", True, node_id=1, attempt=1), 5.0)
+    assert not slow.done()
+    executors.release.set()
+    await slow
+    assert executors.dispatched[-1] == ("s", 0, 1)
+    assert (await store.get_task_state("s"))["status"] == "placed"
+
+
+async def test_a_completion_that_beats_its_dispatch_reply_stands(store: Store) -> None:
+    core, executors = make_held_core(store)
+    executors.held.add(0)
+    slow = asyncio.create_task(core.on_task(make_request("c")))
+    await asyncio.wait_for(executors.is_waiting.wait(), 5.0)
+    # The executor ran it and reported before its Dispatch reply came back.
+    assert await store.finish_task_fenced("c", 1, "completed", "") is FinishOutcome.ENDED
+    assert await core.on_finished("c", True, node_id=0, attempt=1)
+    executors.release.set()
+    await slow
+    assert not core.knows("c") and core.num_placed == 1
+    state = await store.get_task_state("c")
+    assert (state["status"], state["is_final"]) == ("completed", "1")
+
+
+async def test_a_dispatch_failing_after_its_node_was_evacuated_moves_nothing_twice(
+    store: Store,
+) -> None:
+    core, executors = make_held_core(store)
+    executors.held.add(0)
+    executors.fail_held = True
+    slow = asyncio.create_task(core.on_task(make_request("e")))
+    await asyncio.wait_for(executors.is_waiting.wait(), 5.0)
+    await core.on_node_down(0)  # fenced (2), placed again on node 1 (3)
+    assert executors.dispatched == [("e", 1, 3)]
+    executors.release.set()
+    await slow  # node 0's late failure is about attempt 1: stale, no second move
+    assert executors.dispatched == [("e", 1, 3)] and core.node_of("e") == 1
+    assert core.num_moved == 1 and await attempt_in_redis(store, "e") == "3"
