@@ -14,6 +14,7 @@ import grpc
 import grpc.aio
 import pytest
 from gateway_fakes import FakeScheduler, Script
+from prometheus_client import REGISTRY
 
 from gateway.choices import merge
 from gateway.grpc_choices import SIBLING_FAILED_REASON
@@ -171,6 +172,38 @@ async def test_client_cancel_cancels_every_choice(
         ("c", "CANCELLED: the client cancelled the call"),
         ("c.1", "CANCELLED: the client cancelled the call"),
     ]
+
+
+def _sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, {"model_name": "lemix", **labels}) or 0.0
+
+
+def _counts() -> dict[str, float]:
+    """The gateway metrics this process has recorded so far (the default registry)."""
+    return {
+        "completed": _sample(
+            "lemix_gateway_requests_total", kind="inference", outcome="completed", code="OK"
+        ),
+        "tokens": _sample("lemix_gateway_output_tokens_total"),
+        "itl": _sample("lemix_gateway_itl_seconds_count"),
+        "length": _sample("lemix_gateway_finish_reasons_total", finish_reason="length"),
+        "ttft": _sample("lemix_gateway_ttft_seconds_count"),
+    }
+
+
+async def test_each_choice_counts_its_own_tokens_gaps_and_finish(
+    stub: gateway_pb2_grpc.GatewayStub,
+) -> None:
+    before = _counts()
+    assert len(await _collect(stub, _request(3, max_tokens=4))) >= 3 * 4
+    after = _counts()
+    assert {name: after[name] - before[name] for name in after} == {
+        "completed": 1,  # one request
+        "tokens": 3 * 4,
+        "itl": 3 * (4 - 1),  # gaps within each choice, not across them
+        "length": 3,  # one finish per choice
+        "ttft": 1,
+    }
 
 
 async def test_merge_tags_items_and_raises_the_first_failure() -> None:
