@@ -3,9 +3,9 @@
 The same `gateway.openai_stops.StopText` the HTTP API applies, on the
 `GenerateResponse.text` the core streams: text that may begin a stop string
 is held back, the text is cut where the first stop string begins, and that
-message becomes the last (``is_finished``, ``finish_reason: "stop"``). The
-servicer then closes the core's stream, which cancels the task with
-`STOPPED_REASON`. Stop token ids need nothing here: the executor ends the
+message becomes the last (``is_finished``, ``finish_reason: "stop"``).
+`gateway.grpc_choices` then closes that choice's stream from the core, which
+cancels its task with `STOPPED_REASON`. Stop token ids need nothing here: the executor ends the
 sequence at them (`SamplingParams.stop_token_ids`).
 """
 

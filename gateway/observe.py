@@ -83,7 +83,8 @@ def code_of(exc: BaseException) -> str:
 
 
 # The observation of the Generate call running in this task, for code that
-# admits its task inside a `@observe_generate` handler (`note_admitted`).
+# admits and reads its tasks inside a `@observe_generate` handler
+# (`note_admitted`, `watch_choice`).
 _CURRENT: contextvars.ContextVar[GenerateObservation | None] = contextvars.ContextVar(
     "lemix_generate_observation", default=None
 )
@@ -99,6 +100,15 @@ def note_admitted(num_prompt_tokens: int) -> None:
     observation = _CURRENT.get()
     if observation is not None:
         observation.on_admitted(num_prompt_tokens)
+
+
+def watch_choice(
+    responses: AsyncGenerator[gateway_pb2.GenerateResponse, None],
+) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
+    """`responses`, one output sequence (a choice) of the Generate call
+    observed in this task, watched by its observation (as is when none)."""
+    observation = _CURRENT.get()
+    return responses if observation is None else observation.watch(responses)
 
 
 class GenerateObservation:
@@ -279,7 +289,9 @@ def observe_generate(
 ) -> Callable[[Any, Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
     """Count a servicer's Generate stream (`GenerateObservation`); wear it under
     `@handle_errors`, so it sees domain errors and aborts before they become
-    statuses."""
+    statuses. The handler passes each of its output sequences (one per
+    choice) through `watch_choice`: a merged stream of several choices is
+    not one sequence's tokens."""
 
     @functools.wraps(method)
     async def wrapper(
@@ -290,8 +302,8 @@ def observe_generate(
             _grpc_code_of(context),
             model_name=self.model_name,
             details_of=_grpc_details_of(context),
-        ) as observation:
-            responses = observation.watch(method(self, request, context))
+        ):
+            responses = method(self, request, context)
             async with contextlib.aclosing(responses):
                 async for response in responses:
                     yield response

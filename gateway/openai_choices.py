@@ -1,12 +1,8 @@
-"""`n` choices of one OpenAI request: one task per choice, their answers merged.
+"""`n` choices of one OpenAI request: their answers built and merged.
 
-Each choice is an independent sequence: its own `GenerateRequest`, admitted,
-submitted and streamed as any other (so each takes an in-flight slot and
-counts as a request). `choice_requests` makes the copies: choice i > 0 gets
-the `request_id` ``<id>.<i>`` (so a retry of the whole request replays every
-choice) and, when the client gave a seed, the seed + i; unseeded choices get
-seeds of their own (`gateway.validate.draw_seed`). The prompt is prefilled
-once per choice: the engine does not share prefixes between tasks yet.
+The transport-neutral part (one task per choice, `choice_requests`, reading
+the streams concurrently, `firsts` and `merge`) is `gateway.choices`, which
+gRPC's Generate shares (`gateway.grpc_choices`).
 
 `Choices` builds the answer (choices in index order, usage summed over them,
 the prompt counted once); `collect` and `merged` read the choices' streams
@@ -18,32 +14,15 @@ other readers and raise it.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+import contextlib
+from collections.abc import AsyncGenerator, Callable, Sequence
 
+from gateway.choices import Stream, all_or_first_error, choice_requests, firsts, merge, prepend
 from gateway.openai_responses import CompletionBuilder, Json
 from lemix._proto.lemix.v1 import gateway_pb2
 
-Stream = AsyncIterator[gateway_pb2.GenerateResponse]
-_SEED_MASK = (1 << 64) - 1
-_CANCEL_REPEAT_S = 0.1  # how often a reader that outlives its cancel is cancelled again
-
-
-def choice_requests(
-    request: gateway_pb2.GenerateRequest, n: int
-) -> list[gateway_pb2.GenerateRequest]:
-    """`n` requests for `n` choices of `request` (module doc)."""
-    requests = [request]
-    for i in range(1, n):
-        copy = gateway_pb2.GenerateRequest()
-        copy.CopyFrom(request)
-        if request.request_id:
-            copy.request_id = f"{request.request_id}.{i}"
-        if request.sampling.seed:
-            copy.sampling.seed = (request.sampling.seed + i) & _SEED_MASK or 1
-        requests.append(copy)
-    return requests
+# Re-exported: the HTTP API takes the whole fan-out from here.
+__all__ = ["Choices", "choice_requests", "collect", "firsts", "merged"]
 
 
 class Choices:
@@ -77,52 +56,6 @@ class Choices:
         return self.builders[0].usage_chunk() | {"usage": self.usage()}
 
 
-async def _cancel_all(tasks: Sequence[asyncio.Future[Any]]) -> None:
-    """Cancel `tasks` and wait until every one has ended. The cancel is
-    repeated: on Python 3.11 one that lands while redis-py is inside
-    `asyncio.wait_for` can be swallowed, and the reader would go on
-    generating for nobody (see `gateway.http_api._run_unless_gone`).
-
-    Being cancelled itself (the caller's cancel, repeated the same way) does
-    not stop the wait: the readers must be gone before their streams are
-    closed; the cancel is raised once they are."""
-    pending = {t for t in tasks if not t.done()}
-    is_cancelled = False
-    while pending:
-        for task in pending:
-            task.cancel()
-        try:
-            await asyncio.wait(pending, timeout=_CANCEL_REPEAT_S)
-        except asyncio.CancelledError:
-            is_cancelled = True
-        pending = {t for t in pending if not t.done()}
-    for task in tasks:  # read their outcomes: no "exception never retrieved"
-        if not task.cancelled():
-            task.exception()
-    if is_cancelled:
-        raise asyncio.CancelledError
-
-
-async def _first_of_all(awaitables: Sequence[Awaitable[Any]]) -> list[Any]:
-    """Run `awaitables` concurrently; their results, or the first exception
-    once the others are cancelled and ended."""
-    tasks = [asyncio.ensure_future(a) for a in awaitables]
-    try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for task in tasks:
-            if task.done() and not task.cancelled() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
-        return [task.result() for task in tasks]
-    finally:
-        await _cancel_all(tasks)
-
-
-async def firsts(streams: Sequence[Stream]) -> list[gateway_pb2.GenerateResponse]:
-    """The first response of every stream, awaited together (a refused
-    choice fails the request before anything is sent)."""
-    return await _first_of_all([anext(s) for s in streams])
-
-
 async def collect(streams: Sequence[Stream], choices: Choices, on_stop: Callable[[], None]) -> None:
     """Add every response of every stream to its builder, until each choice
     is done; `on_stop()` when a stop sequence ends one."""
@@ -134,7 +67,7 @@ async def collect(streams: Sequence[Stream], choices: Choices, on_stop: Callable
                 on_stop()
                 return
 
-    await _first_of_all([one(s, b) for s, b in zip(streams, choices.builders, strict=True)])
+    await all_or_first_error([one(s, b) for s, b in zip(streams, choices.builders, strict=True)])
 
 
 async def merged(
@@ -146,43 +79,21 @@ async def merged(
     """Every choice's chunks (its `first` response, then the rest of its
     stream), in the order they arrive; `on_stop()` when a stop sequence ends
     a choice. Closing it cancels the readers."""
-    queue: asyncio.Queue[tuple[Json | None, BaseException | None]] = asyncio.Queue()
 
-    async def one(
+    async def chunks(
         stream: Stream, builder: CompletionBuilder, first: gateway_pb2.GenerateResponse
-    ) -> None:
-        async def add(response: gateway_pb2.GenerateResponse) -> bool:
-            """Queue its chunk; True when a stop sequence ended the choice."""
+    ) -> AsyncGenerator[Json, None]:
+        async for response in prepend(first, stream):  # to its end, as `collect`
             chunk = builder.add(response)
             if chunk is not None:
-                await queue.put((chunk, None))
+                yield chunk
             if builder.is_stopped_early:
                 on_stop()
-            return builder.is_stopped_early
+                return
 
-        try:
-            if not await add(first):
-                async for response in stream:  # to its end, as `collect`
-                    if await add(response):
-                        break
-        except Exception as exc:
-            await queue.put((None, exc))
-        finally:
-            await queue.put((None, None))  # this reader ended
-
-    readers = [
-        asyncio.ensure_future(one(s, b, f))
-        for s, b, f in zip(streams, choices.builders, firsts, strict=True)
-    ]
-    try:
-        num_running = len(readers)
-        while num_running:
-            chunk, error = await queue.get()
-            if error is not None:
-                raise error
-            if chunk is None:
-                num_running -= 1
-            else:
-                yield chunk
-    finally:
-        await _cancel_all(readers)
+    tagged = merge(
+        [chunks(s, b, f) for s, b, f in zip(streams, choices.builders, firsts, strict=True)]
+    )
+    async with contextlib.aclosing(tagged):
+        async for _, chunk in tagged:
+            yield chunk

@@ -1,7 +1,8 @@
 """`GatewayServicer`: the public gRPC API's handlers. Thin (STYLE rule 7):
 every request goes to `gateway.core.GatewayCore` (validation, admission,
 Submit, the Redis output stream, cancellation), which the OpenAI-compatible
-HTTP API (`gateway.http_api`) shares. Domain errors become status codes in
+HTTP API (`gateway.http_api`) shares; Generate's n choices and stop strings
+are `gateway.grpc_choices`. Domain errors become status codes in
 `lemix.infra.rpc.errors` via `@handle_errors`; a task's failure arrives as
 `TaskEnded`, whose code `gateway.convert.status_for_reason` chose. Task
 lookups (GetTask, WatchTasks, AuditTasks) go to `gateway.tasks.TaskReader`.
@@ -16,9 +17,8 @@ import grpc.aio
 
 from gateway.convert import TaskEnded
 from gateway.core import GatewayCore
-from gateway.grpc_stops import StopFilter
-from gateway.observe import SloCache, note_admitted, observe_generate, observe_train
-from gateway.openai_stops import STOPPED_REASON
+from gateway.grpc_choices import generate_choices
+from gateway.observe import SloCache, observe_generate, observe_train
 from gateway.tasks import TaskReader
 from gateway.validate import scope_from_headers
 from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc
@@ -66,22 +66,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
-        received_s = self.core.clock()
-        stops = StopFilter(request.stop)  # checked before the task is admitted
-        task, payload = await self.core.admit(request, scope=_scope(context))
-        note_admitted(task.num_prompt_tokens)
-
-        def gone_reason() -> str:
-            return STOPPED_REASON if stops.is_stopped_early else _gone_reason(context)
-
-        responses = self.core.generate(
-            task, payload, received_s=received_s, gone_reason=gone_reason
+        responses = generate_choices(
+            self.core,
+            request,
+            scope=_scope(context),
+            received_s=self.core.clock(),
+            gone_reason=lambda: _gone_reason(context),
         )
         try:
-            # aclosing: a client that goes away (or a stop string) closes the
-            # core's stream now, so its task is cancelled and its slot released.
+            # aclosing: a client that goes away closes the choices' streams
+            # now, so their tasks are cancelled and their slots released.
             async with contextlib.aclosing(responses):
-                async for response in stops.apply(responses):
+                async for response in responses:
                     yield response
         except TaskEnded as end:
             await context.abort(end.code, end.details)

@@ -7,7 +7,8 @@ acknowledges it and, for a new inference task, plays its executor's part per
 docs/protocol.md: token messages on ``output:{task_id}`` (the first with
 ``first``/``version``), then an ``end`` message written with
 `Store.finish_task`. On Cancel it records the call, stops the run and writes
-the executor's ``CANCELLED`` end. A `Script` says how the next tasks go.
+the executor's ``CANCELLED`` end. A `Script` says how the next tasks go
+(`task_scripts` how one task id goes).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     store: Store
     address: str = ""  # host:port, set once its server is up
     script: Script = field(default_factory=Script)
+    task_scripts: dict[str, Script] = field(default_factory=dict)  # by task id, over `script`
     submit_delay_s: float = 0.0
     submit_error: tuple[grpc.StatusCode, str] | None = None
     submitted: list[tuple[Task, TaskPayload]] = field(default_factory=list)
@@ -100,7 +102,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.SchedulerState(policy="fake")
 
     async def _play(self, task: Task) -> None:
-        script = self.script
+        script = self.task_scripts.get(task.task_id, self.script)
         num_tokens = task.max_output_tokens if script.num_tokens is None else script.num_tokens
         for n in range(1, num_tokens + 1):
             if script.token_delay_s:

@@ -1,6 +1,7 @@
-"""`stop` and `stop_token_ids` (and min_tokens, penalties) over gRPC on the
-real tiny model (`torch_stack`): the same stop-string matcher as the HTTP
-API (`gateway.grpc_stops`), stop token ids ended by the executor."""
+"""`stop` and `stop_token_ids` (and min_tokens, penalties, `n`) over gRPC on
+the real tiny model (`torch_stack`): the same stop-string matcher as the HTTP
+API (`gateway.grpc_stops`), stop token ids ended by the executor, n choices
+(`gateway.grpc_choices`; the rest of n is in test_grpc_choices.py)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,38 @@ def _text(responses: list[gateway_pb2.GenerateResponse]) -> str:
 
 def _ids(responses: list[gateway_pb2.GenerateResponse]) -> list[int]:
     return [i for r in responses for i in r.token_ids]
+
+
+def _texts(responses: list[gateway_pb2.GenerateResponse]) -> dict[int, str]:
+    """Each choice's text, by `index`."""
+    texts: dict[int, str] = {}
+    for response in responses:
+        texts[response.index] = texts.get(response.index, "") + response.text
+    return texts
+
+
+async def _check_n(stub: gateway_pb2_grpc.GatewayStub, stop: str, expected: str) -> None:
+    """`n` on the real model: unseeded sampled choices differ; stop strings
+    end each choice alone and cancel its task."""
+    sampled = await _generate(stub, n=3, sampling=common_pb2.SamplingParams(temperature=1.0))
+    texts = _texts(sampled)
+    assert sorted(texts) == [0, 1, 2] and len(set(texts.values())) == 3, texts
+    assert sorted(r.index for r in sampled if r.is_finished) == [0, 1, 2]
+    assert len({r.request_id for r in sampled}) == 3
+
+    stopped = await _generate(stub, n=2, stop=[stop])  # greedy: both choices alike
+    assert _texts(stopped) == {0: expected, 1: expected}
+    assert sorted((r.index, r.finish_reason) for r in stopped if r.is_finished) == [
+        (0, "stop"),
+        (1, "stop"),
+    ]
+    for task_id in {r.request_id for r in stopped}:
+
+        async def is_cancelled(task_id: str = task_id) -> bool:
+            info = await stub.GetTask(gateway_pb2.GetTaskRequest(task_id=task_id))
+            return bool(info.is_final) and info.reason == STOPPED_REASON
+
+        await eventually(is_cancelled, what=f"stopped choice {task_id}'s record")
 
 
 def test_bad_stop_strings_are_invalid_argument() -> None:
@@ -88,6 +121,8 @@ async def test_stop_strings_and_token_ids_over_grpc(
         assert not set(_ids(held)[:6]) & set(ids[:16])
         penalised = await _generate(stub, sampling=common_pb2.SamplingParams(presence_penalty=2))
         assert _ids(penalised) != ids
+
+        await _check_n(stub, stop, expected=text[: text.index(stop)])
 
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await _generate(stub, sampling=common_pb2.SamplingParams(min_p=2))

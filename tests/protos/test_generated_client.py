@@ -2,8 +2,8 @@
 
 What a user of another language does: run protoc (here grpc_tools.protoc)
 over the .proto files, with nothing of this repository's Python, into an
-empty directory; then call Generate and GetTask on a live stack (real Redis,
-scheduler, emulated executor, gateway over gRPC). The client runs in its own
+empty directory; then call Generate (one choice, then n = 2) and GetTask on a
+live stack (real Redis, scheduler, emulated executor, gateway over gRPC). The client runs in its own
 interpreter whose `lemix` package is the generated one, so it cannot lean on
 the checked-in stubs in lemix/_proto.
 """
@@ -42,6 +42,10 @@ with grpc.insecure_channel(address) as channel:
     )
     messages = list(stub.Generate(request, timeout=30))
     task_id = messages[-1].request_id
+    choices = gateway_pb2.GenerateRequest(
+        request_id="protoc-client-n", prompt_token_ids=[5] * 8, max_tokens=2, n=2
+    )
+    finals = [m for m in stub.Generate(choices, timeout=30) if m.is_finished]
     deadline = time.monotonic() + 10
     while True:
         info = stub.GetTask(gateway_pb2.GetTaskRequest(task_id=task_id), timeout=5)
@@ -60,6 +64,7 @@ print(json.dumps({
     "state": gateway_pb2.TaskState.Name(info.state),
     "info_tokens": info.num_output_tokens,
     "empty_code": empty_code,
+    "choices": sorted([m.index, m.request_id, m.num_output_tokens] for m in finals),
 }))
 """
 
@@ -127,4 +132,5 @@ async def test_a_client_generated_from_protos_alone_calls_the_gateway(
         "state": "TASK_STATE_COMPLETED",
         "info_tokens": 4,
         "empty_code": "INVALID_ARGUMENT",
+        "choices": [[0, "protoc-client-n", 2], [1, "protoc-client-n.1", 2]],
     }
