@@ -8,8 +8,9 @@ gRPC's Generate shares (`gateway.grpc_choices`).
 the prompt counted once); `collect` and `merged` read the choices' streams
 concurrently, for a whole answer or a stream of chunks in arrival order.
 Both read each stream to its end (closing one early cancels its task), or
-until a stop sequence ends its choice, and on the first failure cancel the
-other readers and raise it.
+until a stop sequence ends its choice (that stream is closed at once: its
+task is cancelled then, not when the last choice ends), and on the first
+failure cancel the other readers and raise it.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ async def collect(streams: Sequence[Stream], choices: Choices, on_stop: Callable
             builder.add(response)
             if builder.is_stopped_early:
                 on_stop()
+                await _close(stream)  # its task is cancelled now, not with the request
                 return
 
     await all_or_first_error([one(s, b) for s, b in zip(streams, choices.builders, strict=True)])
@@ -89,6 +91,7 @@ async def merged(
                 yield chunk
             if builder.is_stopped_early:
                 on_stop()
+                await _close(stream)  # as `collect`
                 return
 
     tagged = merge(
@@ -97,3 +100,11 @@ async def merged(
     async with contextlib.aclosing(tagged):
         async for _, chunk in tagged:
             yield chunk
+
+
+async def _close(stream: Stream) -> None:
+    """Close a choice's stream (an async generator: closing it cancels the
+    choice's task with its stream's gone reason, here the stop's)."""
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
