@@ -146,6 +146,8 @@ class SchedulerCore:
         self.max_task_moves = max_task_moves
         self._lock = asyncio.Lock()  # planner inputs, one at a time (module doc)
         self._flush_lock = asyncio.Lock()
+        self._num_batches_out = 0  # batches of Dispatches sent, not yet settled
+        self._is_plan_due = False  # a plan was put off while one was out
         self._dispatch_slots = asyncio.Semaphore(max_concurrent_dispatches)
         self._tasks: dict[str, Task] = {}  # placed, deferred or queued; not finished
         self._num_moves: dict[str, int] = {}  # re-placements so far, by task id
@@ -312,7 +314,7 @@ class SchedulerCore:
                     self._forget(task_id)
             if not any(applied):
                 return applied
-            decisions += self._plan(now_s)
+            decisions += self._plan_unless_batch_out(now_s)
             batch = await self._decide(decisions)
         await self._carry_out(batch)
         return applied
@@ -477,7 +479,22 @@ class SchedulerCore:
                 continue
             sendable.append((placement, task))
         sendable = await self._begin_attempts(sendable, now_s)
+        if sendable:
+            self._num_batches_out += 1
         return [_Sending(p, t, self._attempts.get(t.task_id, 0)) for p, t in sendable]
+
+    def _plan_unless_batch_out(self, now_s: float) -> list[Decision]:
+        """`_plan`, or nothing while a batch of Dispatches is out: its carrier
+        plans once it settles (`_is_plan_due`). Completions then gather into
+        one plan per Dispatch round trip, as when the lock was held across
+        Dispatch: a plan per completion batch re-examines every deferred
+        training task each time, and with thousands deferred that starved the
+        scheduler's other work. New tasks are planned at once (a hung node's
+        Dispatch must not hold them up)."""
+        if self._num_batches_out > 0:
+            self._is_plan_due = True
+            return []
+        return self._plan(now_s)
 
     async def _carry_out(self, batch: list[_Sending]) -> None:
         """Without the lock: send a batch's Dispatches (bounded), then settle
@@ -501,6 +518,7 @@ class SchedulerCore:
                 is_moved = False
                 for sending, error in zip(sent, errors, strict=True):
                     is_moved |= self._resolve(sending, error, now_s)
+                self._num_batches_out -= 1
             # A Dispatch that may have reached its node: that attempt is fenced
             # now, before the task is numbered again, not only once it is.
             await self._fence_quietly(
@@ -511,8 +529,9 @@ class SchedulerCore:
                 ]
             )
             batch = []
-            if is_moved:
+            if is_moved or self._is_plan_due:
                 async with self._lock:
+                    self._is_plan_due = False
                     batch = await self._decide(self._plan(self.clock()))
         await self._flush_writes()
         self.wakeup.set()

@@ -382,3 +382,27 @@ async def test_a_dispatch_failing_after_its_node_was_evacuated_moves_nothing_twi
     await slow  # node 0's late failure is about attempt 1: stale, no second move
     assert executors.dispatched == [("e", 1, 3)] and core.node_of("e") == 1
     assert core.num_moved == 1 and await attempt_in_redis(store, "e") == "3"
+
+
+async def test_completions_during_a_dispatch_gather_into_one_plan_after_it(store: Store) -> None:
+    core, executors = make_held_core(store)
+    for task_id in ("p", "q"):  # placed on nodes 0 and 1
+        await core.on_task(make_request(task_id))
+    executors.held.add(0)
+    slow = asyncio.create_task(core.on_task(make_request("r")))  # round robin: node 0
+    await asyncio.wait_for(executors.is_waiting.wait(), 5.0)
+    plans = 0
+    plan = core.planner.plan
+
+    def counting_plan(now_s: float) -> Any:
+        nonlocal plans
+        plans += 1
+        return plan(now_s)
+
+    core.planner.plan = counting_plan  # type: ignore[method-assign]
+    assert await core.on_finished("p", True, node_id=0, attempt=1)
+    assert await core.on_finished("q", True, node_id=1, attempt=1)
+    assert plans == 0  # put off while node 0's Dispatch is out
+    executors.release.set()
+    await slow
+    assert plans == 1 and core.node_of("r") == 0
