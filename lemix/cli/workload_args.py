@@ -8,6 +8,7 @@ import argparse
 from typing import Any
 
 from lemix.workload import (
+    CHAT_MAX_TOTAL_TOKENS,
     LONG_OUTPUT_MAX_TOTAL_TOKENS,
     LONG_PROMPT_MAX_TOTAL_TOKENS,
     WorkloadConfig,
@@ -17,18 +18,21 @@ from lemix.workload import (
 DEMO_DURATION_S = 60.0  # `lemix demo`, and Poisson runs given no --duration
 # --workload: "conversation" = the Azure conversation shape (Poisson arrivals
 # or a --trace replay); "long-prompt" = lemix.workload.long_prompt;
-# "long-output" = lemix.workload.long_output.
-WORKLOADS = ("conversation", "long-prompt", "long-output")
+# "long-output" = lemix.workload.long_output; "chat" = lemix.workload.chat.
+WORKLOADS = ("conversation", "long-prompt", "long-output", "chat")
 WORKLOAD_HELP = (
     "conversation (default: Azure conversation lengths, --poisson or --trace), "
     "long-prompt (prompts 1-8k tokens, outputs 5-30, Gamma inter-arrivals of CV 3 "
-    "at the --poisson mean rate) or long-output (prompts 256-1024 tokens, outputs "
-    "1024-3072, Poisson at --poisson: KV memory binds)"
+    "at the --poisson mean rate), long-output (prompts 256-1024 tokens, outputs "
+    "1024-3072, Poisson at --poisson: KV memory binds) or chat (ShareGPT-fitted "
+    "lognormal lengths, prompt + output clipped to 4096, Poisson at --poisson)"
 )
-# The context limit each self-contained workload needs to fit unclipped.
+# The context limit of each workload that draws its own lengths: long-prompt
+# and long-output fit it unclipped; chat's is Llama-2's, and clips its tail.
 _MAX_TOTAL_TOKENS = {
     "long-prompt": LONG_PROMPT_MAX_TOTAL_TOKENS,
     "long-output": LONG_OUTPUT_MAX_TOTAL_TOKENS,
+    "chat": CHAT_MAX_TOTAL_TOKENS,
 }
 
 

@@ -17,6 +17,7 @@ from lemix.workload.base import (
     clip_to_context,
     estimate_num_tokens,
 )
+from lemix.workload.chat import CHAT_MAX_TOTAL_TOKENS, chat_lengths
 from lemix.workload.hh_jsonl import iter_hh_pairs, read_hh_pairs, split_pairs
 from lemix.workload.long_output import LONG_OUTPUT_MAX_TOTAL_TOKENS, long_output_lengths
 from lemix.workload.long_prompt import LONG_PROMPT_MAX_TOTAL_TOKENS, UniformLengths, gamma_arrivals
@@ -29,6 +30,7 @@ from lemix.workload.poisson import (
 from lemix.workload.sharegpt import iter_sharegpt_conversations, read_sharegpt_pairs
 
 __all__ = [
+    "CHAT_MAX_TOTAL_TOKENS",
     "LONG_OUTPUT_MAX_TOTAL_TOKENS",
     "LONG_PROMPT_MAX_TOTAL_TOKENS",
     "AzureTrace",
@@ -40,6 +42,7 @@ __all__ = [
     "WorkloadConfig",
     "WorkloadData",
     "build_workload",
+    "chat_lengths",
     "clip_to_context",
     "estimate_num_tokens",
     "gamma_arrivals",

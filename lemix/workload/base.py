@@ -18,9 +18,9 @@ import numpy as np
 
 from lemix.types import Task, TaskKind
 
-SOURCES = ("poisson", "trace", "long-prompt", "long-output")
+SOURCES = ("poisson", "trace", "long-prompt", "long-output", "chat")
 # Sources that draw their own lengths: no trace lengths with them.
-OWN_LENGTH_SOURCES = ("long-prompt", "long-output")
+OWN_LENGTH_SOURCES = ("long-prompt", "long-output", "chat")
 LENGTH_SOURCES = ("auto", "parametric", "trace")
 
 # Published stats of the Azure LLM conversation trace 2023
@@ -58,9 +58,10 @@ class WorkloadConfig:
     "long-prompt" (`lemix.workload.long_prompt`: prompts of 1–8k tokens,
     outputs of 5–30, Gamma inter-arrivals of mean 1/request_rate and CV
     `burst_cv`) or "long-output" (`lemix.workload.long_output`: prompts of
-    256–1,024 tokens, outputs of 1,024–3,072, Poisson arrivals). The last two
-    draw their own lengths, so `length_source` must stay "auto" or
-    "parametric".
+    256–1,024 tokens, outputs of 1,024–3,072, Poisson arrivals) or "chat"
+    (`lemix.workload.chat`: ShareGPT-fitted lognormal lengths, Poisson
+    arrivals). The last three draw their own lengths, so `length_source`
+    must stay "auto" or "parametric".
     `train_rate` r is the fraction of all tasks that are training tasks; they
     arrive as their own Poisson stream at request_rate·r/(1−r).
     `length_source`: "parametric" (lognormal fitted to the Azure conv trace),
