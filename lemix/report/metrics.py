@@ -239,12 +239,7 @@ def summarize(
         "throughput_requests_s": _ratio(len(done_inf), makespan_s),
         "training_samples_s_window": _ratio(num_samples_window, duration_s),
         "training_backlog_end": num_samples_backlog,
-        "num_failed_kv_memory": sum(
-            1
-            for r in inference
-            if r.status is TaskStatus.FAILED
-            and reason_code(r.reason) is ReasonCode.RESOURCE_EXHAUSTED
-        ),
+        "num_failed_kv_memory": sum(1 for r in inference if _is_kv_memory_failure(r)),
     }
     return {key: values[key] for key in METRIC_KEYS + EXTRA_KEYS}
 

@@ -54,10 +54,10 @@ class WorkloadConfig:
     """How to build a workload. Validated on construction (ValueError).
 
     `source`: "poisson" (synthetic arrivals), "trace" (replay an Azure-format
-    CSV time-scaled so its mean inter-arrival gap is 1/request_rate) or
+    CSV time-scaled so its mean inter-arrival gap is 1/request_rate),
     "long-prompt" (`lemix.workload.long_prompt`: prompts of 1–8k tokens,
     outputs of 5–30, Gamma inter-arrivals of mean 1/request_rate and CV
-    `burst_cv`) or "long-output" (`lemix.workload.long_output`: prompts of
+    `burst_cv`), "long-output" (`lemix.workload.long_output`: prompts of
     256–1,024 tokens, outputs of 1,024–3,072, Poisson arrivals) or "chat"
     (`lemix.workload.chat`: ShareGPT-fitted lognormal lengths, Poisson
     arrivals). The last three draw their own lengths, so `length_source`
