@@ -21,6 +21,7 @@ from lemix.batching import BatchingConfig
 from lemix.cli.engine_args import add_engine_args, engine_knobs
 from lemix.cli.workload_args import (
     DEMO_DURATION_S,
+    WORKLOAD_HELP,
     WORKLOADS,
     add_segment_args,
     workload_config,
@@ -192,9 +193,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
         "--workload",
         choices=WORKLOADS,
         default="conversation",
-        help="conversation (default: Azure conversation lengths, --poisson or --trace) or "
-        "long-prompt (prompts 1-8k tokens, outputs 5-30, Gamma inter-arrivals of CV 3 "
-        "at the --poisson mean rate)",
+        help=WORKLOAD_HELP,
     )
 
 

@@ -7,12 +7,33 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from lemix.workload import LONG_PROMPT_MAX_TOTAL_TOKENS, WorkloadConfig, read_azure_csv
+from lemix.workload import (
+    CHAT_MAX_TOTAL_TOKENS,
+    LONG_OUTPUT_MAX_TOTAL_TOKENS,
+    LONG_PROMPT_MAX_TOTAL_TOKENS,
+    WorkloadConfig,
+    read_azure_csv,
+)
 
 DEMO_DURATION_S = 60.0  # `lemix demo`, and Poisson runs given no --duration
 # --workload: "conversation" = the Azure conversation shape (Poisson arrivals
-# or a --trace replay); "long-prompt" = lemix.workload.long_prompt.
-WORKLOADS = ("conversation", "long-prompt")
+# or a --trace replay); "long-prompt" = lemix.workload.long_prompt;
+# "long-output" = lemix.workload.long_output; "chat" = lemix.workload.chat.
+WORKLOADS = ("conversation", "long-prompt", "long-output", "chat")
+WORKLOAD_HELP = (
+    "conversation (default: Azure conversation lengths, --poisson or --trace), "
+    "long-prompt (prompts 1-8k tokens, outputs 5-30, Gamma inter-arrivals of CV 3 "
+    "at the --poisson mean rate), long-output (prompts 256-1024 tokens, outputs "
+    "1024-3072, Poisson at --poisson: KV memory binds) or chat (ShareGPT-fitted "
+    "lognormal lengths, prompt + output clipped to 4096, Poisson at --poisson)"
+)
+# The context limit of each workload that draws its own lengths: long-prompt
+# and long-output fit it unclipped; chat's is Llama-2's, and clips its tail.
+_MAX_TOTAL_TOKENS = {
+    "long-prompt": LONG_PROMPT_MAX_TOTAL_TOKENS,
+    "long-output": LONG_OUTPUT_MAX_TOTAL_TOKENS,
+    "chat": CHAT_MAX_TOTAL_TOKENS,
+}
 
 
 def add_segment_args(p: argparse.ArgumentParser) -> None:
@@ -42,19 +63,20 @@ def workload_config(
         "seed": seed,
         "train_data_path": args.train_data,
     }
-    if getattr(args, "workload", "conversation") == "long-prompt":
+    kind = getattr(args, "workload", "conversation")
+    if kind in _MAX_TOTAL_TOKENS:
         if args.trace or args.lengths_from:
             raise ValueError(
-                "--workload long-prompt draws its own arrivals and lengths: "
+                f"--workload {kind} draws its own arrivals and lengths: "
                 "no --trace or --lengths-from"
             )
         if rate is None:
-            raise ValueError("--workload long-prompt needs a mean rate: --poisson RATE")
+            raise ValueError(f"--workload {kind} needs a mean rate: --poisson RATE")
         return WorkloadConfig(
-            source="long-prompt",
+            source=kind,
             request_rate=rate,
             duration_s=DEMO_DURATION_S if args.duration is None else args.duration,
-            max_total_tokens=LONG_PROMPT_MAX_TOTAL_TOKENS,
+            max_total_tokens=_MAX_TOTAL_TOKENS[kind],
             **common,
         )
     if args.trace:

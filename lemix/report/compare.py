@@ -44,6 +44,8 @@ AGG_METRICS: tuple[tuple[str, str], ...] = (
     ("training_samples_s_window", "training_samples_s_window"),
     ("training_backlog_end", "training_backlog_end"),
     ("num_failed", "num_failed"),
+    ("num_failed_kv_memory", "num_failed_kv_memory"),
+    ("num_kv_offloads", "num_kv_offloads"),
     ("serving_staleness_updates", "serving_staleness_updates"),
     ("utilization", "utilization"),
     ("throughput_tasks_s_paper", "throughput_tasks_s_paper"),

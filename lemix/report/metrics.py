@@ -22,6 +22,10 @@ written by `sim`, `replay` and `compare`. Definitions:
   then. A policy that holds training back and drains it afterwards shows a
   low window rate and a large backlog, where training_samples_s (over the
   makespan, drain included) would not tell.
+- num_failed_kv_memory counts the inference requests that failed for want of
+  KV memory (a RESOURCE_EXHAUSTED reason: wait-then-drop, the engine with
+  offload off, fails a request whose KV did not fit within T_max), so a
+  memory-bound run shows where memory, not compute, ended requests.
 - Requests/s, output tokens/s and training samples/s are separate keys,
   never summed (throughput_tasks_s, the contract's sum, stays for it).
 Every value is JSON-safe: no NaN or inf, None where undefined.
@@ -35,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from lemix.reasons import ReasonCode, reason_code
 from lemix.types import TaskKind, TaskRecord, TaskStatus
 
 # The DESIGN.md contract, in order, then our extra keys.
@@ -73,6 +78,7 @@ EXTRA_KEYS: tuple[str, ...] = (
     "throughput_requests_s",
     "training_samples_s_window",
     "training_backlog_end",
+    "num_failed_kv_memory",
 )
 
 # Two-sided 95% critical values of Student's t (the standard t table, e.g.
@@ -233,8 +239,15 @@ def summarize(
         "throughput_requests_s": _ratio(len(done_inf), makespan_s),
         "training_samples_s_window": _ratio(num_samples_window, duration_s),
         "training_backlog_end": num_samples_backlog,
+        "num_failed_kv_memory": sum(1 for r in inference if _is_kv_memory_failure(r)),
     }
     return {key: values[key] for key in METRIC_KEYS + EXTRA_KEYS}
+
+
+def _is_kv_memory_failure(r: TaskRecord) -> bool:
+    """A request failed for want of KV memory: the engine's only failure of an
+    admitted request with a RESOURCE_EXHAUSTED reason (wait-then-drop)."""
+    return r.status is TaskStatus.FAILED and reason_code(r.reason) is ReasonCode.RESOURCE_EXHAUSTED
 
 
 def _ttft(r: TaskRecord) -> float:

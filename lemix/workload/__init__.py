@@ -17,7 +17,9 @@ from lemix.workload.base import (
     clip_to_context,
     estimate_num_tokens,
 )
+from lemix.workload.chat import CHAT_MAX_TOTAL_TOKENS, chat_lengths
 from lemix.workload.hh_jsonl import iter_hh_pairs, read_hh_pairs, split_pairs
+from lemix.workload.long_output import LONG_OUTPUT_MAX_TOTAL_TOKENS, long_output_lengths
 from lemix.workload.long_prompt import LONG_PROMPT_MAX_TOTAL_TOKENS, UniformLengths, gamma_arrivals
 from lemix.workload.poisson import (
     WorkloadData,
@@ -28,6 +30,8 @@ from lemix.workload.poisson import (
 from lemix.workload.sharegpt import iter_sharegpt_conversations, read_sharegpt_pairs
 
 __all__ = [
+    "CHAT_MAX_TOTAL_TOKENS",
+    "LONG_OUTPUT_MAX_TOTAL_TOKENS",
     "LONG_PROMPT_MAX_TOTAL_TOKENS",
     "AzureTrace",
     "EmpiricalLengths",
@@ -38,12 +42,14 @@ __all__ = [
     "WorkloadConfig",
     "WorkloadData",
     "build_workload",
+    "chat_lengths",
     "clip_to_context",
     "estimate_num_tokens",
     "gamma_arrivals",
     "iter_hh_pairs",
     "iter_sharegpt_conversations",
     "load_workload_data",
+    "long_output_lengths",
     "poisson_arrivals",
     "read_azure_csv",
     "read_hh_pairs",

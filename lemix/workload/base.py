@@ -18,7 +18,9 @@ import numpy as np
 
 from lemix.types import Task, TaskKind
 
-SOURCES = ("poisson", "trace", "long-prompt")
+SOURCES = ("poisson", "trace", "long-prompt", "long-output", "chat")
+# Sources that draw their own lengths: no trace lengths with them.
+OWN_LENGTH_SOURCES = ("long-prompt", "long-output", "chat")
 LENGTH_SOURCES = ("auto", "parametric", "trace")
 
 # Published stats of the Azure LLM conversation trace 2023
@@ -52,11 +54,14 @@ class WorkloadConfig:
     """How to build a workload. Validated on construction (ValueError).
 
     `source`: "poisson" (synthetic arrivals), "trace" (replay an Azure-format
-    CSV time-scaled so its mean inter-arrival gap is 1/request_rate) or
+    CSV time-scaled so its mean inter-arrival gap is 1/request_rate),
     "long-prompt" (`lemix.workload.long_prompt`: prompts of 1–8k tokens,
     outputs of 5–30, Gamma inter-arrivals of mean 1/request_rate and CV
-    `burst_cv`; its lengths are its own, so `length_source` must stay "auto"
-    or "parametric").
+    `burst_cv`), "long-output" (`lemix.workload.long_output`: prompts of
+    256–1,024 tokens, outputs of 1,024–3,072, Poisson arrivals) or "chat"
+    (`lemix.workload.chat`: ShareGPT-fitted lognormal lengths, Poisson
+    arrivals). The last three draw their own lengths, so `length_source`
+    must stay "auto" or "parametric".
     `train_rate` r is the fraction of all tasks that are training tasks; they
     arrive as their own Poisson stream at request_rate·r/(1−r).
     `length_source`: "parametric" (lognormal fitted to the Azure conv trace),
@@ -116,8 +121,8 @@ class WorkloadConfig:
             )
         if self.num_segments > 1 and self.source != "trace":
             raise ValueError("segments slice a trace replay: give --trace FILE")
-        if self.source == "long-prompt" and self.length_source == "trace":
-            raise ValueError("the long-prompt source draws its own lengths: no trace lengths")
+        if self.source in OWN_LENGTH_SOURCES and self.length_source == "trace":
+            raise ValueError(f"the {self.source} source draws its own lengths: no trace lengths")
 
     def _validate_duration(self) -> None:
         d = self.duration_s

@@ -1,9 +1,11 @@
-"""Workload generation: Poisson (or trace-replay, or long-prompt bursty)
-inference plus Poisson training.
+"""Workload generation: Poisson (or trace-replay, long-prompt bursty,
+long-output or chat) inference plus Poisson training.
 
 `build_workload(config)` is the entry point. Streams and their seeded RNGs:
 - inference arrivals: Poisson at request_rate, or the trace time-scaled to it;
-- inference lengths: lognormal (Azure conv fit), or the trace's pairs;
+- inference lengths: lognormal (Azure conv fit), the trace's pairs, the
+  long-prompt / long-output source's own uniform ranges, or the chat
+  source's ShareGPT lognormal fit;
 - training arrivals: Poisson at request_rate·r/(1−r), so training tasks are a
   fraction r of all tasks in expectation;
 - training lengths: hh-rlhf (query + reference) token estimates from a file, a
@@ -39,7 +41,9 @@ from lemix.workload.base import (
     merge_streams,
     stream_rng,
 )
+from lemix.workload.chat import chat_lengths
 from lemix.workload.hh_jsonl import Pair, pair_num_tokens, read_hh_pairs
+from lemix.workload.long_output import long_output_lengths
 from lemix.workload.long_prompt import UniformLengths, gamma_arrivals
 
 ARRIVAL_CHUNK = 1024  # gaps drawn per RNG call; fixed, so prefixes never depend on n
@@ -134,6 +138,11 @@ def _inference_stream(config: WorkloadConfig, data: WorkloadData) -> tuple[TaskS
         window_s = float(config.duration_s or 0.0)
         arrivals = gamma_arrivals(config.request_rate, config.burst_cv, window_s, rng_arrivals)
         prompt, output = UniformLengths().sample(rng_lengths, len(arrivals))
+    elif config.source in ("long-output", "chat"):
+        window_s = float(config.duration_s or 0.0)
+        arrivals = poisson_arrivals(config.request_rate, window_s, rng_arrivals)
+        sampler = long_output_lengths() if config.source == "long-output" else chat_lengths()
+        prompt, output = sampler.sample(rng_lengths, len(arrivals))
     else:
         window_s = float(config.duration_s or 0.0)
         arrivals = poisson_arrivals(config.request_rate, window_s, rng_arrivals)

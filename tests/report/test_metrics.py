@@ -214,3 +214,21 @@ def test_training_is_judged_inside_the_arrival_window() -> None:
     assert m["training_backlog_end"] == 3 + 4
     assert m["training_samples_s"] == pytest.approx((2 + 3 + 5) / 10)
     assert m["throughput_requests_s"] == pytest.approx(1 / 10)
+
+
+def test_kv_memory_failures_are_counted_apart_from_other_failures() -> None:
+    kv = "RESOURCE_EXHAUSTED: no KV memory within T_max"
+    recs = [
+        inf("kv1", 0.0, None, None, 0, status=TaskStatus.FAILED, reason=kv),
+        inf("kv2", 0.1, None, None, 0, status=TaskStatus.FAILED, reason=kv),
+        # Failed for another reason, or refused before running: not counted.
+        inf("gone", 0.2, None, None, 0, status=TaskStatus.FAILED, reason="CANCELLED: client"),
+        inf("big", 0.3, None, None, 0, status=TaskStatus.REJECTED, reason=kv),
+        # Training re-queued for memory never fails this way; a training
+        # failure with that code is not a request's.
+        TaskRecord("t", TRN, 0.0, 100, status=TaskStatus.FAILED, reason=kv),
+    ]
+    m = run(recs)
+    assert m["num_failed_kv_memory"] == 2
+    assert m["num_failed"] == 4
+    assert run(records())["num_failed_kv_memory"] == 0
