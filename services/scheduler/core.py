@@ -487,10 +487,9 @@ class SchedulerCore:
         """`_plan`, or nothing while a batch of Dispatches is out: its carrier
         plans once it settles (`_is_plan_due`). Completions then gather into
         one plan per Dispatch round trip, as when the lock was held across
-        Dispatch: a plan per completion batch re-examines every deferred
-        training task each time, and with thousands deferred that starved the
-        scheduler's other work. New tasks are planned at once (a hung node's
-        Dispatch must not hold them up)."""
+        Dispatch; planning per completion batch instead starved Submit with
+        10,000 training tasks flowing (docs/control-plane.md). New tasks are
+        planned at once (a hung node's Dispatch must not hold them up)."""
         if self._num_batches_out > 0:
             self._is_plan_due = True
             return []
