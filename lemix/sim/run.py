@@ -50,6 +50,10 @@ class SimRunConfig:
     train_slice_tbt_fraction: float | None = None
     # `EngineConfig.is_batch_cap_per_micro_batch`: C caps each micro-batch.
     is_batch_cap_per_micro_batch: bool = False
+    # The control plane as fixed delays (`Simulator`): submit to planner, and
+    # engine to client for an inference task's tokens. 0: not modelled.
+    intake_delay_s: float = 0.0
+    output_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         get_spec(self.policy)  # unknown names fail here, with the list of choices
@@ -140,6 +144,8 @@ def build_simulator(
         drain_limit_s=config.drain_limit_s,
         measure_decision_latency=config.measure_decision_latency,
         keep_decisions=config.keep_decisions,
+        intake_delay_s=config.intake_delay_s,
+        output_delay_s=config.output_delay_s,
     )
 
 

@@ -9,6 +9,7 @@ with that reason and counted, never silently dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import time
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ from lemix.types import (
     Placement,
     Rejection,
     Task,
+    TaskKind,
     TaskRecord,
     TaskStatus,
     WeightSync,
@@ -71,8 +73,20 @@ class Simulator:
         drain_limit_s: float = 600.0,
         measure_decision_latency: bool = True,
         keep_decisions: bool = False,
+        intake_delay_s: float = 0.0,
+        output_delay_s: float = 0.0,
     ) -> None:
+        if intake_delay_s < 0 or output_delay_s < 0:
+            raise ValueError("the control plane's delays must be >= 0")
         self.planner = planner
+        # The control plane (gateway, Redis, scheduler intake; executor to
+        # gateway), as fixed delays: a task reaches the planner
+        # `intake_delay_s` after its arrival (the live intake stamps its
+        # arrival then, too), and a client sees an inference task's first
+        # token and its end `output_delay_s` after the engine produced them.
+        # Both 0: no control plane, the simulator as before.
+        self.intake_delay_s = intake_delay_s
+        self.output_delay_s = output_delay_s
         self.engines = list(engines)
         self.profile = profile
         self.drain_limit_s = drain_limit_s
@@ -80,7 +94,10 @@ class Simulator:
         self.keep_decisions = keep_decisions
         self._heap: list[tuple[float, int, int, Event]] = []
         self._seq = 0
-        self._tasks = {t.task_id: t for t in tasks}
+        seen = tasks
+        if intake_delay_s > 0:
+            seen = [dataclasses.replace(t, arrival_s=t.arrival_s + intake_delay_s) for t in tasks]
+        self._tasks = {t.task_id: t for t in seen}
         self.records = {
             t.task_id: TaskRecord(
                 t.task_id,
@@ -102,7 +119,7 @@ class Simulator:
         self.decisions: list[Decision] = []
         self.num_events = 0
         self._end_s = (max((t.arrival_s for t in tasks), default=0.0)) + drain_limit_s
-        for task in tasks:
+        for task in seen:
             self.schedule(task.arrival_s, Arrival(task))
 
     # ------------------------------------------------------------ loop
@@ -194,7 +211,7 @@ class Simulator:
         """Record one outcome; True when the planner should re-plan."""
         if isinstance(outcome, FirstToken):
             record = self.records[outcome.task_id]
-            record.first_token_s = now_s
+            record.first_token_s = now_s + self.output_delay_s
             record.serving_staleness_updates = self.total_updates - outcome.weight_updates
             return False
         if isinstance(outcome, Finished):
@@ -249,7 +266,8 @@ class Simulator:
             raise RuntimeError(f"task {task_id} ended twice ({record.status} then {status})")
         record.status = status
         record.reason = reason
-        record.finish_s = now_s
+        is_inference = record.kind is TaskKind.INFERENCE
+        record.finish_s = now_s + (self.output_delay_s if is_inference else 0.0)
 
     def _result(self, now_s: float) -> SimResult:
         for record in self.records.values():

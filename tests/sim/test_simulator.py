@@ -348,3 +348,34 @@ def test_separates_serving_nodes_hold_no_training_state() -> None:
     for policy in ("mix-rr", "separate-dynamic"):
         colocated = build_simulator(config(policy, num_nodes=3), profile, tasks, slo)
         assert len({e.memory.dynamic_capacity_bytes(0) for e in colocated.engines}) == 1
+
+
+def test_control_plane_delays_shift_what_the_planner_and_the_client_see() -> None:
+    profile = load_profile(default_profile_path())
+    tasks = [
+        make_request("a", arrival_s=1.0, num_prompt_tokens=64, max_output_tokens=8),
+        make_training("t", 1.0),
+    ]
+
+    def run(intake_s: float, output_s: float) -> dict[str, object]:
+        config = SimRunConfig(
+            policy="mix-rr",
+            num_nodes=1,
+            latency_noise_cv=0.0,
+            measure_decision_latency=False,
+            intake_delay_s=intake_s,
+            output_delay_s=output_s,
+        )
+        sim = build_simulator(config, profile, tasks, compute_slo(profile, tasks, config.slo))
+        return {r.task_id: r for r in sim.run().records}
+
+    base, delayed = run(0.0, 0.0), run(0.03, 0.02)
+    a0, a1 = base["a"], delayed["a"]
+    assert a1.arrival_s == a0.arrival_s == 1.0  # the client's clock starts at arrival
+    assert a1.placed_s == pytest.approx(a0.placed_s + 0.03)  # the planner sees it later
+    assert a1.first_token_s == pytest.approx(a0.first_token_s + 0.05)
+    assert a1.finish_s == pytest.approx(a0.finish_s + 0.05)  # TBT unchanged
+    # Training has no client reading its tokens: only the intake delay.
+    assert delayed["t"].finish_s == pytest.approx(base["t"].finish_s + 0.03)
+    with pytest.raises(ValueError, match="delays"):
+        run(-0.01, 0.0)
