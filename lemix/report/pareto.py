@@ -10,8 +10,11 @@ points dominates by the means.
 
 Verdicts compare frontiers with the CIs, so noise cannot make a winner:
 point a *significantly dominates* b when a is better in one coordinate with
-non-overlapping CIs and not significantly worse in the other (its mean is at
-least b's, or the two CIs overlap). Against each other policy, `lemix`
+non-overlapping CIs and at least as good in the other, up to `TIE_TOLERANCE`
+of b's mean there (two policies offered the same training differ by a few
+percent of noise in what they deliver). Overlapping CIs are not enough for the
+second coordinate: with 2-3 seeds they span most of the axis. Against each
+other policy, `lemix`
 - loses where one of that policy's frontier points significantly dominates a
   `lemix` frontier point;
 - wins where every frontier point of that policy is significantly dominated
@@ -33,6 +36,11 @@ X_METRIC = "training_samples_s_window"
 Y_METRIC = "goodput_rps"
 
 Outcome = Literal["wins", "ties", "loses"]
+# "At least as good" in the coordinate that is not significantly better: the
+# mean may fall short of the other's by this fraction of it. The capped
+# baselines, given the same offered load as lemix, deliver 10.08-10.28
+# in-window samples/s (docs/results.md): a spread of 2%.
+TIE_TOLERANCE = 0.05
 
 
 @dataclass(frozen=True)
@@ -56,8 +64,9 @@ class Estimate:
     def is_significantly_above(self, other: Estimate) -> bool:
         return self.low > other.high
 
-    def is_not_significantly_below(self, other: Estimate) -> bool:
-        return self.mean >= other.mean or self.overlaps(other)
+    def is_at_least(self, other: Estimate) -> bool:
+        """Mean at least `other`'s, up to TIE_TOLERANCE of it."""
+        return self.mean >= other.mean - TIE_TOLERANCE * abs(other.mean)
 
 
 @dataclass(frozen=True)
@@ -125,10 +134,10 @@ def frontier(points: Sequence[ParetoPoint]) -> list[ParetoPoint]:
 
 
 def significantly_dominates(a: ParetoPoint, b: ParetoPoint) -> bool:
-    """a is better than b in one coordinate with non-overlapping CIs and not
-    significantly worse in the other."""
-    return (a.y.is_significantly_above(b.y) and a.x.is_not_significantly_below(b.x)) or (
-        a.x.is_significantly_above(b.x) and a.y.is_not_significantly_below(b.y)
+    """a is better than b in one coordinate with non-overlapping CIs and at
+    least as good (up to TIE_TOLERANCE) in the other."""
+    return (a.y.is_significantly_above(b.y) and a.x.is_at_least(b.x)) or (
+        a.x.is_significantly_above(b.x) and a.y.is_at_least(b.y)
     )
 
 

@@ -256,6 +256,24 @@ def run_report(
     pngs: list[Path] = []
     cells: list[ParetoCell] = []
     sweep_rows: list[dict[str, Any]] = []
+    ablation_rows: list[dict[str, Any]] = []
+
+    def write(is_complete: bool) -> Path:
+        # Rewritten after every section, so a run cut short still leaves a
+        # page with what it finished (and says so).
+        partial = [] if is_complete else ["PARTIAL: the report was still running."]
+        return write_index(
+            out_dir / "index.md",
+            config,
+            cells=cells,
+            sweep_rows=sweep_rows,
+            ablation_rows=ablation_rows,
+            profile_name=profile.name,
+            command=command,
+            date=date,
+            notes=[*notes, *partial],
+        )
+
     for spec in config.workloads:
         progress(f"pareto: {spec.title} at {', '.join(f'{r:g}' for r in spec.rates)} req/s")
         runs = run_workload(spec, config, profile)
@@ -278,19 +296,11 @@ def run_report(
                 wl_dir,
                 SWEEP_PANELS,
             )
-    progress(f"ablations: {config.workloads[0].title}")
-    ablation_rows = run_ablations(config, profile, out_dir)
-    index = write_index(
-        out_dir / "index.md",
-        config,
-        cells=cells,
-        sweep_rows=sweep_rows,
-        ablation_rows=ablation_rows,
-        profile_name=profile.name,
-        command=command,
-        date=date,
-        notes=notes,
-    )
+            write(is_complete=False)
+            progress(f"ablations: {spec.title}")
+            ablation_rows = run_ablations(config, profile, out_dir)
+        write(is_complete=False)
+    index = write(is_complete=True)
     return ReportResult(index, pngs, cells)
 
 

@@ -49,9 +49,10 @@ FRONTIER_RULE = (
     "(offered train rate; for `lemix` and the `-capped` baselines also the admission "
     "threshold `--slo-headroom`), mean ± 95% CI over seeds. A policy's frontier is its "
     "points no other of its points beats in both means. Point a *significantly "
-    "dominates* b when it is better in one coordinate with non-overlapping CIs and not "
-    "significantly worse in the other. `lemix` **loses** to a policy where one of that "
-    "policy's frontier points significantly dominates a `lemix` frontier point, "
+    "dominates* b when it is better in one coordinate with non-overlapping CIs and at "
+    "least as good in the other (mean within 5% of b's or above). `lemix` **loses** "
+    "to a policy where one of that policy's frontier points significantly dominates "
+    "a `lemix` frontier point, "
     "**wins** where every frontier point of that policy is significantly dominated by "
     "a `lemix` one, and **ties** otherwise."
 )

@@ -39,8 +39,10 @@ def test_significant_dominance_needs_non_overlapping_cis() -> None:
     assert not significantly_dominates(point("a", 5, 5.8, ci=0.5), low)  # overlapping: no
     # More goodput but significantly less training: not a dominance.
     assert not significantly_dominates(point("a", 3, 8, ci=0.5), low)
-    # More training, same goodput within noise: a dominance along x.
+    # More training, goodput within 5% of b's: a dominance along x.
     assert significantly_dominates(point("a", 7, 4.8, ci=0.5), low)
+    # More training but 10% less goodput, even with overlapping CIs: no.
+    assert not significantly_dominates(point("a", 7, 4.5, ci=0.5), low)
     assert not significantly_dominates(low, low)
 
 
