@@ -80,3 +80,14 @@ def test_trace_is_skipped_with_a_note(tmp_path: Path) -> None:
     args = build_parser().parse_args(["report", "--trace", str(tmp_path / "missing.csv")])
     with pytest.raises(ValueError, match="no such file"):
         resolve_trace(args)
+
+
+def test_slo_headroom_flag_reaches_the_run_config() -> None:
+    from lemix.cli.main import configs_from_args
+
+    sim = ["sim", "--policy", "lemix", "--poisson", "2", "--slo-headroom", "0.5"]
+    assert configs_from_args(build_parser().parse_args(sim)).run.slo_headroom == 0.5
+    default = configs_from_args(build_parser().parse_args(sim[:-2])).run.slo_headroom
+    assert default == 0.8  # PlannerConfig's
+    with pytest.raises(ValueError, match="slo_headroom"):
+        configs_from_args(build_parser().parse_args([*sim[:-1], "1.5"]))
