@@ -39,6 +39,12 @@ def add_report_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     p.add_argument("--no-trace", action="store_true", help="skip the trace section")
     p.add_argument("--workers", type=int, help="worker processes (default min(2, CPUs))")
+    p.add_argument(
+        "--from-runs",
+        action="store_true",
+        help="simulate nothing: re-render DIR's page and plots from the runs.json files an "
+        "earlier report (same preset and trace) wrote there",
+    )
 
 
 def resolve_trace(args: argparse.Namespace) -> tuple[str | None, str | None]:
@@ -59,6 +65,8 @@ def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
     preset = quick_config if args.quick else full_config
     config = preset(trace, args.workers)
     notes = [note] if note else []
+    if args.from_runs:
+        notes.append(f"Rendered from the runs.json files already in {args.out} (no simulation).")
     if note:
         print(note)
     command = " ".join(["lemix", *map(shlex.quote, argv)])
@@ -76,6 +84,7 @@ def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
         date=date,
         notes=notes,
         progress=progress,
+        runs_from=Path(args.out) if args.from_runs else None,
     )
     elapsed_s = time.perf_counter() - start_s
     with result.index_path.open("a") as f:

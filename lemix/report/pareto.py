@@ -15,10 +15,12 @@ of b's mean there (two policies offered the same training differ by a few
 percent of noise in what they deliver). Overlapping CIs are not enough for the
 second coordinate: with 2-3 seeds they span most of the axis. Against each
 other policy, `lemix`
-- loses where one of that policy's frontier points significantly dominates a
-  `lemix` frontier point;
+- loses where one of that policy's frontier points is above `lemix`'s
+  frontier: it significantly dominates a `lemix` frontier point and no `lemix`
+  frontier point matches it (is at least as good in both coordinates, up to
+  the tolerance);
 - wins where every frontier point of that policy is significantly dominated
-  by a `lemix` frontier point;
+  by a `lemix` frontier point that is, in the same sense, above its frontier;
 - ties otherwise.
 A point with a single seed has no CI (None) and is treated as a CI of zero
 width; the report always runs at least two seeds.
@@ -151,12 +153,25 @@ class Verdict:
     detail: str  # the numbers behind the outcome, one sentence
 
 
+def matches(a: ParetoPoint, b: ParetoPoint) -> bool:
+    """a is at least as good as b in both coordinates (up to TIE_TOLERANCE)."""
+    return a.x.is_at_least(b.x) and a.y.is_at_least(b.y)
+
+
+def beats_frontier(q: ParetoPoint, front: Sequence[ParetoPoint]) -> list[ParetoPoint]:
+    """The points of `front` that q significantly dominates, or [] when some
+    point of `front` matches q (q is then not above that frontier as a whole)."""
+    if any(matches(p, q) for p in front):
+        return []
+    return [p for p in front if significantly_dominates(q, p)]
+
+
 def verdict(reference: Sequence[ParetoPoint], other: Sequence[ParetoPoint]) -> Verdict:
     """Compare two frontiers (see the module docstring for the rule)."""
     if not reference or not other:
         raise ValueError("both frontiers need at least one point")
     ref_name, name = reference[0].policy, other[0].policy
-    losses = [(q, p) for q in other for p in reference if significantly_dominates(q, p)]
+    losses = [(q, p) for q in other for p in beats_frontier(q, reference)]
     if losses:
         # The loss with the largest goodput gap is the one worth reading.
         q, p = max(losses, key=lambda qp: qp[0].y.mean - qp[1].y.mean)
@@ -166,23 +181,22 @@ def verdict(reference: Sequence[ParetoPoint], other: Sequence[ParetoPoint]) -> V
             f"{_pair(q)} vs {ref_name} ({p.knob}) {_pair(p)}"
         )
         return Verdict(ref_name, name, "loses", detail)
-    beaten = [q for q in other if any(significantly_dominates(p, q) for p in reference)]
+    # lemix points above the other frontier, and the other's points they dominate.
+    wins = [(p, q) for p in reference for q in beats_frontier(p, other)]
+    beaten = {q for _, q in wins}
     if len(beaten) == len(other):
         # Each of its points against the lemix point that beats it by the most
         # goodput; the smallest such margin is quoted (the closest call).
-        pairs = [
-            (max((p for p in reference if significantly_dominates(p, q)), key=_goodput), q)
-            for q in other
-        ]
+        pairs = [max((pq for pq in wins if pq[1] == q), key=lambda pq: pq[0].y.mean) for q in other]
         p, q = min(pairs, key=lambda pq: pq[0].y.mean - pq[1].y.mean)
         detail = (
-            f"{ref_name} significantly dominates all {len(other)} frontier points of {name}; "
+            f"{ref_name} is above all {len(other)} frontier points of {name}; "
             f"closest: {ref_name} ({p.knob}) {_pair(p)} vs {name} ({q.knob}) {_pair(q)}"
         )
         return Verdict(ref_name, name, "wins", detail)
     detail = (
-        f"CIs overlap: {ref_name} significantly dominates {len(beaten)} of {name}'s "
-        f"{len(other)} frontier points, {name} none of {ref_name}'s {len(reference)}"
+        f"within noise: {ref_name} is above {len(beaten)} of {name}'s "
+        f"{len(other)} frontier points, {name} above none of {ref_name}'s {len(reference)}"
     )
     return Verdict(ref_name, name, "ties", detail)
 

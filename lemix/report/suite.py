@@ -19,6 +19,7 @@ clock.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -244,11 +245,14 @@ def run_report(
     date: str,
     notes: Sequence[str] = (),
     progress: Progress = lambda _: None,
+    runs_from: Path | None = None,
 ) -> ReportResult:
     """Run every section and write `out_dir`/index.md and the PNGs.
 
     `command` and `date` head the page (the caller knows them); `notes` are
-    printed lines that go into it too (e.g. a skipped trace).
+    printed lines that go into it too (e.g. a skipped trace). With
+    `runs_from`, nothing is simulated: each section's runs are read from the
+    runs.json files an earlier report wrote there (to re-render the page).
     """
     from lemix.report.suite_write import write_index
 
@@ -276,7 +280,10 @@ def run_report(
 
     for spec in config.workloads:
         progress(f"pareto: {spec.title} at {', '.join(f'{r:g}' for r in spec.rates)} req/s")
-        runs = run_workload(spec, config, profile)
+        if runs_from is None:
+            runs = run_workload(spec, config, profile)
+        else:
+            runs = json.loads((runs_from / spec.slug / "runs.json").read_text())
         wl_dir = out_dir / spec.slug
         wl_dir.mkdir(exist_ok=True)
         write_json(wl_dir / "runs.json", runs)
@@ -298,19 +305,24 @@ def run_report(
             )
             write(is_complete=False)
             progress(f"ablations: {spec.title}")
-            ablation_rows = run_ablations(config, profile, out_dir)
+            ablation_rows = run_ablations(config, profile, out_dir, runs_from)
         write(is_complete=False)
     index = write(is_complete=True)
     return ReportResult(index, pngs, cells)
 
 
-def run_ablations(config: ReportConfig, profile: Profile, out_dir: Path) -> list[dict[str, Any]]:
+def run_ablations(
+    config: ReportConfig, profile: Profile, out_dir: Path, runs_from: Path | None = None
+) -> list[dict[str, Any]]:
     spec = config.workloads[0]
     rate = spec.rates[len(spec.rates) // 2]
     sweep = SweepConfig(
         ABLATION_POLICIES, (rate,), config.ablation_train_rates, config.seeds, is_grid=True
     )
-    runs = run_sweep(sweep, spec.base, config.template, profile, num_workers=config.num_workers)
+    if runs_from is None:
+        runs = run_sweep(sweep, spec.base, config.template, profile, num_workers=config.num_workers)
+    else:
+        runs = json.loads((runs_from / "ablations" / "runs.json").read_text())
     (out_dir / "ablations").mkdir(exist_ok=True)
     write_json(out_dir / "ablations" / "runs.json", runs)
     return aggregate(runs, ABLATION_POLICIES)

@@ -51,10 +51,11 @@ FRONTIER_RULE = (
     "points no other of its points beats in both means. Point a *significantly "
     "dominates* b when it is better in one coordinate with non-overlapping CIs and at "
     "least as good in the other (mean within 5% of b's or above). `lemix` **loses** "
-    "to a policy where one of that policy's frontier points significantly dominates "
-    "a `lemix` frontier point, "
-    "**wins** where every frontier point of that policy is significantly dominated by "
-    "a `lemix` one, and **ties** otherwise."
+    "to a policy where one of that policy's frontier points is above `lemix`'s frontier "
+    "(it significantly dominates a `lemix` frontier point and no `lemix` frontier point "
+    "is at least as good in both coordinates), **wins** where every frontier point of "
+    "that policy is significantly dominated by a `lemix` point above that policy's "
+    "frontier in the same sense, and **ties** otherwise."
 )
 
 

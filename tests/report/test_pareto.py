@@ -94,3 +94,15 @@ def test_points_from_runs_groups_by_knob_with_ci() -> None:
 def test_verdict_needs_points() -> None:
     with pytest.raises(ValueError):
         verdict([], [point("x", 1, 1)])
+
+
+def test_a_point_lemix_matches_elsewhere_is_not_a_loss() -> None:
+    # The other policy's (6, 4) dominates lemix's (2, 4) along x, but lemix's
+    # own (6, 3.95) is as good within the tolerance: lemix is not below it.
+    lemix = [point("lemix", 2, 4.0), point("lemix", 6, 3.95)]
+    other = [point("mix-rr", 6, 4.0)]
+    assert significantly_dominates(other[0], lemix[0])
+    assert verdict(lemix, other).outcome == "ties"
+    # Without lemix's matching point it is a loss at x=6.
+    v = verdict(lemix[:1], other)
+    assert v.outcome == "loses" and "x=6.00" in v.detail

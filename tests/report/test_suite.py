@@ -60,6 +60,17 @@ def test_tiny_report_writes_index_and_plots(tmp_path: Path) -> None:
     assert (tmp_path / "long-prompt" / "pareto_2rps.png") in pngs
     assert all(p.stat().st_size > 0 for p in pngs)
     assert lines and lines[-1].startswith("ablations")
+    # Re-rendered from the runs it wrote: the same verdicts, nothing simulated.
+    again = run_report(
+        tiny_config(),
+        load_profile(default_profile_path()),
+        tmp_path,
+        command="lemix report --from-runs",
+        date="2026-01-02 00:00 UTC",
+        runs_from=tmp_path,
+    )
+    assert [v.outcome for v in again.cells[0].verdicts] == [v.outcome for v in cell.verdicts]
+    assert "lemix report --from-runs" in again.index_path.read_text()
 
 
 def test_presets_cover_every_section() -> None:
