@@ -17,8 +17,8 @@ second coordinate: with 2-3 seeds they span most of the axis. Against each
 other policy, `lemix`
 - loses where one of that policy's frontier points is above `lemix`'s
   frontier: it significantly dominates a `lemix` frontier point and no `lemix`
-  frontier point matches it (is at least as good in both coordinates, up to
-  the tolerance);
+  frontier point matches it (is within noise of it or better in both
+  coordinates: not significantly worse in either);
 - wins where every frontier point of that policy is significantly dominated
   by a `lemix` frontier point that is, in the same sense, above its frontier;
 - ties otherwise.
@@ -154,8 +154,8 @@ class Verdict:
 
 
 def matches(a: ParetoPoint, b: ParetoPoint) -> bool:
-    """a is at least as good as b in both coordinates (up to TIE_TOLERANCE)."""
-    return a.x.is_at_least(b.x) and a.y.is_at_least(b.y)
+    """a is not significantly worse than b in either coordinate (within noise or better)."""
+    return not b.x.is_significantly_above(a.x) and not b.y.is_significantly_above(a.y)
 
 
 def beats_frontier(q: ParetoPoint, front: Sequence[ParetoPoint]) -> list[ParetoPoint]:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lemix.report.pareto import format_points
+from lemix.report.pareto import ParetoPoint, format_points
 
 if TYPE_CHECKING:
     from lemix.report.suite import ParetoCell, ReportConfig, WorkloadSpec
@@ -53,9 +53,9 @@ FRONTIER_RULE = (
     "least as good in the other (mean within 5% of b's or above). `lemix` **loses** "
     "to a policy where one of that policy's frontier points is above `lemix`'s frontier "
     "(it significantly dominates a `lemix` frontier point and no `lemix` frontier point "
-    "is at least as good in both coordinates), **wins** where every frontier point of "
-    "that policy is significantly dominated by a `lemix` point above that policy's "
-    "frontier in the same sense, and **ties** otherwise."
+    "is within noise of it, i.e. not significantly worse in either coordinate), **wins** "
+    "where every frontier point of that policy is significantly dominated by a `lemix` "
+    "point above that policy's frontier in the same sense, and **ties** otherwise."
 )
 
 
@@ -108,6 +108,12 @@ def write_index(
                 format_points(cell.points, front),
                 "",
                 *(f"- vs `{v.policy}`: **{v.outcome}**. {v.detail}." for v in cell.verdicts),
+                "",
+                "Mean goodput of `lemix` minus each policy's at the same knob setting "
+                "(offered train rate, threshold), min / max over the settings both ran; "
+                "means only, read with the CIs above:",
+                "",
+                *_gap_lines(cell.points),
             ]
     if sweep_rows:
         conv = config.workloads[0]
@@ -171,6 +177,27 @@ def write_index(
     ]
     path.write_text("\n".join(lines))
     return path
+
+
+def _gap_lines(points: Sequence[ParetoPoint]) -> list[str]:
+    by_knob = {(p.policy, p.train_rate, p.slo_headroom): p for p in points}
+    lines = []
+    for policy in dict.fromkeys(p.policy for p in points):
+        if policy == "lemix":
+            continue
+        gaps = [
+            (ref.y.mean - p.y.mean, ref.x.mean - p.x.mean)
+            for (name, train, headroom), p in by_knob.items()
+            if name == policy and (ref := by_knob.get(("lemix", train, headroom))) is not None
+        ]
+        if gaps:
+            dy = [g[0] for g in gaps]
+            dx = [g[1] for g in gaps]
+            lines.append(
+                f"- `{policy}`: goodput {min(dy):+.2f} / {max(dy):+.2f} req/s, in-window "
+                f"training {min(dx):+.2f} / {max(dx):+.2f} samples/s ({len(gaps)} settings)"
+            )
+    return lines
 
 
 def verdict_summary(cells: Sequence[ParetoCell], others: Sequence[str]) -> list[str]:
