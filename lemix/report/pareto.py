@@ -173,8 +173,13 @@ def verdict(reference: Sequence[ParetoPoint], other: Sequence[ParetoPoint]) -> V
     ref_name, name = reference[0].policy, other[0].policy
     losses = [(q, p) for q in other for p in beats_frontier(q, reference)]
     if losses:
-        # The loss with the largest goodput gap is the one worth reading.
-        q, p = max(losses, key=lambda qp: qp[0].y.mean - qp[1].y.mean)
+        # Each winning point against the best lemix point it beats (the
+        # closest call for it); of those, the one with the largest goodput gap.
+        closest = [
+            max((qp for qp in losses if qp[0] == q), key=lambda qp: qp[1].y.mean)
+            for q in dict.fromkeys(q for q, _ in losses)
+        ]
+        q, p = max(closest, key=lambda qp: qp[0].y.mean - qp[1].y.mean)
         xs = ", ".join(sorted({f"{q.x.mean:.2f}" for q, _ in losses}))
         detail = (
             f"{ref_name} loses at x={xs} samples/s: {name} ({q.knob}) gives "
