@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-fast test-compose lint demo bench clean proto proto-check
+.PHONY: setup test test-fast test-compose lint demo bench report report-quick clean proto proto-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,18 @@ lint: $(STAMP)
 # About three minutes on 2 cores once .venv exists; see docs/cli.md.
 demo: $(STAMP)
 	$(PY) -m lemix.cli demo --out runs/demo
+
+# Every simulated figure and table (`lemix report`, lemix/cli/report.py):
+# Pareto frontiers of goodput vs in-window training on Poisson, long-prompt and
+# (when ../shared/traces/azure_llm_conv_2023.csv exists) the Azure trace at
+# light / near-saturation / overloaded rates, the throughput/SLO sweeps and the
+# ablations, into runs/report/index.md + PNGs. See docs/report.md for timings.
+report: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m lemix.cli report --workers 2 --out runs/report
+
+# The same sections with 2 seeds, 30 s windows and fewer points (CI runs it).
+report-quick: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m lemix.cli report --quick --workers 2 --out runs/report
 
 bench: $(STAMP)
 	$(PY) benchmarks/planner_latency.py --json runs/bench/planner_latency.json

@@ -1,5 +1,5 @@
-"""The `lemix` command: sim, compare, demo, and the service-stack commands (up, replay,
-profile, audit).
+"""The `lemix` command: sim, compare, demo, report (lemix/cli/report.py), and the
+service-stack commands (up, replay, profile, audit).
 
 All mapping from flags to the typed configs happens in `configs_from_args`;
 every command then works on those configs only. A ValueError (bad flag value,
@@ -141,9 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="runs/demo", metavar="DIR")
     demo.add_argument("--workers", type=int, help="worker processes (default min(2, CPUs))")
 
+    from lemix.cli.report import add_report_parser
     from lemix.cli.services import add_parsers
     from lemix.harness.audit import add_audit_parser
 
+    add_report_parser(sub)
     add_parsers(sub)
     add_audit_parser(sub)
     return parser
@@ -157,6 +159,14 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
         default=SimRunConfig().sync_every_tasks,
         metavar="K",
         help="SEPARATE: copy the trained weights to the serving nodes every K training tasks",
+    )
+    p.add_argument(
+        "--slo-headroom",
+        type=float,
+        default=SimRunConfig().slo_headroom,
+        metavar="H",
+        help="lemix*, mix-*-capped: defer training once the next request's predicted "
+        "TTFT or TBT passes H x its SLO (default %(default)s)",
     )
     p.add_argument("--stages", type=int, help="stages per node (must match the profile)")
     p.add_argument("--profile", metavar="FILE", help="profile JSON (default: shipped A100 one)")
@@ -226,6 +236,7 @@ def configs_from_args(args: argparse.Namespace) -> CliSetup:
             batching=batching,
             train_rate=args.train_rate,
             sync_every_tasks=args.sync_every,
+            slo_headroom=args.slo_headroom,
             measure_decision_latency=not args.deterministic,
             **knobs,
         )
@@ -237,6 +248,7 @@ def configs_from_args(args: argparse.Namespace) -> CliSetup:
         num_nodes=args.nodes,
         batching=batching,
         sync_every_tasks=args.sync_every,
+        slo_headroom=args.slo_headroom,
         measure_decision_latency=not args.deterministic,
         **knobs,
     )
@@ -359,6 +371,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from lemix.harness.audit import cmd_audit
 
             return cmd_audit(args)
+        if args.command == "report":
+            from lemix.cli.report import cmd_report
+
+            return cmd_report(args, list(sys.argv[1:] if argv is None else argv))
         setup = configs_from_args(args)
         if args.command == "sim":
             return cmd_sim(setup, args.json)

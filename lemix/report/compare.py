@@ -37,6 +37,7 @@ AGG_METRICS: tuple[tuple[str, str], ...] = (
     ("goodput_rps", "goodput_rps"),
     ("throughput_tasks_s", "throughput_tasks_s"),
     ("throughput_tokens_s", "throughput_tokens_s"),
+    ("throughput_requests_s", "throughput_requests_s"),
     ("ttft_p50_s", "ttft_s.p50"),
     ("ttft_p99_s", "ttft_s.p99"),
     ("tbt_p50_s", "tbt_s.p50"),

@@ -11,6 +11,7 @@ from lemix.batching import BatchingConfig
 from lemix.engine import EngineConfig, NodeEngine
 from lemix.memory import MemoryConfig
 from lemix.noise import NoisyLatency
+from lemix.planner.base import PlannerConfig
 from lemix.planner.configure import build_planner_config
 from lemix.planner.registry import build_planner, get_spec
 from lemix.profile import Profile
@@ -34,6 +35,9 @@ class SimRunConfig:
     sync_every_tasks: int = 100
     max_defer_s: float = 30.0
     defer_recheck_s: float = 1.0
+    # `PlannerConfig.slo_headroom`: the admission threshold of the policies
+    # that defer training (lemix*, mix-*-capped); their Pareto knob.
+    slo_headroom: float = PlannerConfig.slo_headroom
     drain_limit_s: float = 600.0
     measure_decision_latency: bool = True
     keep_decisions: bool = False
@@ -61,6 +65,8 @@ class SimRunConfig:
             raise ValueError("num_nodes must be >= 1")
         if self.latency_noise_cv < 0:
             raise ValueError("latency_noise_cv must be >= 0")
+        if not 0.0 < self.slo_headroom <= 1.0:
+            raise ValueError(f"slo_headroom must be in (0, 1], got {self.slo_headroom}")
         if self.train_slice_s is not None and self.train_slice_tbt_fraction is not None:
             raise ValueError("set train_slice_s or train_slice_tbt_fraction, not both")
         fraction = self.train_slice_tbt_fraction
@@ -106,6 +112,7 @@ def build_simulator(
         max_batch_size=config.batching.max_batch_size,
         max_defer_s=config.max_defer_s,
         defer_recheck_s=config.defer_recheck_s,
+        slo_headroom=config.slo_headroom,
         train_rate=config.train_rate,
         sync_every_tasks=config.sync_every_tasks,
         num_micro_batches=engine_config.num_micro_batches,
@@ -182,4 +189,5 @@ def run_simulation(
     metrics["num_weight_syncs"] = result.num_weight_syncs
     metrics["num_kv_offloads"] = result.num_offloads
     metrics["sync_every_tasks"] = config.sync_every_tasks
+    metrics["slo_headroom"] = config.slo_headroom
     return metrics, result
