@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-fast test-compose lint demo bench clean proto proto-check
+.PHONY: setup test test-fast test-compose lint demo bench clean proto proto-check pretrain
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,12 @@ lint: $(STAMP)
 # About three minutes on 2 cores once .venv exists; see docs/cli.md.
 demo: $(STAMP)
 	$(PY) -m lemix.cli demo --out runs/demo
+
+# Pretrain tiny-llama on the packaged ShareGPT text (lemix/model/pretrain.py)
+# and cache it under runs/cache/pretrain-<hash>/; a rerun reuses the cache.
+# About 15 minutes on 2 shared cores; benchmarks/inference_loss.py starts from it.
+pretrain: $(STAMP)
+	OMP_NUM_THREADS=2 $(PY) -m lemix.cli.pretrain
 
 bench: $(STAMP)
 	$(PY) benchmarks/planner_latency.py --json runs/bench/planner_latency.json
