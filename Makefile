@@ -68,7 +68,8 @@ demo: $(STAMP)
 
 # Pretrain tiny-llama on the packaged ShareGPT text (lemix/model/pretrain.py)
 # and cache it under runs/cache/pretrain-<hash>/; a rerun reuses the cache.
-# About 15 minutes on 2 shared cores; benchmarks/inference_loss.py starts from it.
+# 20 minutes on 2 busy shared cores (2026-12-02); benchmarks/inference_loss.py
+# --init pretrained starts from it (and trains it first when it is missing).
 pretrain: $(STAMP)
 	OMP_NUM_THREADS=2 $(PY) -m lemix.cli.pretrain
 
