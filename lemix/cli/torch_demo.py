@@ -9,9 +9,10 @@ from a disjoint training split. Every request reports its inference loss
 it) and its reference accuracy (the fraction of reference tokens that are
 the model's top-1 choice, teacher-forced). Executors start from the preset's
 seeded random weights, or from a pretrained checkpoint (`from_checkpoint`,
-`make pretrain`). Co-located, every node trains and serves the same weights; SEPARATE
-trains on half the nodes and ships weights to the serving half every K
-training tasks. The run prints both side by side and plots inference loss
+`make pretrain`). Co-located, every node trains and serves its own replica
+(they start equal and are never synchronised, so each learns only from the
+samples placed on it); SEPARATE trains on half the nodes and ships weights to
+the serving half every K training tasks. The run prints both side by side and plots inference loss
 over time.
 """
 
