@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-fast test-compose lint demo bench report report-quick clean proto proto-check
+.PHONY: setup test test-fast test-compose lint demo bench report report-quick pretrain clean proto proto-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -77,6 +77,13 @@ report: $(STAMP)
 # The same sections with 2 seeds, 30 s windows and fewer points (CI runs it).
 report-quick: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m lemix.cli report --quick --workers 2 --out runs/report
+
+# Pretrain tiny-llama on the packaged ShareGPT text (lemix/model/pretrain.py)
+# and cache it under runs/cache/pretrain-<hash>/; a rerun reuses the cache.
+# 20 minutes on 2 busy shared cores (2026-12-02); benchmarks/inference_loss.py
+# --init pretrained starts from it (and trains it first when it is missing).
+pretrain: $(STAMP)
+	OMP_NUM_THREADS=2 $(PY) -m lemix.cli.pretrain
 
 bench: $(STAMP)
 	$(PY) benchmarks/planner_latency.py --json runs/bench/planner_latency.json

@@ -17,6 +17,7 @@ import grpc
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
 from lemix.infra.store.codec import get_bool, get_int, get_optional_float
 from lemix.infra.store.messages import (
+    ACCURACY_FIELD,
     LOSS_FIELD,
     NODE_FIELD,
     NUM_TOKENS_FIELD,
@@ -225,6 +226,9 @@ class OutputStream:
         loss = get_optional_float(fields, LOSS_FIELD)
         if loss is not None:
             response.inference_loss = loss
+        accuracy = get_optional_float(fields, ACCURACY_FIELD)
+        if accuracy is not None:
+            response.reference_accuracy = accuracy
         return response
 
 

@@ -245,4 +245,5 @@ class TaskRecord:
     token_times_s: list[float] = field(default_factory=list)
     serving_staleness_updates: int | None = None
     inference_loss: float | None = None
+    reference_accuracy: float | None = None  # teacher-forced top-1 accuracy on the reference
     predicted_response_s: float | None = None

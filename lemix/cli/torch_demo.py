@@ -6,9 +6,13 @@ same workload: Poisson inference requests whose prompt and reference answer
 come from held-out (query, reference) pairs, and Poisson training samples
 from a disjoint training split. Every request reports its inference loss
 (teacher-forced cross-entropy of the reference under the weights that served
-it). Co-located, every node trains and serves the same weights; SEPARATE
-trains on half the nodes and ships weights to the serving half every K
-training tasks. The run prints both side by side and plots inference loss
+it) and its reference accuracy (the fraction of reference tokens that are
+the model's top-1 choice, teacher-forced). Executors start from the preset's
+seeded random weights, or from a pretrained checkpoint (`from_checkpoint`,
+`make pretrain`). Co-located, every node trains and serves its own replica
+(they start equal and are never synchronised, so each learns only from the
+samples placed on it); SEPARATE trains on half the nodes and ships weights to
+the serving half every K training tasks. The run prints both side by side and plots inference loss
 over time.
 """
 
@@ -152,12 +156,39 @@ async def run_policy(
     return metrics, records
 
 
+def from_checkpoint(config: TorchDemoConfig, checkpoint: Path) -> TorchDemoConfig:
+    """`config` with its executors starting from the pretrained `checkpoint`
+    (`lemix.model.pretrain`): the directory as ``--model`` (absolute, as the
+    executors run elsewhere) and the tokenizer it was trained with."""
+    from lemix.model.pretrain import read_meta
+
+    tokenizer = str(read_meta(checkpoint)["tokenizer"])
+    return dataclasses.replace(config, model=str(checkpoint.resolve()), tokenizer=tokenizer)
+
+
+def pretrained_checkpoint() -> Path:
+    """The default pretrained checkpoint (`make pretrain`), trained first when
+    it is not cached yet (minutes on two cores)."""
+    from lemix.model.pretrain import PretrainConfig, ensure_pretrained
+
+    return ensure_pretrained(PretrainConfig(), log=lambda line: print(line, flush=True))
+
+
 def loss_series(records: Sequence[TaskRecord]) -> list[tuple[float, float]]:
     """(finish time s, inference loss) of every completed request with a loss."""
     return sorted(
         (r.finish_s, r.inference_loss)
         for r in records
         if r.finish_s is not None and r.inference_loss is not None
+    )
+
+
+def accuracy_series(records: Sequence[TaskRecord]) -> list[tuple[float, float]]:
+    """(finish time s, reference accuracy) of every completed request with one."""
+    return sorted(
+        (r.finish_s, r.reference_accuracy)
+        for r in records
+        if r.finish_s is not None and r.reference_accuracy is not None
     )
 
 

@@ -153,6 +153,7 @@ async def _generate(
                 record.status = TaskStatus.COMPLETED
                 if text is not None and text[1]:
                     record.inference_loss = message.inference_loss
+                    record.reference_accuracy = message.reference_accuracy
     except grpc.aio.AioRpcError as err:
         record.finish_s = time.monotonic() - t0
         is_refused = err.code() in _REJECT_CODES and record.first_token_s is None

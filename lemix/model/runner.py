@@ -68,6 +68,8 @@ class GenRequest:
     prompt_logprob_entries: list[TokenLogprob] = field(default_factory=list)
     num_prefilled: int = 0  # prompt tokens stage 0 has packed (chunked prefill)
     inference_loss: float | None = None
+    # Teacher-forced top-1 accuracy on the reference (`reference_accuracy`).
+    reference_accuracy: float | None = None
     finish_reason: str | None = None
     generator: torch.Generator | None = None
 
@@ -135,6 +137,13 @@ def is_plain_greedy(req: GenRequest) -> bool:
         and req.frequency_penalty == 0.0
         and len(req.generated) >= req.min_tokens
     )
+
+
+def reference_accuracy(logits: torch.Tensor, target: torch.Tensor) -> float:
+    """Teacher-forced top-1 accuracy: the fraction of reference positions whose
+    argmax token (logits [N, vocab], row i predicting target[i]) is the
+    reference token. Ties go to the lowest id, as greedy sampling's argmax."""
+    return float((logits.argmax(dim=-1) == target).float().mean())
 
 
 def needs_all_rows(req: GenRequest) -> bool:
@@ -360,6 +369,7 @@ class InferenceRunner:
                     ref_rows = logits[row : row + len(req.reference_ids)]
                     target = torch.tensor(req.reference_ids, device=ref_rows.device)
                     req.inference_loss = float(F.cross_entropy(ref_rows, target))
+                    req.reference_accuracy = reference_accuracy(ref_rows, target)
                 if i in greedy_tokens:
                     check_sampling(sampling_state(req))
                     greedy_token = greedy_tokens[i]

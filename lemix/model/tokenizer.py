@@ -71,6 +71,10 @@ class BPETokenizer:
         """Load a ``tokenizer.json``."""
         return cls(tokenizers.Tokenizer.from_file(str(path)))
 
+    def save(self, path: str | Path) -> None:
+        """Write it as a ``tokenizer.json`` that `from_file` loads back."""
+        self._tokenizer.save(str(path))
+
     @property
     def eos_id(self) -> int:
         return self._eos_id

@@ -64,13 +64,14 @@ def test_stream_turns_counts_into_tokens_and_times_from_receipt() -> None:
             "node": "4",
             "is_final": "1",
             "inference_loss": "1.25",
+            "reference_accuracy": "0.375",
         }
     )
     assert final is not None and stream.is_ended
     assert list(final.token_ids) == [emulated_token_id(3), emulated_token_id(4)]
     assert final.is_finished and final.finish_reason == "length" and final.e2e_s == 2.5
     assert (final.num_output_tokens, final.node_id, final.weight_version) == (5, 4, 9)
-    assert final.inference_loss == 1.25
+    assert final.inference_loss == 1.25 and final.reference_accuracy == 0.375
 
 
 def test_completed_short_of_max_tokens_is_stop() -> None:

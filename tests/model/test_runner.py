@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from lemix.model.presets import ModelSpec, build_model
-from lemix.model.runner import GenRequest, InferenceRunner, token_logprob
+from lemix.model.runner import GenRequest, InferenceRunner, reference_accuracy, token_logprob
 from lemix.model.staged import StagedModel
 
 VOCAB = 300
@@ -101,6 +101,33 @@ def test_inference_loss_is_teacher_forced_cross_entropy_on_the_reference() -> No
     assert req.inference_loss == pytest.approx(float(expected), rel=1e-5)
     # The reference does not leak into generation: same tokens without it.
     assert tokens == runner.generate_alone(GenRequest("s", prompt, 4))
+
+
+def test_reference_accuracy_is_the_teacher_forced_top1_hit_rate() -> None:
+    staged = _staged()
+    reference_model = copy.deepcopy(staged.model)
+    prompt = _prompt(12, 3)
+    # A reference the model predicts at even positions only: its greedy token
+    # there, a different one at odd positions, so the expected rate is 3/6.
+    answer: list[int] = []
+    with torch.no_grad():
+        for i in range(6):
+            best = int(
+                reference_model(torch.tensor([prompt + tuple(answer)])).logits[0, -1].argmax()
+            )
+            answer.append(best if i % 2 == 0 else (best + 1) % VOCAB)
+        logits = reference_model(torch.tensor([prompt + tuple(answer)])).logits[0]
+    direct = (logits[len(prompt) - 1 : -1].argmax(dim=-1) == torch.tensor(answer)).float().mean()
+    assert float(direct) == pytest.approx(0.5)
+    req = GenRequest("r", prompt, 2, reference_ids=tuple(answer))
+    InferenceRunner(staged, eos_id=None).generate_alone(req)
+    assert req.reference_accuracy == pytest.approx(float(direct))
+
+
+def test_reference_accuracy_counts_argmax_hits_lowest_id_on_ties() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0], [1.0, 1.0, 0.0], [3.0, 0.0, 0.0]])
+    assert reference_accuracy(logits, torch.tensor([1, 0, 2])) == pytest.approx(2 / 3)
+    assert reference_accuracy(logits, torch.tensor([2, 1, 1])) == 0.0
 
 
 def test_eos_stops_a_request_unless_ignored() -> None:

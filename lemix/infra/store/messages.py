@@ -37,6 +37,7 @@ NODE_FIELD = "node"  # the node id that produced it
 VERSION_FIELD = "version"  # training updates in the serving weights (first token)
 T_FIELD = "t"  # epoch s when written
 LOSS_FIELD = "inference_loss"  # optional, on the end message when a reference was given
+ACCURACY_FIELD = "reference_accuracy"  # optional, beside LOSS_FIELD: top-1 accuracy on it
 
 
 class OutputType(StrEnum):

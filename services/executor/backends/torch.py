@@ -193,6 +193,8 @@ class TorchBackend:
         fields: dict[str, str | float] = {"finish_reason": req.finish_reason or FINISH_LENGTH}
         if req.inference_loss is not None and math.isfinite(req.inference_loss):
             fields["inference_loss"] = req.inference_loss
+        if req.reference_accuracy is not None:
+            fields["reference_accuracy"] = req.reference_accuracy
         return fields
 
     def prepare_sync(self, tag: str, direction: SyncDirection, location: str) -> None:

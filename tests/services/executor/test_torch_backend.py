@@ -103,6 +103,7 @@ async def test_end_of_sequence_ends_a_request_early_with_stop() -> None:
     assert sink.ids["r"] == greedy[:cut]
     assert sink.end_fields["r"]["finish_reason"] == "stop"
     assert sink.end_fields["r"]["inference_loss"] > 0
+    assert 0.0 <= sink.end_fields["r"]["reference_accuracy"] <= 1.0
 
 
 async def test_refuses_tasks_it_cannot_run_with_invalid_argument() -> None:

@@ -25,43 +25,43 @@ _sym_db = _symbol_database.Default()
 from lemix._proto.lemix.v1 import common_pb2 as lemix_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16lemix/v1/gateway.proto\x12\x08lemix.v1\x1a\x15lemix/v1/common.proto\"\xbb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.lemix.v1.SamplingParams\x12\x11\n\treference\x18\x06 \x01(\t\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\t\n\x01n\x18\x08 \x01(\r\"\xd8\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x13\n\x0bis_finished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x0e\n\x06ttft_s\x18\x06 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x07 \x01(\x01\x12\x0f\n\x07node_id\x18\x08 \x01(\r\x12\x19\n\x11num_output_tokens\x18\t \x01(\r\x12\x16\n\x0einference_loss\x18\n \x01(\x01\x12\x16\n\x0eweight_version\x18\x0b \x01(\x04\x12(\n\x08logprobs\x18\x0c \x03(\x0b\x32\x16.lemix.v1.TokenLogprob\x12/\n\x0fprompt_logprobs\x18\r \x03(\x0b\x32\x16.lemix.v1.TokenLogprob\x12\r\n\x05index\x18\x0e \x01(\r\"B\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12!\n\x03top\x18\x02 \x03(\x0b\x32\x14.lemix.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"s\n\x0bTrainSample\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\r\n\x05query\x18\x02 \x01(\t\x12\x11\n\treference\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x1c\n\x14num_reference_tokens\x18\x05 \x01(\r\"J\n\x0cTrainRequest\x12&\n\x07samples\x18\x01 \x03(\x0b\x32\x15.lemix.v1.TrainSample\x12\x12\n\nbatch_size\x18\x02 \x01(\r\"!\n\rTrainResponse\x12\x10\n\x08task_ids\x18\x01 \x03(\t\"\x11\n\x0fGetStatsRequest\"\xf9\x01\n\x05Stats\x12\x15\n\rnum_inference\x18\x01 \x01(\x04\x12\x14\n\x0cnum_training\x18\x02 \x01(\x04\x12\x1f\n\x17num_completed_inference\x18\x03 \x01(\x04\x12\x1e\n\x16num_completed_training\x18\x04 \x01(\x04\x12\x14\n\x0cnum_rejected\x18\x05 \x01(\x04\x12\x12\n\nnum_failed\x18\x06 \x01(\x04\x12\x15\n\rnum_in_flight\x18\x07 \x01(\x04\x12\"\n\x05nodes\x18\x08 \x03(\x0b\x32\x13.lemix.v1.NodeState\x12\x1d\n\x15num_deferred_training\x18\t \x01(\x04\"!\n\x0eGetTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\"Q\n\x11WatchTasksRequest\x12\x10\n\x08task_ids\x18\x01 \x03(\t\x12\x17\n\x0fpoll_interval_s\x18\x02 \x01(\x01\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"\xa7\x03\n\x08TaskInfo\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12 \n\x04kind\x18\x02 \x01(\x0e\x32\x12.lemix.v1.TaskKind\x12\"\n\x05state\x18\x03 \x01(\x0e\x32\x13.lemix.v1.TaskState\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x14\n\x07node_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0esubmitted_at_s\x18\x06 \x01(\x01\x12\x13\n\x0bqueued_at_s\x18\x07 \x01(\x01\x12\x13\n\x0bplaced_at_s\x18\x08 \x01(\x01\x12\x15\n\rfinished_at_s\x18\t \x01(\x01\x12\x19\n\x11num_output_tokens\x18\n \x01(\r\x12\x1a\n\rtraining_loss\x18\x0b \x01(\x01H\x01\x88\x01\x01\x12\x1b\n\x0eweight_version\x18\x0c \x01(\x04H\x02\x88\x01\x01\x12\x1b\n\x0einference_loss\x18\r \x01(\x01H\x03\x88\x01\x01\x12\x10\n\x08is_final\x18\x0e \x01(\x08\x42\n\n\x08_node_idB\x10\n\x0e_training_lossB\x11\n\x0f_weight_versionB\x11\n\x0f_inference_loss\"0\n\x0c\x41uditRequest\x12\x11\n\tmin_age_s\x18\x01 \x01(\x01\x12\r\n\x05limit\x18\x02 \x01(\r\"Z\n\nAuditReply\x12!\n\x05tasks\x18\x01 \x03(\x0b\x32\x12.lemix.v1.TaskInfo\x12\x13\n\x0bnum_scanned\x18\x02 \x01(\x04\x12\x14\n\x0cis_truncated\x18\x03 \x01(\x08*\xcd\x01\n\tTaskState\x12\x16\n\x12TASK_STATE_UNKNOWN\x10\x00\x12\x15\n\x11TASK_STATE_QUEUED\x10\x01\x12\x15\n\x11TASK_STATE_PLACED\x10\x02\x12\x16\n\x12TASK_STATE_RUNNING\x10\x03\x12\x18\n\x14TASK_STATE_COMPLETED\x10\x04\x12\x15\n\x11TASK_STATE_FAILED\x10\x05\x12\x17\n\x13TASK_STATE_REJECTED\x10\x06\x12\x18\n\x14TASK_STATE_CANCELLED\x10\x07\x32\xf6\x02\n\x07Gateway\x12\x43\n\x08Generate\x12\x19.lemix.v1.GenerateRequest\x1a\x1a.lemix.v1.GenerateResponse0\x01\x12\x38\n\x05Train\x12\x16.lemix.v1.TrainRequest\x1a\x17.lemix.v1.TrainResponse\x12\x36\n\x08GetStats\x12\x19.lemix.v1.GetStatsRequest\x1a\x0f.lemix.v1.Stats\x12\x37\n\x07GetTask\x12\x18.lemix.v1.GetTaskRequest\x1a\x12.lemix.v1.TaskInfo\x12?\n\nWatchTasks\x12\x1b.lemix.v1.WatchTasksRequest\x1a\x12.lemix.v1.TaskInfo0\x01\x12:\n\nAuditTasks\x12\x16.lemix.v1.AuditRequest\x1a\x14.lemix.v1.AuditReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16lemix/v1/gateway.proto\x12\x08lemix.v1\x1a\x15lemix/v1/common.proto\"\xbb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.lemix.v1.SamplingParams\x12\x11\n\treference\x18\x06 \x01(\t\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\t\n\x01n\x18\x08 \x01(\r\"\xf4\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x13\n\x0bis_finished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x0e\n\x06ttft_s\x18\x06 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x07 \x01(\x01\x12\x0f\n\x07node_id\x18\x08 \x01(\r\x12\x19\n\x11num_output_tokens\x18\t \x01(\r\x12\x16\n\x0einference_loss\x18\n \x01(\x01\x12\x16\n\x0eweight_version\x18\x0b \x01(\x04\x12(\n\x08logprobs\x18\x0c \x03(\x0b\x32\x16.lemix.v1.TokenLogprob\x12/\n\x0fprompt_logprobs\x18\r \x03(\x0b\x32\x16.lemix.v1.TokenLogprob\x12\r\n\x05index\x18\x0e \x01(\r\x12\x1a\n\x12reference_accuracy\x18\x0f \x01(\x01\"B\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12!\n\x03top\x18\x02 \x03(\x0b\x32\x14.lemix.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"s\n\x0bTrainSample\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\r\n\x05query\x18\x02 \x01(\t\x12\x11\n\treference\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x1c\n\x14num_reference_tokens\x18\x05 \x01(\r\"J\n\x0cTrainRequest\x12&\n\x07samples\x18\x01 \x03(\x0b\x32\x15.lemix.v1.TrainSample\x12\x12\n\nbatch_size\x18\x02 \x01(\r\"!\n\rTrainResponse\x12\x10\n\x08task_ids\x18\x01 \x03(\t\"\x11\n\x0fGetStatsRequest\"\xf9\x01\n\x05Stats\x12\x15\n\rnum_inference\x18\x01 \x01(\x04\x12\x14\n\x0cnum_training\x18\x02 \x01(\x04\x12\x1f\n\x17num_completed_inference\x18\x03 \x01(\x04\x12\x1e\n\x16num_completed_training\x18\x04 \x01(\x04\x12\x14\n\x0cnum_rejected\x18\x05 \x01(\x04\x12\x12\n\nnum_failed\x18\x06 \x01(\x04\x12\x15\n\rnum_in_flight\x18\x07 \x01(\x04\x12\"\n\x05nodes\x18\x08 \x03(\x0b\x32\x13.lemix.v1.NodeState\x12\x1d\n\x15num_deferred_training\x18\t \x01(\x04\"!\n\x0eGetTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\"Q\n\x11WatchTasksRequest\x12\x10\n\x08task_ids\x18\x01 \x03(\t\x12\x17\n\x0fpoll_interval_s\x18\x02 \x01(\x01\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"\xa7\x03\n\x08TaskInfo\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12 \n\x04kind\x18\x02 \x01(\x0e\x32\x12.lemix.v1.TaskKind\x12\"\n\x05state\x18\x03 \x01(\x0e\x32\x13.lemix.v1.TaskState\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x14\n\x07node_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0esubmitted_at_s\x18\x06 \x01(\x01\x12\x13\n\x0bqueued_at_s\x18\x07 \x01(\x01\x12\x13\n\x0bplaced_at_s\x18\x08 \x01(\x01\x12\x15\n\rfinished_at_s\x18\t \x01(\x01\x12\x19\n\x11num_output_tokens\x18\n \x01(\r\x12\x1a\n\rtraining_loss\x18\x0b \x01(\x01H\x01\x88\x01\x01\x12\x1b\n\x0eweight_version\x18\x0c \x01(\x04H\x02\x88\x01\x01\x12\x1b\n\x0einference_loss\x18\r \x01(\x01H\x03\x88\x01\x01\x12\x10\n\x08is_final\x18\x0e \x01(\x08\x42\n\n\x08_node_idB\x10\n\x0e_training_lossB\x11\n\x0f_weight_versionB\x11\n\x0f_inference_loss\"0\n\x0c\x41uditRequest\x12\x11\n\tmin_age_s\x18\x01 \x01(\x01\x12\r\n\x05limit\x18\x02 \x01(\r\"Z\n\nAuditReply\x12!\n\x05tasks\x18\x01 \x03(\x0b\x32\x12.lemix.v1.TaskInfo\x12\x13\n\x0bnum_scanned\x18\x02 \x01(\x04\x12\x14\n\x0cis_truncated\x18\x03 \x01(\x08*\xcd\x01\n\tTaskState\x12\x16\n\x12TASK_STATE_UNKNOWN\x10\x00\x12\x15\n\x11TASK_STATE_QUEUED\x10\x01\x12\x15\n\x11TASK_STATE_PLACED\x10\x02\x12\x16\n\x12TASK_STATE_RUNNING\x10\x03\x12\x18\n\x14TASK_STATE_COMPLETED\x10\x04\x12\x15\n\x11TASK_STATE_FAILED\x10\x05\x12\x17\n\x13TASK_STATE_REJECTED\x10\x06\x12\x18\n\x14TASK_STATE_CANCELLED\x10\x07\x32\xf6\x02\n\x07Gateway\x12\x43\n\x08Generate\x12\x19.lemix.v1.GenerateRequest\x1a\x1a.lemix.v1.GenerateResponse0\x01\x12\x38\n\x05Train\x12\x16.lemix.v1.TrainRequest\x1a\x17.lemix.v1.TrainResponse\x12\x36\n\x08GetStats\x12\x19.lemix.v1.GetStatsRequest\x1a\x0f.lemix.v1.Stats\x12\x37\n\x07GetTask\x12\x18.lemix.v1.GetTaskRequest\x1a\x12.lemix.v1.TaskInfo\x12?\n\nWatchTasks\x12\x1b.lemix.v1.WatchTasksRequest\x1a\x12.lemix.v1.TaskInfo0\x01\x12:\n\nAuditTasks\x12\x16.lemix.v1.AuditRequest\x1a\x14.lemix.v1.AuditReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lemix.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TASKSTATE']._serialized_start=1899
-  _globals['_TASKSTATE']._serialized_end=2104
+  _globals['_TASKSTATE']._serialized_start=1927
+  _globals['_TASKSTATE']._serialized_end=2132
   _globals['_GENERATEREQUEST']._serialized_start=60
   _globals['_GENERATEREQUEST']._serialized_end=247
   _globals['_GENERATERESPONSE']._serialized_start=250
-  _globals['_GENERATERESPONSE']._serialized_end=594
-  _globals['_TOKENLOGPROB']._serialized_start=596
-  _globals['_TOKENLOGPROB']._serialized_end=662
-  _globals['_TOPLOGPROB']._serialized_start=664
-  _globals['_TOPLOGPROB']._serialized_end=711
-  _globals['_TRAINSAMPLE']._serialized_start=713
-  _globals['_TRAINSAMPLE']._serialized_end=828
-  _globals['_TRAINREQUEST']._serialized_start=830
-  _globals['_TRAINREQUEST']._serialized_end=904
-  _globals['_TRAINRESPONSE']._serialized_start=906
-  _globals['_TRAINRESPONSE']._serialized_end=939
-  _globals['_GETSTATSREQUEST']._serialized_start=941
-  _globals['_GETSTATSREQUEST']._serialized_end=958
-  _globals['_STATS']._serialized_start=961
-  _globals['_STATS']._serialized_end=1210
-  _globals['_GETTASKREQUEST']._serialized_start=1212
-  _globals['_GETTASKREQUEST']._serialized_end=1245
-  _globals['_WATCHTASKSREQUEST']._serialized_start=1247
-  _globals['_WATCHTASKSREQUEST']._serialized_end=1328
-  _globals['_TASKINFO']._serialized_start=1331
-  _globals['_TASKINFO']._serialized_end=1754
-  _globals['_AUDITREQUEST']._serialized_start=1756
-  _globals['_AUDITREQUEST']._serialized_end=1804
-  _globals['_AUDITREPLY']._serialized_start=1806
-  _globals['_AUDITREPLY']._serialized_end=1896
-  _globals['_GATEWAY']._serialized_start=2107
-  _globals['_GATEWAY']._serialized_end=2481
+  _globals['_GENERATERESPONSE']._serialized_end=622
+  _globals['_TOKENLOGPROB']._serialized_start=624
+  _globals['_TOKENLOGPROB']._serialized_end=690
+  _globals['_TOPLOGPROB']._serialized_start=692
+  _globals['_TOPLOGPROB']._serialized_end=739
+  _globals['_TRAINSAMPLE']._serialized_start=741
+  _globals['_TRAINSAMPLE']._serialized_end=856
+  _globals['_TRAINREQUEST']._serialized_start=858
+  _globals['_TRAINREQUEST']._serialized_end=932
+  _globals['_TRAINRESPONSE']._serialized_start=934
+  _globals['_TRAINRESPONSE']._serialized_end=967
+  _globals['_GETSTATSREQUEST']._serialized_start=969
+  _globals['_GETSTATSREQUEST']._serialized_end=986
+  _globals['_STATS']._serialized_start=989
+  _globals['_STATS']._serialized_end=1238
+  _globals['_GETTASKREQUEST']._serialized_start=1240
+  _globals['_GETTASKREQUEST']._serialized_end=1273
+  _globals['_WATCHTASKSREQUEST']._serialized_start=1275
+  _globals['_WATCHTASKSREQUEST']._serialized_end=1356
+  _globals['_TASKINFO']._serialized_start=1359
+  _globals['_TASKINFO']._serialized_end=1782
+  _globals['_AUDITREQUEST']._serialized_start=1784
+  _globals['_AUDITREQUEST']._serialized_end=1832
+  _globals['_AUDITREPLY']._serialized_start=1834
+  _globals['_AUDITREPLY']._serialized_end=1924
+  _globals['_GATEWAY']._serialized_start=2135
+  _globals['_GATEWAY']._serialized_end=2509
 # @@protoc_insertion_point(module_scope)
