@@ -130,6 +130,23 @@ def chunks(items: Sequence[Any], size: int = TASKS_PER_SCRIPT_CALL) -> list[Sequ
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
+def batch_items(
+    updates: Sequence[tuple[str, Mapping[str, FieldValue]]], what: str
+) -> tuple[list[int], list[str]]:
+    """A batch script's per-task item counts and their items, task after task
+    (`scripts.ACCEPT_LUA`, `SET_STATES_LUA`); ValueError naming `what` for a
+    task without fields."""
+    counts: list[int] = []
+    items: list[str] = []
+    for _, fields in updates:
+        encoded = flatten(encode_fields(fields))
+        if not encoded:
+            raise ValueError(f"{what} needs at least one field per task")
+        counts.append(len(encoded))
+        items += encoded
+    return counts, items
+
+
 def flatten(fields: Fields) -> list[str]:
     """{name: value} as [name, value, ...]: a script's field/value ARGV items."""
     return [item for pair in fields.items() for item in pair]

@@ -21,6 +21,7 @@ from lemix.infra.rpc.errors import ServiceError
 from lemix.infra.store.base import (
     StoreBase,
     as_fields,
+    batch_items,
     chunks,
     flatten,
     range_entries,
@@ -248,20 +249,16 @@ class IntakeOps(StoreBase):
             return []
         pipe = self.client.pipeline(transaction=False)
         for chunk in chunks(items):
-            keys: list[str] = []
-            counts: list[int] = []
-            values: list[str] = []
-            for task_id, fields in chunk:
-                encoded = flatten(encode_fields(fields))
-                if not encoded:
-                    raise ValueError("accept_intake needs at least one field per task")
-                keys += [
+            counts, values = batch_items(chunk, "accept_intake")
+            keys = [
+                key
+                for task_id, _ in chunk
+                for key in (
                     self.keys.task(task_id),
                     self.keys.cancelled(task_id),
                     self.keys.stream_lease(task_id),
-                ]
-                counts.append(len(encoded))
-                values += encoded
+                )
+            ]
             self.queue_script(pipe, self._accept, keys, [len(chunk), *counts, *values])
         flags = [int(flag) for reply in await self.execute_scripted(pipe) for flag in reply]
         return [

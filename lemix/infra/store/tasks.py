@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 from lemix.infra.store.base import (
     as_fields,
+    batch_items,
     chunks,
     end_items,
     flatten,
@@ -62,14 +63,7 @@ class TaskOps(FencingOps):
             return []
         pipe = self.client.pipeline(transaction=False)
         for chunk in chunks(updates):
-            counts: list[int] = []
-            items: list[str] = []
-            for _, fields in chunk:
-                encoded = flatten(encode_fields(fields))
-                if not encoded:
-                    raise ValueError("set_task_states needs at least one field per task")
-                counts.append(len(encoded))
-                items += encoded
+            counts, items = batch_items(chunk, "set_task_states")
             keys = [self.keys.task(task_id) for task_id, _ in chunk]
             self.queue_script(pipe, self._set_states, keys, [*counts, *items])
         return [bool(int(done)) for reply in await self.execute_scripted(pipe) for done in reply]
