@@ -17,7 +17,7 @@ import pytest
 from compose_support import REPO, build_image, engine_or_reason
 
 # Per fault case: what the client caused and how each id ended; written to
-# runs/compose/results.json for the README's table.
+# runs/compose/results.json for the table in docs/deploy.md.
 RESULTS: dict[str, dict[str, object]] = {}
 
 

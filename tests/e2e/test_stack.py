@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import grpc
+from redis_pool import TEST_POOL_SIZE
 
 from lemix._proto.lemix.v1 import gateway_pb2, gateway_pb2_grpc
 from lemix.harness.replay import ReplayConfig, run_replay
@@ -87,7 +88,7 @@ async def test_mixed_load_every_task_accounted_for(tmp_path: Path) -> None:
 async def _read_events(redis_url: str, namespace: str) -> list[dict]:
     import redis.asyncio as aioredis
 
-    client = aioredis.from_url(redis_url, decode_responses=True)
+    client = aioredis.from_url(redis_url, decode_responses=True, max_connections=TEST_POOL_SIZE)
     try:
         store = Store(client, RedisKeys(namespace))
         return events_from_entries(await store.read_events())

@@ -142,7 +142,9 @@ async def test_embedded_redis_requires_the_password_the_services_get(tmp_path: P
         with pytest.raises(Exception, match="(?i)auth"):
             await anonymous.ping()
         await anonymous.aclose()
-        client = aioredis.from_url(stack.redis.url, decode_responses=True)
+        client = aioredis.from_url(
+            stack.redis.url, decode_responses=True, max_connections=TEST_POOL_SIZE
+        )
         assert await client.config_get("appendfsync") == {"appendfsync": "always"}
         assert await client.config_get("appendonly") == {"appendonly": "yes"}
         await client.aclose()
