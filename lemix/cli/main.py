@@ -27,6 +27,7 @@ from lemix.cli.workload_args import (
     workload_config,
 )
 from lemix.infra.rpc.errors import ServiceError
+from lemix.planner.configure import TRAINING_NODES_HELP
 from lemix.planner.registry import POLICIES
 from lemix.profile import Profile, default_profile_path, load_profile
 from lemix.report.compare import (
@@ -168,6 +169,19 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
         help="lemix*, mix-*-capped: defer training once the next request's predicted "
         "TTFT or TBT passes H x its SLO (default %(default)s)",
     )
+    p.add_argument(
+        "--training-nodes",
+        default=SimRunConfig().training_nodes,
+        metavar="all|auto|N",
+        help=TRAINING_NODES_HELP,
+    )
+    p.add_argument(
+        "--admission",
+        choices=("node", "cluster"),
+        default="node",
+        help="lemix*, mix-*-capped: defer training when the next request would miss its SLO "
+        "on the training's node (node, default) or on every node (cluster)",
+    )
     p.add_argument("--stages", type=int, help="stages per node (must match the profile)")
     p.add_argument("--profile", metavar="FILE", help="profile JSON (default: shipped A100 one)")
     p.add_argument(
@@ -237,6 +251,8 @@ def configs_from_args(args: argparse.Namespace) -> CliSetup:
             train_rate=args.train_rate,
             sync_every_tasks=args.sync_every,
             slo_headroom=args.slo_headroom,
+            training_nodes=args.training_nodes,
+            is_admission_cluster_wide=args.admission == "cluster",
             measure_decision_latency=not args.deterministic,
             **knobs,
         )
@@ -249,6 +265,8 @@ def configs_from_args(args: argparse.Namespace) -> CliSetup:
         batching=batching,
         sync_every_tasks=args.sync_every,
         slo_headroom=args.slo_headroom,
+        training_nodes=args.training_nodes,
+        is_admission_cluster_wide=args.admission == "cluster",
         measure_decision_latency=not args.deterministic,
         **knobs,
     )

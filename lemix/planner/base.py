@@ -44,6 +44,17 @@ class PlannerConfig:
     # the decode-aware costs model the engine the nodes run. The defaults are
     # the v1 engine: one iteration in flight, C caps the node, whole prompts,
     # whole training passes.
+    # Co-located policies: how many nodes train (the last ones; None = all).
+    # The others only serve, keep no training state and get the trainers'
+    # weights every K training tasks, as SEPARATE's serving nodes do, but
+    # training nodes serve too when the policy ranks them first.
+    num_training_nodes: int | None = None
+    # Admission of training (deprioritization): False = defer a training task
+    # when the next request would miss its SLO *on the chosen node*; True =
+    # only when it would miss on every node (the next request can go
+    # elsewhere). Cluster-wide suits homed training: it protects the serving
+    # nodes and lets the training nodes train.
+    is_admission_cluster_wide: bool = False
     num_micro_batches: int = 1
     is_batch_cap_per_micro_batch: bool = False
     prefill_token_budget: int | None = None
@@ -70,12 +81,24 @@ class PlannerConfig:
             raise ValueError("train_rate must be in [0, 1)")
         if self.sync_every_tasks < 1:
             raise ValueError("sync_every_tasks must be >= 1")
+        num_training = self.num_training_nodes
+        if num_training is not None and not 1 <= num_training <= self.num_nodes:
+            raise ValueError(
+                f"num_training_nodes must be in [1, {self.num_nodes}] or None, got {num_training}"
+            )
         if self.num_micro_batches < 1:
             raise ValueError("num_micro_batches must be >= 1 (resolved: auto is num_stages)")
         if self.prefill_token_budget is not None and self.prefill_token_budget < 1:
             raise ValueError("prefill_token_budget must be >= 1 or None")
         if self.max_training_slice_s is not None and not self.max_training_slice_s > 0:
             raise ValueError("max_training_slice_s must be > 0 or None")
+
+    @property
+    def training_node_ids(self) -> tuple[int, ...]:
+        """The nodes co-located policies may train on: the last
+        `num_training_nodes` (every node when None)."""
+        num = self.num_nodes if self.num_training_nodes is None else self.num_training_nodes
+        return tuple(range(self.num_nodes - num, self.num_nodes))
 
     @property
     def max_running_per_node(self) -> int:

@@ -23,6 +23,8 @@ def build_planner_config(
     train_rate: float,
     sync_every_tasks: int,
     slo_headroom: float = PlannerConfig.slo_headroom,
+    training_nodes: str = "all",
+    is_admission_cluster_wide: bool = False,
     num_micro_batches: int | None = 1,
     is_batch_cap_per_micro_batch: bool = False,
     prefill_token_budget: int | None = None,
@@ -31,7 +33,8 @@ def build_planner_config(
     """The planner's config for `num_nodes` nodes running `profile`'s stages
     under `slo`; the other knobs keep `PlannerConfig`'s defaults. The engine
     knobs are the executors' (`lemix.engine.EngineConfig`'s, same meaning;
-    `num_micro_batches` None = one per stage)."""
+    `num_micro_batches` None = one per stage). `training_nodes`: see
+    `resolve_training_nodes`."""
     return PlannerConfig(
         num_nodes=num_nodes,
         num_stages=profile.num_stages,
@@ -43,8 +46,33 @@ def build_planner_config(
         train_rate=train_rate,
         sync_every_tasks=sync_every_tasks,
         slo_headroom=slo_headroom,
+        num_training_nodes=resolve_training_nodes(training_nodes, num_nodes, train_rate),
+        is_admission_cluster_wide=is_admission_cluster_wide,
         num_micro_batches=num_micro_batches or profile.num_stages,
         is_batch_cap_per_micro_batch=is_batch_cap_per_micro_batch,
         prefill_token_budget=prefill_token_budget,
         max_training_slice_s=max_training_slice_s,
     )
+
+
+TRAINING_NODES_HELP = (
+    "co-located policies: nodes that train and hold training state: all (default), auto "
+    "(SEPARATE's split: max(1, round(N x train rate))) or a count; the rest only serve"
+)
+
+
+def resolve_training_nodes(spec: str, num_nodes: int, train_rate: float) -> int | None:
+    """`PlannerConfig.num_training_nodes` from a user's setting: "all" (None:
+    every node), "auto" (SEPARATE's static split, the same node count SEPARATE
+    trains on at this train rate) or a count in [1, num_nodes]."""
+    if spec == "all":
+        return None
+    if spec == "auto":
+        return min(max(1, round(num_nodes * train_rate)), num_nodes)
+    try:
+        num = int(spec)
+    except ValueError:
+        raise ValueError(f"training nodes must be all, auto or a count, got {spec!r}") from None
+    if not 1 <= num <= num_nodes:
+        raise ValueError(f"training nodes must be in [1, {num_nodes}], got {num}")
+    return num

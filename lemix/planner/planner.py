@@ -270,10 +270,10 @@ class Planner:
         # Same arithmetic as next_wakeup_s, so a wake-up at the deadline ages it.
         return now_s >= item.since_s + self.config.max_defer_s
 
-    def _candidates(self, task: Task, now_s: float) -> dict[int, Prediction]:
+    def _candidates(self, task: Task, now_s: float, views: list[NodeView]) -> dict[int, Prediction]:
         if not self.policy.needs_prediction:
             return {}
-        return {view.node_id: self._predict(view, task, now_s) for view in self.views}
+        return {view.node_id: self._predict(view, task, now_s) for view in views}
 
     def _predict(self, view: NodeView, task: Task, now_s: float) -> Prediction:
         """Algorithm 1 for `task` on `view`, with an inference response that
@@ -297,11 +297,24 @@ class Planner:
         return costs.start_delay_s + sum(costs.forward_s) + stall_s
 
     def _rank(self, task: Task, now_s: float, context: PolicyContext) -> list[Ranked]:
-        ranked = self.policy.rank(task, self.views, self._candidates(task, now_s), context)
+        views: list[NodeView] = self.views
+        has_own_split = hasattr(self.policy, "training_nodes")  # SEPARATE: the knob is inert
+        if task.is_training and self.config.num_training_nodes is not None and not has_own_split:
+            homes = set(self.config.training_node_ids)
+            views = [v for v in self.views if v.node_id in homes]
+        ranked = self.policy.rank(task, views, self._candidates(task, now_s, views), context)
         self._is_rank_empty_by_policy = not ranked
         if self._down_nodes:
             ranked = [r for r in ranked if r.node_id not in self._down_nodes]
         return ranked
+
+    def training_nodes(self, context: PolicyContext) -> tuple[int, ...]:
+        """Nodes that train: the policy's own split (SEPARATE), else the
+        config's training nodes (`PlannerConfig.num_training_nodes`)."""
+        own = getattr(self.policy, "training_nodes", None)
+        if own is not None:
+            return tuple(own(self.config.num_nodes, context))
+        return self.config.training_node_ids
 
     def _no_node_reason(self, task: Task) -> str:
         """Why `task` got no node: the policy keeps none for its kind (SEPARATE
@@ -402,6 +415,20 @@ class Planner:
             num_prompt_tokens=max(1, round(self._inference_len_mean)),
             max_output_tokens=max(1, round(self._inference_out_mean)),
         )
+        if not self._probe_misses(view, probe, now_s):
+            return False
+        if not self.config.is_admission_cluster_wide:
+            return True
+        # Cluster-wide: it hurts only if the next request would miss on every
+        # other live node too (placing `task` changes none of them).
+        return all(
+            self._probe_misses(other, probe, now_s)
+            for other in self.views
+            if other.node_id != choice.node_id and other.node_id not in self._down_nodes
+        )
+
+    def _probe_misses(self, view: NodeView, probe: Task, now_s: float) -> bool:
+        """Would `probe` (the next inference) miss its SLO, with headroom, on `view`?"""
         prediction = self._predict(view, probe, now_s)
         headroom = self.config.slo_headroom
         return (
@@ -418,14 +445,19 @@ class Planner:
         return used / self._dynamic_bytes
 
     def _maybe_sync(self, now_s: float) -> list[Decision]:
-        """SEPARATE: every K completed training tasks, copy the freshest replica out."""
-        serving = self.policy.serving_nodes(self.config.num_nodes, self.context(now_s))
-        if len(serving) == self.config.num_nodes:
-            return []  # co-located: training updates the serving weights directly
+        """Every K completed training tasks, copy the freshest replica to the
+        nodes that serve but do not train (SEPARATE's serving nodes, or a
+        co-located policy's serving-only nodes)."""
+        context = self.context(now_s)
+        trainer_ids = set(self.training_nodes(context))
+        serving = self.policy.serving_nodes(self.config.num_nodes, context)
+        targets = tuple(n for n in serving if n not in trainer_ids)
+        if not targets or not trainer_ids:
+            return []  # every serving node trains: its own updates are its weights
         self._train_done_since_sync += 1
         if self._train_done_since_sync < self.config.sync_every_tasks:
             return []
         self._train_done_since_sync = 0
-        trainers = [v for v in self.views if v.node_id not in serving]
+        trainers = [v for v in self.views if v.node_id in trainer_ids]
         source = max(trainers, key=lambda v: (v.num_training_updates, -v.node_id))
-        return [WeightSync(source.node_id, tuple(serving), source.num_training_updates)]
+        return [WeightSync(source.node_id, targets, source.num_training_updates)]

@@ -12,7 +12,7 @@ from lemix.engine import EngineConfig, NodeEngine
 from lemix.memory import MemoryConfig
 from lemix.noise import NoisyLatency
 from lemix.planner.base import PlannerConfig
-from lemix.planner.configure import build_planner_config
+from lemix.planner.configure import build_planner_config, resolve_training_nodes
 from lemix.planner.registry import build_planner, get_spec
 from lemix.profile import Profile
 from lemix.sim.simulator import SimResult, Simulator
@@ -38,6 +38,9 @@ class SimRunConfig:
     # `PlannerConfig.slo_headroom`: the admission threshold of the policies
     # that defer training (lemix*, mix-*-capped); their Pareto knob.
     slo_headroom: float = PlannerConfig.slo_headroom
+    # `lemix.planner.configure.resolve_training_nodes`: all, auto or a count.
+    training_nodes: str = "all"
+    is_admission_cluster_wide: bool = PlannerConfig.is_admission_cluster_wide
     drain_limit_s: float = 600.0
     measure_decision_latency: bool = True
     keep_decisions: bool = False
@@ -67,6 +70,7 @@ class SimRunConfig:
             raise ValueError("latency_noise_cv must be >= 0")
         if not 0.0 < self.slo_headroom <= 1.0:
             raise ValueError(f"slo_headroom must be in (0, 1], got {self.slo_headroom}")
+        resolve_training_nodes(self.training_nodes, self.num_nodes, self.train_rate)
         if self.train_slice_s is not None and self.train_slice_tbt_fraction is not None:
             raise ValueError("set train_slice_s or train_slice_tbt_fraction, not both")
         fraction = self.train_slice_tbt_fraction
@@ -113,6 +117,8 @@ def build_simulator(
         max_defer_s=config.max_defer_s,
         defer_recheck_s=config.defer_recheck_s,
         slo_headroom=config.slo_headroom,
+        training_nodes=config.training_nodes,
+        is_admission_cluster_wide=config.is_admission_cluster_wide,
         train_rate=config.train_rate,
         sync_every_tasks=config.sync_every_tasks,
         num_micro_batches=engine_config.num_micro_batches,
@@ -127,9 +133,14 @@ def build_simulator(
         )
     planner = build_planner(config.policy, planner_config, profile, memory)
     engine_config = replace(engine_config, memory=memory)
+    # Nodes that never train keep no training state, so their memory holds KV:
+    # SEPARATE's serving nodes, and a co-located policy's nodes outside
+    # `--training-nodes` (both static roles for the whole run).
     serving_only: tuple[int, ...] = ()
-    if not spec.is_training_state_on_serving_nodes:
-        serving_only = planner.policy.serving_nodes(config.num_nodes, planner.context(0.0))
+    is_homed = spec.is_colocated and planner_config.num_training_nodes is not None
+    if not spec.is_training_state_on_serving_nodes or is_homed:
+        trainers = planner.training_nodes(planner.context(0.0))
+        serving_only = tuple(i for i in range(config.num_nodes) if i not in trainers)
     # Noise streams derive from the run seed, so every policy sees the same draws
     # per node for the same sequence of work.
     engines = [
@@ -190,4 +201,6 @@ def run_simulation(
     metrics["num_kv_offloads"] = result.num_offloads
     metrics["sync_every_tasks"] = config.sync_every_tasks
     metrics["slo_headroom"] = config.slo_headroom
+    metrics["training_nodes"] = config.training_nodes
+    metrics["admission"] = "cluster" if config.is_admission_cluster_wide else "node"
     return metrics, result

@@ -27,7 +27,7 @@ from lemix.infra.settings import Option, option
 from lemix.infra.store.keys import NODE_HEARTBEAT_TTL_S, STREAM_LEASE_TTL_S
 from lemix.memory import MemoryConfig
 from lemix.planner.base import PlannerConfig
-from lemix.planner.configure import build_planner_config
+from lemix.planner.configure import build_planner_config, resolve_training_nodes
 from lemix.planner.registry import POLICIES, get_spec
 from lemix.profile import Profile, default_profile_path
 from lemix.slo import Slo, SloConfig, compute_slo
@@ -78,6 +78,10 @@ class SchedulerConfig(CommonServiceConfig):
     batch_cap: str = EngineKnobs().batch_cap
     train_rate: float = _DEFAULT_PLANNER.train_rate  # SEPARATE's training share of nodes
     sync_every_tasks: int = _DEFAULT_PLANNER.sync_every_tasks  # SEPARATE's K
+    # Co-located policies: nodes that train (all, auto or a count; the rest
+    # only serve and get weight syncs every K), and the admission scope.
+    training_nodes: str = "all"
+    admission: str = "node"
     max_defer_s: float = _DEFAULT_PLANNER.max_defer_s
     defer_recheck_s: float = _DEFAULT_PLANNER.defer_recheck_s
     dispatch_deadline_s: float = 5.0  # executor Dispatch/Cancel; they answer from memory
@@ -128,6 +132,9 @@ class SchedulerConfig(CommonServiceConfig):
         self.engine_knobs()  # the engine knobs' own range checks
         if self.num_nodes < 1:
             raise ValueError(f"num_nodes must be >= 1, got {self.num_nodes}")
+        resolve_training_nodes(self.training_nodes, self.num_nodes, self.train_rate)
+        if self.admission not in ("node", "cluster"):
+            raise ValueError(f"admission must be node or cluster, got {self.admission!r}")
         if self.slo_ttft_s < 0 or self.slo_tbt_s < 0:
             raise ValueError("slo_ttft_s and slo_tbt_s must be >= 0 (0 = derive from profile)")
         if (self.slo_ttft_s == 0) != (self.slo_tbt_s == 0):
@@ -216,6 +223,8 @@ class SchedulerConfig(CommonServiceConfig):
             defer_recheck_s=self.defer_recheck_s,
             train_rate=self.train_rate,
             sync_every_tasks=self.sync_every_tasks,
+            training_nodes=self.training_nodes,
+            is_admission_cluster_wide=self.admission == "cluster",
             **self.engine_knobs().resolve(profile),
         )
 
@@ -263,6 +272,18 @@ _OPTIONS: tuple[Option, ...] = (
     *ENGINE_OPTIONS,
     option("train_rate", "LEMIX_TRAIN_RATE", float, "SEPARATE: training share of nodes"),
     option("sync_every_tasks", "LEMIX_SYNC_EVERY_TASKS", int, "SEPARATE: weight sync period K"),
+    option(
+        "training_nodes",
+        "LEMIX_TRAINING_NODES",
+        str,
+        "nodes that train: all, auto (SEPARATE's split) or a count",
+    ),
+    option(
+        "admission",
+        "LEMIX_ADMISSION",
+        str,
+        "defer training if the next request would miss on its node (node) or everywhere (cluster)",
+    ),
     option("max_defer_s", "LEMIX_MAX_DEFER_S", float, "longest a training task is deferred"),
     option(
         "defer_recheck_s", "LEMIX_DEFER_RECHECK_S", float, "re-evaluate deferred training every"
