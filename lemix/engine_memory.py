@@ -27,12 +27,13 @@ Inference (waits for KV room)
     running one under FCFS; queue time is bounded outside the engine, by a
     queue timeout (Triton's dynamic batcher: `default_timeout_microseconds`
     with `timeout_action: REJECT`) or an overload answer (TGI's 429). Evicting
-    for a waiting request instead would serve, at T_max, one that already
-    missed its TTFT SLO (T_max = 2 s is above any TTFT SLO we derive) and stall
-    one that was on time, and under overload the next request due would evict
-    the one just admitted, the newest. Shedding lets the client retry
-    elsewhere, later or shorter, and keeps the admitted requests' TTFT within
-    T_max. Waits for a batch slot (the cap C) are not memory waits: requests
+    for a waiting request instead would serve, at T_max, one that has mostly
+    missed its TTFT SLO already (T_max = 2 s; the long-output workload's TTFT
+    SLO is 0.29 s) and stall one that was on time, and under overload the next
+    request due would evict the one just admitted, the newest (measured in
+    docs/results.md, "A memory-bound configuration"). Shedding lets the
+    client retry elsewhere, later or shorter, and keeps the admitted
+    requests' TTFT within T_max. Waits for a batch slot (the cap C) are not memory waits: requests
     finish, so they end.
 """
 
