@@ -14,7 +14,8 @@ token (M = 1 by default: one iteration in flight per node, the v1 engine);
 training tasks are their own forward chain (stages 0→S−1) and backward chain
 (S−1→0), optionally in slices. Micro-batches, chunked prefill and training
 slices are described in `lemix.engine_groups`, which holds their rules.
-Memory goes through `lemix.memory.NodeMemory` only.
+Memory goes through `lemix.memory.NodeMemory` only; waits for it (bounded by
+T_max) and KV offload are `lemix.engine_memory`'s.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from lemix.engine_groups import (
     slice_s,
     take_chunks,
 )
+from lemix.engine_memory import KV_WAIT_REASON, MemoryWaits, TrainingRoom
 from lemix.latency import LatencyModel
 from lemix.memory import MemoryConfig, NodeMemory, activation_bytes, kv_bytes
 from lemix.profile import Profile
@@ -250,7 +252,7 @@ class NodeEngine:
         self._current: list[_Item | None] = [None] * self.num_stages
         self._seq = 0
         self.waiting: deque[Request] = deque()
-        self.swapped: deque[Request] = deque()
+        self.memory_waits = MemoryWaits(self.memory, profile, config.memory)
         num_micro_batches = config.num_micro_batches or self.num_stages
         self.micro_batches = [MicroBatch(i) for i in range(num_micro_batches)]
         cap = config.batching.max_batch_size
@@ -259,7 +261,6 @@ class NodeEngine:
         else:
             self._node_cap = cap
             self._micro_batch_cap = micro_batch_cap(cap, num_micro_batches)
-        self._reload_s = 0.0  # KV reload time owed by the next iteration
         self._train_waiting: deque[_TrainWait] = deque()
         self._max_training = config.max_training_in_flight or self.num_stages
         self._training: dict[str, Task] = {}
@@ -269,8 +270,17 @@ class NodeEngine:
         self.visible_updates = 0  # updates in the serving weights
         self.is_colocated = True
         self.busy_s = [0.0] * self.num_stages
-        self.num_offloads = 0
         self.num_iterations = 0
+
+    @property
+    def swapped(self) -> deque[Request]:
+        """Requests whose KV is on the host, oldest offload first."""
+        return self.memory_waits.swapped
+
+    @property
+    def num_offloads(self) -> int:
+        """Requests whose KV went to host memory so far."""
+        return self.memory_waits.num_offloads
 
     # ------------------------------------------------------------ intake
 
@@ -392,19 +402,17 @@ class NodeEngine:
 
     def next_timer_s(self) -> float | None:
         """When a memory wait reaches T_max (the driver calls `on_timer` then)."""
+        waits = self.memory_waits
         deadlines = []
         if self._train_waiting and self._train_waiting[0].memory_wait_since_s is not None:
-            deadlines.append(
-                self._train_waiting[0].memory_wait_since_s + self.config.memory.max_wait_s
-            )
-        if self.waiting and not self.config.memory.is_offload_enabled:
-            deadlines.append(self.waiting[0].since_s + self.config.memory.max_wait_s)
+            deadlines.append(waits.deadline_s(self._train_waiting[0].memory_wait_since_s))
+        if self.waiting:
+            deadlines.append(waits.deadline_s(self.waiting[0].since_s))
         return min(deadlines) if deadlines else None
 
     def on_timer(self, now_s: float) -> tuple[list[StageStart], list[Outcome]]:
         outcomes: list[Outcome] = []
-        if not self.config.memory.is_offload_enabled:
-            self._drop_stale_waiting(now_s, outcomes)
+        self._shed_overdue_requests(now_s, outcomes)
         return self._kick(now_s, outcomes), outcomes
 
     # ------------------------------------------------------------ queries
@@ -469,7 +477,7 @@ class NodeEngine:
 
     def _admit_training(self, now_s: float, outcomes: list[Outcome]) -> list[StageStart]:
         starts: list[StageStart] = []
-        max_wait_s = self.config.memory.max_wait_s
+        waits = self.memory_waits
         while self._train_waiting and len(self._training) < self._max_training:
             head = self._train_waiting[0]
             task = head.task
@@ -477,39 +485,19 @@ class NodeEngine:
             if not self.memory.can_admit(need):
                 if head.memory_wait_since_s is None:
                     head.memory_wait_since_s = now_s
-                # Same arithmetic as next_timer_s, so the timer's call acts.
-                if now_s < head.memory_wait_since_s + max_wait_s:
+                if not waits.is_overdue(head.memory_wait_since_s, now_s):
                     break
-                if self.config.memory.is_offload_enabled:
-                    idle = [b for b in self.micro_batches if not b.is_in_flight]
-                    if len(idle) < len(self.micro_batches):
-                        # Offload at an iteration boundary, when no KV of the moved
-                        # requests is in use: the idle micro-batches' requests, or
-                        # wait for a boundary if they cannot make room. With more
-                        # than one micro-batch some may always be in flight, so
-                        # what offloading every request could not fit is handed
-                        # back now (v1, one micro-batch: at the next boundary).
-                        if not self._offload_for(need, idle):
-                            if len(self.micro_batches) > 1 and not self._can_make_room(
-                                need, self.micro_batches
-                            ):
-                                self._train_waiting.popleft()
-                                outcomes.append(
-                                    Requeued(
-                                        task.task_id, "no activation memory even after KV offload"
-                                    )
-                                )
-                                continue
-                            break
-                    elif not self._offload_for(need, idle):
-                        self._train_waiting.popleft()
-                        outcomes.append(
-                            Requeued(task.task_id, "no activation memory even after KV offload")
-                        )
-                        continue
-                else:
+                room = waits.make_training_room(need, self.micro_batches)
+                if room is TrainingRoom.WAIT:
+                    break
+                if room is TrainingRoom.NO_ROOM:
                     self._train_waiting.popleft()
-                    outcomes.append(Requeued(task.task_id, "no activation memory within T_max"))
+                    reason = (
+                        "no activation memory even after KV offload"
+                        if self.config.memory.is_offload_enabled
+                        else "no activation memory within T_max"
+                    )
+                    outcomes.append(Requeued(task.task_id, reason))
                     continue
             self._train_waiting.popleft()
             self.memory.admit(task.task_id, need)
@@ -522,40 +510,6 @@ class NodeEngine:
                 self._new_item(PRIO_FORWARD, durations, WorkKind.FORWARD, task), 0
             )
         return starts
-
-    def _offload_for(self, need: tuple[int, ...], batches: list[MicroBatch]) -> bool:
-        """Move KV of the running requests of `batches` (newest first) to host
-        until `need` fits.
-
-        Called only for micro-batches between iterations, when none of their KV
-        is in use. Does nothing when even offloading all of their requests would
-        not make room."""
-        if not self._can_make_room(need, batches):
-            return False
-        candidates = [req for batch in batches for req in batch.running]
-        for req in sorted(candidates, key=lambda r: -r.task.seq):
-            if self.memory.can_admit(need):
-                break
-            if not self.memory.can_offload(req.task.task_id):
-                continue
-            moved = self.memory.offload(req.task.task_id)
-            self._reload_s += moved / self.profile.transfer.host_link_bytes_s / self.num_stages
-            self.micro_batches[req.micro_batch].running.remove(req)
-            self.swapped.append(req)
-            self.num_offloads += 1
-        return self.memory.can_admit(need)
-
-    def _can_make_room(self, need: tuple[int, ...], batches: list[MicroBatch]) -> bool:
-        """Whether offloading every running request of `batches` would fit `need`."""
-        running_bytes = [0] * self.num_stages
-        for batch in batches:
-            for req in batch.running:
-                for stage, nbytes in enumerate(self.memory.held_bytes(req.task.task_id)):
-                    running_bytes[stage] += nbytes
-        return not any(
-            self.memory.used_bytes(s) - running_bytes[s] + need[s] > self.memory.threshold_bytes
-            for s in range(self.num_stages)
-        )
 
     def _to_backward(self, item: _Item) -> list[StageStart]:
         task: Task = item.payload  # type: ignore[assignment]
@@ -592,41 +546,19 @@ class NodeEngine:
         self.memory.admit(req.task.task_id, need)
         return True
 
-    def _resume_swapped(self, batch: MicroBatch) -> None:
-        """Swapped-out requests come back (into the forming micro-batch) first."""
-        cap = self._node_cap
-        while (
-            self.swapped and self.num_running < cap and len(batch.running) < self._micro_batch_cap
-        ):
-            req = self.swapped[0]
-            if not self.memory.can_reload(req.task.task_id):
-                break
-            moved = self.memory.reload(req.task.task_id)
-            self._reload_s += moved / self.profile.transfer.host_link_bytes_s / self.num_stages
-            self.swapped.popleft()
-            req.micro_batch = batch.index
-            batch.running.append(req)
-
-    def _drop_stale_waiting(self, now_s: float, outcomes: list[Outcome]) -> None:
-        """Wait-then-drop (memory-aware offload disabled): fail after T_max."""
-        max_wait_s = self.config.memory.max_wait_s
-        while self.waiting and now_s >= self.waiting[0].since_s + max_wait_s:
-            req = self.waiting[0]
-            if self.memory.can_admit(kv_bytes(self.profile.memory, req.task.num_total_tokens)):
-                break  # it fits now; only a lack of memory drops a request
-            self.waiting.popleft()
-            outcomes.append(
-                Failed(
-                    req.task.task_id,
-                    format_reason(ReasonCode.RESOURCE_EXHAUSTED, "no KV memory within T_max"),
-                )
-            )
+    def _shed_overdue_requests(self, now_s: float, outcomes: list[Outcome]) -> None:
+        """Fail the requests that waited T_max for KV memory (`lemix.engine_memory`)."""
+        for req in self.memory_waits.shed_overdue(self.waiting, now_s):
+            outcomes.append(Failed(req.task.task_id, KV_WAIT_REASON))
 
     def _start_iteration(
         self, batch: MicroBatch, now_s: float, outcomes: list[Outcome]
     ) -> list[StageStart]:
         """Form `batch`'s next iteration: its decodes, prefill chunks, new joins."""
-        self._resume_swapped(batch)
+        self.memory_waits.resume(
+            batch,
+            min(self._node_cap - self.num_running, self._micro_batch_cap - len(batch.running)),
+        )
         budget = self.config.prefill_token_budget
         decode = [r for r in batch.running if r.is_prefilled]
         partial = [r for r in batch.running if not r.is_prefilled]
@@ -647,14 +579,14 @@ class NodeEngine:
         decision = admit(self.config.batching, len(batch.running), batch.batch_start_s, fits, now_s)
         batch.batch_start_s = decision.batch_start_s
         joined = [self.waiting.popleft() for _ in range(decision.num_admitted)]
-        if not self.config.memory.is_offload_enabled and decision.blocked_by == "memory":
-            self._drop_stale_waiting(now_s, outcomes)
+        if decision.blocked_by == "memory" or self.swapped:
+            self._shed_overdue_requests(now_s, outcomes)
         for req in joined:
             req.micro_batch = batch.index
         chunks += take_chunks(joined, prefill_budget, fit)[0]
         if not chunks and not decode:
             return []
-        reload_s, self._reload_s = self._reload_s, 0.0  # owed once, by this iteration
+        reload_s = self.memory_waits.take_reload_s()  # owed once, by this iteration
         durations = iteration_durations(self.truth, self.num_stages, chunks, decode, reload_s)
         batch.running = decode + partial + joined
         batch.is_in_flight = True

@@ -24,8 +24,10 @@ class MemoryAccountingError(Exception):
 @dataclass(frozen=True)
 class MemoryConfig:
     kappa: float = 0.9  # usable fraction of each GPU: M_threshold = κ·M_peak
-    max_wait_s: float = 2.0  # T_max: how long work may wait for memory before offloading
-    is_offload_enabled: bool = True  # False: the prototype's wait-then-drop
+    # T_max: how long work may wait for memory; then training gets room by KV
+    # offload (or is re-queued) and a request fails (`lemix.engine_memory`).
+    max_wait_s: float = 2.0
+    is_offload_enabled: bool = True  # KV offload for training; False: re-queue it at T_max
 
     def __post_init__(self) -> None:
         if not 0.0 < self.kappa <= 1.0:

@@ -5,7 +5,8 @@ Two estimators share one interface:
   forward (and, for training, one backward) of `η·C·ℓ²` per stage.
 - `DecodeAwareCostEstimator`: ours. Inference joins the node's running batch,
   so its forward is the iteration it rides (prefill + the batch's decode step);
-  it may first wait for a batch slot or KV memory; and the running batch's
+  it may first wait for a batch slot or for KV memory (at most T_max, as in the
+  engine, which fails it then); and the running batch's
   decode iterations occupy every stage until they drain (`DecodeLoad`), which
   is busy time, not idleness. This answers the review's main objection.
 
@@ -72,6 +73,10 @@ class DecodeAwareCostEstimator:
     num_micro_batches: int = 1  # M: inference iterations in flight per node
     prefill_token_budget: int | None = None  # B: tokens per iteration (None: whole prompts)
     max_training_slice_s: float | None = None  # longest piece of a training item on a stage
+    # T_max (`MemoryConfig.max_wait_s`): the engine fails a request still short
+    # of KV then (`lemix.engine_memory`), so no request it serves waited longer
+    # for KV; None: a wait without a bound.
+    max_kv_wait_s: float | None = None
 
     def _training_stall_s(self, mean_item_s: float) -> float:
         """What an inference iteration waits behind a training item it finds
@@ -135,17 +140,30 @@ class DecodeAwareCostEstimator:
     def _slot_wait_s(
         self, view: NodeView, task: Task, period_s: float, mean_output: float
     ) -> float:
-        """Expected wait for a free batch slot (and KV room when memory-aware)."""
-        num_slots = self.max_batch_size
-        if self.is_memory_aware and view.requests:
-            kv_tokens = view.sum_request_prompt_tokens + view.sum_request_output_tokens
-            mean_kv = kv_tokens / len(view.requests)
-            num_slots = min(num_slots, max(1, int(self.kv_capacity_tokens // max(mean_kv, 1.0))))
-        num_ahead = len(view.requests) - num_slots + 1
-        if num_ahead <= 0:
-            return 0.0
-        # One slot frees about every mean_output·period/num_slots seconds.
-        return num_ahead * mean_output * period_s / num_slots
+        """Expected wait for a free batch slot (and KV room when memory-aware).
+
+        The wait for KV is at most `max_kv_wait_s`: past it the engine fails
+        the request (an SLO miss, as any wait past the TTFT SLO is), and the
+        requests queued ahead of it leave the same way, so the queue does not
+        grow past what T_max lets through. The wait for a batch slot has no
+        such bound (requests finish)."""
+        num_requests = len(view.requests)
+
+        def wait_s(num_slots: int) -> float:
+            # One slot frees about every mean_output·period/num_slots seconds.
+            num_ahead = num_requests - num_slots + 1
+            return max(num_ahead, 0) * mean_output * period_s / num_slots
+
+        slot_wait_s = wait_s(self.max_batch_size)
+        if not self.is_memory_aware or not view.requests:
+            return slot_wait_s
+        kv_tokens = view.sum_request_prompt_tokens + view.sum_request_output_tokens
+        mean_kv = kv_tokens / num_requests
+        kv_slots = max(1, int(self.kv_capacity_tokens // max(mean_kv, 1.0)))
+        kv_wait_s = wait_s(min(kv_slots, self.max_batch_size))
+        if self.max_kv_wait_s is not None:
+            kv_wait_s = min(kv_wait_s, self.max_kv_wait_s)
+        return max(slot_wait_s, kv_wait_s)
 
     def costs(self, view: NodeView, task: Task, now_s: float) -> TaskCosts:
         stages = range(view.num_stages)

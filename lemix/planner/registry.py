@@ -155,6 +155,7 @@ def make_estimator(
         config.max_running_per_node,
         kv_tokens,
         is_memory_aware=spec.is_memory_aware,
+        max_kv_wait_s=memory.max_wait_s,
         num_micro_batches=config.num_micro_batches,
         prefill_token_budget=config.prefill_token_budget,
         max_training_slice_s=config.max_training_slice_s,

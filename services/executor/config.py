@@ -255,7 +255,7 @@ _OPTIONS: tuple[Option, ...] = (
         "--max-wait-s",
         "LEMIX_MAX_WAIT_S",
         float,
-        "T_max, profile s a task may wait for memory",
+        "T_max, profile s a task may wait for memory (then a request fails)",
         "S",
     ),
     Option(
@@ -263,7 +263,7 @@ _OPTIONS: tuple[Option, ...] = (
         "--offload",
         "LEMIX_OFFLOAD",
         boolean,
-        "offload KV to host after T_max (--no-offload: wait, then drop)",
+        "training past T_max offloads KV to host (--no-offload: it is re-queued)",
     ),
     Option(
         "advertise_host",

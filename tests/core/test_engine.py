@@ -27,6 +27,7 @@ from lemix.engine import (
     Requeued,
     StageStart,
 )
+from lemix.engine_memory import KV_WAIT_REASON
 from lemix.memory import MemoryConfig
 from lemix.profile import Profile
 from lemix.types import Task
@@ -266,20 +267,48 @@ def test_training_waits_then_kv_is_offloaded_and_everything_completes() -> None:
     assert engine.memory.used_bytes(0) == engine.memory.used_bytes(1) == 100
 
 
-def test_without_offload_a_request_without_kv_fails_with_resource_exhausted() -> None:
-    engine = make_engine(make_tiny_memory_profile(), max_wait_s=0.51, is_offload_enabled=False)
+@pytest.mark.parametrize("is_offload_enabled", [True, False], ids=["offload", "no-offload"])
+def test_a_request_without_kv_fails_at_t_max_in_either_runtime(is_offload_enabled: bool) -> None:
+    """The request-side bound: "big" waits T_max for KV, then fails with
+    RESOURCE_EXHAUSTED. The running requests free their KV only at ~1.9 s, so
+    a wait without a bound would end in a completion instead; and the
+    memory-aware runtime does not evict a running request for it."""
+    engine = make_engine(
+        make_tiny_memory_profile(), max_wait_s=0.51, is_offload_enabled=is_offload_enabled
+    )
     driver = EngineDriver(engine)
     _three_running_requests(driver)
     driver.add(make_request("big", 1.0, 250, 50, seq=4))  # 300 B: 600 + 300 > 800
+    driver.run(until_s=1.0)
+    assert engine.next_timer_s() == approx(1.51)
     driver.run()
-    failed = driver.of(Failed)
-    assert failed == [(approx(1.51), failed[0][1])]
-    assert failed[0][1].task_id == "big"
-    assert failed[0][1].reason.startswith("RESOURCE_EXHAUSTED")
+    assert driver.of(Failed) == [(approx(1.51), Failed("big", KV_WAIT_REASON))]
     finished = {o.task_id: o.num_output_tokens for _, o in driver.of(Finished)}
     assert finished == {"r0": 50, "r1": 50, "r2": 50}
     assert engine.num_offloads == 0
     assert engine.is_idle
+
+
+def test_a_request_queued_behind_swapped_out_requests_fails_at_t_max() -> None:
+    """Swapped-out requests come back before new ones join, so a request whose
+    KV would fit still waits for memory behind them, and that wait is bounded
+    too. Three requests of 100 + 100 tokens hold 600 B; training of 350 tokens
+    gets room at 1.52 by offloading r2 (750 B used); "small" (50 B) arrives
+    at 1.6 and would fit, but r2 comes back only when r0 or r1 ends (~4.6)."""
+    engine = make_engine(make_tiny_memory_profile(), max_wait_s=0.51)
+    driver = EngineDriver(engine)
+    for i in range(3):
+        driver.add(make_request(f"r{i}", 0.0, 100, 100, seq=i + 1))
+    driver.add(make_training("t", 1.0, 350, seq=10))
+    driver.add(make_request("small", 1.6, 30, 20, seq=11))
+    driver.run(until_s=1.6)
+    assert [r.task.task_id for r in engine.swapped] == ["r2"]
+    assert engine.memory.free_bytes(0) >= 50
+    driver.run()
+    assert driver.of(Failed) == [(approx(2.11), Failed("small", KV_WAIT_REASON))]
+    finished = {o.task_id: o.num_output_tokens for _, o in driver.of(Finished)}
+    assert finished == {"r0": 100, "r1": 100, "r2": 100, "t": 0}
+    assert engine.is_idle and engine.memory.host_used_bytes == 0
 
 
 def test_without_offload_training_without_memory_is_requeued_not_lost() -> None:
@@ -296,9 +325,14 @@ def test_without_offload_training_without_memory_is_requeued_not_lost() -> None:
     assert len(driver.of(Finished)) == 3
 
 
-def test_request_that_fits_after_others_finish_waits_instead_of_failing() -> None:
+@pytest.mark.parametrize("is_offload_enabled", [True, False], ids=["offload", "no-offload"])
+def test_request_that_fits_after_others_finish_waits_instead_of_failing(
+    is_offload_enabled: bool,
+) -> None:
     # T_max is long enough for the running requests to finish and free KV.
-    engine = make_engine(make_tiny_memory_profile(), max_wait_s=10.0, is_offload_enabled=False)
+    engine = make_engine(
+        make_tiny_memory_profile(), max_wait_s=10.0, is_offload_enabled=is_offload_enabled
+    )
     driver = EngineDriver(engine)
     _three_running_requests(driver)
     driver.add(make_request("big", 1.0, 250, 50, seq=4))
@@ -308,17 +342,37 @@ def test_request_that_fits_after_others_finish_waits_instead_of_failing() -> Non
     assert driver.of(Failed) == []
 
 
-def test_memory_never_exceeds_the_threshold_under_mixed_pressure() -> None:
-    engine = make_engine(make_tiny_memory_profile(), max_wait_s=0.3, max_batch_size=4)
+@pytest.mark.parametrize(
+    ("max_wait_s", "shed"),
+    [(10.0, set()), (0.3, {"r3", "r4", "r5", "r6", "r7"})],
+    ids=["t-max-outlasts-the-waits", "t-max-short"],
+)
+def test_memory_never_exceeds_the_threshold_under_mixed_pressure(
+    max_wait_s: float, shed: set[str]
+) -> None:
+    """Requests and training compete for 800 B per stage. With a long T_max
+    every request waits for KV and completes; with a short one the requests
+    still short of KV at arrival + T_max fail with RESOURCE_EXHAUSTED then,
+    and the rest complete with all their tokens."""
+    engine = make_engine(make_tiny_memory_profile(), max_wait_s=max_wait_s, max_batch_size=4)
     driver = EngineDriver(engine)
+    arrivals = {}
     for i in range(8):
-        driver.add(make_request(f"r{i}", 0.1 * i, 100 + 20 * (i % 3), 10 + 5 * (i % 4), seq=i))
+        request = make_request(f"r{i}", 0.1 * i, 100 + 20 * (i % 3), 10 + 5 * (i % 4), seq=i)
+        arrivals[request.task_id] = request.arrival_s
+        driver.add(request)
         if i % 3 == 0:
             driver.add(make_training(f"t{i}", 0.1 * i + 0.05, 150 + 50 * (i % 2), seq=100 + i))
     driver.run()  # EngineDriver asserts used ≤ threshold after every step
     ends = driver.of(Finished) + driver.of(Failed) + driver.of(Requeued)
     assert len(ends) == 8 + 3
-    assert all(isinstance(o, Finished) for _, o in ends)
+    assert driver.of(Requeued) == []
+    assert {o.task_id: t for t, o in driver.of(Failed)} == {
+        task_id: approx(arrivals[task_id] + max_wait_s) for task_id in shed
+    }
+    assert all(o.reason == KV_WAIT_REASON for _, o in driver.of(Failed))  # type: ignore[attr-defined]
+    finished = {o.task_id for _, o in driver.of(Finished)}
+    assert finished == {f"r{i}" for i in range(8)} - shed | {"t0", "t3", "t6"}
     for _, o in driver.of(Finished):
         if o.task_id.startswith("r"):
             i = int(o.task_id[1:])
@@ -347,9 +401,7 @@ def test_on_timer_at_next_timer_s_drops_and_requeues_after_exactly_t_max(since_s
     deadline = engine.next_timer_s()
     assert deadline == since_s + 2.0
     driver.run()
-    assert driver.of(Failed) == [
-        (deadline, Failed("r", "RESOURCE_EXHAUSTED: no KV memory within T_max"))
-    ]
+    assert driver.of(Failed) == [(deadline, Failed("r", KV_WAIT_REASON))]
     assert driver.of(Requeued) == [(deadline, Requeued("t2", "no activation memory within T_max"))]
     assert driver.of(Finished) == [(approx(3.6), Finished("t", 0))]
 

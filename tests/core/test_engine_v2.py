@@ -30,6 +30,7 @@ from lemix.engine import (
     default_prefill_token_budget,
 )
 from lemix.engine_groups import Iteration, num_balanced_joins, slice_s
+from lemix.engine_memory import KV_WAIT_REASON
 from lemix.memory import MemoryConfig, kv_bytes
 from lemix.profile import Profile, default_profile_path, load_profile
 
@@ -185,9 +186,10 @@ def test_unequal_requests_join_the_lighter_group_by_tokens() -> None:
     # Prompts of 40..200 tokens arriving faster than they are served; memory
     # (not the cap) bounds the batch. At every boundary while requests wait,
     # the two groups' tokens held differ on average by less than the largest
-    # prompt (measured: 104 tokens; transients after bursts reach 700).
+    # prompt (measured: 104 tokens; transients after bursts reach 700). T_max
+    # outlasts every wait, so no request is shed for KV and all 60 run.
     profile = make_profile(decode_d0_s=0.002, decode_d1_s=0.0005)
-    engine = make_engine(profile, num_micro_batches=2, max_batch_size=64)
+    engine = make_engine(profile, num_micro_batches=2, max_batch_size=64, max_wait_s=60.0)
     driver = RecordingDriver(engine)
     gaps: list[int] = []
     original = engine._start_iteration
@@ -481,9 +483,13 @@ def test_v2_paths_with_room_to_spare_reproduce_v1_exactly() -> None:
 
 
 @pytest.mark.parametrize("num_micro_batches", [2, 3, None])
-def test_everything_at_once_under_memory_pressure_completes_and_stays_in_memory(
+def test_everything_at_once_under_memory_pressure_ends_everything_and_stays_in_memory(
     num_micro_batches: int | None,
 ) -> None:
+    """Every knob, tiny memory, T_max = 0.3 s: every task ends once; a request
+    either completes with all its tokens or, held back by memory after
+    arrival + T_max, fails with RESOURCE_EXHAUSTED; the node ends holding its
+    weights."""
     engine = make_engine(
         make_tiny_memory_profile(),
         num_micro_batches=num_micro_batches,
@@ -493,17 +499,26 @@ def test_everything_at_once_under_memory_pressure_completes_and_stays_in_memory(
         max_batch_size=4,
     )
     driver = EngineDriver(engine)  # asserts used <= threshold and one item per stage
+    arrivals = {}
     for i in range(12):
-        driver.add(make_request(f"r{i}", 0.07 * i, 60 + 45 * (i % 4), 5 + 7 * (i % 5), seq=i))
+        request = make_request(f"r{i}", 0.07 * i, 60 + 45 * (i % 4), 5 + 7 * (i % 5), seq=i)
+        arrivals[request.task_id] = request.arrival_s
+        driver.add(request)
         if i % 3 == 1:
             driver.add(make_training(f"t{i}", 0.07 * i + 0.03, 120 + 60 * (i % 2), seq=100 + i))
     driver.run()
     ends = driver.of(Finished) + driver.of(Failed) + driver.of(Requeued)
-    assert len(ends) == 12 + 4
+    assert sorted(o.task_id for _, o in ends) == sorted([*arrivals, "t1", "t4", "t7", "t10"])
     for _, o in driver.of(Finished):
         if o.task_id.startswith("r"):
             assert o.num_output_tokens == 5 + 7 * (int(o.task_id[1:]) % 5)
-    assert len(driver.of(FirstToken)) == 12
+    shed = {o.task_id: t for t, o in driver.of(Failed)}
+    assert all(o.reason == KV_WAIT_REASON for _, o in driver.of(Failed))  # type: ignore[attr-defined]
+    # At T_max, or at the first event after it when memory holds the request
+    # back (at T_max it fitted but waited for a boundary; training took the room).
+    assert all(0.3 - 1e-9 <= t - arrivals[task_id] < 0.4 for task_id, t in shed.items())
+    assert 0 < len(shed) < 12  # memory binds, and the bound sheds only some
+    assert {o.task_id for _, o in driver.of(FirstToken)} == set(arrivals) - set(shed)
     assert engine.is_idle
     assert engine.memory.host_used_bytes == 0
 
