@@ -81,14 +81,29 @@ class ParetoPoint:
     x: Estimate
     y: Estimate
     num_seeds: int
+    # Where training runs and how it is admitted (`placement_of`): "spread"
+    # (every node, per-node admission: the default) or "homed/node",
+    # "homed/cluster" (SEPARATE's training nodes only, `--training-nodes auto`).
+    placement: str = "spread"
 
     @property
     def knob(self) -> str:
-        return f"train {self.train_rate:g}, headroom {self.slo_headroom:g}"
+        knob = f"train {self.train_rate:g}, headroom {self.slo_headroom:g}"
+        return knob if self.placement == "spread" else f"{knob}, {self.placement}"
+
+
+def placement_of(run: dict[str, Any]) -> str:
+    """A run's placement label: "spread" unless it trained on fewer nodes
+    (`training_nodes` other than "all"; runs older than the key are "spread")."""
+    nodes = run.get("training_nodes", "all")
+    if nodes == "all":
+        return "spread"
+    homed = "homed" if nodes == "auto" else f"homed{nodes}"
+    return f"{homed}/{run.get('admission', 'node')}"
 
 
 def points_from_runs(runs: Sequence[dict[str, Any]]) -> list[ParetoPoint]:
-    """One point per (policy, train_rate, slo_headroom), over the runs' seeds.
+    """One point per (policy, train_rate, slo_headroom, placement), over the runs' seeds.
 
     Runs must all be at one request rate (ValueError otherwise); a run whose
     goodput or window rate is undefined (None) is left out of that point.
@@ -96,12 +111,17 @@ def points_from_runs(runs: Sequence[dict[str, Any]]) -> list[ParetoPoint]:
     rates = {r["request_rate"] for r in runs}
     if len(rates) > 1:
         raise ValueError(f"a frontier is drawn at one request rate, got {sorted(rates)}")
-    groups: dict[tuple[str, float, float], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, float, float, str], list[dict[str, Any]]] = {}
     for run in runs:
-        key = (run["policy"], float(run["train_rate"]), float(run["slo_headroom"]))
+        key = (
+            run["policy"],
+            float(run["train_rate"]),
+            float(run["slo_headroom"]),
+            placement_of(run),
+        )
         groups.setdefault(key, []).append(run)
     points = []
-    for (policy, train, headroom), members in sorted(groups.items()):
+    for (policy, train, headroom, placement), members in sorted(groups.items()):
         pairs = [
             (r[X_METRIC], r[Y_METRIC])
             for r in members
@@ -111,7 +131,7 @@ def points_from_runs(runs: Sequence[dict[str, Any]]) -> list[ParetoPoint]:
             continue
         x = _estimate([p[0] for p in pairs])
         y = _estimate([p[1] for p in pairs])
-        points.append(ParetoPoint(policy, train, headroom, x, y, len(pairs)))
+        points.append(ParetoPoint(policy, train, headroom, x, y, len(pairs), placement))
     return points
 
 
@@ -221,13 +241,14 @@ def format_points(points: Sequence[ParetoPoint], frontier_points: Sequence[Paret
     """A markdown table of every point, frontier points marked."""
     on_frontier = set(frontier_points)
     lines = [
-        "| policy | train rate | headroom | n | in-window training (samples/s) "
+        "| policy | train rate | headroom | placement | n | in-window training (samples/s) "
         "| goodput (req/s) | frontier |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for p in points:
         lines.append(
-            f"| {p.policy} | {p.train_rate:g} | {p.slo_headroom:g} | {p.num_seeds} "
+            f"| {p.policy} | {p.train_rate:g} | {p.slo_headroom:g} | {p.placement} "
+            f"| {p.num_seeds} "
             f"| {p.x.mean:.2f} ± {p.x.ci95:.2f} | {p.y.mean:.2f} ± {p.y.ci95:.2f} "
             f"| {'yes' if p in on_frontier else ''} |"
         )

@@ -6,7 +6,8 @@ One `ReportConfig` says what runs; `run_report` runs it and writes
   path is given) and per request rate (light, near saturation, overloaded):
   the Pareto frontier of goodput vs in-window training (`lemix.report.pareto`),
   each policy swept over the offered train rate, and the policies that defer
-  training also over their admission threshold (`slo_headroom`);
+  training also over their admission threshold (`slo_headroom`) and over
+  homed training (`--training-nodes auto`, per-node or cluster-wide admission);
 - throughput (requests/s, output tokens/s, training samples/s: separate
   columns, never summed), SLO attainment and goodput vs request rate and vs
   train rate, read off the same runs of the first workload (Poisson
@@ -27,7 +28,7 @@ from typing import Any
 
 from lemix.profile import Profile
 from lemix.report.compare import SweepConfig, aggregate, run_sweep, write_json
-from lemix.report.pareto import ParetoPoint, Verdict, frontier, points_from_runs
+from lemix.report.pareto import ParetoPoint, Verdict, frontier, placement_of, points_from_runs
 from lemix.report.pareto import verdict as frontier_verdict
 from lemix.report.plots import plot_pareto, plot_sweeps
 from lemix.sim.run import SimRunConfig
@@ -82,6 +83,11 @@ class ReportConfig:
     headroom_values: tuple[float, ...]
     headroom_train_rates: tuple[float, ...]
     ablation_train_rates: tuple[float, ...]
+    # Homed training (`--training-nodes auto`: SEPARATE's training nodes, the
+    # rest only serve) under each admission scope, at these train rates (those
+    # where auto leaves serving-only nodes), for the admission policies.
+    homed_train_rates: tuple[float, ...] = ()
+    homed_admissions: tuple[str, ...] = ("node", "cluster")
     template: SimRunConfig = field(
         default_factory=lambda: SimRunConfig(measure_decision_latency=False)
     )
@@ -153,6 +159,7 @@ def full_config(trace_path: str | None, num_workers: int | None = None) -> Repor
         headroom_values=(0.5, 1.0),
         headroom_train_rates=(0.9,),
         ablation_train_rates=(0.5, 0.9),
+        homed_train_rates=(0.3, 0.6),
         num_workers=num_workers,
     )
 
@@ -166,6 +173,7 @@ def quick_config(trace_path: str | None, num_workers: int | None = None) -> Repo
         headroom_values=(0.5,),
         headroom_train_rates=(0.9,),
         ablation_train_rates=(0.9,),
+        homed_train_rates=(0.3,),
         num_workers=num_workers,
     )
 
@@ -204,6 +212,16 @@ def run_workload(
             is_grid=True,
         )
         template = replace(config.template, slo_headroom=headroom)
+        runs += run_sweep(sweep, spec.base, template, profile, num_workers=config.num_workers)
+    for admission in config.homed_admissions if config.homed_train_rates else ():
+        sweep = SweepConfig(
+            ADMISSION_POLICIES, spec.rates, config.homed_train_rates, config.seeds, is_grid=True
+        )
+        template = replace(
+            config.template,
+            training_nodes="auto",
+            is_admission_cluster_wide=admission == "cluster",
+        )
         runs += run_sweep(sweep, spec.base, template, profile, num_workers=config.num_workers)
     return runs
 
@@ -293,7 +311,11 @@ def run_report(
             pngs.append(plot_pareto(cell.points, cell.frontiers, PARETO_POLICIES, title, path))
             cells.append(cell)
         if spec is config.workloads[0]:  # the sweeps and the ablations use the first
-            default_runs = [r for r in runs if r["slo_headroom"] == config.template.slo_headroom]
+            default_runs = [
+                r
+                for r in runs
+                if r["slo_headroom"] == config.template.slo_headroom and placement_of(r) == "spread"
+            ]
             sweep_rows = aggregate(default_runs, PARETO_POLICIES)
             pngs += plot_sweeps(
                 sweep_rows,

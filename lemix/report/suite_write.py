@@ -47,7 +47,9 @@ FRONTIER_RULE = (
     "x = training samples/s finished inside the arrival window, y = goodput "
     "(requests meeting the SLO per second of window); one point per knob setting "
     "(offered train rate; for `lemix` and the `-capped` baselines also the admission "
-    "threshold `--slo-headroom`), mean ± 95% CI over seeds. A policy's frontier is its "
+    "threshold `--slo-headroom` and homed training, `--training-nodes auto` with "
+    "`--admission node` or `cluster`: training only on the nodes SEPARATE would train "
+    "on, the others serve only), mean ± 95% CI over seeds. A policy's frontier is its "
     "points no other of its points beats in both means. Point a *significantly "
     "dominates* b when it is better in one coordinate with non-overlapping CIs and at "
     "least as good in the other (mean within 5% of b's or above). `lemix` **loses** "
@@ -180,15 +182,16 @@ def write_index(
 
 
 def _gap_lines(points: Sequence[ParetoPoint]) -> list[str]:
-    by_knob = {(p.policy, p.train_rate, p.slo_headroom): p for p in points}
+    by_knob = {(p.policy, p.train_rate, p.slo_headroom, p.placement): p for p in points}
     lines = []
     for policy in dict.fromkeys(p.policy for p in points):
         if policy == "lemix":
             continue
         gaps = [
             (ref.y.mean - p.y.mean, ref.x.mean - p.x.mean)
-            for (name, train, headroom), p in by_knob.items()
-            if name == policy and (ref := by_knob.get(("lemix", train, headroom))) is not None
+            for (name, train, headroom, placement), p in by_knob.items()
+            if name == policy
+            and (ref := by_knob.get(("lemix", train, headroom, placement))) is not None
         ]
         if gaps:
             dy = [g[0] for g in gaps]
@@ -253,6 +256,11 @@ def pareto_commands(spec: WorkloadSpec, config: ReportConfig) -> list[str]:
         flags = f"{spec.cli_flags} --slo-headroom {headroom:g}".strip()
         out = f"{spec.slug}-h{headroom:g}"
         commands.append(_compare(ADMISSION_POLICIES, spec.rates, h_trains, config, flags, out))
+    homed_trains = ",".join(f"{t:g}" for t in config.homed_train_rates)
+    for admission in config.homed_admissions:
+        flags = f"{spec.cli_flags} --training-nodes auto --admission {admission}".strip()
+        out = f"{spec.slug}-homed-{admission}"
+        commands.append(_compare(ADMISSION_POLICIES, spec.rates, homed_trains, config, flags, out))
     return commands
 
 

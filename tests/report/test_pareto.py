@@ -86,7 +86,12 @@ def test_points_from_runs_groups_by_knob_with_ci() -> None:
     (p,) = points_from_runs(runs)
     assert (p.policy, p.num_seeds, p.x.mean, p.y.mean) == ("lemix", 2, 5.0, 9.0)
     assert p.y.ci95 == pytest.approx(12.706 * 1.0 / 1.0, rel=1e-3)  # t(1) * s / sqrt(2)
-    assert "| lemix | 0.5 | 0.8 | 2 |" in format_points([p], [p])
+    assert "| lemix | 0.5 | 0.8 | spread | 2 |" in format_points([p], [p])
+    # Homed runs are their own point, labelled by training nodes and admission.
+    homed = [{**r, "training_nodes": "auto", "admission": "cluster"} for r in runs]
+    other, spread = points_from_runs([*runs, *homed])  # sorted by placement
+    assert (spread.placement, other.placement) == ("spread", "homed/cluster")
+    assert other.knob == "train 0.5, headroom 0.8, homed/cluster"
     with pytest.raises(ValueError, match="one request rate"):
         points_from_runs([*runs, {**runs[0], "request_rate": 4.0}])
 
