@@ -76,6 +76,8 @@ def test_unknown_policy_exits_2_listing_policies(capsys: pytest.CaptureFixture[s
         ["sim", "--policy", "lemix", "--poisson", "2", "--trace", "/nonexistent.csv"],
         ["compare", "--rates", "4,x", "--out", "unused"],
         ["compare", "--policies", "lemix,bogus", "--out", "unused"],
+        ["sim", "--policy", "lemix", "--poisson", "2", "--training-nodes", "9"],
+        ["sim", "--policy", "lemix", "--poisson", "2", "--training-nodes", "half"],
     ],
 )
 def test_bad_input_exits_2_without_traceback(
