@@ -40,6 +40,13 @@ def add_report_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--no-trace", action="store_true", help="skip the trace section")
     p.add_argument("--workers", type=int, help="worker processes (default min(2, CPUs))")
     p.add_argument(
+        "--loss-from",
+        default="runs/bench",
+        metavar="DIR",
+        help="render the live loss study's results found in DIR/inference_loss*/ "
+        "(`make report-loss` writes them; the report does not run it)",
+    )
+    p.add_argument(
         "--from-runs",
         action="store_true",
         help="simulate nothing: re-render DIR's page and plots from the runs.json files an "
@@ -85,6 +92,7 @@ def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
         notes=notes,
         progress=progress,
         runs_from=Path(args.out) if args.from_runs else None,
+        loss_root=Path(args.loss_from),
     )
     elapsed_s = time.perf_counter() - start_s
     with result.index_path.open("a") as f:

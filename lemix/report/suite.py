@@ -264,6 +264,7 @@ def run_report(
     notes: Sequence[str] = (),
     progress: Progress = lambda _: None,
     runs_from: Path | None = None,
+    loss_root: Path | None = None,
 ) -> ReportResult:
     """Run every section and write `out_dir`/index.md and the PNGs.
 
@@ -271,11 +272,18 @@ def run_report(
     printed lines that go into it too (e.g. a skipped trace). With
     `runs_from`, nothing is simulated: each section's runs are read from the
     runs.json files an earlier report wrote there (to re-render the page).
+    `loss_root`: where to look for the live loss study's results (rendered,
+    not run: `lemix.report.loss_section`); None leaves the section out.
     """
+    from lemix.report.loss_section import find_studies, loss_section
     from lemix.report.suite_write import write_index
 
     out_dir.mkdir(parents=True, exist_ok=True)
     pngs: list[Path] = []
+    loss_lines: list[str] = []
+    if loss_root is not None:
+        loss_lines, loss_pngs = loss_section(find_studies(loss_root), out_dir)
+        pngs += loss_pngs
     cells: list[ParetoCell] = []
     sweep_rows: list[dict[str, Any]] = []
     ablation_rows: list[dict[str, Any]] = []
@@ -294,6 +302,7 @@ def run_report(
             command=command,
             date=date,
             notes=[*notes, *partial],
+            loss_lines=loss_lines,
         )
 
     for spec in config.workloads:

@@ -72,8 +72,10 @@ def write_index(
     command: str,
     date: str,
     notes: Sequence[str],
+    loss_lines: Sequence[str] = (),
 ) -> Path:
-    """Write the whole page; return its path."""
+    """Write the whole page; return its path. `loss_lines`: the rendered loss
+    section (`lemix.report.loss_section`)."""
     from lemix.report.suite import ABLATION_POLICIES, PARETO_POLICIES
 
     seeds = config.seeds
@@ -167,14 +169,15 @@ def write_index(
             "",
             format_rows(ablation_rows, "train_rate", "train rate", ABLATION_COLUMNS),
         ]
+    lines += list(loss_lines)
     lines += [
         "",
         "## Not in this report",
         "",
-        "- Inference loss over time and vs the sync interval K (issue 10 item 6): needs the "
-        "project-pretrained model; not generated here.",
         "- Only the default (v1) engine and the shipped profile; memory never binds on it, "
-        "so `lemix-nomem` is expected to match `lemix`.",
+        "so `lemix-nomem` is expected to match `lemix`. The memory-bound workloads "
+        "(`--workload long-output`, `chat`) are measured with `lemix compare` in "
+        "docs/results.md.",
         "",
     ]
     path.write_text("\n".join(lines))
