@@ -97,10 +97,12 @@ class LlamaFamily:
         # forward, as HF does, not once per layer. One tuple, swapped whole,
         # since the stages of a node run on their own threads.
         self._rope_memo: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
-        # Layer index -> (its source parameters' (data_ptr, _version), fused weights):
-        # see `_fused_weights`. A derived copy for CPU inference only: on an
-        # accelerator it would add device memory the ledger does not book.
-        self._fused: dict[int, tuple[tuple[tuple[int, int], ...], _Fused]] = {}
+        # Layer index -> (source modules, their parameters' (data_ptr, _version),
+        # fused weights): see `_fused_weights`. A derived copy, for CPU inference
+        # only: it holds the q/k/v/gate/up weights a second time (~85% of a
+        # Llama layer's bytes), which `StagedModel.weight_bytes` does not count;
+        # on an accelerator that would be device memory the ledger does not book.
+        self._fused: dict[int, tuple[tuple[Any, ...], tuple[tuple[int, int], ...], _Fused]] = {}
 
     def embed_modules(self) -> list[nn.Module]:
         return [self.model.model.embed_tokens]
@@ -168,14 +170,19 @@ class LlamaFamily:
         biases), made on first use and again whenever a source parameter
         changed: training steps update the weights in place (a new `_version`)
         or replace their storage (a new `data_ptr`)."""
-        layer = self._layers[index]
-        attn, mlp = layer.self_attn, layer.mlp
-        sources = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
-        params = [p for m in sources for p in (m.weight, m.bias) if p is not None]
-        stamp = tuple((p.data_ptr(), p._version) for p in params)
         cached = self._fused.get(index)
-        if cached is not None and cached[0] == stamp:
-            return cached[1]
+        if cached is None:
+            layer = self._layers[index]
+            attn, mlp = layer.self_attn, layer.mlp
+            sources = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
+        else:
+            sources = cached[0]
+        # `_parameters` rather than attribute access: nn.Module's __getattr__
+        # would cost more than the check (this runs per layer per forward).
+        params = [p for m in sources for p in m._parameters.values() if p is not None]
+        stamp = tuple((p.data_ptr(), p._version) for p in params)
+        if cached is not None and cached[1] == stamp:
+            return cached[2]
 
         def cat(modules: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
             weight = torch.cat([m.weight.detach() for m in modules])
@@ -189,7 +196,7 @@ class LlamaFamily:
             return weight, torch.cat(biases)
 
         fused = (*cat(sources[:3]), *cat(sources[3:]))
-        self._fused[index] = (stamp, fused)
+        self._fused[index] = (sources, stamp, fused)
         return fused
 
     def _rope_rows(

@@ -35,7 +35,7 @@ def _run(staged: StagedModel, ids: list[int], *, inference: bool) -> torch.Tenso
     return x.detach().clone()
 
 
-@pytest.mark.parametrize("num_tokens", [1, 3, 8, 33])
+@pytest.mark.parametrize("num_tokens", [1, 3, 4, 8, 33, 300])
 def test_fused_inference_is_bit_identical_to_the_module_path(num_tokens: int) -> None:
     staged = _staged(2)
     ids = [(7 * i) % (VOCAB - 3) + 3 for i in range(num_tokens)]
@@ -61,13 +61,20 @@ def test_fused_weights_follow_in_place_updates_and_replaced_storage() -> None:
     assert torch.equal(_run(staged, ids, inference=True), _run(staged, ids, inference=False))
 
 
-def _decode_logits(monkeypatch: pytest.MonkeyPatch, *, gather: bool) -> list[torch.Tensor]:
-    """Three requests of one capacity (so their caches are evenly spaced) and
-    different lengths, prefilled, then decoded together for three steps."""
+PROMPTS = {"a": [3, 4, 5], "b": [6, 7, 8, 9, 10, 11, 12], "c": [13, 14, 15, 16, 17]}
+
+
+def _decode_logits(
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    gather: bool,
+    prompts: dict[str, list[int]] = PROMPTS,
+) -> list[torch.Tensor]:
+    """Three requests of one capacity (so their caches are evenly spaced),
+    prefilled, then decoded together for three steps."""
     if gather:
         monkeypatch.setattr(attention, "_uniform_stride", lambda *args: None)
     staged = _staged(2)
-    prompts = {"a": [3, 4, 5], "b": [6, 7, 8, 9, 10, 11, 12], "c": [13, 14, 15, 16, 17]}
     for stage in staged.stages:
         for key in prompts:
             stage.kv.allocate(key, 12)
@@ -112,3 +119,24 @@ def test_uniform_stride_only_for_evenly_spaced_caches_inside_the_pool() -> None:
     assert attention._uniform_stride([0, 12, 30], 5, 48) is None  # uneven
     assert attention._uniform_stride([24, 12, 0], 5, 36) is None  # descending
     assert attention._uniform_stride([0, 12, 24], 13, 36) is None  # last window past the pool
+
+
+def test_decodes_of_one_length_skip_the_mask_bit_identically(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prompts = {key: [3 + i, 9 + i, 20 + i, 4 + i] for i, key in enumerate("abc")}
+    maskless = _decode_logits(monkeypatch, gather=False, prompts=prompts)
+    sdpa = attention.F.scaled_dot_product_attention
+    num_maskless: list[int] = []
+
+    def with_zero_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> Any:
+        if kw.get("attn_mask") is None and not kw.get("is_causal"):
+            num_maskless.append(1)  # a decode group's call: give it the all-zero mask
+            kw["attn_mask"] = q.new_zeros(q.shape[0], 1, 1, k.shape[2])
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", with_zero_mask)
+    masked = _decode_logits(monkeypatch, gather=False, prompts=prompts)
+    assert len(num_maskless) == 3 * 4  # 3 steps x 2 stages x 2 layers of tiny-llama
+    for got, want in zip(maskless, masked, strict=True):
+        assert torch.equal(got, want)
