@@ -11,8 +11,10 @@ whatever the batch size, so the Python work per layer does not grow with it:
    their pool slots;
 2. *decode steps* (one new token after its cache) attend in one SDPA: one
    `index_select` per K and V gathers their caches into a batch padded to the
-   longest, masked by length. Query heads that share a KV head ride as rows of
-   one query (``[B, kv_heads, group, d]``), so GQA needs no K/V repeat;
+   longest, masked by length; caches that sit at one stride in the pool (a
+   batch admitted together) are read as a strided view instead, and a batch
+   of one length needs no mask. Query heads that share a KV head ride as rows
+   of one query (``[B, kv_heads, group, d]``), so GQA needs no K/V repeat;
 3. *everything else* (prefills, chunked prefills after a cached past,
    training samples with no cache) attends in one more SDPA: queries padded to
    the longest such segment, keys to the longest past + chunk, with a mask that

@@ -8,7 +8,9 @@ request against that request's own KV cache, through the `attend` callback
 the stage runner supplies. That is how vLLM/SGLang batch without padding, and
 it needs per-layer control the HF ``forward`` does not give, so the layer
 bodies below call the HF submodules (same weights, same numerics) in the
-order HF does. Tests check the logits against the unsplit HF model.
+order HF does. Tests check the logits against the unsplit HF model. CPU
+inference on Llama runs Q/K/V and gate/up as one matmul each over
+concatenated weights (`LlamaFamily._layer_forward_fused`, bit-identical).
 
 A `Family` knows one architecture: the embedding (first stage), the decoder
 layers, and the head (last stage). Supported: Llama-family
