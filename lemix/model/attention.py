@@ -11,8 +11,10 @@ whatever the batch size, so the Python work per layer does not grow with it:
    their pool slots;
 2. *decode steps* (one new token after its cache) attend in one SDPA: one
    `index_select` per K and V gathers their caches into a batch padded to the
-   longest, masked by length. Query heads that share a KV head ride as rows of
-   one query (``[B, kv_heads, group, d]``), so GQA needs no K/V repeat;
+   longest, masked by length; caches that sit at one stride in the pool (a
+   batch admitted together) are read as a strided view instead, and a batch
+   of one length needs no mask. Query heads that share a KV head ride as rows
+   of one query (``[B, kv_heads, group, d]``), so GQA needs no K/V repeat;
 3. *everything else* (prefills, chunked prefills after a cached past,
    training samples with no cache) attends in one more SDPA: queries padded to
    the longest such segment, keys to the longest past + chunk, with a mask that
@@ -44,8 +46,12 @@ from lemix.model.kv import RequestKV
 @dataclass(frozen=True)
 class _DecodeGroup:
     rows: torch.Tensor | None  # [B] rows of the packed batch; None: all rows, in order
-    slots: torch.Tensor  # [B * L] pool slots to gather, L = longest cache (padding: own base)
-    mask: torch.Tensor  # [B, 1, 1, L] additive: 0 at real positions, -inf at padding
+    slots: torch.Tensor | None  # [B * L] pool slots to gather, L = longest cache (padding:
+    # own base); None: the caches are read as one strided view (`first_slot`, `slot_stride`)
+    first_slot: int  # with slots None: request i's cache starts at first_slot + i * slot_stride
+    slot_stride: int
+    mask: torch.Tensor | None  # [B, 1, 1, L] additive: 0 at real positions, -inf at
+    # padding; None: every cache has L positions (SDPA runs ~15% faster with no mask)
     num_rows: int
     max_len: int
 
@@ -139,6 +145,21 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out.masked_fill_(~mask, float("-inf"))
 
 
+def _uniform_stride(bases: list[int], max_len: int, num_slots: int) -> int | None:
+    """The stride between consecutive caches when every one starts `stride`
+    slots after the one before (requests of one size admitted together: a
+    static batch), so that B windows of `max_len` slots are one strided view of
+    the pool and need no gather; None otherwise. A window may run past its own
+    run into the next request's (a shorter cache's padding): those slots are
+    masked, and the pool holds finite values everywhere."""
+    stride = bases[1] - bases[0] if len(bases) > 1 else max_len
+    if stride < 1 or bases[0] + (len(bases) - 1) * stride + max_len > num_slots:
+        return None
+    if any(b != bases[0] + i * stride for i, b in enumerate(bases)):
+        return None
+    return stride
+
+
 def _decode_group(
     starts: list[int],
     caches: Sequence[RequestKV | None],
@@ -148,18 +169,26 @@ def _decode_group(
 ) -> _DecodeGroup | None:
     if not starts:
         return None
+    cached = [c for c in caches if c is not None]
     # This step's token is written before the gather, so each attends over length + 1.
-    lengths = torch.tensor([c.length + 1 for c in caches if c is not None], device=device)
-    bases = torch.tensor([c.base for c in caches if c is not None], device=device)
-    max_len = int(lengths.max())
+    max_len = max(c.length for c in cached) + 1
+    base_list = [c.base for c in cached]
+    lengths = torch.tensor([c.length + 1 for c in cached], device=device)
     positions = torch.arange(max_len, device=device)
     mask = positions[None, :] < lengths[:, None]  # [B, L]
-    slots = torch.where(mask, bases[:, None] + positions[None, :], bases[:, None])
     is_all_rows = starts == list(range(num_tokens))  # a pure decode iteration
+    is_unpadded = all(c.length + 1 == max_len for c in cached)
+    stride = _uniform_stride(base_list, max_len, cached[0].store.num_slots)
+    slots = None
+    if stride is None:
+        bases = torch.tensor(base_list, device=device)[:, None]
+        slots = torch.where(mask, bases + positions[None, :], bases).reshape(-1)
     return _DecodeGroup(
         rows=None if is_all_rows else torch.tensor(starts, dtype=torch.long, device=device),
-        slots=slots.reshape(-1),
-        mask=_additive(mask[:, None, None, :], dtype),
+        slots=slots,
+        first_slot=base_list[0],
+        slot_stride=stride or 0,
+        mask=None if is_unpadded else _additive(mask[:, None, None, :], dtype),
         num_rows=len(starts),
         max_len=max_len,
     )
@@ -268,10 +297,18 @@ def _attend_decode(
     # Query head i uses KV head i // group (HF's repeat_kv order): the group's
     # heads become `group` query rows against their one KV head.
     q = q.reshape(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    keys = pool_k.index_select(0, group.slots).view(b, length, num_kv_heads, head_dim)
-    values = pool_v.index_select(0, group.slots).view(b, length, num_kv_heads, head_dim)
+    if group.slots is None:
+        # Window i = slots [first + i * stride, + L): unfold makes it [B, kvh, d, L], a view.
+        span = (b - 1) * group.slot_stride + length
+        keys = pool_k.narrow(0, group.first_slot, span).unfold(0, length, group.slot_stride)
+        values = pool_v.narrow(0, group.first_slot, span).unfold(0, length, group.slot_stride)
+        keys, values = keys.transpose(2, 3), values.transpose(2, 3)  # [B, kvh, L, d]
+    else:
+        keys = pool_k.index_select(0, group.slots).view(b, length, num_kv_heads, head_dim)
+        values = pool_v.index_select(0, group.slots).view(b, length, num_kv_heads, head_dim)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
     out = F.scaled_dot_product_attention(
-        q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask, scale=scale
+        q, keys, values, attn_mask=group.mask, scale=scale
     )  # [B, kvh, group, d]
     return out.reshape(b, num_heads, head_dim)
 

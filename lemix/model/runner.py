@@ -345,7 +345,12 @@ class InferenceRunner:
         greedy = [i for i, req in enumerate(reqs) if is_sampling[i] and is_plain_greedy(req)]
         greedy_tokens: dict[int, int | None] = {}
         if greedy:
-            picked = logits.index_select(0, torch.tensor([rows[i] for i in greedy]))
+            picked_rows = [rows[i] for i in greedy]
+            picked = (
+                logits  # a decode batch: every row, in order (no [B, vocab] copy)
+                if picked_rows == list(range(logits.shape[0]))
+                else logits.index_select(0, torch.tensor(picked_rows))
+            )
             # max and min of each row tell whether it holds a NaN (max is NaN)
             # or an infinity: two reductions instead of a [B, vocab] isfinite.
             highs, tokens_t = picked.max(dim=1)  # the first maximum, as argmax
