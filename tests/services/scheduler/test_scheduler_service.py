@@ -281,6 +281,24 @@ def test_the_planner_models_the_executors_engine_from_the_shared_variables() -> 
         SchedulerConfig(num_micro_batches=-1)
 
 
+def test_homed_training_and_admission_reach_the_planner_from_the_environment() -> None:
+    env = {
+        "LEMIX_NUM_NODES": "4",
+        "LEMIX_TRAIN_RATE": "0.3",
+        "LEMIX_TRAINING_NODES": "auto",
+        "LEMIX_ADMISSION": "cluster",
+    }
+    planner = from_env_and_args([], env).planner_config(PROFILE)
+    assert planner.num_training_nodes == 1 and planner.training_node_ids == (3,)
+    assert planner.is_admission_cluster_wide
+    default = SchedulerConfig().planner_config(PROFILE)
+    assert default.num_training_nodes is None and not default.is_admission_cluster_wide
+    with pytest.raises(ValueError, match="training nodes"):
+        from_env_and_args([], {**env, "LEMIX_TRAINING_NODES": "9"})
+    with pytest.raises(ValueError, match="admission"):
+        from_env_and_args([], {**env, "LEMIX_ADMISSION": "everywhere"})
+
+
 def test_derived_slo_uses_compute_slo() -> None:
     from lemix.slo import SloConfig, compute_slo
 
