@@ -161,6 +161,13 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
         help="SEPARATE: copy the trained weights to the serving nodes every K training tasks",
     )
     p.add_argument(
+        "--replica-sync-every",
+        type=int,
+        default=0,
+        metavar="M",
+        help="average the training nodes' replicas every M training tasks (0 = off)",
+    )
+    p.add_argument(
         "--slo-headroom",
         type=float,
         default=SimRunConfig().slo_headroom,
@@ -236,6 +243,7 @@ def configs_from_args(args: argparse.Namespace) -> CliSetup:
             batching=batching,
             train_rate=args.train_rate,
             sync_every_tasks=args.sync_every,
+            replica_sync_every_tasks=args.replica_sync_every or None,
             slo_headroom=args.slo_headroom,
             measure_decision_latency=not args.deterministic,
             **knobs,
@@ -248,6 +256,7 @@ def configs_from_args(args: argparse.Namespace) -> CliSetup:
         num_nodes=args.nodes,
         batching=batching,
         sync_every_tasks=args.sync_every,
+        replica_sync_every_tasks=args.replica_sync_every or None,
         slo_headroom=args.slo_headroom,
         measure_decision_latency=not args.deterministic,
         **knobs,
@@ -324,7 +333,10 @@ def cmd_compare(setup: CliSetup, out_dir: str, *, is_demo: bool = False) -> int:
             "== 1/3: a real model (torch, tiny Llama, 2 nodes x 2 stages on the CPU): "
             "co-located LeMix vs SEPARATE, live =="
         )
-        torch_runs, png = run_demo(TorchDemoConfig(duration_s=45.0), Path(out_dir))
+        torch_config = TorchDemoConfig(
+            duration_s=45.0, replica_sync_every_tasks=setup.run.replica_sync_every_tasks or 0
+        )
+        torch_runs, png = run_demo(torch_config, Path(out_dir))
         print(side_by_side(torch_runs))
         print(f"plot:    {png}")
         live_runs.extend(torch_runs)

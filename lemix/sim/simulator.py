@@ -40,6 +40,7 @@ from lemix.types import (
     Deferral,
     Placement,
     Rejection,
+    ReplicaAverage,
     Task,
     TaskKind,
     TaskRecord,
@@ -59,6 +60,7 @@ class SimResult:
     num_weight_syncs: int
     num_offloads: int
     num_events: int
+    num_replica_averages: int = 0
     decisions: list[Decision] = field(default_factory=list)
 
 
@@ -114,6 +116,7 @@ class Simulator:
         self._first_busy: list[float | None] = [None] * len(self.engines)
         self._last_busy = [0.0] * len(self.engines)
         self._syncs: dict[str, WeightSync] = {}
+        self.num_replica_averages = 0
         self.total_updates = 0
         self.decision_latency_us: list[float] = []
         self.decisions: list[Decision] = []
@@ -177,6 +180,8 @@ class Simulator:
                 self._end(decision.task_id, TaskStatus.REJECTED, decision.reason, now_s)
             elif isinstance(decision, WeightSync):
                 self._begin_sync(decision, now_s)
+            elif isinstance(decision, ReplicaAverage):
+                self._begin_average(decision, now_s)
             elif isinstance(decision, Deferral):
                 pass  # the planner keeps it; aging guarantees a later placement
 
@@ -249,6 +254,26 @@ class Simulator:
         if phase == "save":
             self.schedule(now_s + self.profile.weight_sync_s(), SyncArrive(sync_tag))
 
+    def _begin_average(self, average: ReplicaAverage, now_s: float) -> None:
+        """Occupy every stage of each participant for its share of the
+        averaging: save its stage weights, exchange them (a ring all-reduce
+        moves 2(n-1)/n of the bytes per node), load the mean. Charged as one
+        blocking item per node, so a node does not wait for the slowest
+        participant between the phases (live, phase 2 starts when every save
+        is done: slightly more stall than charged here)."""
+        self.num_replica_averages += 1
+        n = len(average.node_ids)
+        link = self.profile.transfer.host_link_bytes_s
+        wire = self.profile.transfer.weight_sync_bytes_s
+        exchange = 2.0 * (n - 1) / n
+        durations = tuple(
+            2.0 * b / link + exchange * b / wire for b in self.profile.memory.weight_bytes
+        )
+        for node_id in average.node_ids:
+            tag = f"avg:{average.round}-{node_id}"
+            starts = self.engines[node_id].add_blocking(tag, durations, None, now_s)
+            self._after_engine(node_id, starts, [], now_s)
+
     def on_sync_arrive(self, tag: str, now_s: float) -> None:
         sync = self._syncs[tag]
         link = self.profile.transfer.host_link_bytes_s
@@ -293,6 +318,7 @@ class Simulator:
             num_deferrals=self.planner.num_deferrals,
             num_weight_syncs=len(self._syncs),
             num_offloads=sum(e.num_offloads for e in self.engines),
+            num_replica_averages=self.num_replica_averages,
             num_events=self.num_events,
             decisions=self.decisions,
         )

@@ -78,6 +78,7 @@ class SchedulerConfig(CommonServiceConfig):
     batch_cap: str = EngineKnobs().batch_cap
     train_rate: float = _DEFAULT_PLANNER.train_rate  # SEPARATE's training share of nodes
     sync_every_tasks: int = _DEFAULT_PLANNER.sync_every_tasks  # SEPARATE's K
+    replica_sync_every_tasks: int = 0  # M: average the trainers' replicas; 0 = off
     max_defer_s: float = _DEFAULT_PLANNER.max_defer_s
     defer_recheck_s: float = _DEFAULT_PLANNER.defer_recheck_s
     dispatch_deadline_s: float = 5.0  # executor Dispatch/Cancel; they answer from memory
@@ -216,6 +217,7 @@ class SchedulerConfig(CommonServiceConfig):
             defer_recheck_s=self.defer_recheck_s,
             train_rate=self.train_rate,
             sync_every_tasks=self.sync_every_tasks,
+            replica_sync_every_tasks=self.replica_sync_every_tasks or None,
             **self.engine_knobs().resolve(profile),
         )
 
@@ -263,6 +265,12 @@ _OPTIONS: tuple[Option, ...] = (
     *ENGINE_OPTIONS,
     option("train_rate", "LEMIX_TRAIN_RATE", float, "SEPARATE: training share of nodes"),
     option("sync_every_tasks", "LEMIX_SYNC_EVERY_TASKS", int, "SEPARATE: weight sync period K"),
+    option(
+        "replica_sync_every_tasks",
+        "LEMIX_REPLICA_SYNC_EVERY_TASKS",
+        int,
+        "average the training nodes' replicas every M training tasks (0 = off)",
+    ),
     option("max_defer_s", "LEMIX_MAX_DEFER_S", float, "longest a training task is deferred"),
     option(
         "defer_recheck_s", "LEMIX_DEFER_RECHECK_S", float, "re-evaluate deferred training every"
