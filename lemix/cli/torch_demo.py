@@ -10,9 +10,9 @@ it) and its reference accuracy (the fraction of reference tokens that are
 the model's top-1 choice, teacher-forced). Executors start from the preset's
 seeded random weights, or from a pretrained checkpoint (`from_checkpoint`,
 `make pretrain`). Co-located, every node trains and serves its own replica
-(they start equal and are never synchronised, so each learns only from the
-samples placed on it) unless replica sync averages them every M training
-tasks (`replica_sync_every_tasks`); SEPARATE trains on half the nodes and
+(they start equal; without replica sync they are never synchronised, so each
+learns only from the samples placed on it; with `replica_sync_every_tasks` M
+they are averaged every M training tasks); SEPARATE trains on half the nodes and
 ships weights to the serving half every K training tasks. The run prints both
 side by side and plots inference loss over time.
 """

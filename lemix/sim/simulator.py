@@ -117,6 +117,8 @@ class Simulator:
         self._last_busy = [0.0] * len(self.engines)
         self._syncs: dict[str, WeightSync] = {}
         self.num_replica_averages = 0
+        # Replica averages in flight: tag -> (the decision, saves not done yet).
+        self._averages: dict[str, tuple[ReplicaAverage, int]] = {}
         self.total_updates = 0
         self.decision_latency_us: list[float] = []
         self.decisions: list[Decision] = []
@@ -253,31 +255,44 @@ class Simulator:
         phase, sync_tag = tag.split(":", 1)
         if phase == "save":
             self.schedule(now_s + self.profile.weight_sync_s(), SyncArrive(sync_tag))
+        elif phase == "asave":
+            self._on_average_saved(sync_tag, now_s)
 
     def _begin_average(self, average: ReplicaAverage, now_s: float) -> None:
-        """Occupy every stage of each participant for its share of the
-        averaging: save its stage weights, exchange them (a ring all-reduce
-        moves 2(n-1)/n of the bytes per node), load the mean. Charged as one
-        blocking item per node, so a node does not wait for the slowest
-        participant between the phases (live, phase 2 starts when every save
-        is done: slightly more stall than charged here)."""
+        """Replica sync, charged like a weight sync and phased like the live
+        one: every participant saves its weights (its stages blocked for the
+        host-link copy); once all have, the replicas cross the network (a
+        ring all-reduce moves 2(n-1)/n of the model per node; the stages keep
+        working meanwhile); then every participant loads the mean (blocked
+        again)."""
         self.num_replica_averages += 1
-        n = len(average.node_ids)
+        tag = f"avg-{average.round}"
+        self._averages[tag] = (average, len(average.node_ids))
         link = self.profile.transfer.host_link_bytes_s
-        wire = self.profile.transfer.weight_sync_bytes_s
-        exchange = 2.0 * (n - 1) / n
-        durations = tuple(
-            2.0 * b / link + exchange * b / wire for b in self.profile.memory.weight_bytes
-        )
+        save = tuple(b / link for b in self.profile.memory.weight_bytes)
         for node_id in average.node_ids:
-            tag = f"avg:{average.round}-{node_id}"
-            starts = self.engines[node_id].add_blocking(tag, durations, None, now_s)
+            starts = self.engines[node_id].add_blocking(f"asave:{tag}", save, None, now_s)
             self._after_engine(node_id, starts, [], now_s)
 
+    def _on_average_saved(self, tag: str, now_s: float) -> None:
+        average, num_left = self._averages[tag]
+        self._averages[tag] = (average, num_left - 1)
+        if num_left > 1:
+            return
+        n = len(average.node_ids)
+        exchange_s = 2.0 * (n - 1) / n * self.profile.weight_sync_s()
+        self.schedule(now_s + exchange_s, SyncArrive(tag))
+
     def on_sync_arrive(self, tag: str, now_s: float) -> None:
-        sync = self._syncs[tag]
         link = self.profile.transfer.host_link_bytes_s
         load = tuple(b / link for b in self.profile.memory.weight_bytes)
+        if tag in self._averages:
+            average, _ = self._averages.pop(tag)
+            for node_id in average.node_ids:
+                starts = self.engines[node_id].add_blocking(f"aload:{tag}", load, None, now_s)
+                self._after_engine(node_id, starts, [], now_s)
+            return
+        sync = self._syncs[tag]
         for node_id in sync.target_node_ids:
             engine = self.engines[node_id]
             starts = engine.add_blocking(f"load:{tag}", load, sync.num_training_updates, now_s)

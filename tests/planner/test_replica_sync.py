@@ -94,9 +94,10 @@ def test_invalid_period_is_refused() -> None:
 
 
 def test_the_simulator_charges_the_exchange_on_the_participants() -> None:
-    # 100 kB of weights per stage at 1 MB/s for the host link and the wire: per
-    # round, each of the 2 nodes' 2 stages is busy 2·0.1 (save + load) +
-    # 2·(2-1)/2·0.1 (ring exchange) = 0.3 s.
+    # 100 kB of weights per stage at 1 MB/s over the host link: per round,
+    # each of the 2 nodes' 2 stages is busy 0.1 (save) + 0.1 (load of the
+    # mean) = 0.2 s; the exchange between (2·(2-1)/2 · 200 kB at 1 MB/s =
+    # 0.2 s) is on the wire, not on the stages.
     profile = make_profile(weight_bytes=100_000, capacity_bytes=200_000)
     tasks = [make_training(f"t{i}", 0.1 * i, 100, seq=i) for i in range(8)]
     tasks.append(make_request("late", 5.0, 50, 3, seq=20))
@@ -118,4 +119,21 @@ def test_the_simulator_charges_the_exchange_on_the_participants() -> None:
     def busy_s(result) -> float:  # stage-seconds of work over the run
         return result.utilization * 2 * profile.num_stages * result.makespan_s
 
-    assert busy_s(synced) - busy_s(plain) == pytest.approx(4 * 2 * 2 * 0.3, rel=1e-6)
+    assert busy_s(synced) - busy_s(plain) == pytest.approx(4 * 2 * 2 * 0.2, rel=1e-6)
+
+
+def test_the_mean_is_loaded_only_after_the_exchange_crossed_the_wire() -> None:
+    # A 1 kB/s wire: the one round's exchange takes 2·(2-1)/2 · 200 kB / 1 kB/s
+    # = 200 s, and each node's loads end after it.
+    profile = make_profile(weight_bytes=100_000, capacity_bytes=200_000, weight_sync_bytes_s=1e3)
+    tasks = [make_training(f"t{i}", 0.1 * i, 100, seq=i) for i in range(2)]
+    cfg = SimRunConfig(
+        policy="mix-rr",
+        num_nodes=2,
+        latency_noise_cv=0.0,
+        replica_sync_every_tasks=2,
+        measure_decision_latency=False,
+    )
+    _, result = run_simulation(cfg, profile, tasks, request_rate=1.0, duration_s=1.0)
+    assert result.num_replica_averages == 1
+    assert all(span_s > 200.0 for span_s in result.node_active_spans_s)
