@@ -333,10 +333,7 @@ def cmd_compare(setup: CliSetup, out_dir: str, *, is_demo: bool = False) -> int:
             "== 1/3: a real model (torch, tiny Llama, 2 nodes x 2 stages on the CPU): "
             "co-located LeMix vs SEPARATE, live =="
         )
-        torch_config = TorchDemoConfig(
-            duration_s=45.0, replica_sync_every_tasks=setup.run.replica_sync_every_tasks or 0
-        )
-        torch_runs, png = run_demo(torch_config, Path(out_dir))
+        torch_runs, png = run_demo(TorchDemoConfig(duration_s=45.0), Path(out_dir))
         print(side_by_side(torch_runs))
         print(f"plot:    {png}")
         live_runs.extend(torch_runs)
