@@ -322,7 +322,11 @@ class TorchBackend:
         path = Path(job.location) / f"stage{stage}.safetensors"
         if job.direction is SyncDirection.SAVE:
             weights.save_stage(self.staged.stages[stage], path)
-        elif job.direction is SyncDirection.AVERAGE:
+            return
+        # An in-place change of the weights, like an optimizer step: a training
+        # forward still waiting for its backward keeps the weights it saw.
+        self.trainer.stashes[stage].before_step()
+        if job.direction is SyncDirection.AVERAGE:
             sources = [Path(s) / f"stage{stage}.safetensors" for s in job.sources]
             weights.average_into_stage(self.staged.stages[stage], path, sources)
         else:

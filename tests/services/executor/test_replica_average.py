@@ -13,11 +13,11 @@ import torch
 from executor_sinks import RecordingSink
 from factories import make_profile
 
-from lemix.engine import EngineConfig, NodeEngine
+from lemix.engine import EngineConfig, NodeEngine, StageStart, WorkKind
 from lemix.model.presets import ModelSpec, build_model
 from lemix.model.runner import InferenceRunner
 from lemix.model.staged import StagedModel
-from lemix.model.training import PipelineTrainer, TrainingConfig
+from lemix.model.training import PipelineTrainer, Sample, TrainingConfig
 from lemix.types import ReplicaAverage
 from services.executor import weights
 from services.executor.backends.torch import TorchBackend
@@ -150,3 +150,39 @@ async def test_a_round_with_fewer_than_two_saves_is_skipped() -> None:
 
     assert await run_replica_average(call, ReplicaAverage((0, 1), 1), "/w") == ()
     assert calls == [SAVE, SAVE]  # no phase 2
+
+
+def _stage0_input_grad(backend: TorchBackend) -> torch.Tensor:
+    """The gradient stage 1's backward hands to stage 0 (what stage 0 steps with)."""
+    return backend.trainer._grads[("k", 1)].clone()
+
+
+async def test_a_backward_straddling_an_average_uses_the_weights_its_forward_saw(
+    tmp_path: Path,
+) -> None:
+    """The average changes the weights in place between a training task's
+    forward and its backward: like an optimizer step, it goes through weight
+    stashing, so the backward is the one of the forward that ran."""
+    other = _staged(2)
+    for stage in other.stages:
+        weights.save_stage(stage, tmp_path / "b" / f"stage{stage.index}.safetensors")
+    sample = [Sample(tuple(range(3, 20)), 5)]
+    grads = []
+    for is_averaged in (False, True):
+        _, backend = _node(1)
+        for stage in backend.staged.stages:
+            weights.save_stage(stage, tmp_path / "a" / f"stage{stage.index}.safetensors")
+        backend.trainer.forward(0, "k", sample)
+        backend.trainer.forward(1, "k")
+        if is_averaged:
+            sources = (str(tmp_path / "a"), str(tmp_path / "b"))
+            backend.prepare_sync("avg", SyncDirection.AVERAGE, str(tmp_path / "a"), sources)
+            await backend.execute(StageStart(1, 0.0, WorkKind.BLOCKING, "avg"), 0.0)
+            assert not torch.equal(  # the weights did change
+                next(backend.staged.stages[1].modules.parameters()),
+                next(_staged(1).stages[1].modules.parameters()),
+            )
+        backend.trainer.backward(1, "k")
+        grads.append(_stage0_input_grad(backend))
+        backend.close()
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
