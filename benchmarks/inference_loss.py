@@ -17,6 +17,12 @@ loss ratio and the LeMix - SEPARATE accuracy difference, each with a 95%
 confidence interval across seeds (Student t), over all requests and over the
 second half of the run, plus SLO attainment.
 
+With `--replica-sync-every M`, LeMix also runs once per seed with replica sync
+(its training replicas averaged every M training tasks,
+`lemix.planner.replica_sync`), reported against plain LeMix on the same seed
+(loss ratio synced / plain, accuracy difference synced - plain). An empty
+`--sync-every-list ""` skips SEPARATE.
+
     .venv/bin/python benchmarks/inference_loss.py --hh ../shared/data/hh-rlhf-test.json \\
         --sync-every-list 10,50,200 --seeds 0,1,2
 """
@@ -92,20 +98,27 @@ def run_seed(
     ks: Sequence[int],
     pairs: tuple[list[Pair], list[Pair]],
     out_dir: Path,
+    replica_sync_every: int = 0,
 ) -> dict[str, Any]:
-    """LeMix once and SEPARATE per K on one seed's workload."""
+    """LeMix once (and once with replica sync every M when M > 0) and SEPARATE
+    per K on one seed's workload."""
     tasks: list[Task] = poisson_tasks(base)
     texts = assign_texts(tasks, *pairs)
     row: dict[str, Any] = {"seed": base.seed, "separate": {}}
     series: dict[str, list[tuple[float, float]]] = {}
     runs: list[tuple[str, TorchDemoConfig]] = [("lemix", base)]
+    if replica_sync_every > 0:
+        synced = dataclasses.replace(base, replica_sync_every_tasks=replica_sync_every)
+        runs.append((f"lemix-rs{replica_sync_every}", synced))
     runs += [(f"separate-K{k}", dataclasses.replace(base, sync_every_tasks=k)) for k in ks]
     for label, config in runs:
-        policy = label.split("-K")[0]
+        policy = label.split("-K")[0].split("-rs")[0]
         metrics, records = asyncio.run(run_policy(config, policy, tasks, texts, out_dir / label))
         summary = run_summary(metrics, records, base.duration_s)
-        if policy == "lemix":
+        if label == "lemix":
             row["lemix"] = summary
+        elif policy == "lemix":
+            row["lemix_replica_sync"] = summary
         else:
             row["separate"][str(config.sync_every_tasks)] = summary
         series[label] = loss_series(records)
@@ -145,6 +158,19 @@ def aggregate(rows: Sequence[dict[str, Any]], ks: Sequence[int]) -> dict[str, An
     difference LeMix - SEPARATE, paired by seed, with 95% CIs."""
     lemix_runs = [r["lemix"] for r in rows]
     out: dict[str, Any] = {"lemix": _across(lemix_runs), "separate": {}}
+    if all("lemix_replica_sync" in r for r in rows) and rows:
+        synced_runs = [r["lemix_replica_sync"] for r in rows]
+        pairs = list(zip(synced_runs, lemix_runs, strict=True))
+        out["lemix_replica_sync"] = {
+            **_across(synced_runs),
+            "loss_ratio_vs_lemix": {
+                w: _stat(_ratio(a["loss"][w], b["loss"][w]) for a, b in pairs) for w in WINDOWS
+            },
+            "accuracy_diff_vs_lemix": {
+                w: _stat(_diff(a["accuracy"][w], b["accuracy"][w]) for a, b in pairs)
+                for w in WINDOWS
+            },
+        }
     for k in ks:
         separate_runs = [r["separate"][str(k)] for r in rows]
         pairs = list(zip(lemix_runs, separate_runs, strict=True))
@@ -173,6 +199,15 @@ def print_table(summary: dict[str, Any], ks: Sequence[int]) -> None:
         f"\nLeMix: loss {_fmt(lemix['loss']['all'])}, accuracy {_fmt(lemix['accuracy']['all'])}, "
         f"SLO {_fmt(lemix['slo_attainment'])}"
     )
+    synced = summary.get("lemix_replica_sync")
+    if synced is not None:
+        print(
+            f"LeMix + replica sync: loss {_fmt(synced['loss']['all'])}, accuracy "
+            f"{_fmt(synced['accuracy']['all'])}, SLO {_fmt(synced['slo_attainment'])}; "
+            f"loss ratio vs LeMix {_fmt(synced['loss_ratio_vs_lemix']['all'])} (2nd half "
+            f"{_fmt(synced['loss_ratio_vs_lemix']['second_half'])}), accuracy diff "
+            f"{_fmt(synced['accuracy_diff_vs_lemix']['all'], 4)}"
+        )
     header = ("K", "SEP loss", "ratio all", "ratio 2nd half", "acc diff all", "SEP SLO")
     print(
         f"{header[0]:>4} {header[1]:>16} {header[2]:>16} {header[3]:>16} {header[4]:>18} "
@@ -197,10 +232,17 @@ def main() -> int:
     parser.add_argument(
         "--sync-every-list", default="10,25,50,100,200", help="SEPARATE's K values, comma-separated"
     )
+    parser.add_argument(
+        "--replica-sync-every",
+        type=int,
+        default=0,
+        metavar="M",
+        help="also run LeMix with its replicas averaged every M training tasks (0 = off)",
+    )
     parser.add_argument("--init", choices=("pretrained", "random"), default="pretrained")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/inference_loss"))
     args = parser.parse_args()
-    ks = [int(k) for k in args.sync_every_list.split(",")]
+    ks = [int(k) for k in args.sync_every_list.split(",") if k.strip()]
     checkpoint = pretrained_checkpoint() if args.init == "pretrained" else None
     rows: list[dict[str, Any]] = []
     for seed in (int(s) for s in args.seeds.split(",")):
@@ -208,11 +250,13 @@ def main() -> int:
         if checkpoint is not None:
             config = from_checkpoint(config, checkpoint)
         pairs = load_pairs(config, args.hh)
-        rows.append(run_seed(config, ks, pairs, args.out / f"seed{seed}"))
+        out_dir = args.out / f"seed{seed}"
+        rows.append(run_seed(config, ks, pairs, out_dir, args.replica_sync_every))
     summary = {
         "init": args.init,
         "checkpoint": str(checkpoint) if checkpoint is not None else None,
         "sync_every_list": ks,
+        "replica_sync_every_tasks": args.replica_sync_every,
         "duration_s": args.duration,
         "data": str(args.hh or "sharegpt"),
         "seeds": rows,

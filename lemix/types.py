@@ -198,7 +198,20 @@ class WeightSync:
     num_training_updates: int  # updates on the source when the sync was decided
 
 
-Decision = Placement | Deferral | Rejection | WeightSync
+@dataclass(frozen=True, slots=True)
+class ReplicaAverage:
+    """Average the weights of the co-located replicas on `node_ids` (replica sync).
+
+    Each node exports its weights, then takes the element-wise mean of all the
+    exports (plus what it trained since its own export); optimizer state stays
+    local. `round` numbers the averages of one run, from 1.
+    """
+
+    node_ids: tuple[int, ...]
+    round: int
+
+
+Decision = Placement | Deferral | Rejection | WeightSync | ReplicaAverage
 
 
 # ------------------------------------------------------------ node feedback

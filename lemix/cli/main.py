@@ -162,6 +162,13 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
         help="SEPARATE: copy the trained weights to the serving nodes every K training tasks",
     )
     p.add_argument(
+        "--replica-sync-every",
+        type=int,
+        default=0,
+        metavar="M",
+        help="average the training nodes' replicas every M training tasks (0 = off)",
+    )
+    p.add_argument(
         "--slo-headroom",
         type=float,
         default=SimRunConfig().slo_headroom,
@@ -250,6 +257,7 @@ def configs_from_args(args: argparse.Namespace) -> CliSetup:
             batching=batching,
             train_rate=args.train_rate,
             sync_every_tasks=args.sync_every,
+            replica_sync_every_tasks=args.replica_sync_every or None,
             slo_headroom=args.slo_headroom,
             training_nodes=args.training_nodes,
             is_admission_cluster_wide=args.admission == "cluster",
@@ -264,6 +272,7 @@ def configs_from_args(args: argparse.Namespace) -> CliSetup:
         num_nodes=args.nodes,
         batching=batching,
         sync_every_tasks=args.sync_every,
+        replica_sync_every_tasks=args.replica_sync_every or None,
         slo_headroom=args.slo_headroom,
         training_nodes=args.training_nodes,
         is_admission_cluster_wide=args.admission == "cluster",

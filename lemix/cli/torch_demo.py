@@ -10,10 +10,11 @@ it) and its reference accuracy (the fraction of reference tokens that are
 the model's top-1 choice, teacher-forced). Executors start from the preset's
 seeded random weights, or from a pretrained checkpoint (`from_checkpoint`,
 `make pretrain`). Co-located, every node trains and serves its own replica
-(they start equal and are never synchronised, so each learns only from the
-samples placed on it); SEPARATE trains on half the nodes and ships weights to
-the serving half every K training tasks. The run prints both side by side and plots inference loss
-over time.
+(they start equal; without replica sync they are never synchronised, so each
+learns only from the samples placed on it; with `replica_sync_every_tasks` M
+they are averaged every M training tasks); SEPARATE trains on half the nodes and
+ships weights to the serving half every K training tasks. The run prints both
+side by side and plots inference loss over time.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class TorchDemoConfig:
     max_tokens: int = 16
     max_chars: int = 600  # query + reference, so a CPU prefill stays short
     sync_every_tasks: int = 100  # SEPARATE's K (the paper caps it at 100)
+    # M: average the training replicas every M training tasks (0 = off;
+    # `lemix.planner.replica_sync`)
+    replica_sync_every_tasks: int = 0
     seed: int = 0
     slo_ttft_s: float = 2.0  # a CPU tiny model's SLO; one for every policy
     slo_tbt_s: float = 0.5
@@ -54,6 +58,8 @@ class TorchDemoConfig:
     def __post_init__(self) -> None:
         if self.request_rate <= 0 or self.training_rate < 0 or self.duration_s <= 0:
             raise ValueError("rates and duration must be positive")
+        if self.replica_sync_every_tasks < 0:
+            raise ValueError("replica_sync_every_tasks must be >= 0 (0 = off)")
 
 
 def poisson_tasks(config: TorchDemoConfig) -> list[Task]:
@@ -125,6 +131,7 @@ async def run_policy(
         tokenizer=config.tokenizer,
         extra_env={
             "LEMIX_SYNC_EVERY_TASKS": str(config.sync_every_tasks),
+            "LEMIX_REPLICA_SYNC_EVERY_TASKS": str(config.replica_sync_every_tasks),
             "LEMIX_WEIGHT_SYNC_DIR": str((out_dir / f"weights-{policy}").resolve()),
             "LEMIX_MODEL_SEED": str(config.seed),
         },

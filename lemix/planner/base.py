@@ -39,6 +39,9 @@ class PlannerConfig:
     slo_headroom: float = 0.8
     train_rate: float = 0.0  # r: the SEPARATE split uses it
     sync_every_tasks: int = 100  # K: SEPARATE weight sync period in training tasks
+    # M: average the training nodes' replicas every M completed training tasks
+    # (`lemix.planner.replica_sync`); None = never, replicas drift apart.
+    replica_sync_every_tasks: int | None = None
     dynamic_full_rate_rps: float = 32.0  # SEPARATE-dynamic: rate at which serving gets N-1 nodes
     # The executors' engine shape (`lemix.engine.EngineConfig`, resolved), so
     # the decode-aware costs model the engine the nodes run. The defaults are
@@ -86,6 +89,8 @@ class PlannerConfig:
             raise ValueError(
                 f"num_training_nodes must be in [1, {self.num_nodes}] or None, got {num_training}"
             )
+        if self.replica_sync_every_tasks is not None and self.replica_sync_every_tasks < 1:
+            raise ValueError("replica_sync_every_tasks must be >= 1 or None (off)")
         if self.num_micro_batches < 1:
             raise ValueError("num_micro_batches must be >= 1 (resolved: auto is num_stages)")
         if self.prefill_token_budget is not None and self.prefill_token_budget < 1:

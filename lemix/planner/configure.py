@@ -29,6 +29,7 @@ def build_planner_config(
     is_batch_cap_per_micro_batch: bool = False,
     prefill_token_budget: int | None = None,
     max_training_slice_s: float | None = None,
+    replica_sync_every_tasks: int | None = None,
 ) -> PlannerConfig:
     """The planner's config for `num_nodes` nodes running `profile`'s stages
     under `slo`; the other knobs keep `PlannerConfig`'s defaults. The engine
@@ -52,6 +53,7 @@ def build_planner_config(
         is_batch_cap_per_micro_batch=is_batch_cap_per_micro_batch,
         prefill_token_budget=prefill_token_budget,
         max_training_slice_s=max_training_slice_s,
+        replica_sync_every_tasks=replica_sync_every_tasks or None,
     )
 
 

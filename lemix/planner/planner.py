@@ -8,7 +8,8 @@ yields the same decisions (the parity test relies on that).
 Mechanism, not policy: the policy ranks nodes; the planner runs Algorithm 1
 where the policy needs it, applies queue-level deprioritization of training
 (with aging, so training never starves and is never dropped), keeps the
-accounting, rejects what can never fit, and emits SEPARATE's weight syncs.
+accounting, rejects what can never fit, and emits SEPARATE's weight syncs
+and the replica averages of `lemix.planner.replica_sync`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 from lemix.memory import dynamic_bytes, threshold_bytes
 from lemix.planner.base import PlacementPolicy, PlannerConfig, PolicyContext, Ranked
 from lemix.planner.costs import CostEstimator
+from lemix.planner.replica_sync import ReplicaSyncClock
 from lemix.planner.snapshot import (
     SNAPSHOT_VERSION,
     check_snapshot,
@@ -81,6 +83,7 @@ class Planner:
         self._inference_out_mean = 0.0
         self._num_inference_seen = 0
         self._train_done_since_sync = 0
+        self._replica_sync = ReplicaSyncClock(config.replica_sync_every_tasks)
         self._is_deferred_dirty = False
         self._down_nodes: set[int] = set()
         self._is_rank_empty_by_policy = False  # the last rank(): the policy offered no node
@@ -184,6 +187,7 @@ class Planner:
             "inference_out_mean": self._inference_out_mean,
             "num_inference_seen": self._num_inference_seen,
             "train_done_since_sync": self._train_done_since_sync,
+            "replica_sync": self._replica_sync.snapshot_state(),
             "is_deferred_dirty": self._is_deferred_dirty,
             "down_nodes": sorted(self._down_nodes),
             "deferred_eval_s": self._deferred_eval_s,
@@ -215,6 +219,7 @@ class Planner:
         self._inference_out_mean = float(snapshot["inference_out_mean"])
         self._num_inference_seen = int(snapshot["num_inference_seen"])
         self._train_done_since_sync = int(snapshot["train_done_since_sync"])
+        self._replica_sync.restore_state(snapshot.get("replica_sync"))
         self._is_deferred_dirty = bool(snapshot["is_deferred_dirty"])
         self._down_nodes = {int(n) for n in snapshot["down_nodes"]}
         self._deferred_eval_s = float(snapshot["deferred_eval_s"])
@@ -447,17 +452,21 @@ class Planner:
     def _maybe_sync(self, now_s: float) -> list[Decision]:
         """Every K completed training tasks, copy the freshest replica to the
         nodes that serve but do not train (SEPARATE's serving nodes, or a
-        co-located policy's serving-only nodes)."""
+        co-located policy's serving-only nodes). With replica sync on, also
+        every M average the replicas of the live training nodes."""
         context = self.context(now_s)
         trainer_ids = set(self.training_nodes(context))
+        live_trainers = [n for n in sorted(trainer_ids) if n not in self._down_nodes]
+        average = self._replica_sync.on_training_done(live_trainers)
+        averages: list[Decision] = [average] if average is not None else []
         serving = self.policy.serving_nodes(self.config.num_nodes, context)
         targets = tuple(n for n in serving if n not in trainer_ids)
         if not targets or not trainer_ids:
-            return []  # every serving node trains: its own updates are its weights
+            return averages  # every serving node trains: its own updates are its weights
         self._train_done_since_sync += 1
         if self._train_done_since_sync < self.config.sync_every_tasks:
-            return []
+            return averages
         self._train_done_since_sync = 0
         trainers = [v for v in self.views if v.node_id in trainer_ids]
         source = max(trainers, key=lambda v: (v.num_training_updates, -v.node_id))
-        return [WeightSync(source.node_id, targets, source.num_training_updates)]
+        return [*averages, WeightSync(source.node_id, targets, source.num_training_updates)]

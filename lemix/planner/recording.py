@@ -20,6 +20,7 @@ from lemix.types import (
     Deferral,
     Placement,
     Rejection,
+    ReplicaAverage,
     Task,
     TaskKind,
     WeightSync,
@@ -51,6 +52,8 @@ def decision_to_event(decision: Decision) -> dict[str, Any]:
     fields["type"] = type(decision).__name__
     if isinstance(decision, WeightSync):
         fields["target_node_ids"] = list(decision.target_node_ids)
+    if isinstance(decision, ReplicaAverage):
+        fields["node_ids"] = list(decision.node_ids)
     return fields
 
 
@@ -60,6 +63,8 @@ def decision_key(decision: Decision) -> tuple[Any, ...]:
         return ("Placement", decision.task_id, decision.node_id)
     if isinstance(decision, Deferral | Rejection):
         return (type(decision).__name__, decision.task_id)
+    if isinstance(decision, ReplicaAverage):
+        return ("ReplicaAverage", tuple(decision.node_ids), decision.round)
     return (
         "WeightSync",
         decision.source_node_id,
@@ -150,6 +155,8 @@ def recorded_decision_keys(events: Iterable[Event]) -> list[tuple[Any, ...]]:
             keys.append(("Placement", out["task_id"], int(out["node_id"])))
         elif kind in ("Deferral", "Rejection"):
             keys.append((kind, out["task_id"]))
+        elif kind == "ReplicaAverage":
+            keys.append((kind, tuple(int(x) for x in out["node_ids"]), int(out["round"])))
         else:
             keys.append(
                 (

@@ -33,6 +33,9 @@ class SimRunConfig:
     latency_noise_cv: float = 0.05
     train_rate: float = 0.0
     sync_every_tasks: int = 100
+    # `PlannerConfig.replica_sync_every_tasks`: average the trainers' replicas
+    # every M training tasks; None = off.
+    replica_sync_every_tasks: int | None = None
     max_defer_s: float = 30.0
     defer_recheck_s: float = 1.0
     # `PlannerConfig.slo_headroom`: the admission threshold of the policies
@@ -121,6 +124,7 @@ def build_simulator(
         is_admission_cluster_wide=config.is_admission_cluster_wide,
         train_rate=config.train_rate,
         sync_every_tasks=config.sync_every_tasks,
+        replica_sync_every_tasks=config.replica_sync_every_tasks,
         num_micro_batches=engine_config.num_micro_batches,
         is_batch_cap_per_micro_batch=engine_config.is_batch_cap_per_micro_batch,
         prefill_token_budget=engine_config.prefill_token_budget,
@@ -200,6 +204,8 @@ def run_simulation(
     metrics["num_weight_syncs"] = result.num_weight_syncs
     metrics["num_kv_offloads"] = result.num_offloads
     metrics["sync_every_tasks"] = config.sync_every_tasks
+    metrics["replica_sync_every_tasks"] = config.replica_sync_every_tasks
+    metrics["num_replica_averages"] = result.num_replica_averages
     metrics["slo_headroom"] = config.slo_headroom
     metrics["training_nodes"] = config.training_nodes
     metrics["admission"] = "cluster" if config.is_admission_cluster_wide else "node"

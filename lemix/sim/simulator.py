@@ -40,6 +40,7 @@ from lemix.types import (
     Deferral,
     Placement,
     Rejection,
+    ReplicaAverage,
     Task,
     TaskKind,
     TaskRecord,
@@ -59,6 +60,7 @@ class SimResult:
     num_weight_syncs: int
     num_offloads: int
     num_events: int
+    num_replica_averages: int = 0
     decisions: list[Decision] = field(default_factory=list)
 
 
@@ -114,6 +116,9 @@ class Simulator:
         self._first_busy: list[float | None] = [None] * len(self.engines)
         self._last_busy = [0.0] * len(self.engines)
         self._syncs: dict[str, WeightSync] = {}
+        self.num_replica_averages = 0
+        # Replica averages in flight: tag -> (the decision, saves not done yet).
+        self._averages: dict[str, tuple[ReplicaAverage, int]] = {}
         self.total_updates = 0
         self.decision_latency_us: list[float] = []
         self.decisions: list[Decision] = []
@@ -177,6 +182,8 @@ class Simulator:
                 self._end(decision.task_id, TaskStatus.REJECTED, decision.reason, now_s)
             elif isinstance(decision, WeightSync):
                 self._begin_sync(decision, now_s)
+            elif isinstance(decision, ReplicaAverage):
+                self._begin_average(decision, now_s)
             elif isinstance(decision, Deferral):
                 pass  # the planner keeps it; aging guarantees a later placement
 
@@ -248,11 +255,44 @@ class Simulator:
         phase, sync_tag = tag.split(":", 1)
         if phase == "save":
             self.schedule(now_s + self.profile.weight_sync_s(), SyncArrive(sync_tag))
+        elif phase == "asave":
+            self._on_average_saved(sync_tag, now_s)
+
+    def _begin_average(self, average: ReplicaAverage, now_s: float) -> None:
+        """Replica sync, charged like a weight sync and phased like the live
+        one: every participant saves its weights (its stages blocked for the
+        host-link copy); once all have, the replicas cross the network (a
+        ring all-reduce moves 2(n-1)/n of the model per node; the stages keep
+        working meanwhile); then every participant loads the mean (blocked
+        again)."""
+        self.num_replica_averages += 1
+        tag = f"avg-{average.round}"
+        self._averages[tag] = (average, len(average.node_ids))
+        link = self.profile.transfer.host_link_bytes_s
+        save = tuple(b / link for b in self.profile.memory.weight_bytes)
+        for node_id in average.node_ids:
+            starts = self.engines[node_id].add_blocking(f"asave:{tag}", save, None, now_s)
+            self._after_engine(node_id, starts, [], now_s)
+
+    def _on_average_saved(self, tag: str, now_s: float) -> None:
+        average, num_left = self._averages[tag]
+        self._averages[tag] = (average, num_left - 1)
+        if num_left > 1:
+            return
+        n = len(average.node_ids)
+        exchange_s = 2.0 * (n - 1) / n * self.profile.weight_sync_s()
+        self.schedule(now_s + exchange_s, SyncArrive(tag))
 
     def on_sync_arrive(self, tag: str, now_s: float) -> None:
-        sync = self._syncs[tag]
         link = self.profile.transfer.host_link_bytes_s
         load = tuple(b / link for b in self.profile.memory.weight_bytes)
+        if tag in self._averages:
+            average, _ = self._averages.pop(tag)
+            for node_id in average.node_ids:
+                starts = self.engines[node_id].add_blocking(f"aload:{tag}", load, None, now_s)
+                self._after_engine(node_id, starts, [], now_s)
+            return
+        sync = self._syncs[tag]
         for node_id in sync.target_node_ids:
             engine = self.engines[node_id]
             starts = engine.add_blocking(f"load:{tag}", load, sync.num_training_updates, now_s)
@@ -293,6 +333,7 @@ class Simulator:
             num_deferrals=self.planner.num_deferrals,
             num_weight_syncs=len(self._syncs),
             num_offloads=sum(e.num_offloads for e in self.engines),
+            num_replica_averages=self.num_replica_averages,
             num_events=self.num_events,
             decisions=self.decisions,
         )

@@ -28,6 +28,7 @@ class MeasurePhase(StrEnum):
 class SyncDirection(StrEnum):
     SAVE = "save"
     LOAD = "load"
+    AVERAGE = "average"  # replica sync (`lemix.planner.replica_sync`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,8 @@ class WeightSyncSpec:
     direction: SyncDirection
     location: str  # file path or URL of the weights ("" = backend default)
     weight_version: int  # LOAD: updates contained in the loaded weights
+    # AVERAGE: the saved replicas to average (`location` is this node's own save)
+    sources: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +87,7 @@ _PHASES = {
 _DIRECTIONS = {
     executor_pb2.SyncWeightsRequest.DIRECTION_SAVE: SyncDirection.SAVE,
     executor_pb2.SyncWeightsRequest.DIRECTION_LOAD: SyncDirection.LOAD,
+    executor_pb2.SyncWeightsRequest.DIRECTION_AVERAGE: SyncDirection.AVERAGE,
 }
 
 
@@ -116,10 +120,15 @@ def sync_from_proto(msg: executor_pb2.SyncWeightsRequest) -> WeightSyncSpec:
     direction = _DIRECTIONS.get(msg.direction)
     if direction is None:
         raise InvalidArgument(
-            f"sync direction {msg.direction} is not a direction; set DIRECTION_SAVE or "
-            "DIRECTION_LOAD"
+            f"sync direction {msg.direction} is not a direction; set DIRECTION_SAVE, "
+            "DIRECTION_LOAD or DIRECTION_AVERAGE"
         )
-    return WeightSyncSpec(direction, msg.location, msg.weight_version)
+    sources = tuple(msg.sources)
+    if direction is SyncDirection.AVERAGE and not (sources and msg.location):
+        raise InvalidArgument(
+            "DIRECTION_AVERAGE needs sources (the saved replicas) and location (this node's save)"
+        )
+    return WeightSyncSpec(direction, msg.location, msg.weight_version, sources)
 
 
 def sync_to_proto(result: WeightSyncResult) -> executor_pb2.SyncWeightsResponse:

@@ -259,10 +259,11 @@ class ExecutorNode:
             raise Unavailable(f"executor node {self.node_id} is shutting down")
         weight_bytes = self.profile.memory.weight_bytes
         rate = self.profile.transfer.host_link_bytes_s
-        durations_s = tuple(nbytes / rate for nbytes in weight_bytes)
+        num_reads = max(1, len(spec.sources))  # an average reads every replica's save
+        durations_s = tuple(num_reads * nbytes / rate for nbytes in weight_bytes)
         tag = f"{spec.direction}-{spec.weight_version}-{next(self._sync_seq)}"
         # InvalidArgument (no location for a real model) before anything is booked.
-        self.backend.prepare_sync(tag, spec.direction, spec.location)
+        self.backend.prepare_sync(tag, spec.direction, spec.location, spec.sources)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._blocking[tag] = done
         start_s = self.driver.now_s()
@@ -279,7 +280,7 @@ class ExecutorNode:
             version=spec.weight_version,
             location=spec.location,
         )
-        return WeightSyncResult(self.driver.now_s() - start_s, sum(weight_bytes))
+        return WeightSyncResult(self.driver.now_s() - start_s, num_reads * sum(weight_bytes))
 
     async def measure(self, spec: MeasureSpec) -> MeasureResult:
         """Profiling: a real model times the stage; the emulated backend returns

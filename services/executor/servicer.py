@@ -2,8 +2,8 @@
 
 No logic lives here. Domain errors (`InvalidArgument`, `ResourceExhausted`,
 `Unavailable`) become status codes in `lemix.infra.rpc.errors.handle_errors`, which
-maps them. SyncWeights' location is checked here, before the
-node sees it: it must lie under the weight-sync directory.
+maps them. SyncWeights' location (and an average's sources) are checked
+here, before the node sees them: they must lie under the weight-sync directory.
 """
 
 from __future__ import annotations
@@ -78,8 +78,11 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self, request: executor_pb2.SyncWeightsRequest, context: grpc.aio.ServicerContext
     ) -> executor_pb2.SyncWeightsResponse:
         spec = sync_from_proto(request)
+        root = self._weight_sync_dir
         spec = dataclasses.replace(
-            spec, location=confine_location(spec.location, self._weight_sync_dir)
+            spec,
+            location=confine_location(spec.location, root),
+            sources=tuple(confine_location(s, root) for s in spec.sources),
         )
         result = await self._node.sync_weights(spec)
         return sync_to_proto(result)

@@ -1,4 +1,5 @@
-"""Saving and loading one pipeline stage's weights (SEPARATE's weight sync).
+"""Saving, loading and averaging one pipeline stage's weights (SEPARATE's
+weight sync; replica sync's averaging).
 
 One safetensors file per stage under the sync location, keyed by the stage's
 own parameter names, so the stage of another node with the same split loads
@@ -14,8 +15,9 @@ move tensors: the check runs in emulated executors too.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lemix.infra.rpc.errors import InvalidArgument
 
@@ -62,12 +64,9 @@ def save_stage(stage: Stage, path: Path) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def load_stage(stage: Stage, path: Path) -> int:
-    """Copy the parameters in `path` into `stage`; returns the bytes loaded.
-
-    Raises FileNotFoundError, or ValueError when the file's names or shapes do
-    not match this stage (a different model or split)."""
-    import torch
+def _read_matching(stage: Stage, path: Path) -> dict[str, Any]:
+    """The tensors in `path`, checked against `stage`'s parameter names and
+    shapes: FileNotFoundError, or ValueError (another model or split)."""
     from safetensors.torch import load_file
 
     if not path.is_file():
@@ -80,13 +79,56 @@ def load_stage(stage: Stage, path: Path) -> int:
         raise ValueError(
             f"{path} does not match stage {stage.index}: missing {missing}, unexpected {extra}"
         )
+    for name, p in params.items():
+        if tensors[name].shape != p.shape:
+            raise ValueError(
+                f"{path}: {name} has shape {tuple(tensors[name].shape)}, the stage "
+                f"expects {tuple(p.shape)}"
+            )
+    return tensors
+
+
+def average_into_stage(stage: Stage, own: Path, sources: Sequence[Path]) -> int:
+    """Replica sync: ``weights += mean(sources) - own``, per parameter.
+
+    `own` is this node's save from the same round (normally one of `sources`):
+    what the node trained after saving it is kept on top of the mean rather
+    than overwritten, so no update is lost between the two phases. Right
+    after the save this is exactly the mean. Accumulates in float32. Reads
+    everything before writing anything: a bad file leaves the stage as it
+    was. Returns the bytes read.
+    """
+    import torch
+
+    if not sources:
+        raise ValueError("an average needs at least one source")
+    base = _read_matching(stage, own)
+    total: dict[str, Any] = {}
+    num_bytes = sum(t.numel() * t.element_size() for t in base.values())
+    for path in sources:
+        tensors = _read_matching(stage, path)
+        num_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        for name, t in tensors.items():
+            if name in total:
+                total[name] += t.float()
+            else:
+                total[name] = t.float().clone()
     with torch.no_grad():
-        for name, p in params.items():
-            src = tensors[name]
-            if src.shape != p.shape:
-                raise ValueError(
-                    f"{path}: {name} has shape {tuple(src.shape)}, the stage "
-                    f"expects {tuple(p.shape)}"
-                )
-            p.copy_(src.to(p.device, p.dtype))
+        for name, p in stage.modules.named_parameters():
+            delta = total[name] / len(sources) - base[name].float()  # mean - own save
+            p.add_(delta.to(p.device, p.dtype))
+    return num_bytes
+
+
+def load_stage(stage: Stage, path: Path) -> int:
+    """Copy the parameters in `path` into `stage`; returns the bytes loaded.
+
+    Raises FileNotFoundError, or ValueError when the file's names or shapes do
+    not match this stage (a different model or split)."""
+    import torch
+
+    tensors = _read_matching(stage, path)
+    with torch.no_grad():
+        for name, p in stage.modules.named_parameters():
+            p.copy_(tensors[name].to(p.device, p.dtype))
     return sum(t.numel() * t.element_size() for t in tensors.values())

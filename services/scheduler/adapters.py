@@ -21,7 +21,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from itertools import islice
-from pathlib import PurePosixPath
 
 import grpc
 import grpc.aio
@@ -43,15 +42,14 @@ from lemix.infra.store.task_hash import (
     StoredStatus,
 )
 from lemix.planner.recording import Event
-from lemix.types import Placement, Task, TaskPayload, WeightSync
+from lemix.types import Placement, ReplicaAverage, Task, TaskPayload, WeightSync
 from services.scheduler.codec import EVENT_FIELD, events_to_fields
 from services.scheduler.ports import DispatchError, StateWrite, TaskProgress, TaskRefused
 from services.scheduler.recovery import SNAPSHOT_MARKER
+from services.scheduler.weight_syncs import WeightSyncQueue
 
 log = structlog.get_logger(__name__)
 
-_SAVE = executor_pb2.SyncWeightsRequest.DIRECTION_SAVE
-_LOAD = executor_pb2.SyncWeightsRequest.DIRECTION_LOAD
 
 # Dispatch failures that say nothing about the task, only that the node did
 # not answer: it is marked down and the task goes elsewhere. Any other status
@@ -109,13 +107,8 @@ class GrpcDispatcher:
         self._addresses: dict[int, str] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, executor_pb2_grpc.ExecutorStub] = {}
-        # SEPARATE's weight syncs take seconds to minutes: they run here, one
-        # after another, so the core (which holds its lock while applying
-        # decisions) never waits for one.
-        self._syncs: deque[WeightSync] = deque()
-        self._sync_wake = asyncio.Event()
-        self._sync_task: asyncio.Task[None] | None = None
-        self.num_syncs_done = 0
+        # SEPARATE's weight syncs and replica averages, in the background.
+        self.syncs = WeightSyncQueue(self._sync_call, weight_sync_dir)
 
     # ------------------------------------------------------------ addresses
 
@@ -146,10 +139,7 @@ class GrpcDispatcher:
         return stub
 
     async def close(self) -> None:
-        if self._sync_task is not None:
-            self._sync_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sync_task
+        await self.syncs.close()
         channels, self._channels, self._stubs = self._channels, {}, {}
         for ch in channels.values():
             await ch.close()
@@ -192,52 +182,19 @@ class GrpcDispatcher:
             raise error_from_rpc(err) from err
         return bool(reply.is_found)
 
-    async def sync_weights(self, sync: WeightSync) -> None:
-        """Queue a weight sync: SAVE on the source, then LOAD on each target."""
-        self._syncs.append(sync)
-        self._sync_wake.set()
-        if self._sync_task is None:
-            self._sync_task = asyncio.create_task(self._sync_loop(), name="weight-syncs")
+    async def sync_weights(self, sync: WeightSync | ReplicaAverage) -> None:
+        """Queue a weight sync (SAVE on the source, then LOAD on each target)
+        or a replica average (`services.scheduler.replica_sync`)."""
+        self.syncs.enqueue(sync)
 
-    async def _sync_loop(self) -> None:
-        while True:
-            await self._sync_wake.wait()
-            self._sync_wake.clear()
-            while self._syncs:
-                sync = self._syncs.popleft()
-                try:
-                    await self._run_sync(sync)
-                    self.num_syncs_done += 1
-                except DispatchError as exc:
-                    log.warning(
-                        "weight_sync_failed",
-                        source=sync.source_node_id,
-                        targets=list(sync.target_node_ids),
-                        error=str(exc),
-                    )
-
-    async def _run_sync(self, sync: WeightSync) -> None:
-        location = str(
-            PurePosixPath(self.weight_sync_dir)
-            / f"node{sync.source_node_id}-v{sync.num_training_updates}"
-        )
-        started = time.monotonic()
-        await self._sync_call(sync.source_node_id, _SAVE, location, sync.num_training_updates)
-        for target in sync.target_node_ids:
-            await self._sync_call(target, _LOAD, location, sync.num_training_updates)
-        log.info(
-            "weight_sync_done",
-            source=sync.source_node_id,
-            targets=list(sync.target_node_ids),
-            version=sync.num_training_updates,
-            duration_s=round(time.monotonic() - started, 3),
-        )
-
-    async def _sync_call(self, node_id: int, direction: int, location: str, version: int) -> None:
+    async def _sync_call(
+        self, node_id: int, direction: int, location: str, version: int, sources: Sequence[str]
+    ) -> None:
         request = executor_pb2.SyncWeightsRequest(
             direction=direction,  # type: ignore[arg-type]
             location=location,
             weight_version=version,
+            sources=list(sources),
         )
         try:
             await self._stub(node_id).SyncWeights(request, timeout=self.weight_sync_deadline_s)

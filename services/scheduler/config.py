@@ -82,6 +82,7 @@ class SchedulerConfig(CommonServiceConfig):
     # only serve and get weight syncs every K), and the admission scope.
     training_nodes: str = "all"
     admission: str = "node"
+    replica_sync_every_tasks: int = 0  # M: average the trainers' replicas; 0 = off
     max_defer_s: float = _DEFAULT_PLANNER.max_defer_s
     defer_recheck_s: float = _DEFAULT_PLANNER.defer_recheck_s
     dispatch_deadline_s: float = 5.0  # executor Dispatch/Cancel; they answer from memory
@@ -225,6 +226,7 @@ class SchedulerConfig(CommonServiceConfig):
             sync_every_tasks=self.sync_every_tasks,
             training_nodes=self.training_nodes,
             is_admission_cluster_wide=self.admission == "cluster",
+            replica_sync_every_tasks=self.replica_sync_every_tasks or None,
             **self.engine_knobs().resolve(profile),
         )
 
@@ -283,6 +285,12 @@ _OPTIONS: tuple[Option, ...] = (
         "LEMIX_ADMISSION",
         str,
         "defer training if the next request would miss on its node (node) or everywhere (cluster)",
+    ),
+    option(
+        "replica_sync_every_tasks",
+        "LEMIX_REPLICA_SYNC_EVERY_TASKS",
+        int,
+        "average the training nodes' replicas every M training tasks (0 = off)",
     ),
     option("max_defer_s", "LEMIX_MAX_DEFER_S", float, "longest a training task is deferred"),
     option(

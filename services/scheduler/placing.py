@@ -17,7 +17,15 @@ import structlog
 
 from lemix.infra import telemetry
 from lemix.infra.store.task_hash import StoredStatus
-from lemix.types import Decision, Deferral, Placement, Rejection, Task, WeightSync
+from lemix.types import (
+    Decision,
+    Deferral,
+    Placement,
+    Rejection,
+    ReplicaAverage,
+    Task,
+    WeightSync,
+)
 from services.scheduler.core_base import CoreBase
 from services.scheduler.ports import DispatchError, StateWrite, TaskRefused, rejection_reason
 
@@ -121,7 +129,7 @@ class Placing(CoreBase):
                 self._end(
                     decision.task_id, StoredStatus.REJECTED, rejection_reason(decision.reason)
                 )
-            elif isinstance(decision, WeightSync):
+            elif isinstance(decision, WeightSync | ReplicaAverage):
                 try:
                     await self.dispatcher.sync_weights(decision)
                 except DispatchError as exc:

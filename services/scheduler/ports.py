@@ -17,7 +17,7 @@ from typing import Protocol
 
 from lemix.infra.store.task_hash import StoredStatus
 from lemix.reasons import ReasonCode, format_reason, reason_code
-from lemix.types import Placement, Task, WeightSync
+from lemix.types import Placement, ReplicaAverage, Task, WeightSync
 
 
 def rejection_reason(reason: str) -> str:
@@ -91,7 +91,9 @@ class Dispatcher(Protocol):
         """
         ...
 
-    async def sync_weights(self, sync: WeightSync) -> None: ...
+    async def sync_weights(self, sync: WeightSync | ReplicaAverage) -> None:
+        """Queue a SEPARATE weight sync or a replica average; returns before it runs."""
+        ...
 
 
 class AttemptLedger(Protocol):

@@ -55,3 +55,16 @@ def test_a_run_without_accuracy_is_left_out_not_counted_as_zero() -> None:
     out = bench.aggregate(rows, [50])
     assert out["lemix"]["accuracy"]["all"]["values"] == [0.3]
     assert out["separate"]["50"]["accuracy_diff"]["all"]["values"] == pytest.approx([0.1])
+
+
+def test_replica_sync_runs_are_paired_with_plain_lemix_of_their_seed() -> None:
+    bench = _load()
+    rows = [
+        {"seed": 0, "lemix": _run(6.0, 0.10), "lemix_replica_sync": _run(5.4, 0.15)},
+        {"seed": 1, "lemix": _run(4.0, 0.30), "lemix_replica_sync": _run(4.0, 0.30)},
+    ]
+    synced = bench.aggregate(rows, [])["lemix_replica_sync"]
+    assert synced["loss_ratio_vs_lemix"]["all"]["values"] == pytest.approx([0.9, 1.0])
+    assert synced["accuracy_diff_vs_lemix"]["all"]["values"] == pytest.approx([0.05, 0.0])
+    plain = [{"seed": 0, "lemix": _run(6.0, 0.1), "separate": {}}]
+    assert "lemix_replica_sync" not in bench.aggregate(plain, [])

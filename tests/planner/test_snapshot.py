@@ -57,7 +57,7 @@ _CONSTRUCTION = {
 
 def _planner(policy: str) -> Planner:
     # Tight SLOs and short aging so deferral, aged release and the request
-    # window all come into play; K = 3 so SEPARATE syncs.
+    # window all come into play; K = 3 so SEPARATE syncs, M = 2 so replicas average.
     return make_planner(
         policy,
         num_nodes=NUM_NODES,
@@ -67,6 +67,7 @@ def _planner(policy: str) -> Planner:
         defer_recheck_s=0.4,
         request_rate_window_s=3.0,
         sync_every_tasks=3,
+        replica_sync_every_tasks=2,
         train_rate=0.34,
         aged_release_rps_per_node=0.5,
         dynamic_full_rate_rps=4.0,

@@ -102,10 +102,14 @@ class ExecutorBackend(Protocol):
         (finish reason, inference or training loss); empty when none."""
         ...
 
-    def prepare_sync(self, tag: str, direction: SyncDirection, location: str) -> None:
+    def prepare_sync(
+        self, tag: str, direction: SyncDirection, location: str, sources: Sequence[str] = ()
+    ) -> None:
         """The engine's next ``block`` items tagged `tag` save or load the
-        weights at `location`. Raises `InvalidArgument` when the backend needs
-        a location and has none; the emulated backend moves no bytes."""
+        weights at `location`, or (AVERAGE) add the mean of the saves under
+        `sources` minus this node's own save at `location`. Raises
+        `InvalidArgument` when the backend needs a location and has none; the
+        emulated backend moves no bytes."""
         ...
 
     async def measure(self, spec: MeasureSpec) -> MeasureResult:

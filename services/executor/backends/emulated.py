@@ -57,7 +57,9 @@ class EmulatedBackend:
     def end_fields(self, task_id: str) -> dict[str, str | float]:
         return {}
 
-    def prepare_sync(self, tag: str, direction: SyncDirection, location: str) -> None:
+    def prepare_sync(
+        self, tag: str, direction: SyncDirection, location: str, sources: Sequence[str] = ()
+    ) -> None:
         return None  # the stages are only occupied for the transfer time
 
     async def measure(self, spec: MeasureSpec) -> MeasureResult:

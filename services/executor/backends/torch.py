@@ -55,6 +55,7 @@ log = structlog.get_logger(__name__)
 class _SyncJob:
     direction: SyncDirection
     location: str
+    sources: tuple[str, ...] = ()  # AVERAGE: the replicas' saves
 
 
 class TorchBackend:
@@ -197,11 +198,14 @@ class TorchBackend:
             fields["reference_accuracy"] = req.reference_accuracy
         return fields
 
-    def prepare_sync(self, tag: str, direction: SyncDirection, location: str) -> None:
-        """The next ``block`` items tagged `tag` save/load the weights at `location`."""
+    def prepare_sync(
+        self, tag: str, direction: SyncDirection, location: str, sources: Sequence[str] = ()
+    ) -> None:
+        """The next ``block`` items tagged `tag` save/load the weights at
+        `location`, or average the saves under `sources` into them."""
         if not location:
             raise InvalidArgument("a weight sync of a real model needs a location")
-        self._syncs[tag] = _SyncJob(direction, location)
+        self._syncs[tag] = _SyncJob(direction, location, tuple(sources))
 
     def used_bytes(self) -> list[int]:
         """Memory each stage held after its last item (see `lemix.model.device_memory`)."""
@@ -318,6 +322,13 @@ class TorchBackend:
         path = Path(job.location) / f"stage{stage}.safetensors"
         if job.direction is SyncDirection.SAVE:
             weights.save_stage(self.staged.stages[stage], path)
+            return
+        # An in-place change of the weights, like an optimizer step: a training
+        # forward still waiting for its backward keeps the weights it saw.
+        self.trainer.stashes[stage].before_step()
+        if job.direction is SyncDirection.AVERAGE:
+            sources = [Path(s) / f"stage{stage}.safetensors" for s in job.sources]
+            weights.average_into_stage(self.staged.stages[stage], path, sources)
         else:
             weights.load_stage(self.staged.stages[stage], path)
 

@@ -514,6 +514,32 @@ async def test_sync_weights_outside_the_sync_dir_is_refused(
         assert reply.num_bytes == 2 * 10**6, location
 
 
+async def test_sync_weights_average_confines_every_source(
+    service: ExecutorService,
+    stub: executor_pb2_grpc.ExecutorStub,
+    weight_sync_dir: Path,
+) -> None:
+    """Replica sync's AVERAGE reads each source: one outside the directory is
+    refused like a location; no sources at all is refused too."""
+    average = executor_pb2.SyncWeightsRequest.DIRECTION_AVERAGE
+    own = f"{weight_sync_dir}/replicas/node0"
+    for sources in ([own, "/etc/lemix"], [own, "../outside"], []):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.SyncWeights(
+                executor_pb2.SyncWeightsRequest(direction=average, location=own, sources=sources),
+                timeout=DEFAULT_DEADLINE_S,
+            )
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT, sources
+    # Emulated: the stages are occupied for reading every replica, two here.
+    reply = await stub.SyncWeights(
+        executor_pb2.SyncWeightsRequest(
+            direction=average, location=own, sources=[own, f"{weight_sync_dir}/replicas/node1"]
+        ),
+        timeout=DEFAULT_DEADLINE_S,
+    )
+    assert reply.num_bytes == 2 * 2 * 10**6  # both replicas' weights
+
+
 async def test_service_token_is_required_except_for_health(
     make_config: Callable[..., ExecutorConfig],
 ) -> None:

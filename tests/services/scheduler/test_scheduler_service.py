@@ -487,6 +487,35 @@ async def test_requeued_training_is_dispatched_again(stack: Stack) -> None:
     assert cursor != "0-0"
 
 
+async def test_replica_sync_saves_then_averages_on_every_training_node(stack: Stack) -> None:
+    fakes = [await stack.start_executor(0), await stack.start_executor(1)]
+    service = await stack.start_service(
+        policy="mix-rr", replica_sync_every_tasks=2, weight_sync_dir="/w"
+    )
+    await wait_until(lambda: service.live_node_ids == [0, 1], what="both nodes up")
+    stub = stack.stub(service)
+    for i in range(2):
+        await submit(stub, training(f"t{i}", seq=i))
+    await wait_until(
+        lambda: sorted(fakes[0].dispatched_ids + fakes[1].dispatched_ids) == ["t0", "t1"],
+        what="both dispatched",
+    )
+    for fake, node_id in ((fakes[0], 0), (fakes[1], 1)):
+        for task_id in fake.dispatched_ids:
+            await stack.store.append_completion(
+                {"task_id": task_id, "node_id": node_id, "status": "completed", "reason": ""}
+            )
+    await wait_until(lambda: all(len(f.syncs) == 2 for f in fakes), what="save + average")
+    request = executor_pb2.SyncWeightsRequest
+    for node_id, fake in enumerate(fakes):
+        save, average = fake.syncs
+        assert save.direction == request.DIRECTION_SAVE
+        assert save.location == f"/w/replicas/node{node_id}"
+        assert average.direction == request.DIRECTION_AVERAGE
+        assert average.location == save.location
+        assert list(average.sources) == ["/w/replicas/node0", "/w/replicas/node1"]
+
+
 async def test_completion_without_task_id_is_skipped_unread(stack: Stack) -> None:
     fake = await stack.start_executor(0)
     service = await stack.start_service(num_nodes=1)

@@ -29,22 +29,26 @@ class GetNodeStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SyncWeightsRequest(_message.Message):
-    __slots__ = ("direction", "location", "weight_version")
+    __slots__ = ("direction", "location", "weight_version", "sources")
     class Direction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         DIRECTION_UNSPECIFIED: _ClassVar[SyncWeightsRequest.Direction]
         DIRECTION_SAVE: _ClassVar[SyncWeightsRequest.Direction]
         DIRECTION_LOAD: _ClassVar[SyncWeightsRequest.Direction]
+        DIRECTION_AVERAGE: _ClassVar[SyncWeightsRequest.Direction]
     DIRECTION_UNSPECIFIED: SyncWeightsRequest.Direction
     DIRECTION_SAVE: SyncWeightsRequest.Direction
     DIRECTION_LOAD: SyncWeightsRequest.Direction
+    DIRECTION_AVERAGE: SyncWeightsRequest.Direction
     DIRECTION_FIELD_NUMBER: _ClassVar[int]
     LOCATION_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
     direction: SyncWeightsRequest.Direction
     location: str
     weight_version: int
-    def __init__(self, direction: _Optional[_Union[SyncWeightsRequest.Direction, str]] = ..., location: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, direction: _Optional[_Union[SyncWeightsRequest.Direction, str]] = ..., location: _Optional[str] = ..., weight_version: _Optional[int] = ..., sources: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SyncWeightsResponse(_message.Message):
     __slots__ = ("duration_s", "num_bytes")

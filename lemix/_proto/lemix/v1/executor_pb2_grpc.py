@@ -92,7 +92,8 @@ class ExecutorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SyncWeights(self, request, context):
-        """SEPARATE baselines: save this node's weights, or load another's.
+        """SEPARATE baselines: save this node's weights, or load another's;
+        replica sync: average saved replicas into this node's (DIRECTION_AVERAGE).
         Returns when every stage has done it; a caller that gives up does not
         undo it. Errors: INVALID_ARGUMENT (no location for a real model),
         UNAVAILABLE (the node is shutting down).
