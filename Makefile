@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-fast test-compose lint demo bench report report-quick pretrain clean proto proto-check
+.PHONY: setup test test-fast test-compose lint demo bench report report-quick report-loss pretrain clean proto proto-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -77,6 +77,17 @@ report: $(STAMP)
 # The same sections with 2 seeds, 30 s windows and fewer points (CI runs it).
 report-quick: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m lemix.cli report --quick --workers 2 --out runs/report
+
+# The live loss study the report renders (benchmarks/inference_loss.py): LeMix,
+# LeMix with replica sync every 25 training tasks and SEPARATE at K = 10..200,
+# 3 seeds, on the pretrained tiny-llama (`make pretrain` first; trains it if
+# missing), fine-tuned on HH-RLHF when ../shared/data/hh-rlhf-test.json exists
+# (else the packaged ShareGPT pairs). About 50 minutes on 2 cores; then
+# `lemix report --from-runs --out runs/report` re-renders the page with it.
+HH_TEST := ../shared/data/hh-rlhf-test.json
+report-loss: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) benchmarks/inference_loss.py --init pretrained --replica-sync-every 25 \
+		$(if $(wildcard $(HH_TEST)),--hh $(HH_TEST)) --out runs/bench/inference_loss
 
 # Pretrain tiny-llama on the packaged ShareGPT text (lemix/model/pretrain.py)
 # and cache it under runs/cache/pretrain-<hash>/; a rerun reuses the cache.
