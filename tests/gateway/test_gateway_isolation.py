@@ -24,7 +24,7 @@ from waiting import wait_until
 
 from gateway.core import OUTPUT_RETAIN_S
 from gateway.service import GatewayService
-from gateway.upkeep import BatchedCounters
+from gateway.upkeep import BatchedCounters, StreamLeases
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from lemix.infra.rpc.client import channel
 from lemix.infra.store.intake import TaskIdConflict
@@ -420,3 +420,30 @@ async def test_a_failed_counter_flush_keeps_its_counts(store: Store) -> None:
     counters.add("requests_received", 3)
     await counters.flush()
     assert counters.pending == {} and (await store.get_stats())["requests_received"] == 3
+
+
+async def test_a_request_writes_the_lease_only_when_the_loop_has_not_kept_it(
+    store: Store,
+) -> None:
+    now_s = [100.0]
+    leases = StreamLeases(store, "gw-fresh", ttl_s=3.0, clock=lambda: now_s[0])
+    lease = store.keys.gateway_lease("gw-fresh")
+    await leases.take("a")  # never written: written now, before its Submit
+    assert await store.client.get(lease) == "gw-fresh"
+    await store.client.delete(lease)  # so a write would show
+    now_s[0] += 0.9  # within one renewal interval (1 s): fresh
+    await leases.take("b")
+    assert not await store.client.exists(lease)
+    now_s[0] += 0.2  # the loop's renewal is overdue (renewals failing): written again
+    await leases.take("c")
+    assert await store.client.exists(lease)
+    await leases.sync(renew=True)  # the loop renews: fresh from now
+    await store.client.delete(lease)
+    await leases.take("d")
+    assert not await store.client.exists(lease)
+    assert sorted(leases.live_ids) == ["a", "b", "c", "d"]
+    for task_id in ("a", "b", "c", "d"):
+        leases.release(task_id)
+    assert leases.live_ids == []
+    await leases.drop()
+    assert not leases.is_fresh
