@@ -410,6 +410,10 @@ async def test_invalid_task_is_invalid_argument_and_the_service_stays_healthy(st
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Submit(scheduler_pb2.SubmitRequest(), timeout=TIMEOUT_S)
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    for gateway_id in ("has space", "g" * 201):  # a gateway names itself with a short token
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await submit(stub, inference("named"), gateway_id=gateway_id)
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT, gateway_id
     health = health_pb2_grpc.HealthStub(stack.channels[-1])
     check = await health.Check(
         health_pb2.HealthCheckRequest(service="lemix.v1.Scheduler"), timeout=TIMEOUT_S
