@@ -58,9 +58,9 @@ class GatewayConfig(CommonServiceConfig):
     # A stream with no new output message for this long is ended UNAVAILABLE
     # (its executor probably died) and its task cancelled.
     stream_idle_timeout_s: float = 60.0
-    # This gateway's lease on each stream it reads lives this long and is
-    # renewed every third of it; if the gateway dies, the leases lapse and the
-    # scheduler cancels the orphaned tasks (`lemix.infra.store.keys.stream_lease`).
+    # This gateway's lease on the streams it reads (one key) lives this long
+    # and is renewed every third of it; if the gateway dies, it lapses and the
+    # scheduler cancels the orphaned tasks (`RedisKeys.gateway_lease`).
     stream_lease_ttl_s: float = STREAM_LEASE_TTL_S
     # Request counters are summed in memory and written to Redis this often (one
     # round trip), never once per request on the admission path.
@@ -241,7 +241,7 @@ _OPTIONS: tuple[Option, ...] = (
         "--stream-lease-ttl-s",
         "LEMIX_STREAM_LEASE_TTL_S",
         float,
-        "lease on each stream this gateway reads (renewed every third), seconds",
+        "this gateway's lease on the streams it reads (renewed every third), seconds",
     ),
     Option(
         "stats_flush_s",

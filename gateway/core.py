@@ -60,6 +60,7 @@ from lemix.infra.rpc.errors import (
 from lemix.infra.store.heartbeat import node_states_from_heartbeats
 from lemix.infra.store.intake import TaskIdConflict
 from lemix.infra.store.store import Store
+from lemix.infra.store.task_hash import GATEWAY_ID_METADATA
 from lemix.tokenizer import Tokenizer
 from lemix.types import Task, TaskPayload
 
@@ -105,7 +106,7 @@ class Busy(ResourceExhausted):
 
 
 def new_gateway_id() -> str:
-    """This gateway process's name as the owner of its stream leases."""
+    """This gateway process's name: its lease's owner, sent with each Submit."""
     return f"gw-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
@@ -113,8 +114,8 @@ class GatewayCore:
     """Generate / Train / stats over a `Store` and a Scheduler stub.
 
     `clock` (monotonic seconds) measures TTFT/E2E, the live-executor cache and
-    the read-retry deadline. `gateway_id` owns this gateway's stream leases.
-    `start()` runs the upkeep loops (counters, leases); `close()` ends them.
+    the read-retry deadline. `gateway_id` names this gateway's lease on its
+    streams. `start()` runs the upkeep loops (counters, lease); `close()` ends them.
     """
 
     def __init__(
@@ -161,7 +162,7 @@ class GatewayCore:
         self.reader.start()
 
     async def close(self) -> None:
-        """End the reader and the upkeep loops: counters flushed, every lease
+        """End the reader and the upkeep loops: counters flushed, the lease
         and the reader's wake stream dropped."""
         await self.reader.stop()
         await self._upkeep.stop()
@@ -235,8 +236,8 @@ class GatewayCore:
             # reader (when it blocks in a read without this stream) goes in
             # the lease's round trip.
             follower = self.reader.follow(task.task_id)
-            # The lease exists before the task does: the scheduler cancels a
-            # streamed task without one (its gateway died).
+            # The lease is live before the task exists: the scheduler cancels
+            # a streamed task whose gateway's lease is missing (it died).
             await self._redis(self.leases.take(task.task_id, wake=self.reader.claim_wake()))
             is_leased = is_submitted = True
             try:
@@ -262,13 +263,9 @@ class GatewayCore:
                 if follower is not None:
                     self.reader.unfollow(follower)
                 if is_leased:
-                    # A refused Submit may share its id with another request's
-                    # task: that lease is not ours to delete; it lapses. A
-                    # stream read to its end is kept `OUTPUT_RETAIN_S` (an
+                    # A stream read to its end is kept `OUTPUT_RETAIN_S` (an
                     # idempotent retry replays it), then expires.
-                    self.leases.release(
-                        task.task_id, drop=is_submitted, retire_output=is_read_to_end
-                    )
+                    self.leases.release(task.task_id, retire_output=is_read_to_end)
                 self._release_slot()
 
     async def train(
@@ -390,7 +387,11 @@ class GatewayCore:
         known id (idempotent resubmit). Raises domain errors."""
         request = scheduler_pb2.SubmitRequest(task=rpc_convert.task_to_proto(task, payload))
         try:
-            reply = await self.scheduler.Submit(request, timeout=self.config.submit_deadline_s)
+            reply = await self.scheduler.Submit(
+                request,
+                timeout=self.config.submit_deadline_s,
+                metadata=((GATEWAY_ID_METADATA, self.leases.owner),),
+            )
         except grpc.aio.AioRpcError as err:
             raise self._scheduler_error("Submit", err) from err
         if not reply.is_duplicate:

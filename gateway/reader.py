@@ -8,13 +8,13 @@ Redis.
 
 Adding a stream while the read blocks: the read would not see it until it
 returns. So whoever adds one while the loop is blocked (`is_waiting`) appends
-to this gateway's wake stream (`RedisKeys.reader_wake`, in the same round
-trip as the stream's lease, `StreamLeases.take`); the read includes that
+to this gateway's wake stream (`RedisKeys.reader_wake`, sent by
+`StreamLeases.take`, with the gateway's lease when that is written too); the read includes that
 stream from its last seen entry, so a wake written before the read arrives is
 not missed either. The loop then reads again with the new set. One wake per
 blocked read is enough (`claim_wake`): a burst of new streams costs one extra
 read, not one each. A read blocks at most `block_s` (callers cap it near a
-second), so even a wake lost with its lease's failed round trip delays the
+second), so even a wake lost with a failed round trip delays the
 streams added meanwhile by at most that long.
 
 A Redis error in the loop is logged and the read retried with backoff, from

@@ -43,8 +43,8 @@ log = structlog.get_logger(__name__)
 # Redis must answer the start-up PING within this long.
 REDIS_CONNECT_TIMEOUT_S = 5.0
 # The pool: one connection for the output reader's blocking XREAD (streams do
-# not hold one: `gateway.reader`), the rest for short calls (a stream's lease
-# take, lease and counter upkeep, live-executor checks, stats, the SLO, task
+# not hold one: `gateway.reader`), the rest for short calls (a reader's wake
+# or lease write, lease and counter upkeep, live-executor checks, stats, the SLO, task
 # lookups). Past the bound a call waits for a connection (back-pressure, up
 # to the pool timeout) instead of opening one per concurrent request.
 REDIS_POOL_CONNECTIONS = 64
@@ -160,7 +160,7 @@ class GatewayService(Service):
         scheduler = channel(config.scheduler_address, service_token=config.service_token)
         self.lifecycle.add_client("scheduler channel", scheduler.close)
         core = GatewayCore(config, store, scheduler_pb2_grpc.SchedulerStub(scheduler), tokenizer)
-        core.start()  # counters and stream leases: flushed and dropped on stop
+        core.start()  # counters and the stream lease: flushed and dropped on stop
         # Closed before the channel: streams still open cancel their tasks at
         # the scheduler, and the last counters and lease drops go out.
         self.lifecycle.add_client("core", lambda: self._close_core(core))

@@ -5,14 +5,17 @@ a request in does no Redis round trip for bookkeeping.
   every delta in one round trip (`Store.incr_stats`), every `stats_flush_s`,
   before GetStats reads them, and on stop. A failed flush keeps its deltas
   for the next one: a count is late, never dropped.
-* `StreamLeases`: the leases this gateway holds on the streams it reads
-  (`RedisKeys.stream_lease`). `take` writes one at once, since it must exist
-  before Submit (the scheduler cancels a streamed task whose lease is missing:
-  its gateway died); one loop renews them all every `ttl_s / 3` in one round
-  trip and deletes, in the same round trip, the leases of streams released
-  since (woken by a release, it gathers the releases of the next
-  `RELEASE_BATCH_S` into one round trip).
-* `Upkeep`: runs both loops; `stop` flushes the counters and drops every lease.
+* `StreamLeases`: this gateway's one lease on every stream it reads
+  (`RedisKeys.gateway_lease`; Submit names the gateway, so the task's hash
+  says whose lease covers it). It must be live before Submit (the scheduler
+  cancels a streamed task whose gateway's lease is missing: its gateway
+  died), so `take` writes it only when the loop has not renewed it lately
+  (at start, or while renewals fail); one loop renews it every `ttl_s / 3`
+  and expires, in the same kind of round trip, the output streams read to
+  their end (woken by a release, it gathers the releases of the next
+  `RELEASE_BATCH_S` into one round trip). Per request no lease is written
+  or deleted.
+* `Upkeep`: runs both loops; `stop` flushes the counters and drops the lease.
 
 A Redis error in a loop is logged and retried on the next tick (a renewal
 sooner): upkeep never fails a request.
@@ -22,8 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import structlog
 from redis.exceptions import RedisError
@@ -34,8 +39,8 @@ log = structlog.get_logger(__name__)
 
 # A failed renewal is retried after at most this long (not a whole ttl/3).
 RENEW_RETRY_S = 0.5
-# Lease drops and stream retirements released within this long of each
-# other share one round trip.
+# Stream retirements released within this long of each other share one
+# round trip.
 RELEASE_BATCH_S = 0.05
 # `Upkeep.stop` cancels its loops again this often until they end.
 STOP_POLL_S = 0.1
@@ -72,14 +77,21 @@ class BatchedCounters:
 
 
 class StreamLeases:
-    """This gateway's (`owner`'s) leases on the streams it reads.
+    """This gateway's (`owner`'s) lease on the streams it reads, and the
+    streams it read to their end (expired in batches).
 
-    Counted per task id: two readers of one task (an idempotent retry) share
-    the lease, which is dropped when the last one releases it.
+    Readers are counted per task id: two readers of one task (an idempotent
+    retry) share it.
     """
 
     def __init__(
-        self, store: Store, owner: str, ttl_s: float, *, retain_output_s: float = 300.0
+        self,
+        store: Store,
+        owner: str,
+        ttl_s: float,
+        *,
+        retain_output_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
@@ -89,10 +101,13 @@ class StreamLeases:
         self.owner = owner
         self.ttl_s = ttl_s
         self.retain_output_s = retain_output_s
+        self._clock = clock
         self._refs: dict[str, int] = {}
-        self._to_drop: set[str] = set()
         self._to_retire: set[str] = set()  # streams read to their end
-        self.wake = asyncio.Event()  # set by a release: drop its lease now
+        # When (on `clock`) the last write known to have landed lapses; a
+        # write counts from when it was sent, so this is never late.
+        self._held_until_s = -math.inf
+        self.wake = asyncio.Event()  # set by a release: retire its stream soon
 
     @property
     def renew_interval_s(self) -> float:
@@ -103,68 +118,75 @@ class StreamLeases:
         """Task ids whose streams are being read."""
         return list(self._refs)
 
+    @property
+    def is_fresh(self) -> bool:
+        """The lease has at least two renewal intervals left: the loop keeps
+        it (a Submit sent now finds it live with a wide margin)."""
+        return self._held_until_s - self._clock() >= 2 * self.renew_interval_s
+
     async def take(self, task_id: str, *, wake: bool = False) -> None:
-        """Write the lease now (one round trip; with `wake`, the output
-        reader's wake goes in it: `gateway.reader`); the loop renews it until
-        `release`. Raises the Redis error (the reference is then released)."""
+        """Count a reader of `task_id` and make sure the lease is live before
+        its Submit: no I/O while the loop keeps it fresh, else it is written
+        now (one round trip). With `wake`, the output reader's wake is sent
+        (`gateway.reader`), in that round trip when there is one. Raises the
+        Redis error (the reader is then not counted)."""
         self._refs[task_id] = self._refs.get(task_id, 0) + 1
-        self._to_drop.discard(task_id)
         try:
-            await self._store.renew_stream_leases(self.owner, [task_id], self.ttl_s, wake=wake)
+            if self.is_fresh:
+                if wake:
+                    await self._store.wake_reader(self.owner)
+            else:
+                await self._write(wake=wake)
         except BaseException:
-            self.release(task_id, drop=False)
+            self.release(task_id)
             raise
 
-    def release(self, task_id: str, *, drop: bool = True, retire_output: bool = False) -> None:
-        """One reader is done (no I/O). With `drop`, the lease is deleted soon
-        after the last reader is done; without, it is only no longer renewed
-        and lapses by itself: for a Submit that was refused, whose id may name
-        another request's task, whose lease is not ours to delete. With
-        `retire_output` (the reader saw the stream's end) the output stream
-        expires `retain_output_s` later, set in the same batched round trip."""
+    async def _write(self, *, wake: bool = False) -> None:
+        sent_s = self._clock()
+        await self._store.renew_gateway_lease(self.owner, self.ttl_s, wake=wake)
+        self._held_until_s = max(self._held_until_s, sent_s + self.ttl_s)
+
+    def release(self, task_id: str, *, retire_output: bool = False) -> None:
+        """One reader is done (no I/O). With `retire_output` (the reader saw
+        the stream's end) the output stream expires `retain_output_s` later,
+        set in the next batched round trip."""
         if retire_output:
             self._to_retire.add(task_id)
             self.wake.set()
         num_refs = self._refs.get(task_id, 0) - 1
         if num_refs > 0:
             self._refs[task_id] = num_refs
-            return
-        self._refs.pop(task_id, None)
-        if drop:
-            self._to_drop.add(task_id)
-            self.wake.set()
+        else:
+            self._refs.pop(task_id, None)
 
     async def sync(self, *, renew: bool) -> None:
-        """Delete released leases and (with `renew`) renew the live ones, one
-        round trip. Raises the Redis error (the releases stay pending)."""
-        drop_ids = [task_id for task_id in self._to_drop if task_id not in self._refs]
-        self._to_drop.clear()
+        """Expire the retired streams and (with `renew`) renew the lease, one
+        round trip. Raises the Redis error (the retirements stay pending)."""
         retire_ids, self._to_retire = list(self._to_retire), set()
-        renew_ids = self.live_ids if renew else []
+        sent_s = self._clock()
         try:
-            await self._store.sync_stream_leases(
+            await self._store.sync_gateway_lease(
                 self.owner,
-                renew_ids,
-                drop_ids,
                 self.ttl_s,
                 retire_ids=retire_ids,
                 retain_s=self.retain_output_s,
                 is_renewal=renew,
             )
         except BaseException:
-            self._to_drop.update(task_id for task_id in drop_ids if task_id not in self._refs)
             self._to_retire.update(retire_ids)
             raise
-        # Taken again while the delete was on its way: its SET may have landed
-        # first, so write it again (rare: an idempotent retry at that moment).
-        retaken = [task_id for task_id in drop_ids if task_id in self._refs]
-        if retaken:
-            await self._store.renew_stream_leases(self.owner, retaken, self.ttl_s)
+        if renew:
+            self._held_until_s = max(self._held_until_s, sent_s + self.ttl_s)
+
+    async def drop(self) -> None:
+        """Delete the lease (the gateway stops); a later `take` writes it again."""
+        self._held_until_s = -math.inf
+        await self._store.drop_gateway_lease(self.owner)
 
 
 class Upkeep:
-    """Runs the counters' flush loop and the leases' loop; `stop` ends both
-    after a last flush and with every lease dropped."""
+    """Runs the counters' flush loop and the lease's loop; `stop` ends both
+    after a last flush and with the lease dropped."""
 
     def __init__(self, counters: BatchedCounters, leases: StreamLeases, *, flush_s: float) -> None:
         if flush_s <= 0:
@@ -184,7 +206,7 @@ class Upkeep:
         ]
 
     async def stop(self) -> None:
-        """Stop the loops; then flush and drop every lease (best effort, logged)."""
+        """Stop the loops; then flush, retire and drop the lease (best effort, logged)."""
         loops, self._loops = self._loops, []
         self._is_stopping = True
         self.leases.wake.set()
@@ -197,10 +219,11 @@ class Upkeep:
                 loop.cancel()
             await asyncio.wait(pending, timeout=STOP_POLL_S)
         await asyncio.gather(*loops, return_exceptions=True)
-        for task_id in self.leases.live_ids:  # streams still open at stop: theirs go too
-            self.leases.release(task_id)
+        # Streams still open at stop: the scheduler cancels them once the lease is gone.
         with contextlib.suppress(RedisError, OSError):
             await self.leases.sync(renew=False)
+        with contextlib.suppress(RedisError, OSError):
+            await self.leases.drop()
         try:
             await self.counters.flush()
         except (RedisError, OSError) as exc:
@@ -218,7 +241,7 @@ class Upkeep:
 
     async def _lease_loop(self) -> None:
         leases = self.leases
-        next_renew_s = time.monotonic() + leases.renew_interval_s
+        next_renew_s = time.monotonic()  # taken at once: requests then find it fresh
         while not self._is_stopping:
             # asyncio.timeout, not wait_for (which may swallow a cancel: `stop`)
             with contextlib.suppress(TimeoutError):
@@ -226,8 +249,8 @@ class Upkeep:
                     await leases.wake.wait()
             is_renewal = time.monotonic() >= next_renew_s
             if not is_renewal and not self._is_stopping:
-                # Releases are not urgent (a lease left lapses by itself):
-                # those of the next moment go in the same round trip.
+                # Retirements are not urgent (a stream also expires with its
+                # task): those of the next moment go in the same round trip.
                 await asyncio.sleep(RELEASE_BATCH_S)
             leases.wake.clear()
             try:

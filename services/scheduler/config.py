@@ -116,8 +116,8 @@ class SchedulerConfig(CommonServiceConfig):
     # Submit/Cancel/GetState calls that use Redis at once; more wait here, so
     # they cannot starve the loops of pooled connections.
     max_rpc_redis_calls: int = 32
-    # How often the stream leases of held inference are checked; a lapsed one
-    # cancels its task (its gateway is gone).
+    # How often the leases of the gateways streaming held inference are
+    # checked; a lapsed one cancels their tasks (the gateway is gone).
     lease_check_s: float = STREAM_LEASE_TTL_S / 3
     # Task hashes and output streams of tasks the scheduler saw end expire
     # this long after (0 = keep forever).
@@ -354,7 +354,7 @@ _OPTIONS: tuple[Option, ...] = (
         "lease_check_s",
         "LEMIX_LEASE_CHECK_S",
         float,
-        "how often stream leases of held requests are checked",
+        "how often the gateway leases of held requests are checked",
     ),
     option(
         "finished_task_ttl_s",

@@ -17,8 +17,8 @@ Loops (each survives Redis blips: it logs, backs off and goes on):
   moves only after the resulting events are stored.
 * nodes — heartbeats polled every `node_poll_s` (`NodeSupervisor`: dead and
   restarted nodes, the Redis-outage grace, revoked tasks); state writes a Redis
-  error left behind are retried; stream leases of held inference are checked
-  every `lease_check_s` and a lapsed one cancels its task (`LeaseWatch`).
+  error left behind are retried; the leases of the gateways streaming held
+  inference are checked every `lease_check_s`; a lapsed one cancels its tasks (`LeaseWatch`).
 * timer — wakes the planner when deferred training must be looked at again.
 
 Redis: one client over a blocking pool of `config.redis_max_connections`
@@ -53,6 +53,7 @@ from lemix.infra.store.messages import completion_from_fields
 from lemix.infra.store.store import Store
 from lemix.infra.store.task_hash import (
     ATTEMPT_FIELD,
+    GATEWAY_ID_FIELD,
     IS_FINAL_FIELD,
     STATUS_FIELD,
     TASK_ID_FIELD,
@@ -291,7 +292,7 @@ class SchedulerService(Service):
         self.events.start()
 
     async def _recover_tasks(self, tasks: list[Task]) -> None:
-        """Payloads, attempts, unconfirmed placements and stream leases of
+        """Payloads, attempts, unconfirmed placements and gateway leases of
         recovered tasks."""
         unconfirmed = []
         attempts: dict[str, int] = {}
@@ -318,9 +319,16 @@ class SchedulerService(Service):
         moved = self.core.requeue_unconfirmed(unconfirmed)
         if moved:
             log.warning("unconfirmed_placements_requeued", num_tasks=len(moved))
-        inference = [t.task_id for t in tasks if t.kind is TaskKind.INFERENCE]
-        held = await self.store.stream_leases_held(inference)
-        self.leases.note([t for t, is_leased in zip(inference, held, strict=True) if is_leased])
+        gateway_of = {
+            task.task_id: state.get(GATEWAY_ID_FIELD, "")
+            for task, state in zip(tasks, states, strict=True)
+            if task.kind is TaskKind.INFERENCE
+        }
+        gateway_ids = sorted({g for g in gateway_of.values() if g})
+        held = dict(
+            zip(gateway_ids, await self.store.gateway_leases_held(gateway_ids), strict=True)
+        )
+        self.leases.note([(t, g) for t, g in gateway_of.items() if g and held[g]])
 
     async def _stop_loops(self, grace_s: float) -> None:
         """Ask the loops to stop; cancel those still running after the grace
@@ -346,11 +354,21 @@ class SchedulerService(Service):
 
     # ============================================================ RPC-facing
 
-    async def submit(self, task: Task, payload: TaskPayload) -> bool:
-        """Store a task durably in the intake; False when its id was seen before."""
+    async def submit(self, task: Task, payload: TaskPayload, *, gateway_id: str = "") -> bool:
+        """Store a task durably in the intake; False when its id was seen
+        before. `gateway_id` names the gateway streaming its output ("" for
+        none): that gateway's lease then covers it (`LeaseWatch`)."""
         check_task_id(task.task_id)
+        fields = task_to_fields(task, payload)
+        if gateway_id:
+            fields[GATEWAY_ID_FIELD] = gateway_id
         async with self._rpc_redis_slots, redis_unavailable("Submit"):
-            return await self.store.submit_task(task_to_fields(task, payload))
+            is_new = await self.store.submit_task(fields)
+        if not is_new and gateway_id:
+            # A retry through another gateway: its lease covers the task too
+            # (while this scheduler runs; a restart knows the first one only).
+            self.leases.also(task.task_id, gateway_id)
+        return is_new
 
     async def cancel(self, task_id: str, reason: str) -> bool:
         """Cancel wherever the task is; True if the scheduler or its executor knew it."""
@@ -485,8 +503,8 @@ class SchedulerService(Service):
             ]
         )
         accepted = []
-        leased = []
-        for (task, payload, _), (is_final, is_cancelled, has_lease) in zip(
+        leased: list[tuple[str, str]] = []
+        for (task, payload, fields), (is_final, is_cancelled, has_lease) in zip(
             taken, lookup, strict=True
         ):
             if is_final:
@@ -499,7 +517,7 @@ class SchedulerService(Service):
             self._payloads[task.task_id] = payload
             accepted.append(task)
             if has_lease and not task.is_training:
-                leased.append(task.task_id)
+                leased.append((task.task_id, str(fields[GATEWAY_ID_FIELD])))
         self.leases.note(leased)  # before the core: it may end them at once
         await self.core.on_tasks(accepted)
         # Write-ahead: the decisions these entries caused are stored before the
@@ -612,7 +630,7 @@ class SchedulerService(Service):
         telemetry.set_queue_depth("held", self.core.num_tasks)
 
     async def _cancel_orphans(self) -> None:
-        """Cancel held inference whose gateway's stream lease lapsed."""
+        """Cancel held inference whose gateway's lease lapsed."""
         for task_id in await self.leases.lapsed(self.core.knows):
             try:
                 await self.cancel(task_id, GATEWAY_GONE)

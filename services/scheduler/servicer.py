@@ -16,11 +16,15 @@ from lemix._proto.lemix.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from lemix.infra.rpc.convert import task_from_proto
 from lemix.infra.rpc.errors import InvalidArgument, handle_errors
 from lemix.infra.store.heartbeat import node_states_from_heartbeats
+from lemix.infra.store.task_hash import GATEWAY_ID_METADATA
 
 if TYPE_CHECKING:
     from services.scheduler.service import SchedulerService
 
 log = structlog.get_logger(__name__)
+
+# A gateway id is a short name (`gateway.core.new_gateway_id`); longer is refused.
+MAX_GATEWAY_ID_CHARS = 200
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -34,7 +38,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if not request.HasField("task"):
             raise InvalidArgument("SubmitRequest.task is missing")
         task, payload = task_from_proto(request.task)
-        is_new = await self._service.submit(task, payload)
+        # The streaming gateway names itself in metadata (no proto field):
+        # its lease then covers the task (`LeaseWatch`).
+        gateway_id = ""
+        for key, value in context.invocation_metadata() or ():
+            if key == GATEWAY_ID_METADATA:
+                gateway_id = str(value)
+        if gateway_id and (
+            len(gateway_id) > MAX_GATEWAY_ID_CHARS
+            or not gateway_id.isprintable()
+            or any(ch.isspace() for ch in gateway_id)
+        ):
+            raise InvalidArgument(f"metadata {GATEWAY_ID_METADATA} is not a valid gateway id")
+        is_new = await self._service.submit(task, payload, gateway_id=gateway_id)
         return scheduler_pb2.SubmitResponse(task_id=task.task_id, is_duplicate=not is_new)
 
     @handle_errors

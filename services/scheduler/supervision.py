@@ -25,8 +25,9 @@ error, or after Redis restarted (its run id changed) may only mean Redis lost
 or delayed them, not that the executors died. Such nodes are declared down
 only once `redis_outage_grace_s` has passed since Redis answered again.
 
-`LeaseWatch` follows the gateways' stream leases (`RedisKeys.stream_lease`):
-an inference task whose lease lapsed has nobody reading its output.
+`LeaseWatch` follows the gateways' leases (`RedisKeys.gateway_lease`, one
+per gateway): an inference task whose gateway's lease lapsed has nobody
+reading its output.
 """
 
 from __future__ import annotations
@@ -193,10 +194,12 @@ class NodeSupervisor:
 
 
 class LeaseWatch:
-    """Inference tasks whose gateway holds a stream lease, checked now and then.
+    """Inference tasks streamed by a gateway that holds a lease, checked now and then.
 
-    Only tasks that had a lease at intake are watched: one submitted straight
-    to the scheduler (no gateway) is never cancelled for lacking one.
+    Only tasks whose gateway's lease was live at intake are watched: one
+    submitted straight to the scheduler (no gateway) is never cancelled for
+    lacking one. A task read through several gateways (an idempotent retry
+    through another) is orphaned only once every one of their leases lapsed.
     """
 
     def __init__(
@@ -205,26 +208,38 @@ class LeaseWatch:
         self.store = store
         self.check_s = check_s
         self._clock = clock
-        self._leased: set[str] = set()
+        self._gateways_of: dict[str, set[str]] = {}
         self._next_check_s = clock() + check_s
 
-    def note(self, task_ids: Sequence[str]) -> None:
-        self._leased.update(task_ids)
+    def note(self, leased: Sequence[tuple[str, str]]) -> None:
+        """Watch these (task id, gateway id) pairs."""
+        for task_id, gateway_id in leased:
+            self._gateways_of.setdefault(task_id, set()).add(gateway_id)
+
+    def also(self, task_id: str, gateway_id: str) -> None:
+        """Another gateway reads a watched task: its lease covers it too (an
+        unwatched task stays unwatched)."""
+        gateway_ids = self._gateways_of.get(task_id)
+        if gateway_ids is not None:
+            gateway_ids.add(gateway_id)
 
     def forget(self, task_id: str) -> None:
-        self._leased.discard(task_id)
+        self._gateways_of.pop(task_id, None)
 
     @property
     def num_watched(self) -> int:
-        return len(self._leased)
+        return len(self._gateways_of)
 
     async def lapsed(self, is_held: Callable[[str], bool]) -> list[str]:
-        """Watched tasks the scheduler still holds whose lease lapsed; checked
-        (one round trip) at most every `check_s`."""
+        """Watched tasks the scheduler still holds whose every gateway's lease
+        lapsed; checked (one round trip, one key per gateway) at most every
+        `check_s`."""
         now_s = self._clock()
-        if now_s < self._next_check_s or not self._leased:
+        if now_s < self._next_check_s or not self._gateways_of:
             return []
         self._next_check_s = now_s + self.check_s
-        task_ids = sorted(t for t in self._leased if is_held(t))
-        held = await self.store.stream_leases_held(task_ids)
-        return [t for t, is_leased in zip(task_ids, held, strict=True) if not is_leased]
+        task_ids = sorted(t for t in self._gateways_of if is_held(t))
+        gateway_ids = sorted({g for t in task_ids for g in self._gateways_of[t]})
+        held = await self.store.gateway_leases_held(gateway_ids)
+        live = {g for g, is_live in zip(gateway_ids, held, strict=True) if is_live}
+        return [t for t in task_ids if not self._gateways_of[t] & live]

@@ -26,6 +26,7 @@ from lemix._proto.lemix.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from lemix.infra.rpc import convert
 from lemix.infra.store.intake import TaskIdConflict
 from lemix.infra.store.store import Store
+from lemix.infra.store.task_hash import GATEWAY_ID_METADATA
 from lemix.types import Task, TaskKind, TaskPayload
 from services.scheduler.codec import task_to_fields
 
@@ -61,12 +62,15 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     submitted: list[tuple[Task, TaskPayload]] = field(default_factory=list)
     acked_at_s: dict[str, float] = field(default_factory=dict)  # monotonic, at the reply
     cancelled: list[tuple[str, str]] = field(default_factory=list)  # (task_id, reason)
+    gateway_ids: list[str] = field(default_factory=list)  # per Submit, its metadata's
     _runs: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
     async def Submit(
         self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.SubmitResponse:
         task, payload = convert.task_from_proto(request.task)
+        metadata = dict(context.invocation_metadata() or ())
+        self.gateway_ids.append(str(metadata.get(GATEWAY_ID_METADATA, "")))
         if self.submit_delay_s:
             await asyncio.sleep(self.submit_delay_s)
         if self.submit_error is not None:

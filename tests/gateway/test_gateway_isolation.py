@@ -22,8 +22,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis_pool import TEST_POOL_SIZE
 from waiting import wait_until
 
+from gateway.core import OUTPUT_RETAIN_S
 from gateway.service import GatewayService
-from gateway.upkeep import BatchedCounters
+from gateway.upkeep import BatchedCounters, StreamLeases
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from lemix.infra.rpc.client import channel
 from lemix.infra.store.intake import TaskIdConflict
@@ -126,19 +127,22 @@ async def test_counters_reach_redis_in_the_background(
 # ------------------------------------------------------------------- leases
 
 
-async def test_lease_is_renewed_while_streaming_and_dropped_after(
+async def test_the_gateway_lease_is_renewed_while_it_runs_and_dropped_at_stop(
     make_gateway: GatewayFactory, fake_scheduler: FakeScheduler, store: Store
 ) -> None:
     ttl_s = 0.6
     fake_scheduler.script = Script(is_held=True)
     gateway = await make_gateway(stream_lease_ttl_s=ttl_s)
-    lease = store.keys.stream_lease("held-1")
+    owner = gateway.servicer.core.leases.owner
+    lease = store.keys.gateway_lease(owner)
     async with channel(gateway.address) as ch:
         call = gateway_pb2_grpc.GatewayStub(ch).Generate(
             _generate(request_id="held-1", max_tokens=50), timeout=DEADLINE_S
         )
         assert (await call.read()).num_output_tokens == 1
-        assert await store.client.get(lease) == gateway.servicer.core.leases.owner
+        # Submit named this gateway, whose one lease covers the stream.
+        assert fake_scheduler.gateway_ids == [owner]
+        assert await store.client.get(lease) == owner
         # Held for several TTLs: only renewals keep it.
         deadline_s = time.monotonic() + 3 * ttl_s
         while time.monotonic() < deadline_s:
@@ -146,25 +150,28 @@ async def test_lease_is_renewed_while_streaming_and_dropped_after(
             await asyncio.sleep(0.05)
         call.cancel()
         await wait_until(lambda: fake_scheduler.cancelled_ids() == ["held-1"], timeout_s=5.0)
-
-    async def dropped() -> bool:
-        return not await store.client.exists(lease)
-
-    await wait_until(dropped, timeout_s=5.0)  # long before it would lapse by itself
     assert gateway.servicer.core.leases.live_ids == []
+    assert await store.client.exists(lease)  # the gateway runs on: so does its lease
+    await gateway.stop()
+    assert not await store.client.exists(lease)
 
 
-async def test_lease_of_a_completed_stream_is_dropped(
-    gateway: GatewayService, store: Store
+async def test_a_completed_stream_is_retired_and_no_lease_is_per_request(
+    gateway: GatewayService, fake_scheduler: FakeScheduler, store: Store
 ) -> None:
     async with channel(gateway.address) as ch:
         responses = await _collect(gateway_pb2_grpc.GatewayStub(ch), _generate(request_id="done-1"))
     assert responses[-1].is_finished
+    (task_id,) = [task.task_id for task, _ in fake_scheduler.submitted]
+    output = store.keys.output(task_id)
 
-    async def dropped() -> bool:
-        return not await store.client.exists(store.keys.stream_lease("done-1"))
+    async def retired() -> bool:
+        return 0 < await store.client.pttl(output) <= OUTPUT_RETAIN_S * 1000
 
-    await wait_until(dropped, timeout_s=5.0)
+    await wait_until(retired, timeout_s=5.0)
+    owner = gateway.servicer.core.leases.owner
+    leases = [key async for key in store.client.scan_iter(match=store.keys.gateway_lease("*"))]
+    assert leases == [store.keys.gateway_lease(owner)]
 
 
 # ------------------------------------------------------------------- resume
@@ -354,7 +361,8 @@ async def test_a_conflicting_request_leaves_the_original_stream_alone(
             await _collect(stub, _generate("an impostor prompt", request_id="r-2"))
         assert info.value.code() is grpc.StatusCode.ALREADY_EXISTS
         await asyncio.sleep(0.1)  # a wrongly dropped lease would be gone by now
-        assert await store.client.exists(store.keys.stream_lease("r-2"))
+        owner = gateway.servicer.core.leases.owner
+        assert await store.client.exists(store.keys.gateway_lease(owner))
         assert fake_scheduler.cancelled == []
         call.cancel()
 
@@ -412,3 +420,30 @@ async def test_a_failed_counter_flush_keeps_its_counts(store: Store) -> None:
     counters.add("requests_received", 3)
     await counters.flush()
     assert counters.pending == {} and (await store.get_stats())["requests_received"] == 3
+
+
+async def test_a_request_writes_the_lease_only_when_the_loop_has_not_kept_it(
+    store: Store,
+) -> None:
+    now_s = [100.0]
+    leases = StreamLeases(store, "gw-fresh", ttl_s=3.0, clock=lambda: now_s[0])
+    lease = store.keys.gateway_lease("gw-fresh")
+    await leases.take("a")  # never written: written now, before its Submit
+    assert await store.client.get(lease) == "gw-fresh"
+    await store.client.delete(lease)  # so a write would show
+    now_s[0] += 0.9  # within one renewal interval (1 s): fresh
+    await leases.take("b")
+    assert not await store.client.exists(lease)
+    now_s[0] += 0.2  # the loop's renewal is overdue (renewals failing): written again
+    await leases.take("c")
+    assert await store.client.exists(lease)
+    await leases.sync(renew=True)  # the loop renews: fresh from now
+    await store.client.delete(lease)
+    await leases.take("d")
+    assert not await store.client.exists(lease)
+    assert sorted(leases.live_ids) == ["a", "b", "c", "d"]
+    for task_id in ("a", "b", "c", "d"):
+        leases.release(task_id)
+    assert leases.live_ids == []
+    await leases.drop()
+    assert not leases.is_fresh

@@ -42,7 +42,7 @@ async def test_one_read_serves_every_stream_and_a_wake_adds_one(own_store: Store
         assert reader.claim_wake()
         c = reader.follow("c")
         assert not reader.claim_wake()  # one wake per blocked read
-        await store.renew_stream_leases("gw-1", ["b"], wake=True)
+        await store.renew_gateway_lease("gw-1", wake=True)
         await store.append_outputs_batch([("b", {"n": 1}), ("a", {"n": 1}), ("a", {"n": 2})])
         assert [f["n"] for _, f in await b.next(2.0)] == ["1"]
         await store.append_output("c", {"n": 1})
@@ -102,7 +102,7 @@ async def test_the_wake_stream_expires_with_the_leases_and_is_dropped(own_store:
     assert await store.client.xlen(wake) == 1
     await store.wake_reader("gw-3")
     assert await store.client.xlen(wake) == 1  # one entry, ever
-    await store.sync_stream_leases("gw-3", [], [], 3.0, is_renewal=True)
+    await store.sync_gateway_lease("gw-3", 3.0, is_renewal=True)
     assert 0 < await store.client.pttl(wake) <= 3000
     await store.drop_reader_wake("gw-3")
     assert not await store.client.exists(wake)

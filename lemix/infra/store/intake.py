@@ -28,12 +28,18 @@ from lemix.infra.store.base import (
     stream_entries,
 )
 from lemix.infra.store.codec import Entry, FieldValue, encode_fields
-from lemix.infra.store.task_hash import IS_FINAL_FIELD, SUBMIT_T_FIELD, TASK_ID_FIELD
+from lemix.infra.store.task_hash import (
+    GATEWAY_ID_FIELD,
+    IS_FINAL_FIELD,
+    SUBMIT_T_FIELD,
+    TASK_ID_FIELD,
+)
 
 # Task fields that differ between two Submits of one request (stamped by the
 # submitter or on intake), so they are not part of its hash: the scheduler's
 # submit wall time, arrival time and arrival order.
-UNHASHED_TASK_FIELDS = frozenset({SUBMIT_T_FIELD, "arrival_s", "seq"})
+# A retry of one request through another gateway is the same request.
+UNHASHED_TASK_FIELDS = frozenset({SUBMIT_T_FIELD, "arrival_s", "seq", GATEWAY_ID_FIELD})
 
 
 def request_hash(fields: Mapping[str, str]) -> str:
@@ -220,45 +226,30 @@ class IntakeOps(StoreBase):
         replies = await pipe.execute()
         return [(replies[2 * i] == "1", bool(replies[2 * i + 1])) for i in range(len(task_ids))]
 
-    async def intake_checks(self, task_ids: Sequence[str]) -> list[tuple[bool, bool, bool]]:
-        """Per task: (is it final already, was it cancelled before placement,
-        does a gateway hold a lease on its stream), in one pipelined round trip."""
-        if not task_ids:
-            return []
-        pipe = self.client.pipeline(transaction=False)
-        for task_id in task_ids:
-            pipe.hget(self.keys.task(task_id), IS_FINAL_FIELD)
-            pipe.exists(self.keys.cancelled(task_id))
-            pipe.exists(self.keys.stream_lease(task_id))
-        replies = await pipe.execute()
-        return [
-            (replies[3 * i] == "1", bool(replies[3 * i + 1]), bool(replies[3 * i + 2]))
-            for i in range(len(task_ids))
-        ]
-
     async def accept_intake(
         self, items: Sequence[tuple[str, Mapping[str, FieldValue]]]
     ) -> list[tuple[bool, bool, bool]]:
         """The scheduler's intake step for (task_id, state fields) items, in
         one pipelined round trip: per task (is it final already, was it
-        cancelled before placement, does a gateway hold a lease on its
-        stream), and, for a task neither final nor cancelled, its state fields
-        merged into its hash in the same atomic step (`scripts.ACCEPT_LUA`,
-        one call per `TASKS_PER_SCRIPT_CALL` tasks)."""
+        cancelled before placement, is the lease of the gateway its fields
+        name (`GATEWAY_ID_FIELD`) live; False when they name none), and, for
+        a task neither final nor cancelled, its state fields merged into its
+        hash in the same atomic step (`scripts.ACCEPT_LUA`, one call per
+        `TASKS_PER_SCRIPT_CALL` tasks; a gateway's lease is read once per
+        call, not once per task)."""
         if not items:
             return []
         pipe = self.client.pipeline(transaction=False)
         for chunk in chunks(items):
             counts, values = batch_items(chunk, "accept_intake")
-            keys = [
-                key
-                for task_id, _ in chunk
-                for key in (
-                    self.keys.task(task_id),
-                    self.keys.cancelled(task_id),
-                    self.keys.stream_lease(task_id),
-                )
-            ]
+            keys: list[str] = []
+            for task_id, fields in chunk:
+                gateway_id = str(fields.get(GATEWAY_ID_FIELD) or "")
+                task_key = self.keys.task(task_id)
+                # No gateway: the task's own hash stands in (the script reads
+                # that as "no lease"), keeping three keys per task.
+                lease_key = self.keys.gateway_lease(gateway_id) if gateway_id else task_key
+                keys += [task_key, self.keys.cancelled(task_id), lease_key]
             self.queue_script(pipe, self._accept, keys, [len(chunk), *counts, *values])
         flags = [int(flag) for reply in await self.execute_scripted(pipe) for flag in reply]
         return [

@@ -21,7 +21,7 @@ key                          type    what it holds
 ``ns:completions``           stream  task ends reported by executors
 ``ns:completions:cursor``    string  last completions entry the scheduler applied
 ``ns:cancelled:<task_id>``   string  cancelled before placement (with TTL)
-``ns:lease:<task_id>``       string  the streaming gateway's lease on a request (TTL)
+``ns:lease:<gateway_id>``    string  a gateway's lease on every stream it reads (TTL)
 ``ns:wake:<gateway_id>``     stream  wakes that gateway's output reader (one entry, TTL)
 ``ns:scheduler:epoch``       string  wall-clock origin of the planner's time
 ``ns:scheduler:slo``         hash    the SLO the scheduler plans for (ttft_s, tbt_s)
@@ -42,7 +42,7 @@ INTAKE_GROUP = "scheduler"
 NODE_HEARTBEAT_TTL_S = 5.0
 # How long a task id stays known to the intake's dedupe check.
 DEDUPE_TTL_S = 24 * 3600.0
-# A gateway renews the leases of the streams it reads every
+# A gateway renews its lease (on every stream it reads) every
 # STREAM_LEASE_TTL_S / 3; a lease that lapses means its gateway is gone.
 STREAM_LEASE_TTL_S = 15.0
 # Approximate cap on entries per output stream (XADD MAXLEN ~): far above any
@@ -129,13 +129,15 @@ class RedisKeys:
         """Marks a task cancelled before the scheduler placed it."""
         return self._key("cancelled", _check_part("task_id", task_id))
 
-    def stream_lease(self, task_id: str) -> str:
-        """A gateway's lease on the request it streams; renewed while it reads.
+    def gateway_lease(self, gateway_id: str) -> str:
+        """Gateway `gateway_id`'s lease on every stream it reads; renewed while
+        it runs (one key per gateway, not per request: a task names its
+        gateway in its hash, `task_hash.GATEWAY_ID_FIELD`).
 
-        Its expiry means nobody reads the output any more (the gateway died):
-        the scheduler cancels the task so the executor frees its KV.
+        Its expiry means nobody reads those outputs any more (the gateway
+        died): the scheduler cancels its tasks so the executors free their KV.
         """
-        return self._key("lease", _check_part("task_id", task_id))
+        return self._key("lease", _check_part("gateway_id", gateway_id))
 
     def reader_wake(self, owner: str) -> str:
         """Wakes gateway `owner`'s output reader out of its blocking XREAD

@@ -3,9 +3,9 @@ and the streaming gateways' leases on them.
 
 Hot paths take one round trip: `append_outputs_batch` pipelines a whole
 executor iteration's tokens (`FencingOps.append_outputs_fenced`, the
-executor's, does it in one script call). A gateway holds a lease
-(``ns:lease:<task_id>``, with TTL) on each stream it reads; the scheduler
-cancels a task whose lease lapsed (its gateway is gone).
+executor's, does it in one script call). A gateway holds one lease
+(``ns:lease:<gateway_id>``, with TTL) on every stream it reads; the scheduler
+cancels a task whose gateway's lease lapsed (its gateway is gone).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ _WAKE_FIELDS = {"wake": "1"}
 
 
 class OutputOps(StoreBase):
-    """Append to, read and expire output streams; take and drop stream leases."""
+    """Append to, read and expire output streams; take and drop gateway leases."""
 
     async def append_output(self, task_id: str, fields: Mapping[str, FieldValue]) -> str:
         """Append one message to the task's output stream; returns its entry id."""
@@ -114,22 +114,13 @@ class OutputOps(StoreBase):
         """Drop the task's output stream `ttl_s` after now (readers are done)."""
         await self.client.pexpire(self.keys.output(task_id), to_ms(ttl_s, "ttl_s"))
 
-    async def renew_stream_leases(
-        self,
-        owner: str,
-        task_ids: Sequence[str],
-        ttl_s: float = STREAM_LEASE_TTL_S,
-        *,
-        wake: bool = False,
+    async def renew_gateway_lease(
+        self, owner: str, ttl_s: float = STREAM_LEASE_TTL_S, *, wake: bool = False
     ) -> None:
-        """(Re)take `owner`'s lease on every stream in `task_ids`, and with
-        `wake` wake `owner`'s output reader (`wake_reader`), one round trip."""
-        if not task_ids and not wake:
-            return
-        ttl_ms = to_ms(ttl_s, "ttl_s")
+        """(Re)take gateway `owner`'s lease (`RedisKeys.gateway_lease`), and
+        with `wake` wake `owner`'s output reader (`wake_reader`), one round trip."""
         pipe = self.client.pipeline(transaction=False)
-        for task_id in task_ids:
-            pipe.set(self.keys.stream_lease(task_id), owner, px=ttl_ms)
+        pipe.set(self.keys.gateway_lease(owner), owner, px=to_ms(ttl_s, "ttl_s"))
         if wake:
             self._queue_wake(pipe, owner)
         await pipe.execute()
@@ -144,34 +135,28 @@ class OutputOps(StoreBase):
     def _queue_wake(self, pipe: Any, owner: str) -> None:
         pipe.xadd(self.keys.reader_wake(owner), _WAKE_FIELDS, maxlen=1, approximate=False)
 
-    async def sync_stream_leases(
+    async def sync_gateway_lease(
         self,
         owner: str,
-        renew_ids: Sequence[str],
-        drop_ids: Sequence[str],
         ttl_s: float = STREAM_LEASE_TTL_S,
         *,
         retire_ids: Sequence[str] = (),
         retain_s: float = 0.0,
         is_renewal: bool = False,
     ) -> None:
-        """One round trip: (re)take `owner`'s lease on `renew_ids`, delete the
-        leases of `drop_ids` (streams whose reader is done), expire the
-        output streams of `retire_ids` `retain_s` from now (read to their
-        end), and with `is_renewal` renew the TTL of `owner`'s wake stream."""
-        if not renew_ids and not drop_ids and not retire_ids and not is_renewal:
+        """One round trip: expire the output streams of `retire_ids`
+        `retain_s` from now (read to their end), and with `is_renewal` renew
+        gateway `owner`'s lease and its wake stream's TTL."""
+        if not retire_ids and not is_renewal:
             return
         ttl_ms = to_ms(ttl_s, "ttl_s")
         pipe = self.client.pipeline(transaction=False)
-        for task_id in renew_ids:
-            pipe.set(self.keys.stream_lease(task_id), owner, px=ttl_ms)
-        if drop_ids:
-            pipe.delete(*(self.keys.stream_lease(task_id) for task_id in drop_ids))
         if retire_ids:
             retain_ms = to_ms(retain_s, "retain_s")
             for task_id in retire_ids:
                 pipe.pexpire(self.keys.output(task_id), retain_ms)
         if is_renewal:
+            pipe.set(self.keys.gateway_lease(owner), owner, px=ttl_ms)
             pipe.pexpire(self.keys.reader_wake(owner), ttl_ms)
         await pipe.execute()
 
@@ -179,15 +164,16 @@ class OutputOps(StoreBase):
         """Delete `owner`'s wake stream (its gateway stops)."""
         await self.client.delete(self.keys.reader_wake(owner))
 
-    async def drop_stream_lease(self, task_id: str) -> None:
-        """The reader is done with the stream (it ended or was cancelled)."""
-        await self.client.delete(self.keys.stream_lease(task_id))
+    async def drop_gateway_lease(self, owner: str) -> None:
+        """Gateway `owner` stops: its lease goes (the scheduler cancels what
+        it still streamed at its next check)."""
+        await self.client.delete(self.keys.gateway_lease(owner))
 
-    async def stream_leases_held(self, task_ids: Sequence[str]) -> list[bool]:
-        """Per task: is a gateway's lease on its stream live? One round trip."""
-        if not task_ids:
+    async def gateway_leases_held(self, gateway_ids: Sequence[str]) -> list[bool]:
+        """Per gateway: is its lease live? One round trip."""
+        if not gateway_ids:
             return []
         pipe = self.client.pipeline(transaction=False)
-        for task_id in task_ids:
-            pipe.exists(self.keys.stream_lease(task_id))
+        for gateway_id in gateway_ids:
+            pipe.exists(self.keys.gateway_lease(gateway_id))
         return [bool(n) for n in await pipe.execute()]

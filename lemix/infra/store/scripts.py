@@ -274,14 +274,17 @@ return out
 # when it is to be taken, its state, in one step (one EVALSHA per batch: a
 # script call per task cost a command per task). Per task i (0-based):
 # KEYS[3i+1] its hash, KEYS[3i+2] its cancelled-before-placement marker,
-# KEYS[3i+3] its stream lease. ARGV[1] = m, the number of tasks; ARGV[2 ..
-# 1+m] the number of state items of each; then the items, task after task,
-# written (merged) only when the task is neither final nor cancelled.
+# KEYS[3i+3] the lease of its gateway, or its hash again when it names no
+# gateway (no lease then). A lease is read once per call (tasks of one
+# gateway share it). ARGV[1] = m, the number of tasks; ARGV[2 .. 1+m] the
+# number of state items of each; then the items, task after task, written
+# (merged) only when the task is neither final nor cancelled.
 # Returns {is final, is cancelled, has a lease} as 1/0, per task, flattened.
 ACCEPT_LUA = """
 local m = tonumber(ARGV[1])
 local at = 2 + m
 local out = {}
+local lease_of = {}
 for i = 0, m - 1 do
   local n = tonumber(ARGV[2 + i])
   local is_final = redis.call('HGET', KEYS[3 * i + 1], 'is_final') == '1'
@@ -292,7 +295,15 @@ for i = 0, m - 1 do
   at = at + n
   out[#out + 1] = is_final and 1 or 0
   out[#out + 1] = is_cancelled and 1 or 0
-  out[#out + 1] = redis.call('EXISTS', KEYS[3 * i + 3])
+  local lease = KEYS[3 * i + 3]
+  if lease == KEYS[3 * i + 1] then
+    out[#out + 1] = 0
+  else
+    if lease_of[lease] == nil then
+      lease_of[lease] = redis.call('EXISTS', lease)
+    end
+    out[#out + 1] = lease_of[lease]
+  end
 end
 return out
 """

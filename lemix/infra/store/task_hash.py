@@ -6,7 +6,8 @@ Who writes what (docs/protocol.md, "Task states"; `gateway.tasks` reads it):
 writer                 fields
 =====================  =========================================================
 scheduler intake       the task (`services.scheduler.codec.task_to_fields`),
-                       ``status=queued``, `SUBMIT_T_FIELD`, ``queued_t``
+                       ``status=queued``, `SUBMIT_T_FIELD`, ``queued_t``,
+                       `GATEWAY_ID_FIELD` (from Submit's metadata)
 scheduler dispatch     ``status=placed``, `NODE_ID_FIELD`, ``placed_t``;
                        `ATTEMPT_FIELD` before the Dispatch (fencing)
 scheduler, taken back  ``status=queued``, `NODE_ID_FIELD` "", ``requeued_t``
@@ -36,6 +37,12 @@ IS_FINAL_FIELD = "is_final"  # "1" on a finished task's hash and its last output
 ATTEMPT_FIELD = "attempt"
 NODE_ID_FIELD = "node_id"  # the node it is placed on / ended on ("" when taken back)
 SUBMIT_T_FIELD = "submit_t"  # epoch s when Submit stored it
+# The gateway streaming the task's output (Submit's `GATEWAY_ID_METADATA`);
+# its lease (`RedisKeys.gateway_lease`) lapsing cancels the task. Absent on a
+# task submitted straight to the scheduler.
+GATEWAY_ID_FIELD = "gateway_id"
+# gRPC metadata key by which a gateway names itself on Submit (no proto change).
+GATEWAY_ID_METADATA = "lemix-gateway-id"
 FINISH_T_FIELD = "finish_t"  # epoch s when it ended
 NUM_OUTPUT_TOKENS_FIELD = "num_output_tokens"
 WEIGHT_VERSION_FIELD = "weight_version"  # training updates in the weights that served it

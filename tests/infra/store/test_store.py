@@ -442,20 +442,40 @@ async def test_pipelined_scripts_take_one_round_trip_and_survive_a_script_flush(
 async def test_accept_intake_checks_and_records_in_one_step(store: Store) -> None:
     await store.finish_task("done", "completed")
     await store.mark_cancelled("gone")
-    await store.renew_stream_leases("gw", ["new"])
+    await store.renew_gateway_lease("gw")
     assert await store.accept_intake([]) == []
     lookup = await store.accept_intake(
-        [(t, {"status": "queued", "payload": "p"}) for t in ("done", "gone", "new", "bare")]
+        [
+            (t, {"status": "queued", "payload": "p", **({"gateway_id": g} if g else {})})
+            for t, g in (("done", "gw"), ("gone", "gw"), ("new", "gw"), ("bare", ""))
+        ]
+        + [("orphan", {"status": "queued", "gateway_id": "gw-dead"})]
     )
-    assert lookup == [(True, False, False), (False, True, False), (False, False, True)] + [
-        (False, False, False)
+    # "bare" names no gateway (no lease); "orphan" names one without a lease.
+    assert lookup == [(True, False, True), (False, True, True), (False, False, True)] + [
+        (False, False, False),
+        (False, False, False),
     ]
     # Only the tasks to be taken are written: a final state is kept, a
     # cancelled task's end is the scheduler's to write.
     assert (await store.get_task_state("done"))["status"] == "completed"
     assert await store.get_task_state("gone") == {}
     assert (await store.get_task_state("new"))["payload"] == "p"
+    assert (await store.get_task_state("new"))["gateway_id"] == "gw"
     assert (await store.get_task_state("bare"))["status"] == "queued"
+
+
+async def test_gateway_leases_are_one_key_per_gateway(
+    store: Store, redis_client: aioredis.Redis
+) -> None:
+    await store.renew_gateway_lease("gw-a", ttl_s=5.0)
+    await store.sync_gateway_lease("gw-b", 5.0, is_renewal=True)
+    await store.sync_gateway_lease("gw-c", 5.0, retire_ids=["x"], retain_s=1.0)  # no renewal
+    assert await store.gateway_leases_held(["gw-a", "gw-b", "gw-c"]) == [True, True, False]
+    assert 0 < await redis_client.pttl(store.keys.gateway_lease("gw-a")) <= 5000
+    await store.drop_gateway_lease("gw-a")
+    assert await store.gateway_leases_held(["gw-a", "gw-b"]) == [False, True]
+    assert await store.gateway_leases_held([]) == []
 
 
 async def _evalsha_calls(client: aioredis.Redis) -> int:
@@ -474,11 +494,14 @@ async def test_batch_scripts_take_one_call_per_chunk_and_keep_per_task_answers(
         await store.finish_task(ids[i], "completed")
     for i in range(3, num_tasks, 11):
         await store.mark_cancelled(ids[i])
-    await store.renew_stream_leases("gw", ids[::5])
+    await store.renew_gateway_lease("gw")
     await store.set_task_states([("warm", {"n": 1})])  # the scripts are loaded
     before = await _evalsha_calls(redis_client)
     lookup = await store.accept_intake(
-        [(t, {"status": "queued", "i": i}) for i, t in enumerate(ids)]
+        [
+            (t, {"status": "queued", "i": i, **({"gateway_id": "gw"} if i % 5 == 0 else {})})
+            for i, t in enumerate(ids)
+        ]
     )
     assert await _evalsha_calls(redis_client) - before == 3
     expected = [(i % 7 == 0, i % 11 == 3, i % 5 == 0) for i in range(num_tasks)]

@@ -340,21 +340,26 @@ async def test_silent_nodes_get_a_grace_after_redis_restarts(stack: Stack) -> No
 # ------------------------------------------------------------------ orphaned streams
 
 
-async def test_a_lapsed_stream_lease_cancels_its_request_and_only_it(stack: Stack) -> None:
+async def test_a_lapsed_gateway_lease_cancels_its_requests_and_only_them(stack: Stack) -> None:
     fake = await stack.start_executor(0)
     service = await stack.start_service(num_nodes=1, lease_check_s=0.05, **FAST)
     stub = stack.stub(service)
     store = stack.store
-    # The gateway takes its lease before Submit; "direct" has none (no gateway).
-    await store.renew_stream_leases("gw-a", ["orphan"], ttl_s=0.4)
-    await store.renew_stream_leases("gw-b", ["kept"], ttl_s=0.4)
-    for i, task_id in enumerate(["orphan", "kept", "direct"]):
-        await submit(stub, inference(task_id, seq=i))
-    await wait_until(lambda: len(fake.dispatched_ids) == 3, what="all dispatched")
+    # A gateway's lease is live before its Submits; "direct" names no
+    # gateway; "retried" came through gw-a, then again through gw-b.
+    await store.renew_gateway_lease("gw-a", ttl_s=0.4)
+    await store.renew_gateway_lease("gw-b", ttl_s=0.4)
+    for i, (task_id, gateway_id) in enumerate(
+        [("orphan", "gw-a"), ("kept", "gw-b"), ("direct", ""), ("retried", "gw-a")]
+    ):
+        await submit(stub, inference(task_id, seq=i), gateway_id=gateway_id)
+    await wait_until(lambda: len(fake.dispatched_ids) == 4, what="all dispatched")
+    reply = await submit(stub, inference("retried", seq=3), gateway_id="gw-b")
+    assert reply.is_duplicate
 
     async def renewing() -> None:
         while True:
-            await store.renew_stream_leases("gw-b", ["kept"], ttl_s=0.4)
+            await store.renew_gateway_lease("gw-b", ttl_s=0.4)
             await asyncio.sleep(0.1)
 
     renewer = asyncio.create_task(renewing())
@@ -364,8 +369,8 @@ async def test_a_lapsed_stream_lease_cancels_its_request_and_only_it(stack: Stac
         )
         assert fake.cancelled[0].reason == GATEWAY_GONE
         # Several more checks pass: only the orphan was cancelled.
-        await store.renew_stream_leases("gw-c", ["late"], ttl_s=0.3)
-        await submit(stub, inference("late", seq=3))
+        await store.renew_gateway_lease("gw-c", ttl_s=0.3)
+        await submit(stub, inference("late", seq=4), gateway_id="gw-c")
         await wait_until(
             lambda: [c.task_id for c in fake.cancelled] == ["orphan", "late"], what="late cancelled"
         )
@@ -373,9 +378,11 @@ async def test_a_lapsed_stream_lease_cancels_its_request_and_only_it(stack: Stac
         renewer.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await renewer
-    # "kept" stays watched; "direct" never was; a cancelled task leaves the
-    # watch once its cancel has gone through (asynchronously).
-    await wait_until(lambda: service.leases.num_watched == 1, what="only 'kept' watched")
+    # "kept" and "retried" (gw-b reads it too) stay watched; "direct" never
+    # was; a cancelled task leaves the watch once its cancel has gone through
+    # (asynchronously).
+    await wait_until(lambda: service.leases.num_watched == 2, what="'kept', 'retried' watched")
+    assert (await store.get_task_state("orphan"))["gateway_id"] == "gw-a"
 
 
 # ------------------------------------------------------------------ error causes

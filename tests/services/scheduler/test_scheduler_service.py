@@ -43,6 +43,7 @@ from lemix.infra.store.codec import encode_fields
 from lemix.infra.store.keys import RedisKeys
 from lemix.infra.store.server import EmbeddedRedis
 from lemix.infra.store.store import Store
+from lemix.infra.store.task_hash import GATEWAY_ID_METADATA
 from lemix.planner.planner import Planner
 from lemix.planner.recording import (
     decision_key,
@@ -197,9 +198,13 @@ def training(task_id: str, tokens: int = 50, seq: int = 0) -> common_pb2.Task:
 
 
 async def submit(
-    stub: scheduler_pb2_grpc.SchedulerStub, task: common_pb2.Task
+    stub: scheduler_pb2_grpc.SchedulerStub, task: common_pb2.Task, *, gateway_id: str = ""
 ) -> scheduler_pb2.SubmitResponse:
-    return await stub.Submit(scheduler_pb2.SubmitRequest(task=task), timeout=TIMEOUT_S)
+    """Submit `task`; with `gateway_id`, as that gateway does (its lease covers it)."""
+    metadata = ((GATEWAY_ID_METADATA, gateway_id),) if gateway_id else None
+    return await stub.Submit(
+        scheduler_pb2.SubmitRequest(task=task), timeout=TIMEOUT_S, metadata=metadata
+    )
 
 
 async def end_message(store: Store, task_id: str) -> dict[str, str]:
@@ -405,6 +410,10 @@ async def test_invalid_task_is_invalid_argument_and_the_service_stays_healthy(st
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Submit(scheduler_pb2.SubmitRequest(), timeout=TIMEOUT_S)
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    for gateway_id in ("has space", "g" * 201):  # a gateway names itself with a short token
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await submit(stub, inference("named"), gateway_id=gateway_id)
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT, gateway_id
     health = health_pb2_grpc.HealthStub(stack.channels[-1])
     check = await health.Check(
         health_pb2.HealthCheckRequest(service="lemix.v1.Scheduler"), timeout=TIMEOUT_S
