@@ -92,6 +92,10 @@ async def stack(
             profile_path=tmp_path / "profile.json",
             time_scale=TIME_SCALE,
             heartbeat_s=0.05,
+            # Everything runs in this one process: on a loaded machine an event
+            # loop stall outlives 3 heartbeats, and a node that looks dead makes
+            # requests UNAVAILABLE. These tests are not about liveness.
+            node_ttl_s=5.0,
             shutdown_grace_s=0.5,
         )
     )
@@ -111,6 +115,9 @@ async def stack(
     )
     await executor.start()
     await scheduler.start()
+    # The scheduler sees node 0 at its next node poll; a request before that
+    # gets UNAVAILABLE (no live executor), so the stack is ready once it does.
+    await _eventually(lambda: scheduler.live_node_ids == [0], timeout_s=10.0)
     s = HttpStack(redis_server.url, namespace, scheduler, executor)
     try:
         yield s
