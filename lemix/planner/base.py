@@ -157,6 +157,11 @@ class PlacementPolicy(Protocol):
         """Nodes that serve inference (all of them for co-located policies)."""
         ...
 
+    def training_nodes(self, num_nodes: int, context: PolicyContext) -> tuple[int, ...] | None:
+        """The policy's own training nodes (SEPARATE's split), or None: the
+        planner's `PlannerConfig.training_node_ids` decide (co-located)."""
+        ...
+
     def snapshot_state(self) -> dict[str, Any]:
         """The policy's own mutable state (counters), JSON-able; {} when none."""
         ...

@@ -303,8 +303,12 @@ class Planner:
 
     def _rank(self, task: Task, now_s: float, context: PolicyContext) -> list[Ranked]:
         views: list[NodeView] = self.views
-        has_own_split = hasattr(self.policy, "training_nodes")  # SEPARATE: the knob is inert
-        if task.is_training and self.config.num_training_nodes is not None and not has_own_split:
+        # SEPARATE ranks its own training nodes (the config's are inert for it).
+        if (
+            task.is_training
+            and self.config.num_training_nodes is not None
+            and self.policy.training_nodes(self.config.num_nodes, context) is None
+        ):
             homes = set(self.config.training_node_ids)
             views = [v for v in self.views if v.node_id in homes]
         ranked = self.policy.rank(task, views, self._candidates(task, now_s, views), context)
@@ -316,10 +320,8 @@ class Planner:
     def training_nodes(self, context: PolicyContext) -> tuple[int, ...]:
         """Nodes that train: the policy's own split (SEPARATE), else the
         config's training nodes (`PlannerConfig.num_training_nodes`)."""
-        own = getattr(self.policy, "training_nodes", None)
-        if own is not None:
-            return tuple(own(self.config.num_nodes, context))
-        return self.config.training_node_ids
+        own = self.policy.training_nodes(self.config.num_nodes, context)
+        return self.config.training_node_ids if own is None else own
 
     def _no_node_reason(self, task: Task) -> str:
         """Why `task` got no node: the policy keeps none for its kind (SEPARATE

@@ -53,6 +53,9 @@ class MixRoundRobinPolicy:
     def serving_nodes(self, num_nodes: int, context: PolicyContext) -> tuple[int, ...]:
         return tuple(range(num_nodes))
 
+    def training_nodes(self, num_nodes: int, context: PolicyContext) -> tuple[int, ...] | None:
+        return None  # co-located: the planner's training nodes
+
     def snapshot_state(self) -> dict[str, Any]:
         return {"counter": self._counter}
 
@@ -87,6 +90,9 @@ class MixLeastUtilizedPolicy:
 
     def serving_nodes(self, num_nodes: int, context: PolicyContext) -> tuple[int, ...]:
         return tuple(range(num_nodes))
+
+    def training_nodes(self, num_nodes: int, context: PolicyContext) -> tuple[int, ...] | None:
+        return None  # co-located: the planner's training nodes
 
     def snapshot_state(self) -> dict[str, Any]:
         return {}  # stateless: it ranks by the planner's accounting
@@ -184,6 +190,9 @@ class Capped:
 
     def serving_nodes(self, num_nodes: int, context: PolicyContext) -> tuple[int, ...]:
         return self.inner.serving_nodes(num_nodes, context)
+
+    def training_nodes(self, num_nodes: int, context: PolicyContext) -> tuple[int, ...] | None:
+        return self.inner.training_nodes(num_nodes, context)
 
     def snapshot_state(self) -> dict[str, Any]:
         return self.inner.snapshot_state()

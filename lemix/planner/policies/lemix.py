@@ -81,6 +81,9 @@ class LemixPolicy:
     def serving_nodes(self, num_nodes: int, context: PolicyContext) -> tuple[int, ...]:
         return tuple(range(num_nodes))
 
+    def training_nodes(self, num_nodes: int, context: PolicyContext) -> tuple[int, ...] | None:
+        return None  # co-located: the planner's training nodes
+
     def snapshot_state(self) -> dict[str, Any]:
         return {}  # stateless: every decision comes from the planner's views
 
