@@ -8,7 +8,11 @@ Per `write` (one driver flush, usually one iteration) ONE script call
    (fenced, once per task) and its completion entry for the scheduler;
 3. and the counters (tokens written, each end by its outcome).
 
-Tokens go first, so a task's ``end`` never precedes its last token. If a write
+Tokens go first, so a task's ``end`` never precedes its last token. A task
+that completes in the batch sends its last token message's fields on its
+``end`` message instead (one stream entry, not two: a short request's
+token and end were two XADDs); readers take the tokens an ``end`` adds
+(`gateway.convert.OutputStream`). If a write
 fails the driver retries the whole batch: the script either ran whole or not
 at all, unless its reply was lost; then token messages may repeat (readers go
 by ``n``), the end is a no-op the second time (counted as a duplicate), and a
@@ -25,6 +29,7 @@ with the attempt: the scheduler ignores a stale one.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
@@ -44,6 +49,7 @@ from lemix.infra import telemetry
 from lemix.infra.store.codec import FieldValue
 from lemix.infra.store.fencing import FinishOutcome, NodeEnd, NodeEndKind
 from lemix.infra.store.messages import (
+    TYPE_FIELD,
     completion_fields,
     end_message,
     first_token_message,
@@ -143,7 +149,8 @@ class RedisOutcomeSink:
                 ends.append(outcome)
             elif isinstance(outcome, BlockingDone):
                 log.info("executor.blocking_done", node=self.node_id, tag=outcome.tag)
-        await self._write_batch(tokens, [self._end_of(end, t) for end in ends])
+        tokens, node_ends = _carry_last_tokens(tokens, [self._end_of(end, t) for end in ends])
+        await self._write_batch(tokens, node_ends)
 
     def _attempt(self, task_id: str) -> int:
         return self._ledger.attempt_of(task_id) if self._ledger is not None else 0
@@ -260,3 +267,48 @@ class RedisOutcomeSink:
         return completion_fields(
             task_id, status, reason, node_id=self.node_id, t=t, attempt=attempt
         )
+
+
+TokenMessage = tuple[str, int, dict[str, FieldValue]]  # (task_id, attempt, fields)
+
+
+def _carry_last_tokens(
+    tokens: list[TokenMessage], ends: list[NodeEnd]
+) -> tuple[list[TokenMessage], list[NodeEnd]]:
+    """Merge, for each task completed in this batch, its last token message of
+    the batch into its end message: the end adds those tokens (`n`, `ids`,
+    first-token fields...) and the stream gets one entry instead of two.
+    Only a FINISH end of a completed task of the same attempt carries tokens
+    (a failed end carries none: its reader gets the error, as before); a
+    token message of a task that does not end here is left as it is."""
+    carriers = {
+        end.task_id: end
+        for end in ends
+        if end.kind is NodeEndKind.FINISH and end.status == StoredStatus.COMPLETED
+    }
+    if not carriers:
+        return tokens, ends
+    last_of: dict[str, int] = {}
+    for i, (task_id, attempt, _) in enumerate(tokens):
+        end = carriers.get(task_id)
+        if end is not None and end.attempt == attempt:
+            last_of[task_id] = i
+    if not last_of:
+        return tokens, ends
+    merged = {
+        task_id: dataclasses.replace(
+            carriers[task_id],
+            # The end's own fields (type, n, node, t, finish reason) win.
+            output_fields={
+                **{k: v for k, v in tokens[i][2].items() if k != TYPE_FIELD},
+                **carriers[task_id].output_fields,
+            },
+            num_carried_tokens=1,
+        )
+        for task_id, i in last_of.items()
+    }
+    carried = set(last_of.values())
+    return (
+        [item for i, item in enumerate(tokens) if i not in carried],
+        [merged.get(end.task_id, end) if end is carriers.get(end.task_id) else end for end in ends],
+    )

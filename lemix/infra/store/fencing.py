@@ -58,6 +58,9 @@ class NodeEnd:
     output_fields: Mapping[str, FieldValue] = field(default_factory=dict)
     state_fields: Mapping[str, FieldValue] = field(default_factory=dict)
     ttl_s: float | None = None
+    # Token messages merged into `output_fields` (the task's last tokens ride
+    # on its end message): counted as written tokens when the end is written.
+    num_carried_tokens: int = 0
 
 
 class FencingOps(StoreBase):
@@ -156,6 +159,7 @@ class FencingOps(StoreBase):
             args += [str(end.kind), int(end.attempt), ttl_ms]
             args += [len(state_items), *state_items, len(message_items), *message_items]
             args += [len(completion), *completion, end.stat, end.duplicate_stat, end.fenced_stat]
+            args += [end.num_carried_tokens]
         replies = [int(n) for n in await self._write_node_batch(keys=keys, args=args)]
         outcomes = {
             1: FinishOutcome.ENDED,

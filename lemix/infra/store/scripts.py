@@ -181,7 +181,9 @@ return {redis.call('HGET', KEYS[1], 'is_final') or '',
 # completion), the writer's attempt, TTL in ms (0: none), ns + ns state
 # items, nm + nm end-message items, nc + nc completion items, and the stats
 # fields to bump by 1 when the end was written / already final / fenced
-# (a "report" bumps the first).
+# (a "report" bumps the first), and the number of token messages the end
+# message carries (its task's last tokens ride on it: one entry, not two),
+# added to the tokens counter when the end is written.
 # Returns per token message 1 (written) or 0 (fenced), then per end 1
 # (ended, or reported), 0 (already final) or -1 (fenced).
 WRITE_NODE_BATCH_LUA = """
@@ -255,6 +257,12 @@ while at <= #ARGV do
   end
   redis.call('XADD', KEYS[1], '*', unpack(ARGV, completion_at, completion_at + nc - 1))
   local stat = ARGV[stats_at]
+  if kind == 'finish' and outcome == 1 then
+    local carried = tonumber(ARGV[stats_at + 3])
+    if carried > 0 then
+      counts[ARGV[3]] = (counts[ARGV[3]] or 0) + carried
+    end
+  end
   if outcome == 0 then
     stat = ARGV[stats_at + 1]
   elseif outcome == -1 then
@@ -262,7 +270,7 @@ while at <= #ARGV do
   end
   counts[stat] = (counts[stat] or 0) + 1
   out[i] = outcome
-  at = stats_at + 3
+  at = stats_at + 4
 end
 for stat, count in pairs(counts) do  -- one HINCRBY per counter, not per end
   redis.call('HINCRBY', KEYS[2], stat, count)

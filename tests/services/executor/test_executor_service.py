@@ -167,10 +167,12 @@ async def test_inference_streams_every_token_then_ends(
     messages = await read_until_end(store, "inf-a")
     *tokens, end = messages
     assert tokens[0]["first"] == "1" and tokens[0]["version"] == "0"
-    assert [int(m["n"]) for m in tokens] == list(range(1, 9))
+    # The last token rides on the end message (one stream entry, not two).
+    assert [int(m["n"]) for m in tokens] == list(range(1, 8))
     assert all(m["type"] == "token" and m["node"] == "3" for m in tokens)
     assert end["type"] == "end" and end["status"] == "completed"
     assert end["n"] == "8" and end["is_final"] == "1" and end["reason"] == ""
+    # ... and the tokens counter still counts it.
     completion = await wait_completion(store, "inf-a")
     assert completion["status"] == "completed" and completion["node_id"] == "3"
     state = await store.get_task_state("inf-a")
@@ -187,7 +189,9 @@ async def test_duplicate_dispatch_runs_once(
     await dispatch(stub, task)
     await dispatch(stub, task)  # a redelivery: accepted, not run again
     messages = await read_until_end(store, "inf-dup")
-    assert [m["n"] for m in messages] == ["1", "2", "3", "4", "5", "5"]
+    # Once: tokens 1-4, then the end carrying token 5.
+    assert [m["n"] for m in messages] == ["1", "2", "3", "4", "5"]
+    assert [m["type"] for m in messages] == ["token"] * 4 + ["end"]
     node = service.node
     assert node is not None
     # The end message is written before the node lets the task go.
@@ -197,7 +201,7 @@ async def test_duplicate_dispatch_runs_once(
     assert node.held_task("inf-dup") is None
     state = await node_state(stub)
     assert state.num_running == state.num_waiting == 0
-    assert len(await store.read_output("inf-dup")) == 6
+    assert len(await store.read_output("inf-dup")) == 5
 
 
 async def test_training_completes_and_counts_an_update(

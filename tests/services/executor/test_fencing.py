@@ -131,7 +131,15 @@ def fenced_writes(node_id: int, what: str) -> float:
 
 
 def token_numbers(messages: list[Fields]) -> list[int]:
-    return [int(m["n"]) for m in messages if m["type"] == "token"]
+    """The token counts the messages add, in order: every token message's,
+    and an end's when it carries tokens beyond them (a completed task's last
+    tokens ride on its end)."""
+    numbers: list[int] = []
+    for m in messages:
+        n = int(m["n"])
+        if m["type"] == "token" or (m["type"] == "end" and n > max(numbers, default=0)):
+            numbers.append(n)
+    return numbers
 
 
 # ------------------------------------------------------------------ tests
