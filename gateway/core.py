@@ -43,7 +43,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.config import GatewayConfig
-from gateway.convert import OutputStream, TaskEnded, stats_to_proto
+from gateway.convert import OutputStream, stats_to_proto
 from gateway.model_limits import ModelLimitsCache, context_tokens
 from gateway.reader import Follower, OutputReader
 from gateway.upkeep import BatchedCounters, StreamLeases, Upkeep
@@ -79,9 +79,6 @@ REQUESTS_CANCELLED = "requests_cancelled"
 NUM_INFERENCE = "num_inference"  # inference tasks the scheduler acknowledged (new ids)
 NUM_TRAINING = "num_training"  # training tasks the scheduler acknowledged (new ids)
 
-# A finished task's output stream is kept this long after its reader saw the
-# end, so an idempotent retry (same request_id) can replay it; then it expires.
-OUTPUT_RETAIN_S = 300.0
 # Train submits its tasks concurrently, at most this many Submits at once.
 TRAIN_SUBMIT_CONCURRENCY = 32
 # The output reader's blocking read returns after this long at most, so a
@@ -134,12 +131,7 @@ class GatewayCore:
         self.tokenizer = tokenizer
         self.clock = clock
         self.counters = BatchedCounters(store)
-        self.leases = StreamLeases(
-            store,
-            gateway_id or new_gateway_id(),
-            config.stream_lease_ttl_s,
-            retain_output_s=OUTPUT_RETAIN_S,
-        )
+        self.leases = StreamLeases(store, gateway_id or new_gateway_id(), config.stream_lease_ttl_s)
         self._upkeep = Upkeep(self.counters, self.leases, flush_s=config.stats_flush_s)
         # One blocking XREAD for every stream served (within the Redis
         # client's socket timeout, which exceeds the stream idle timeout).
@@ -224,7 +216,6 @@ class GatewayCore:
         self._acquire_slot()  # first: a busy gateway answers without touching Redis
         is_leased = False
         is_submitted = False  # True from the moment Submit is sent: the scheduler may hold it
-        is_read_to_end = False  # its end (or a broken message) was read: retire the stream
         stream = OutputStream(
             task.task_id, task.max_output_tokens, received_s, self.clock, tokenizer=self.tokenizer
         )
@@ -248,10 +239,6 @@ class GatewayCore:
             async with contextlib.aclosing(self._follow(stream, follower)) as responses:
                 async for response in responses:
                     yield response
-            is_read_to_end = True
-        except TaskEnded:
-            is_read_to_end = True
-            raise
         except (asyncio.CancelledError, GeneratorExit):
             cancel_reason = gone_reason()
             raise
@@ -263,9 +250,7 @@ class GatewayCore:
                 if follower is not None:
                     self.reader.unfollow(follower)
                 if is_leased:
-                    # A stream read to its end is kept `OUTPUT_RETAIN_S` (an
-                    # idempotent retry replays it), then expires.
-                    self.leases.release(task.task_id, retire_output=is_read_to_end)
+                    self.leases.release(task.task_id)
                 self._release_slot()
 
     async def train(

@@ -10,11 +10,10 @@ a request in does no Redis round trip for bookkeeping.
   says whose lease covers it). It must be live before Submit (the scheduler
   cancels a streamed task whose gateway's lease is missing: its gateway
   died), so `take` writes it only when the loop has not renewed it lately
-  (at start, or while renewals fail); one loop renews it every `ttl_s / 3`
-  and expires, in the same kind of round trip, the output streams read to
-  their end (woken by a release, it gathers the releases of the next
-  `RELEASE_BATCH_S` into one round trip). Per request no lease is written
-  or deleted.
+  (at start, or while renewals fail); one loop renews it every `ttl_s / 3`.
+  Per request no lease is written or deleted, and no stream expired: the
+  scheduler expires a task's output stream once, when it sees the task end
+  (`SchedulerConfig.output_retain_s`).
 * `Upkeep`: runs both loops; `stop` flushes the counters and drops the lease.
 
 A Redis error in a loop is logged and retried on the next tick (a renewal
@@ -39,9 +38,6 @@ log = structlog.get_logger(__name__)
 
 # A failed renewal is retried after at most this long (not a whole ttl/3).
 RENEW_RETRY_S = 0.5
-# Stream retirements released within this long of each other share one
-# round trip.
-RELEASE_BATCH_S = 0.05
 # `Upkeep.stop` cancels its loops again this often until they end.
 STOP_POLL_S = 0.1
 
@@ -77,8 +73,7 @@ class BatchedCounters:
 
 
 class StreamLeases:
-    """This gateway's (`owner`'s) lease on the streams it reads, and the
-    streams it read to their end (expired in batches).
+    """This gateway's (`owner`'s) lease on the streams it reads.
 
     Readers are counted per task id: two readers of one task (an idempotent
     retry) share it.
@@ -90,24 +85,18 @@ class StreamLeases:
         owner: str,
         ttl_s: float,
         *,
-        retain_output_s: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        if retain_output_s <= 0:
-            raise ValueError(f"retain_output_s must be > 0, got {retain_output_s}")
         self._store = store
         self.owner = owner
         self.ttl_s = ttl_s
-        self.retain_output_s = retain_output_s
         self._clock = clock
         self._refs: dict[str, int] = {}
-        self._to_retire: set[str] = set()  # streams read to their end
         # When (on `clock`) the last write known to have landed lapses; a
         # write counts from when it was sent, so this is never late.
         self._held_until_s = -math.inf
-        self.wake = asyncio.Event()  # set by a release: retire its stream soon
 
     @property
     def renew_interval_s(self) -> float:
@@ -146,37 +135,20 @@ class StreamLeases:
         await self._store.renew_gateway_lease(self.owner, self.ttl_s, wake=wake)
         self._held_until_s = max(self._held_until_s, sent_s + self.ttl_s)
 
-    def release(self, task_id: str, *, retire_output: bool = False) -> None:
-        """One reader is done (no I/O). With `retire_output` (the reader saw
-        the stream's end) the output stream expires `retain_output_s` later,
-        set in the next batched round trip."""
-        if retire_output:
-            self._to_retire.add(task_id)
-            self.wake.set()
+    def release(self, task_id: str) -> None:
+        """One reader is done (no I/O)."""
         num_refs = self._refs.get(task_id, 0) - 1
         if num_refs > 0:
             self._refs[task_id] = num_refs
         else:
             self._refs.pop(task_id, None)
 
-    async def sync(self, *, renew: bool) -> None:
-        """Expire the retired streams and (with `renew`) renew the lease, one
-        round trip. Raises the Redis error (the retirements stay pending)."""
-        retire_ids, self._to_retire = list(self._to_retire), set()
+    async def renew(self) -> None:
+        """Renew the lease (and the reader's wake stream's TTL), one round
+        trip. Raises the Redis error."""
         sent_s = self._clock()
-        try:
-            await self._store.sync_gateway_lease(
-                self.owner,
-                self.ttl_s,
-                retire_ids=retire_ids,
-                retain_s=self.retain_output_s,
-                is_renewal=renew,
-            )
-        except BaseException:
-            self._to_retire.update(retire_ids)
-            raise
-        if renew:
-            self._held_until_s = max(self._held_until_s, sent_s + self.ttl_s)
+        await self._store.keep_gateway_lease(self.owner, self.ttl_s)
+        self._held_until_s = max(self._held_until_s, sent_s + self.ttl_s)
 
     async def drop(self) -> None:
         """Delete the lease (the gateway stops); a later `take` writes it again."""
@@ -206,10 +178,9 @@ class Upkeep:
         ]
 
     async def stop(self) -> None:
-        """Stop the loops; then flush, retire and drop the lease (best effort, logged)."""
+        """Stop the loops; then flush and drop the lease (best effort, logged)."""
         loops, self._loops = self._loops, []
         self._is_stopping = True
-        self.leases.wake.set()
         # A cancel can be lost on Python 3.11: `asyncio.wait_for` (redis-py
         # reads through it) returns the result instead when its read completes
         # as the cancel lands. So the loops also check `_is_stopping`, and are
@@ -220,8 +191,6 @@ class Upkeep:
             await asyncio.wait(pending, timeout=STOP_POLL_S)
         await asyncio.gather(*loops, return_exceptions=True)
         # Streams still open at stop: the scheduler cancels them once the lease is gone.
-        with contextlib.suppress(RedisError, OSError):
-            await self.leases.sync(renew=False)
         with contextlib.suppress(RedisError, OSError):
             await self.leases.drop()
         try:
@@ -241,26 +210,16 @@ class Upkeep:
 
     async def _lease_loop(self) -> None:
         leases = self.leases
-        next_renew_s = time.monotonic()  # taken at once: requests then find it fresh
+        delay_s = 0.0  # taken at once: requests then find it fresh
         while not self._is_stopping:
-            # asyncio.timeout, not wait_for (which may swallow a cancel: `stop`)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, next_renew_s - time.monotonic())):
-                    await leases.wake.wait()
-            is_renewal = time.monotonic() >= next_renew_s
-            if not is_renewal and not self._is_stopping:
-                # Retirements are not urgent (a stream also expires with its
-                # task): those of the next moment go in the same round trip.
-                await asyncio.sleep(RELEASE_BATCH_S)
-            leases.wake.clear()
+            await asyncio.sleep(delay_s)
             try:
-                await leases.sync(renew=is_renewal)
+                await leases.renew()
             except (RedisError, OSError) as exc:
                 log.warning(
-                    "gateway.lease_sync_failed", num_live=len(leases.live_ids), error=str(exc)
+                    "gateway.lease_renew_failed", num_live=len(leases.live_ids), error=str(exc)
                 )
-                if is_renewal:  # the leases are running out: try again soon
-                    next_renew_s = time.monotonic() + min(leases.renew_interval_s, RENEW_RETRY_S)
+                # The lease is running out: try again soon.
+                delay_s = min(leases.renew_interval_s, RENEW_RETRY_S)
                 continue
-            if is_renewal:
-                next_renew_s = time.monotonic() + leases.renew_interval_s
+            delay_s = leases.renew_interval_s

@@ -208,12 +208,19 @@ class RedisResultWriter:
     """Task states in the task's Redis hash/stream, a batch per round trip.
 
     Final states carry the client's end message and, with `finished_ttl_s`,
-    expire that long after (hash and output stream).
+    expire that long after; their output streams after `output_ttl_s`
+    (default: `finished_ttl_s`).
     """
 
-    def __init__(self, store: Store, finished_ttl_s: float | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        finished_ttl_s: float | None = None,
+        output_ttl_s: float | None = None,
+    ) -> None:
         self.store = store
         self.finished_ttl_s = finished_ttl_s
+        self.output_ttl_s = finished_ttl_s if output_ttl_s is None else output_ttl_s
 
     async def end_task(self, task_id: str, status: str, reason: str) -> None:
         """Write one task's final state and end message (see `write_states`)."""
@@ -243,6 +250,7 @@ class RedisResultWriter:
             output_fields=end_message(0, None, t),
             state_fields={FINISH_T_FIELD: t},
             ttl_s=self.finished_ttl_s,
+            output_ttl_s=self.output_ttl_s or 0.0,
         )
         # Count each task once (a retried or redelivered end ends nothing new).
         num_rejected = sum(

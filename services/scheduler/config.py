@@ -119,13 +119,23 @@ class SchedulerConfig(CommonServiceConfig):
     # How often the leases of the gateways streaming held inference are
     # checked; a lapsed one cancels their tasks (the gateway is gone).
     lease_check_s: float = STREAM_LEASE_TTL_S / 3
-    # Task hashes and output streams of tasks the scheduler saw end expire
-    # this long after (0 = keep forever).
+    # Task hashes of tasks the scheduler saw end expire this long after
+    # (0 = keep forever): GetTask and the audit read final states there.
     finished_task_ttl_s: float = 24 * 3600.0
+    # Their output streams expire this long after (0 = with the hash): an
+    # idempotent retry replays the output until then. The one expiry of a
+    # stream (gateways do not expire what they read), so tokens do not stay
+    # in Redis memory for a day at the serving rate.
+    output_retain_s: float = 300.0
     # Every this many planner events the scheduler records a snapshot of its
     # planner into the event log and trims the log before it, so a restart
     # replays at most about this many events (0 = never: the log grows).
     snapshot_every_events: int = 10_000
+
+    @property
+    def output_ttl_s(self) -> float:
+        """How long an ended task's output stream is kept (0: forever)."""
+        return self.output_retain_s or self.finished_task_ttl_s
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -164,6 +174,7 @@ class SchedulerConfig(CommonServiceConfig):
             "redis_outage_grace_s": self.redis_outage_grace_s,
             "node_lost_after_s": self.node_lost_after_s,
             "finished_task_ttl_s": self.finished_task_ttl_s,
+            "output_retain_s": self.output_retain_s,
             "snapshot_every_events": self.snapshot_every_events,
         }
         for name, value in non_negative.items():
@@ -360,7 +371,13 @@ _OPTIONS: tuple[Option, ...] = (
         "finished_task_ttl_s",
         "LEMIX_FINISHED_TASK_TTL_S",
         float,
-        "finished tasks' state and output expire after (0 = never)",
+        "finished tasks' state expires after (0 = never)",
+    ),
+    option(
+        "output_retain_s",
+        "LEMIX_OUTPUT_RETAIN_S",
+        float,
+        "finished tasks' output streams expire after (0 = with their state)",
     ),
     option(
         "snapshot_every_events",

@@ -272,7 +272,9 @@ class SchedulerService(Service):
         )
         self.lifecycle.add_client("executor channels", self.dispatcher.close)
         self.writer = RedisResultWriter(
-            self.store, finished_ttl_s=config.finished_task_ttl_s or None
+            self.store,
+            finished_ttl_s=config.finished_task_ttl_s or None,
+            output_ttl_s=config.output_ttl_s or None,
         )
         self.core = SchedulerCore(
             RecordingPlanner(planner, self.recorder),
@@ -607,10 +609,14 @@ class SchedulerService(Service):
         # Entries before the cursor are applied and in the log: trimmed. An
         # applied end is final in its hash (the executor wrote the end and its
         # completion in one script), so its hash and output stream expire
-        # with the cursor's step; executors write ends without a TTL.
-        ttl_s = self.config.finished_task_ttl_s
+        # with the cursor's step; executors write ends without a TTL, and
+        # this is the stream's one expiry (a PEXPIRE is a command per task).
+        config = self.config
         await self.store.advance_completions_cursor(
-            entry_id, expire_ids=ended if ttl_s > 0 else (), ttl_s=ttl_s
+            entry_id,
+            expire_ids=ended,
+            ttl_s=config.finished_task_ttl_s,
+            output_ttl_s=config.output_ttl_s,
         )
 
     # ----------------------------------------------------------------- nodes

@@ -102,7 +102,7 @@ async def test_the_wake_stream_expires_with_the_leases_and_is_dropped(own_store:
     assert await store.client.xlen(wake) == 1
     await store.wake_reader("gw-3")
     assert await store.client.xlen(wake) == 1  # one entry, ever
-    await store.sync_gateway_lease("gw-3", 3.0, is_renewal=True)
+    await store.keep_gateway_lease("gw-3", 3.0)
     assert 0 < await store.client.pttl(wake) <= 3000
     await store.drop_reader_wake("gw-3")
     assert not await store.client.exists(wake)

@@ -88,22 +88,31 @@ class EventOps(StoreBase):
         return str(value) if value else "0-0"
 
     async def advance_completions_cursor(
-        self, entry_id: str, *, expire_ids: Sequence[str] = (), ttl_s: float = 0.0
+        self,
+        entry_id: str,
+        *,
+        expire_ids: Sequence[str] = (),
+        ttl_s: float = 0.0,
+        output_ttl_s: float | None = None,
     ) -> None:
         """Store the completions cursor and drop the entries before it, in one
         MULTI/EXEC: the scheduler is the stream's one reader, and what it has
         applied is in its event log (XTRIM MINID keeps `entry_id` itself).
 
         `expire_ids`: tasks those entries ended (final in their hashes): their
-        hash and output stream expire `ttl_s` from now, in the same step.
+        hash expires `ttl_s` and their output stream `output_ttl_s` (default:
+        `ttl_s`) from now, in the same step; 0 leaves that key alone.
         """
+        ttl_ms = to_ms(ttl_s, "ttl_s") if ttl_s > 0 else 0
+        output_ttl = ttl_s if output_ttl_s is None else output_ttl_s
+        output_ttl_ms = to_ms(output_ttl, "output_ttl_s") if output_ttl > 0 else 0
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.set(self.keys.completions_cursor, entry_id)
             # Exact: "~" trims whole macro nodes only, i.e. nothing on a short stream.
             pipe.xtrim(self.keys.completions_stream, minid=entry_id, approximate=False)
-            if expire_ids:
-                ttl_ms = to_ms(ttl_s, "ttl_s")
-                for task_id in expire_ids:
+            for task_id in expire_ids:
+                if ttl_ms:
                     pipe.pexpire(self.keys.task(task_id), ttl_ms)
-                    pipe.pexpire(self.keys.output(task_id), ttl_ms)
+                if output_ttl_ms:
+                    pipe.pexpire(self.keys.output(task_id), output_ttl_ms)
             await pipe.execute()

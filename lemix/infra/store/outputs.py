@@ -110,10 +110,6 @@ class OutputOps(StoreBase):
                 found[task_of[str(key)]] = entries
         return found, woken
 
-    async def expire_output(self, task_id: str, ttl_s: float) -> None:
-        """Drop the task's output stream `ttl_s` after now (readers are done)."""
-        await self.client.pexpire(self.keys.output(task_id), to_ms(ttl_s, "ttl_s"))
-
     async def renew_gateway_lease(
         self, owner: str, ttl_s: float = STREAM_LEASE_TTL_S, *, wake: bool = False
     ) -> None:
@@ -135,29 +131,13 @@ class OutputOps(StoreBase):
     def _queue_wake(self, pipe: Any, owner: str) -> None:
         pipe.xadd(self.keys.reader_wake(owner), _WAKE_FIELDS, maxlen=1, approximate=False)
 
-    async def sync_gateway_lease(
-        self,
-        owner: str,
-        ttl_s: float = STREAM_LEASE_TTL_S,
-        *,
-        retire_ids: Sequence[str] = (),
-        retain_s: float = 0.0,
-        is_renewal: bool = False,
-    ) -> None:
-        """One round trip: expire the output streams of `retire_ids`
-        `retain_s` from now (read to their end), and with `is_renewal` renew
-        gateway `owner`'s lease and its wake stream's TTL."""
-        if not retire_ids and not is_renewal:
-            return
+    async def keep_gateway_lease(self, owner: str, ttl_s: float = STREAM_LEASE_TTL_S) -> None:
+        """Renew gateway `owner`'s lease and its wake stream's TTL (its lease
+        loop's step), one round trip."""
         ttl_ms = to_ms(ttl_s, "ttl_s")
         pipe = self.client.pipeline(transaction=False)
-        if retire_ids:
-            retain_ms = to_ms(retain_s, "retain_s")
-            for task_id in retire_ids:
-                pipe.pexpire(self.keys.output(task_id), retain_ms)
-        if is_renewal:
-            pipe.set(self.keys.gateway_lease(owner), owner, px=ttl_ms)
-            pipe.pexpire(self.keys.reader_wake(owner), ttl_ms)
+        pipe.set(self.keys.gateway_lease(owner), owner, px=ttl_ms)
+        pipe.pexpire(self.keys.reader_wake(owner), ttl_ms)
         await pipe.execute()
 
     async def drop_reader_wake(self, owner: str) -> None:

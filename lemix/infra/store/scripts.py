@@ -69,20 +69,24 @@ return out
 """
 
 # KEYS[1] task state hash, KEYS[2] output stream.
-# ARGV[1] output MAXLEN (approximate), ARGV[2] TTL in ms for both keys (0: none),
-# ARGV[3] n = number of state items, ARGV[4 .. 3+n] state field/value items,
-# ARGV[4+n ..] the final output message's field/value items.
+# ARGV[1] output MAXLEN (approximate), ARGV[2] TTL in ms of the hash and
+# ARGV[3] of the output stream (0: none), ARGV[4] n = number of state items,
+# ARGV[5 .. 4+n] state field/value items, ARGV[5+n ..] the final output
+# message's field/value items.
 # Returns the output entry id, or false when the task was already final.
 FINISH_LUA = """
 if redis.call('HGET', KEYS[1], 'is_final') == '1' then
   return false
 end
-local n = tonumber(ARGV[3])
-redis.call('HSET', KEYS[1], unpack(ARGV, 4, 3 + n))
-local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 4 + n))
+local n = tonumber(ARGV[4])
+redis.call('HSET', KEYS[1], unpack(ARGV, 5, 4 + n))
+local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 5 + n))
 local ttl = tonumber(ARGV[2])
 if ttl > 0 then
   redis.call('PEXPIRE', KEYS[1], ttl)
+end
+ttl = tonumber(ARGV[3])
+if ttl > 0 then
   redis.call('PEXPIRE', KEYS[2], ttl)
 end
 return id
@@ -128,9 +132,11 @@ end
 return written
 """
 
-# `FINISH_LUA`, fenced: ARGV[1] is the writer's attempt, ARGV[2..] are
-# `FINISH_LUA`'s ARGV. Returns 1 (ended), 0 (already final) or -1 (fenced:
-# the hash's attempt is set and differs); nothing is written unless 1.
+# `FINISH_LUA`, fenced: ARGV[1] is the writer's attempt, ARGV[2] output
+# MAXLEN, ARGV[3] TTL in ms for both keys (0: none), ARGV[4] n, then the n
+# state items and the message items. Returns 1 (ended), 0 (already final) or
+# -1 (fenced: the hash's attempt is set and differs); nothing is written
+# unless 1.
 FINISH_FENCED_LUA = """
 local held = redis.call('HGET', KEYS[1], 'attempt')
 if held and held ~= ARGV[1] then

@@ -118,7 +118,14 @@ class TaskOps(FencingOps):
         ttl_ms = 0 if ttl_s is None else to_ms(ttl_s, "ttl_s")
         entry_id = await self._finish(
             keys=[self.keys.task(task_id), self.keys.output(task_id)],
-            args=[self.output_maxlen, ttl_ms, len(state_items), *state_items, *message_items],
+            args=[
+                self.output_maxlen,
+                ttl_ms,
+                ttl_ms,
+                len(state_items),
+                *state_items,
+                *message_items,
+            ],
         )
         return entry_id is not None
 
@@ -129,13 +136,18 @@ class TaskOps(FencingOps):
         state_fields: Mapping[str, FieldValue] | None = None,
         output_fields: Mapping[str, FieldValue] | None = None,
         ttl_s: float | None = None,
+        output_ttl_s: float | None = None,
     ) -> list[bool]:
         """`finish_task` for many (task_id, status, reason) in one pipelined
-        round trip; the same extra fields go to every task. Per task: True
-        when this call ended it, False when it was already final."""
+        round trip; the same extra fields go to every task. `ttl_s` expires
+        each hash, `output_ttl_s` (default: `ttl_s`) each output stream.
+        Per task: True when this call ended it, False when it was already final."""
         if not ends:
             return []
         ttl_ms = 0 if ttl_s is None else to_ms(ttl_s, "ttl_s")
+        output_ttl_ms = ttl_ms
+        if output_ttl_s is not None:
+            output_ttl_ms = to_ms(output_ttl_s, "output_ttl_s") if output_ttl_s > 0 else 0
         pipe = self.client.pipeline(transaction=False)
         for task_id, status, reason in ends:
             state_items, message_items = end_items(status, reason, state_fields, output_fields)
@@ -143,7 +155,14 @@ class TaskOps(FencingOps):
                 pipe,
                 self._finish,
                 [self.keys.task(task_id), self.keys.output(task_id)],
-                [self.output_maxlen, ttl_ms, len(state_items), *state_items, *message_items],
+                [
+                    self.output_maxlen,
+                    ttl_ms,
+                    output_ttl_ms,
+                    len(state_items),
+                    *state_items,
+                    *message_items,
+                ],
             )
         return [entry_id is not None for entry_id in await self.execute_scripted(pipe)]
 

@@ -290,13 +290,27 @@ async def test_read_output_continues_from_last_id_and_blocks(store: Store) -> No
     assert await store.read_output("r1", last_id="$", block_ms=50) == []
 
 
-async def test_output_stream_is_bounded_and_expires(redis_client: aioredis.Redis) -> None:
+async def test_output_stream_is_bounded(redis_client: aioredis.Redis) -> None:
     store = Store(redis_client, RedisKeys("lemixtest"), output_maxlen=10)
     await store.append_outputs_batch([("r1", {"i": i}) for i in range(1000)])
     # MAXLEN ~ trims whole radix-tree nodes (100 entries by default): bounded, not exact.
     assert 10 <= await redis_client.xlen(store.keys.output("r1")) <= 200
-    await store.expire_output("r1", 10)
-    assert 0 < await redis_client.pttl(store.keys.output("r1")) <= 10_000
+
+
+async def test_finished_outputs_expire_apart_from_their_state(
+    redis_client: aioredis.Redis,
+) -> None:
+    store = Store(redis_client, RedisKeys("lemixtest"))
+    await store.finish_tasks([("e1", "completed", "")], ttl_s=60, output_ttl_s=10)
+    assert 10_000 < await redis_client.pttl(store.keys.task("e1")) <= 60_000
+    assert 0 < await redis_client.pttl(store.keys.output("e1")) <= 10_000
+    await store.finish_tasks([("e2", "completed", "")], ttl_s=60, output_ttl_s=0)
+    assert await redis_client.pttl(store.keys.output("e2")) == -1  # 0: none
+    await store.finish_task("t2", "completed", "", {"n": 1})
+    cursor = await store.append_completion({"task_id": "t2", "status": "completed"})
+    await store.advance_completions_cursor(cursor, expire_ids=["t2"], ttl_s=60, output_ttl_s=10)
+    assert 10_000 < await redis_client.pttl(store.keys.task("t2")) <= 60_000
+    assert 0 < await redis_client.pttl(store.keys.output("t2")) <= 10_000
 
 
 # ------------------------------------------------------------------ node state
@@ -469,8 +483,7 @@ async def test_gateway_leases_are_one_key_per_gateway(
     store: Store, redis_client: aioredis.Redis
 ) -> None:
     await store.renew_gateway_lease("gw-a", ttl_s=5.0)
-    await store.sync_gateway_lease("gw-b", 5.0, is_renewal=True)
-    await store.sync_gateway_lease("gw-c", 5.0, retire_ids=["x"], retain_s=1.0)  # no renewal
+    await store.keep_gateway_lease("gw-b", 5.0)
     assert await store.gateway_leases_held(["gw-a", "gw-b", "gw-c"]) == [True, True, False]
     assert 0 < await redis_client.pttl(store.keys.gateway_lease("gw-a")) <= 5000
     await store.drop_gateway_lease("gw-a")

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 from factories import make_profile, make_request, make_training
+from output_messages import token_numbers
 from prometheus_client import REGISTRY
 from redis_pool import TEST_POOL_SIZE
 from waiting import wait_until
@@ -128,18 +129,6 @@ def fenced_writes(node_id: int, what: str) -> float:
         "lemix_executor_fenced_writes_total", {"node": str(node_id), "what": what}
     )
     return value or 0.0
-
-
-def token_numbers(messages: list[Fields]) -> list[int]:
-    """The token counts the messages add, in order: every token message's,
-    and an end's when it carries tokens beyond them (a completed task's last
-    tokens ride on its end)."""
-    numbers: list[int] = []
-    for m in messages:
-        n = int(m["n"])
-        if m["type"] == "token" or (m["type"] == "end" and n > max(numbers, default=0)):
-            numbers.append(n)
-    return numbers
 
 
 # ------------------------------------------------------------------ tests

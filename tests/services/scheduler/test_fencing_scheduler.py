@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from factories import make_planner, make_profile, make_request
+from output_messages import token_numbers
 from test_scheduler_service import PROFILE, end_message, inference, submit, training, wait_until
 
 from lemix._proto.lemix.v1 import scheduler_pb2_grpc
@@ -298,7 +299,7 @@ async def test_a_paused_node_s_tasks_move_and_its_resumed_writes_are_fenced(
     )
     messages = [f for _, f in await store.read_output("req")]
     assert {m["node"] for m in messages} == {"1"}  # node 0's tokens never landed
-    assert [int(m["n"]) for m in messages if m["type"] == "token"] == list(range(1, 31))
+    assert token_numbers(messages) == list(range(1, 31))
     for task_id in ("req", "trn"):
         ends = [f for _, f in await store.read_output(task_id) if f["type"] == "end"]
         assert [(e["status"], e["node"]) for e in ends] == [("completed", "1")]

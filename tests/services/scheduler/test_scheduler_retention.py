@@ -27,6 +27,7 @@ from lemix.infra.store.server import EmbeddedRedis
 from lemix.infra.store.store import Store
 
 TTL_S = 3600.0
+OUTPUT_TTL_S = 120.0
 
 
 @pytest.fixture
@@ -51,7 +52,9 @@ async def _has_ttl(store: Store, key: str) -> bool:
 async def test_finished_tasks_expire_and_applied_completions_are_trimmed(stack: Stack) -> None:
     store = stack.store
     fake = await stack.start_executor(0)
-    service = await stack.start_service(num_nodes=1, finished_task_ttl_s=TTL_S)
+    service = await stack.start_service(
+        num_nodes=1, finished_task_ttl_s=TTL_S, output_retain_s=OUTPUT_TTL_S
+    )
     stub = stack.stub(service)
     cursors = []
     for task_id in ("r1", "r2"):
@@ -68,15 +71,19 @@ async def test_finished_tasks_expire_and_applied_completions_are_trimmed(stack: 
         await wait_until(
             lambda t=task_id: _has_ttl(store, store.keys.task(t)), what=f"{task_id} expires"
         )
-        for key in (store.keys.task(task_id), store.keys.output(task_id)):
-            assert 0 < await _pttl_ms(store, key) <= TTL_S * 1000, key
+        # The state is kept for the audit and GetTask; the output (tokens)
+        # only as long as a retry may replay it.
+        assert await _pttl_ms(store, store.keys.task(task_id)) > OUTPUT_TTL_S * 1000
+        assert await _pttl_ms(store, store.keys.task(task_id)) <= TTL_S * 1000
+        assert 0 < await _pttl_ms(store, store.keys.output(task_id)) <= OUTPUT_TTL_S * 1000
     # Only the last applied entry is left (the cursor); the rest is in the log.
     await wait_until(lambda: _completion_ids_are(store, cursors[-1:]), what="trimmed")
     assert await store.get_completions_cursor() == cursors[-1]
     # A task the scheduler itself ends expires too.
     await submit(stub, inference("huge", prompt=5_000))
     assert (await end_message(store, "huge"))["status"] == "rejected"
-    assert 0 < await _pttl_ms(store, store.keys.task("huge")) <= TTL_S * 1000
+    assert OUTPUT_TTL_S * 1000 < await _pttl_ms(store, store.keys.task("huge")) <= TTL_S * 1000
+    assert 0 < await _pttl_ms(store, store.keys.output("huge")) <= OUTPUT_TTL_S * 1000
 
 
 async def _completion_ids_are(store: Store, ids: list[str]) -> bool:
@@ -86,10 +93,11 @@ async def _completion_ids_are(store: Store, ids: list[str]) -> bool:
 
 async def test_no_ttl_when_retention_is_off(stack: Stack) -> None:
     await stack.start_executor(0)
-    service = await stack.start_service(num_nodes=1, finished_task_ttl_s=0.0)
+    service = await stack.start_service(num_nodes=1, finished_task_ttl_s=0.0, output_retain_s=0.0)
     await submit(stack.stub(service), inference("huge", prompt=5_000))
     await end_message(stack.store, "huge")
-    assert await _pttl_ms(stack.store, stack.store.keys.task("huge")) == -1  # no expiry
+    for key in (stack.store.keys.task("huge"), stack.store.keys.output("huge")):
+        assert await _pttl_ms(stack.store, key) == -1  # no expiry
 
 
 class OrderedExecutor(FakeExecutor):
