@@ -27,8 +27,9 @@ and inference with no output yet are re-queued, inference mid-stream fails
 `revoked` so the service cancels them on the node before it gets work again.
 
 Fencing (docs/protocol.md, "Fencing"): every placement gets an attempt
-number, counted in the task hash (`AttemptLedger.begin_attempts`, one round
-trip per batch, before any Dispatch of it) and sent with the Dispatch; the
+number, counted in the task hash (a task's first at intake, passed to
+`on_tasks`; later ones by `AttemptLedger.begin_attempts`, one round trip per
+batch, before any Dispatch of it) and sent with the Dispatch; the
 executor's writes land only while it is current. A task taken away from a
 node is fenced at once (`_evacuate`, `_place`) and again before the node is
 told to Cancel it (`fence_revoked`), so neither a resumed executor's tokens
@@ -145,8 +146,15 @@ class SchedulerCore(Placing):
         """A new task from the intake (idempotent: a redelivered id is ignored)."""
         await self.on_tasks([task])
 
-    async def on_tasks(self, tasks: Iterable[Task]) -> None:
-        """An intake batch: submit every new task, plan once, dispatch in parallel."""
+    async def on_tasks(
+        self, tasks: Iterable[Task], attempts: Mapping[str, int] | None = None
+    ) -> None:
+        """An intake batch: submit every new task, plan once, dispatch in parallel.
+
+        `attempts`: per task id, the number of its first placement, already in
+        its hash (the intake's step numbered it): that placement needs no
+        numbering round trip of its own.
+        """
         async with self._lock:
             now_s = self.clock()
             is_new = False
@@ -154,6 +162,9 @@ class SchedulerCore(Placing):
                 if task.task_id in self._tasks:
                     continue  # redelivered; the planner has it
                 self._tasks[task.task_id] = task
+                attempt = (attempts or {}).get(task.task_id, 0)
+                if attempt > 0:
+                    self._numbered[task.task_id] = attempt
                 self.planner.submit(task, now_s)
                 is_new = True
             if not is_new:

@@ -69,6 +69,10 @@ class CoreBase:
         self._tasks: dict[str, Task] = {}  # placed, deferred or queued; not finished
         self._num_moves: dict[str, int] = {}  # re-placements so far, by task id
         self._attempts: dict[str, int] = {}  # attempt of the latest placement, by task id
+        # Attempts numbered in the task hash ahead of the placement they are
+        # for (at intake), by task id; the placement takes it instead of
+        # numbering one itself.
+        self._numbered: dict[str, int] = {}
         self._is_replan_due = False  # placements rolled back for want of Redis
         self._unwritten: dict[str, StateWrite] = {}  # latest state per task, not yet stored
         self.num_placed = 0
@@ -135,6 +139,7 @@ class CoreBase:
     def _forget(self, task_id: str) -> None:
         self._num_moves.pop(task_id, None)
         self._attempts.pop(task_id, None)
+        self._numbered.pop(task_id, None)
         if self._tasks.pop(task_id, None) is not None and self._on_forget is not None:
             self._on_forget(task_id)
 

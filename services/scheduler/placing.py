@@ -143,15 +143,20 @@ class Placing(CoreBase):
     ) -> list[tuple[Placement, Task]]:
         """Number each placement (before its Dispatch) and drop training
         cancelled while it waited (inference is checked at intake): one round
-        trip. If it fails, nothing is dispatched: an unnumbered Dispatch could
-        not be fenced. The placements are rolled back, planned again later."""
+        trip, none when the intake numbered every placement (a task's first)
+        and none is training. If it fails, nothing is dispatched: an
+        unnumbered Dispatch could not be fenced. The placements are rolled
+        back, planned again later."""
         if self._ledger is None or not sendable:
             return sendable
         training = [task.task_id for _, task in sendable if task.is_training]
+        # A first placement numbered at intake needs no HINCRBY of its own.
+        to_number = [t.task_id for _, t in sendable if t.task_id not in self._numbered]
         try:
-            attempts, cancelled_flags = await self._ledger.begin_attempts(
-                [task.task_id for _, task in sendable], training
-            )
+            if to_number or training:
+                numbered, cancelled_flags = await self._ledger.begin_attempts(to_number, training)
+            else:
+                numbered, cancelled_flags = [], []
         except Exception as exc:
             log.warning(
                 "placements_deferred",
@@ -164,8 +169,11 @@ class Placing(CoreBase):
                 self.planner.submit(task, now_s)
             self._is_replan_due = True
             return []
-        for (_, task), attempt in zip(sendable, attempts, strict=True):
-            self._attempts[task.task_id] = attempt
+        attempt_of = dict(zip(to_number, numbered, strict=True))
+        for _, task in sendable:
+            task_id = task.task_id
+            attempt = attempt_of.get(task_id)
+            self._attempts[task_id] = self._numbered.pop(task_id) if attempt is None else attempt
         cancelled = {t for t, c in zip(training, cancelled_flags, strict=True) if c}
         for task_id in cancelled:
             self.planner.on_task_finished(task_id, now_s, is_success=False)

@@ -505,23 +505,23 @@ class SchedulerService(Service):
             ]
         )
         accepted = []
+        attempts: dict[str, int] = {}
         leased: list[tuple[str, str]] = []
-        for (task, payload, fields), (is_final, is_cancelled, has_lease) in zip(
-            taken, lookup, strict=True
-        ):
-            if is_final:
+        for (task, payload, fields), check in zip(taken, lookup, strict=True):
+            if check.is_final:
                 continue  # finished before a restart; its result stands (not written)
-            if is_cancelled:  # not written either
+            if check.is_cancelled:  # not written either
                 await self.writer.end_task(
                     task.task_id, StoredStatus.FAILED, CANCELLED_BEFORE_PLACEMENT
                 )
                 continue
             self._payloads[task.task_id] = payload
             accepted.append(task)
-            if has_lease and not task.is_training:
+            attempts[task.task_id] = check.attempt
+            if check.has_lease and not task.is_training:
                 leased.append((task.task_id, str(fields[GATEWAY_ID_FIELD])))
         self.leases.note(leased)  # before the core: it may end them at once
-        await self.core.on_tasks(accepted)
+        await self.core.on_tasks(accepted, attempts)
         # Write-ahead: the decisions these entries caused are stored before the
         # entries go, so a crash in between replays them (and the redelivered
         # entries are recognised as known).

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import grpc
 from redis.exceptions import ResponseError
@@ -54,6 +55,15 @@ def request_hash(fields: Mapping[str, str]) -> str:
                 data = part.encode("utf-8")
                 digest.update(len(data).to_bytes(8, "big") + data)
     return digest.hexdigest()
+
+
+class IntakeCheck(NamedTuple):
+    """What `IntakeOps.accept_intake` found, and did, for one task."""
+
+    is_final: bool  # it ended already (a redelivery after a restart): nothing written
+    is_cancelled: bool  # cancelled before placement: nothing written
+    has_lease: bool  # the gateway its fields name holds its lease (False: none named)
+    attempt: int  # its first placement's number, written to its hash (0: not taken)
 
 
 class TaskIdConflict(ServiceError):
@@ -228,15 +238,13 @@ class IntakeOps(StoreBase):
 
     async def accept_intake(
         self, items: Sequence[tuple[str, Mapping[str, FieldValue]]]
-    ) -> list[tuple[bool, bool, bool]]:
+    ) -> list[IntakeCheck]:
         """The scheduler's intake step for (task_id, state fields) items, in
-        one pipelined round trip: per task (is it final already, was it
-        cancelled before placement, is the lease of the gateway its fields
-        name (`GATEWAY_ID_FIELD`) live; False when they name none), and, for
-        a task neither final nor cancelled, its state fields merged into its
-        hash in the same atomic step (`scripts.ACCEPT_LUA`, one call per
-        `TASKS_PER_SCRIPT_CALL` tasks; a gateway's lease is read once per
-        call, not once per task)."""
+        one pipelined round trip: per task its `IntakeCheck`, and, for a task
+        neither final nor cancelled, its state fields merged into its hash
+        with its next placement numbered (`attempt` + 1), in the same atomic
+        step (`scripts.ACCEPT_LUA`, one call per `TASKS_PER_SCRIPT_CALL`
+        tasks; a gateway's lease is read once per call, not once per task)."""
         if not items:
             return []
         pipe = self.client.pipeline(transaction=False)
@@ -253,8 +261,8 @@ class IntakeOps(StoreBase):
             self.queue_script(pipe, self._accept, keys, [len(chunk), *counts, *values])
         flags = [int(flag) for reply in await self.execute_scripted(pipe) for flag in reply]
         return [
-            (bool(flags[i]), bool(flags[i + 1]), bool(flags[i + 2]))
-            for i in range(0, len(flags), 3)
+            IntakeCheck(bool(flags[i]), bool(flags[i + 1]), bool(flags[i + 2]), flags[i + 3])
+            for i in range(0, len(flags), 4)
         ]
 
     async def mark_cancelled(self, task_id: str, ttl_s: float = 3600.0) -> None:

@@ -292,8 +292,11 @@ return out
 # gateway (no lease then). A lease is read once per call (tasks of one
 # gateway share it). ARGV[1] = m, the number of tasks; ARGV[2 .. 1+m] the
 # number of state items of each; then the items, task after task, written
-# (merged) only when the task is neither final nor cancelled.
-# Returns {is final, is cancelled, has a lease} as 1/0, per task, flattened.
+# (merged) only when the task is neither final nor cancelled, together with
+# the number of its next placement (`attempt` + 1, in the same HSET: what
+# the scheduler's HINCRBY before its first Dispatch did, one command less).
+# Returns {is final, is cancelled, has a lease} as 1/0 and the attempt
+# numbered (0: none), per task, flattened.
 ACCEPT_LUA = """
 local m = tonumber(ARGV[1])
 local at = 2 + m
@@ -301,10 +304,16 @@ local out = {}
 local lease_of = {}
 for i = 0, m - 1 do
   local n = tonumber(ARGV[2 + i])
-  local is_final = redis.call('HGET', KEYS[3 * i + 1], 'is_final') == '1'
+  local held = redis.call('HMGET', KEYS[3 * i + 1], 'is_final', 'attempt')
+  local is_final = held[1] == '1'
   local is_cancelled = redis.call('EXISTS', KEYS[3 * i + 2]) == 1
+  local attempt = 0
   if not is_final and not is_cancelled then
-    redis.call('HSET', KEYS[3 * i + 1], unpack(ARGV, at, at + n - 1))
+    attempt = tonumber(held[2] or '0') + 1
+    local items = {unpack(ARGV, at, at + n - 1)}
+    items[#items + 1] = 'attempt'
+    items[#items + 1] = tostring(attempt)
+    redis.call('HSET', KEYS[3 * i + 1], unpack(items))
   end
   at = at + n
   out[#out + 1] = is_final and 1 or 0
@@ -318,6 +327,7 @@ for i = 0, m - 1 do
     end
     out[#out + 1] = lease_of[lease]
   end
+  out[#out + 1] = attempt
 end
 return out
 """

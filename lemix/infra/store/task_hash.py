@@ -7,9 +7,10 @@ writer                 fields
 =====================  =========================================================
 scheduler intake       the task (`services.scheduler.codec.task_to_fields`),
                        ``status=queued``, `SUBMIT_T_FIELD`, ``queued_t``,
-                       `GATEWAY_ID_FIELD` (from Submit's metadata)
+                       `GATEWAY_ID_FIELD` (from Submit's metadata),
+                       `ATTEMPT_FIELD` + 1 (the first placement's number)
 scheduler dispatch     ``status=placed``, `NODE_ID_FIELD`, ``placed_t``;
-                       `ATTEMPT_FIELD` before the Dispatch (fencing)
+                       `ATTEMPT_FIELD` + 1 before a later placement's Dispatch
 scheduler, taken back  ``status=queued``, `NODE_ID_FIELD` "", ``requeued_t``
 executor sink / sched  `final_fields` (status, reason, ``is_final=1``),
 (`Store.finish_task`)  `FINISH_T_FIELD`, `NODE_ID_FIELD`,

@@ -466,9 +466,10 @@ async def test_accept_intake_checks_and_records_in_one_step(store: Store) -> Non
         + [("orphan", {"status": "queued", "gateway_id": "gw-dead"})]
     )
     # "bare" names no gateway (no lease); "orphan" names one without a lease.
-    assert lookup == [(True, False, True), (False, True, True), (False, False, True)] + [
-        (False, False, False),
-        (False, False, False),
+    # A task taken has its first placement numbered (attempt 1).
+    assert lookup == [(True, False, True, 0), (False, True, True, 0), (False, False, True, 1)] + [
+        (False, False, False, 1),
+        (False, False, False, 1),
     ]
     # Only the tasks to be taken are written: a final state is kept, a
     # cancelled task's end is the scheduler's to write.
@@ -477,6 +478,11 @@ async def test_accept_intake_checks_and_records_in_one_step(store: Store) -> Non
     assert (await store.get_task_state("new"))["payload"] == "p"
     assert (await store.get_task_state("new"))["gateway_id"] == "gw"
     assert (await store.get_task_state("bare"))["status"] == "queued"
+    assert (await store.get_task_state("bare"))["attempt"] == "1"
+    # Taken again (a redelivery after a restart that lost the decision): the
+    # next number, so a placement the lost scheduler sent is fenced.
+    (again,) = await store.accept_intake([("bare", {"status": "queued"})])
+    assert again.attempt == 2 and (await store.get_task_state("bare"))["attempt"] == "2"
 
 
 async def test_gateway_leases_are_one_key_per_gateway(
@@ -517,7 +523,10 @@ async def test_batch_scripts_take_one_call_per_chunk_and_keep_per_task_answers(
         ]
     )
     assert await _evalsha_calls(redis_client) - before == 3
-    expected = [(i % 7 == 0, i % 11 == 3, i % 5 == 0) for i in range(num_tasks)]
+    expected = [
+        (i % 7 == 0, i % 11 == 3, i % 5 == 0, int(i % 7 != 0 and i % 11 != 3))
+        for i in range(num_tasks)
+    ]
     assert lookup == expected
     states = await store.get_task_state_hashes(ids)
     for i, state in enumerate(states):

@@ -126,6 +126,19 @@ async def test_each_placement_is_numbered_and_a_stale_completion_is_ignored(stor
     assert not core.knows("a") and core.attempt_of("a") == 0
 
 
+async def test_a_first_placement_numbered_at_intake_takes_no_round_trip(store: Store) -> None:
+    ledger = FlakyLedger(RedisResultWriter(store))
+    ledger.num_failures = 1  # a numbering call would fail (and defer the placement)
+    core, executors = make_core(store, ledger)
+    (check,) = await store.accept_intake([("i", {"status": "queued"})])
+    await core.on_tasks([make_request("i")], {"i": check.attempt})
+    assert executors.dispatched == [("i", 0, 1)] and ledger.num_failures == 1  # not called
+    assert await attempt_in_redis(store, "i") == "1"
+    ledger.num_failures = 0
+    await core.on_node_down(0)  # a second placement is numbered by the ledger: 2 fenced, 3
+    assert executors.dispatched[-1] == ("i", 1, 3) and core.revoked == {0: {"i": 1}}
+
+
 async def test_a_maybe_taken_dispatch_is_fenced_at_once(store: Store) -> None:
     core, executors = make_core(store)
     executors.hung.add(0)
