@@ -391,7 +391,9 @@ class SchedulerService(Service):
                 state = await self.store.get_task_state(task_id)
             node_id = self.core.node_of(task_id)  # placed while we were marking it?
             if node_id is None:
-                return bool(state) and state.get(IS_FINAL_FIELD) != "1"
+                # A hash without a status holds only the cancel marker just
+                # written: the task was never taken in.
+                return STATUS_FIELD in state and state.get(IS_FINAL_FIELD) != "1"
         return await self.dispatcher.cancel(node_id, task_id, reason)
 
     async def snapshot(self) -> SchedulerSnapshot:

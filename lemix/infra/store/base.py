@@ -55,6 +55,7 @@ class StoreBase:
         self._expire_finished = client.register_script(scripts.EXPIRE_FINISHED_LUA)
         self._write_node_batch = client.register_script(scripts.WRITE_NODE_BATCH_LUA)
         self._accept = client.register_script(scripts.ACCEPT_LUA)
+        self._mark_cancelled = client.register_script(scripts.MARK_CANCELLED_LUA)
 
     # redis-py runs a script queued on a pipeline (``script(client=pipe)``)
     # with a SCRIPT EXISTS round trip before every execute. The store queues

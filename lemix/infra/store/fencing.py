@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from lemix.infra.store.base import StoreBase, end_items, flatten, to_ms
 from lemix.infra.store.codec import FieldValue, encode_fields
-from lemix.infra.store.task_hash import ATTEMPT_FIELD
+from lemix.infra.store.task_hash import ATTEMPT_FIELD, CANCELLED_FIELD
 
 
 class FencedProgress(NamedTuple):
@@ -78,7 +78,7 @@ class FencingOps(StoreBase):
         for task_id in task_ids:
             pipe.hincrby(self.keys.task(task_id), ATTEMPT_FIELD, 1)
         for task_id in check_cancelled:
-            pipe.exists(self.keys.cancelled(task_id))
+            pipe.hexists(self.keys.task(task_id), CANCELLED_FIELD)
         replies = await pipe.execute()
         num = len(task_ids)
         return [int(n) for n in replies[:num]], [bool(n) for n in replies[num:]]

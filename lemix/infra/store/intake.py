@@ -27,11 +27,12 @@ from lemix.infra.store.base import (
     flatten,
     range_entries,
     stream_entries,
+    to_ms,
 )
 from lemix.infra.store.codec import Entry, FieldValue, encode_fields
 from lemix.infra.store.task_hash import (
+    CANCELLED_FIELD,
     GATEWAY_ID_FIELD,
-    IS_FINAL_FIELD,
     SUBMIT_T_FIELD,
     TASK_ID_FIELD,
 )
@@ -224,18 +225,6 @@ class IntakeOps(StoreBase):
             await self.client.xrange(self.keys.intake_stream, "-", end, count=count)
         )
 
-    async def intake_lookup(self, task_ids: Sequence[str]) -> list[tuple[bool, bool]]:
-        """Per task: (is it final already, was it cancelled before placement),
-        in one pipelined round trip (the scheduler's intake checks)."""
-        if not task_ids:
-            return []
-        pipe = self.client.pipeline(transaction=False)
-        for task_id in task_ids:
-            pipe.hget(self.keys.task(task_id), IS_FINAL_FIELD)
-            pipe.exists(self.keys.cancelled(task_id))
-        replies = await pipe.execute()
-        return [(replies[2 * i] == "1", bool(replies[2 * i + 1])) for i in range(len(task_ids))]
-
     async def accept_intake(
         self, items: Sequence[tuple[str, Mapping[str, FieldValue]]]
     ) -> list[IntakeCheck]:
@@ -255,9 +244,9 @@ class IntakeOps(StoreBase):
                 gateway_id = str(fields.get(GATEWAY_ID_FIELD) or "")
                 task_key = self.keys.task(task_id)
                 # No gateway: the task's own hash stands in (the script reads
-                # that as "no lease"), keeping three keys per task.
+                # that as "no lease"), keeping two keys per task.
                 lease_key = self.keys.gateway_lease(gateway_id) if gateway_id else task_key
-                keys += [task_key, self.keys.cancelled(task_id), lease_key]
+                keys += [task_key, lease_key]
             self.queue_script(pipe, self._accept, keys, [len(chunk), *counts, *values])
         flags = [int(flag) for reply in await self.execute_scripted(pipe) for flag in reply]
         return [
@@ -266,19 +255,11 @@ class IntakeOps(StoreBase):
         ]
 
     async def mark_cancelled(self, task_id: str, ttl_s: float = 3600.0) -> None:
-        """Mark the task cancelled before placement, for `ttl_s`: the intake
-        loop ends it instead of placing it."""
-        await self.client.set(self.keys.cancelled(task_id), "1", px=int(ttl_s * 1000))
+        """Mark the task cancelled before placement (`CANCELLED_FIELD` in its
+        hash; a hash this creates expires after `ttl_s`): the intake loop ends
+        it instead of placing it."""
+        await self._mark_cancelled(keys=[self.keys.task(task_id)], args=[to_ms(ttl_s, "ttl_s")])
 
     async def is_cancelled(self, task_id: str) -> bool:
         """Whether `mark_cancelled` marked the task (and the mark is live)."""
-        return bool(await self.client.exists(self.keys.cancelled(task_id)))
-
-    async def cancelled_many(self, task_ids: Sequence[str]) -> list[bool]:
-        """`is_cancelled` for many tasks in one pipelined round trip."""
-        if not task_ids:
-            return []
-        pipe = self.client.pipeline(transaction=False)
-        for task_id in task_ids:
-            pipe.exists(self.keys.cancelled(task_id))
-        return [bool(n) for n in await pipe.execute()]
+        return bool(await self.client.hexists(self.keys.task(task_id), CANCELLED_FIELD))

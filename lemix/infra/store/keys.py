@@ -125,10 +125,6 @@ class RedisKeys:
         """The last completions entry the scheduler applied (restart resumes here)."""
         return self._key("completions", "cursor")
 
-    def cancelled(self, task_id: str) -> str:
-        """Marks a task cancelled before the scheduler placed it."""
-        return self._key("cancelled", _check_part("task_id", task_id))
-
     def gateway_lease(self, gateway_id: str) -> str:
         """Gateway `gateway_id`'s lease on every stream it reads; renewed while
         it runs (one key per gateway, not per request: a task names its

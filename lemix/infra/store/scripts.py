@@ -84,6 +84,9 @@ local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV,
 local ttl = tonumber(ARGV[2])
 if ttl > 0 then
   redis.call('PEXPIRE', KEYS[1], ttl)
+elseif redis.call('HEXISTS', KEYS[1], 'cancelled') == 1 then
+  -- kept forever: not with the TTL its cancel marker gave it (MARK_CANCELLED_LUA)
+  redis.call('PERSIST', KEYS[1])
 end
 ttl = tonumber(ARGV[3])
 if ttl > 0 then
@@ -284,17 +287,30 @@ end
 return out
 """
 
+# KEYS[1] a task's hash. ARGV[1] TTL in ms. Cancel before placement: the
+# hash gets ``cancelled=1``; one the call creates (the task is not taken yet,
+# and may never come) expires after the TTL. Returns 1 when the hash existed.
+MARK_CANCELLED_LUA = """
+local existed = redis.call('EXISTS', KEYS[1])
+redis.call('HSET', KEYS[1], 'cancelled', '1')
+if existed == 0 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[1])
+end
+return existed
+"""
+
 # The scheduler's intake step for a batch of tasks: per task its checks and,
 # when it is to be taken, its state, in one step (one EVALSHA per batch: a
 # script call per task cost a command per task). Per task i (0-based):
-# KEYS[3i+1] its hash, KEYS[3i+2] its cancelled-before-placement marker,
-# KEYS[3i+3] the lease of its gateway, or its hash again when it names no
-# gateway (no lease then). A lease is read once per call (tasks of one
-# gateway share it). ARGV[1] = m, the number of tasks; ARGV[2 .. 1+m] the
-# number of state items of each; then the items, task after task, written
-# (merged) only when the task is neither final nor cancelled, together with
-# the number of its next placement (`attempt` + 1, in the same HSET: what
-# the scheduler's HINCRBY before its first Dispatch did, one command less).
+# KEYS[2i+1] its hash, KEYS[2i+2] the lease of its gateway, or its hash
+# again when it names no gateway (no lease then). A lease is read once per
+# call (tasks of one gateway share it). ARGV[1] = m, the number of tasks;
+# ARGV[2 .. 1+m] the number of state items of each; then the items, task
+# after task. One HMGET per task reads whether it is final, its attempt and
+# its cancel marker (MARK_CANCELLED_LUA); the items are written (merged)
+# only when the task is neither final nor cancelled, together with the
+# number of its next placement (`attempt` + 1, in the same HSET: what the
+# scheduler's HINCRBY before its first Dispatch did, one command less).
 # Returns {is final, is cancelled, has a lease} as 1/0 and the attempt
 # numbered (0: none), per task, flattened.
 ACCEPT_LUA = """
@@ -304,22 +320,23 @@ local out = {}
 local lease_of = {}
 for i = 0, m - 1 do
   local n = tonumber(ARGV[2 + i])
-  local held = redis.call('HMGET', KEYS[3 * i + 1], 'is_final', 'attempt')
+  local hash = KEYS[2 * i + 1]
+  local held = redis.call('HMGET', hash, 'is_final', 'attempt', 'cancelled')
   local is_final = held[1] == '1'
-  local is_cancelled = redis.call('EXISTS', KEYS[3 * i + 2]) == 1
+  local is_cancelled = held[3] == '1'
   local attempt = 0
   if not is_final and not is_cancelled then
     attempt = tonumber(held[2] or '0') + 1
     local items = {unpack(ARGV, at, at + n - 1)}
     items[#items + 1] = 'attempt'
     items[#items + 1] = tostring(attempt)
-    redis.call('HSET', KEYS[3 * i + 1], unpack(items))
+    redis.call('HSET', hash, unpack(items))
   end
   at = at + n
   out[#out + 1] = is_final and 1 or 0
   out[#out + 1] = is_cancelled and 1 or 0
-  local lease = KEYS[3 * i + 3]
-  if lease == KEYS[3 * i + 1] then
+  local lease = KEYS[2 * i + 2]
+  if lease == hash then
     out[#out + 1] = 0
   else
     if lease_of[lease] == nil then

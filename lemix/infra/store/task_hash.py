@@ -37,6 +37,10 @@ IS_FINAL_FIELD = "is_final"  # "1" on a finished task's hash and its last output
 # hash without the field fences nothing.
 ATTEMPT_FIELD = "attempt"
 NODE_ID_FIELD = "node_id"  # the node it is placed on / ended on ("" when taken back)
+# "1": Cancel came before the task was placed (`Store.mark_cancelled`): the
+# intake ends it instead of placing it. Written on a task not taken yet, it
+# creates the hash (with a TTL) ahead of the task's own fields.
+CANCELLED_FIELD = "cancelled"
 SUBMIT_T_FIELD = "submit_t"  # epoch s when Submit stored it
 # The gateway streaming the task's output (Submit's `GATEWAY_ID_METADATA`);
 # its lease (`RedisKeys.gateway_lease`) lapsing cancels the task. Absent on a

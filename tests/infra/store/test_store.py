@@ -393,8 +393,15 @@ async def test_completions_cursor_cancel_marks_and_epoch(redis_client) -> None:
     await store.set_completions_cursor(first)
     assert await store.get_completions_cursor() == first
     assert not await store.is_cancelled("x")
-    await store.mark_cancelled("x")
+    await store.mark_cancelled("x", ttl_s=60.0)
     assert await store.is_cancelled("x")
+    # The marker of a task not taken in yet creates its hash, with a TTL (the
+    # task may never come); on a task already held it sets no TTL.
+    assert 0 < await redis_client.pttl(store.keys.task("x")) <= 60_000
+    await store.set_task_state("held", {"status": "queued"})
+    await store.mark_cancelled("held", ttl_s=60.0)
+    assert await store.is_cancelled("held")
+    assert await redis_client.pttl(store.keys.task("held")) == -1
     assert await store.scheduler_epoch(100.0) == 100.0
     assert await store.scheduler_epoch(200.0) == 100.0  # set once, kept across restarts
 
@@ -407,18 +414,15 @@ async def test_append_events_keeps_order_in_one_trip(redis_client) -> None:
     assert [int(f["i"]) for _, f in await store.read_events()] == [0, 1, 2, 3, 4, 5]
 
 
-async def test_batched_intake_lookup_and_state_updates(redis_client) -> None:
+async def test_batched_state_updates(redis_client) -> None:
     store = Store(redis_client)
     await store.finish_task("done", TaskStatus.COMPLETED, "")
-    await store.mark_cancelled("gone")
-    lookup = await store.intake_lookup(["done", "gone", "new"])
-    assert lookup == [(True, False), (False, True), (False, False)]
     assert await store.set_task_states(
         [("new", {"status": "queued"}), ("done", {"status": "queued"})]
     ) == [True, False]
     assert (await store.get_task_state("new"))["status"] == "queued"
     assert (await store.get_task_state("done"))["status"] == "completed"
-    assert await store.intake_lookup([]) == [] and await store.set_task_states([]) == []
+    assert await store.set_task_states([]) == []
 
 
 async def _script_calls(client: aioredis.Redis) -> int:
@@ -474,7 +478,7 @@ async def test_accept_intake_checks_and_records_in_one_step(store: Store) -> Non
     # Only the tasks to be taken are written: a final state is kept, a
     # cancelled task's end is the scheduler's to write.
     assert (await store.get_task_state("done"))["status"] == "completed"
-    assert await store.get_task_state("gone") == {}
+    assert await store.get_task_state("gone") == {"cancelled": "1"}  # the marker alone
     assert (await store.get_task_state("new"))["payload"] == "p"
     assert (await store.get_task_state("new"))["gateway_id"] == "gw"
     assert (await store.get_task_state("bare"))["status"] == "queued"

@@ -98,6 +98,11 @@ async def test_no_ttl_when_retention_is_off(stack: Stack) -> None:
     await end_message(stack.store, "huge")
     for key in (stack.store.keys.task("huge"), stack.store.keys.output("huge")):
         assert await _pttl_ms(stack.store, key) == -1  # no expiry
+    # Cancelled before it was taken in: the marker's own TTL goes with the end.
+    await stack.store.mark_cancelled("early", ttl_s=60.0)
+    await submit(stack.stub(service), inference("early"))
+    assert (await end_message(stack.store, "early"))["reason"].startswith("CANCELLED")
+    assert await _pttl_ms(stack.store, stack.store.keys.task("early")) == -1
 
 
 class OrderedExecutor(FakeExecutor):
