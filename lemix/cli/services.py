@@ -28,8 +28,9 @@ from lemix.planner.registry import POLICIES
 from lemix.profile import Profile, default_profile_path, load_profile, torch_cpu_profile_path
 from lemix.report.metrics import LATENCY_TABLE_ROWS, OUTCOME_TABLE_ROWS, format_table
 from lemix.slo import SloConfig, compute_slo
+from lemix.stack.config import StackConfig
 from lemix.stack.containers import ContainerConfig, run_containers_until_signalled
-from lemix.stack.launcher import StackConfig, run_until_signalled
+from lemix.stack.up import run_until_signalled
 from lemix.workload import build_workload
 
 if TYPE_CHECKING:  # the profiler is imported only when `lemix profile` runs
