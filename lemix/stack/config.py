@@ -47,6 +47,9 @@ SERVICE_ENV = {
 
 @dataclass(frozen=True)
 class StackConfig:
+    """One stack: its services' settings, ports and log and Redis dirs (ValueError
+    for a bad one; the messages name `lemix up`'s flags)."""
+
     num_nodes: int = 2
     profile_path: Path | None = None  # None: the shipped A100 profile
     backend: str = "emulated"
