@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from lemix.cli.engine_args import AUTO_TRAIN_SLICE_TBT_FRACTION
-from lemix.engine import default_prefill_token_budget
+from lemix.engine_config import default_prefill_token_budget
 from lemix.profile import Profile, load_profile
 from lemix.report.metrics import format_table
 from lemix.sim.run import SimRunConfig, run_simulation

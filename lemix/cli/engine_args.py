@@ -6,7 +6,7 @@ flight per node, whole prompts, whole training passes.
   auto = one per stage, so every stage of the pipeline can work at once.
 - ``--prefill-budget TOKENS|auto|off``: tokens one iteration may carry (each
   decode step counts one; prefills are chunked into the rest); auto = the
-  profile-derived default of `lemix.engine.default_prefill_token_budget`.
+  profile-derived default of `lemix.engine_config.default_prefill_token_budget`.
 - ``--train-slice-s SECONDS|auto|off``: the longest uninterrupted piece of a
   training pass on one stage; auto = half the run's TBT SLO, so a decode step
   that arrives behind a slice still has half its SLO left to run in. The SLO
@@ -24,7 +24,7 @@ import argparse
 import math
 from typing import Any
 
-from lemix.engine import default_prefill_token_budget
+from lemix.engine_config import default_prefill_token_budget
 from lemix.profile import Profile
 
 AUTO, OFF = "auto", "off"

@@ -344,7 +344,7 @@ def cmd_compare(setup: CliSetup, out_dir: str, *, is_demo: bool = False) -> int:
     assert setup.sweep is not None  # configs_from_args sets it for compare and demo
     live_runs: list[dict[str, Any]] = []
     if is_demo:
-        from lemix.cli.services import run_live_demo
+        from lemix.cli.replay import run_live_demo
         from lemix.cli.torch_demo import TorchDemoConfig, run_demo, side_by_side
 
         print(
@@ -390,10 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command in ("up", "replay", "profile"):
-            from lemix.cli.services import cmd_profile, cmd_replay, cmd_up
+            from lemix.cli.services import COMMANDS
 
-            command = {"up": cmd_up, "replay": cmd_replay, "profile": cmd_profile}
-            return command[args.command](args)
+            return COMMANDS[args.command](args)
         if args.command == "audit":
             from lemix.harness.audit import cmd_audit
 

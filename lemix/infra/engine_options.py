@@ -8,7 +8,7 @@ a flag parsed to None counts as not given (`lemix.infra.settings`):
 
 - ``num_micro_batches``: N >= 1, or 0 = auto (one per stage);
 - ``prefill_token_budget``: TOKENS >= 1, 0 = off (whole prompts), -1 = auto
-  (`lemix.engine.default_prefill_token_budget` of the profile);
+  (`lemix.engine_config.default_prefill_token_budget` of the profile);
 - ``train_slice_s``: profile seconds > 0, or 0 = off (whole training passes);
 - ``batch_cap``: what ``max_batch_size`` caps once there are micro-batches,
   ``node`` (the node's running requests) or ``micro-batch`` (each iteration).
@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from lemix.engine import default_prefill_token_budget
+from lemix.engine_config import default_prefill_token_budget
 from lemix.infra.settings import Option
 from lemix.profile import Profile
 

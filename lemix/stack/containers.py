@@ -1,7 +1,7 @@
 """`lemix up --runtime docker`: the `lemix up` topology as containers.
 
 The same services, settings and wiring as the process stack
-(`lemix.stack.launcher`, whose `stack_env` gives both their variables), each
+(`lemix.stack.launcher`; `lemix.stack.config.stack_env` gives both their variables), each
 in its own container of one image, on a private bridge network, through the
 Docker SDK: Redis (AOF on a volume, a password), one executor per node with
 its node id fixed and its container name advertised, the profiler, the
@@ -35,7 +35,7 @@ import docker.types
 from lemix.infra.config import EXECUTOR, GATEWAY, PROFILER, SCHEDULER, listener_options
 from lemix.infra.rpc import EXECUTOR_SERVICE, GATEWAY_SERVICE, PROFILER_SERVICE, SCHEDULER_SERVICE
 from lemix.infra.rpc.auth import API_KEY_ENV
-from lemix.stack.launcher import SERVICE_ENV, StackConfig, stack_env
+from lemix.stack.config import SERVICE_ENV, StackConfig, stack_env
 
 PROJECT_LABEL = "lemix.project"
 # Ports inside the containers (the network is private; only the gateway's

@@ -146,7 +146,7 @@ def test_compare_on_identical_workloads(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_up_maps_the_redis_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from lemix.cli.services import stack_config
+    from lemix.cli.up import stack_config
 
     monkeypatch.delenv("LEMIX_REDIS_URL", raising=False)
     monkeypatch.delenv("LEMIX_REDIS_PASSWORD", raising=False)
@@ -166,7 +166,7 @@ def test_up_maps_the_redis_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 
 def test_up_logs_each_start_in_its_own_directory(tmp_path: Path) -> None:
-    from lemix.cli.services import LOG_ROOT, point_latest, run_log_dir, stack_config
+    from lemix.cli.up import LOG_ROOT, point_latest, run_log_dir, stack_config
 
     config = stack_config(build_parser().parse_args(["up"]))
     assert config.log_dir.parent == LOG_ROOT and config.log_dir.name.endswith(f"-{os.getpid()}")

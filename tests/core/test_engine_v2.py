@@ -27,8 +27,8 @@ from lemix.engine import (
     TokensEmitted,
     TrainingSlice,
     WorkKind,
-    default_prefill_token_budget,
 )
+from lemix.engine_config import default_prefill_token_budget
 from lemix.engine_groups import Iteration, num_balanced_joins, slice_s
 from lemix.engine_memory import KV_WAIT_REASON
 from lemix.memory import MemoryConfig, kv_bytes

@@ -1,4 +1,4 @@
-"""deploy/grafana/lemix-dashboard.json only queries metrics lemix.infra.telemetry defines."""
+"""deploy/grafana/lemix-dashboard.json only queries metrics lemix.infra.metric_families defines."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from lemix.infra import telemetry
+from lemix.infra import metric_families
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "lemix-dashboard.json"
 _METRIC = re.compile(r"\blemix_[a-z0-9_]+")
@@ -18,7 +18,7 @@ def _expressions() -> list[str]:
 
 
 def test_every_metric_the_dashboard_queries_exists() -> None:
-    known = telemetry.metric_names()
+    known = metric_families.metric_names()
     used = {name for expr in _expressions() for name in _METRIC.findall(expr)}
     assert used, "the dashboard queries no lemix_ metric"
     assert used <= known, f"unknown metrics: {sorted(used - known)}"

@@ -54,7 +54,7 @@ def test_audit_and_replay_read_the_key_from_the_flag_or_the_variable(
 ) -> None:
     import argparse
 
-    from lemix.cli.services import api_key_arg
+    from lemix.cli.service_args import api_key_arg
 
     args = argparse.Namespace(
         target="127.0.0.1:1",

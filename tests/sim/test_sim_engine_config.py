@@ -9,7 +9,7 @@ import pytest
 from factories import make_profile
 
 from lemix.cli.main import build_parser, configs_from_args
-from lemix.engine import EngineConfig, default_prefill_token_budget
+from lemix.engine_config import EngineConfig, default_prefill_token_budget
 from lemix.profile import default_profile_path, load_profile
 from lemix.sim.run import SimRunConfig, build_simulator
 from lemix.slo import Slo

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from lemix.stack.config import SERVICE_ENV, StackConfig, stack_env
 from lemix.stack.containers import ContainerConfig
-from lemix.stack.launcher import SERVICE_ENV, StackConfig, stack_env
 
 
 @pytest.mark.parametrize("project", ["", "x", "has space", "semi;colon"])

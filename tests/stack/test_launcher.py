@@ -20,6 +20,7 @@ from lemix.infra.rpc.client import channel
 from lemix.infra.settings import Option
 from lemix.infra.store.client import RedisClientConfig, connect
 from lemix.stack import launcher
+from lemix.stack.config import SERVICE_ENV
 from lemix.stack.launcher import Stack, StackConfig
 from lemix.stack.process import pick_free_ports
 from lemix.stack.supervisor import RestartPolicy
@@ -220,7 +221,7 @@ def _service_options() -> list[Option]:
 
 def test_service_variables_the_launcher_spells_are_the_services_own() -> None:
     options = _service_options()
-    for field, env in launcher.SERVICE_ENV.items():
+    for field, env in SERVICE_ENV.items():
         assert any(o.field == field and o.env == env for o in options), (field, env)
 
 

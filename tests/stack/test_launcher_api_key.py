@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lemix.cli.main import build_parser
-from lemix.cli.services import stack_config
+from lemix.cli.up import stack_config
 from lemix.stack.launcher import Stack, StackConfig
 
 KEY = "sk-stack-test-key"

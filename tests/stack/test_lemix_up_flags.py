@@ -18,7 +18,7 @@ import pytest
 from gateway.config import from_env_and_args as gateway_config
 from lemix import __version__
 from lemix.cli.main import build_parser, main
-from lemix.cli.services import stack_config
+from lemix.cli.up import stack_config
 from lemix.stack.launcher import Stack, StackConfig
 
 REDIS_URL = "redis://:pw@127.0.0.1:1/0"

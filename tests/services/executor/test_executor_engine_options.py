@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from factories import make_profile
 
-from lemix.engine import EngineConfig, default_prefill_token_budget
+from lemix.engine_config import EngineConfig, default_prefill_token_budget
 from services.executor.config import ExecutorConfig
 
 

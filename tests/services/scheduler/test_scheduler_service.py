@@ -34,7 +34,7 @@ from lemix._proto.lemix.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from lemix.engine import default_prefill_token_budget
+from lemix.engine_config import default_prefill_token_budget
 from lemix.infra.rpc import EXECUTOR_SERVICE
 from lemix.infra.rpc.client import channel
 from lemix.infra.rpc.convert import task_to_proto

@@ -1,0 +1,234 @@
+"""Batch formation on one node: the inference requests' FIFO waiting queue, the
+M micro-batches they run in, and the continuous-batching iterations formed from
+them (`lemix.engine.NodeEngine` runs those iterations through its stages).
+
+An iteration carries a micro-batch's decode steps, its prefill chunks (with a
+`prefill_token_budget`) and the requests that join it at this boundary, under
+`lemix.batching.admit`'s rules plus engine v2's (the node-wide cap, each
+micro-batch's share of it, the balance rule: `lemix.engine_groups`). KV memory
+is reserved when a request joins and released when it ends; waits for it are
+`lemix.engine_memory`'s.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from itertools import islice
+
+from lemix.batching import admit
+from lemix.engine_config import EngineConfig
+from lemix.engine_groups import (
+    Iteration,
+    MicroBatch,
+    Request,
+    fit_prefill_chunk,
+    iteration_durations,
+    micro_batch_cap,
+    num_balanced_joins,
+    num_within_budget,
+    take_chunks,
+)
+from lemix.engine_memory import KV_WAIT_REASON, MemoryWaits
+from lemix.engine_outputs import Failed, Finished, FirstToken, Outcome, TokensEmitted
+from lemix.latency import LatencyModel
+from lemix.memory import NodeMemory, kv_bytes
+from lemix.profile import Profile
+from lemix.reasons import ReasonCode, format_reason
+
+
+class RequestBatcher:
+    """One node's inference requests, from waiting to ended, in micro-batches."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        truth: LatencyModel,
+        config: EngineConfig,
+        memory: NodeMemory,
+        memory_waits: MemoryWaits,
+    ) -> None:
+        self.profile = profile
+        self.truth = truth
+        self.config = config
+        self.num_stages = profile.num_stages
+        self.memory = memory
+        self.memory_waits = memory_waits
+        self.waiting: deque[Request] = deque()
+        num_micro_batches = config.num_micro_batches or self.num_stages
+        self.micro_batches = [MicroBatch(i) for i in range(num_micro_batches)]
+        cap = config.batching.max_batch_size
+        if config.is_batch_cap_per_micro_batch:
+            self._node_cap, self._micro_batch_cap = cap * num_micro_batches, cap
+        else:
+            self._node_cap = cap
+            self._micro_batch_cap = micro_batch_cap(cap, num_micro_batches)
+
+    @property
+    def swapped(self) -> deque[Request]:
+        """Requests whose KV is on the host, oldest offload first."""
+        return self.memory_waits.swapped
+
+    @property
+    def running(self) -> list[Request]:
+        """The running requests of every micro-batch (a new list)."""
+        return [req for batch in self.micro_batches for req in batch.running]
+
+    @property
+    def num_running(self) -> int:
+        return sum(len(batch.running) for batch in self.micro_batches)
+
+    def _reserve(self, req: Request) -> bool:
+        """Admit `req`'s KV if it fits now."""
+        need = kv_bytes(self.profile.memory, req.task.num_total_tokens)
+        if not self.memory.can_admit(need):
+            return False
+        self.memory.admit(req.task.task_id, need)
+        return True
+
+    def shed_overdue_requests(self, now_s: float, outcomes: list[Outcome]) -> None:
+        """Fail the requests that waited T_max for KV memory (`lemix.engine_memory`)."""
+        for req in self.memory_waits.shed_overdue(self.waiting, now_s):
+            outcomes.append(Failed(req.task.task_id, KV_WAIT_REASON))
+
+    def form_iteration(
+        self, batch: MicroBatch, now_s: float, outcomes: list[Outcome]
+    ) -> tuple[Iteration, tuple[float, ...]] | None:
+        """Form `batch`'s next iteration: its decodes, prefill chunks, new joins;
+        with its duration on each stage (s). None: nothing to run."""
+        self.memory_waits.resume(
+            batch,
+            min(self._node_cap - self.num_running, self._micro_batch_cap - len(batch.running)),
+        )
+        budget = self.config.prefill_token_budget
+        decode = [r for r in batch.running if r.is_prefilled]
+        partial = [r for r in batch.running if not r.is_prefilled]
+        prefill_budget = None if budget is None else max(budget - len(decode), 0)
+        fit = None
+        if budget is not None:
+            fit = functools.partial(fit_prefill_chunk, self.profile.ours, self.num_stages)
+        chunks, num_used = take_chunks(partial, prefill_budget, fit)
+        if prefill_budget is not None:
+            prefill_budget -= num_used
+        if self.swapped:
+            fits: list = []  # swapped requests go first: no new admissions
+        else:
+            fits = [
+                lambda r=r: self._reserve(r)
+                for r in self._join_candidates(batch, now_s, prefill_budget)
+            ]
+        decision = admit(self.config.batching, len(batch.running), batch.batch_start_s, fits, now_s)
+        batch.batch_start_s = decision.batch_start_s
+        joined = [self.waiting.popleft() for _ in range(decision.num_admitted)]
+        if decision.blocked_by == "memory" or self.swapped:
+            self.shed_overdue_requests(now_s, outcomes)
+        for req in joined:
+            req.micro_batch = batch.index
+        chunks += take_chunks(joined, prefill_budget, fit)[0]
+        if not chunks and not decode:
+            return None
+        reload_s = self.memory_waits.take_reload_s()  # owed once, by this iteration
+        durations = iteration_durations(self.truth, self.num_stages, chunks, decode, reload_s)
+        batch.running = decode + partial + joined
+        batch.is_in_flight = True
+        iteration = Iteration(
+            [c.request for c in chunks],
+            decode,
+            batch.index,
+            tuple((c.start, c.num_tokens) for c in chunks),
+        )
+        return iteration, durations
+
+    def _join_candidates(
+        self, batch: MicroBatch, now_s: float, prefill_budget: int | None
+    ) -> list[Request]:
+        """The head of the waiting queue `batch` may take, before memory and the
+        join window (`admit` checks those): within the node's cap C, the
+        micro-batch's share of it, the prefill budget and the balance rule."""
+        num_free = self._node_cap - self.num_running
+        room = min(num_free, self._micro_batch_cap - len(batch.running))
+        if room <= 0:
+            return []
+        head = list(islice(self.waiting, room))
+        head = head[: num_within_budget([r.task.num_prompt_tokens for r in head], prefill_budget)]
+        if len(self.micro_batches) == 1 or not head:
+            return head
+        window_s = self.config.batching.join_window_s
+        is_eligible = [
+            len(b.running) < self._micro_batch_cap
+            and (window_s is None or not b.running or b.batch_start_s + window_s > now_s)
+            for b in self.micro_batches
+        ]
+        num_waiting_tokens = self._admissible_prompt_tokens(num_free)
+        num = num_balanced_joins(
+            batch.index,
+            [b.load_tokens for b in self.micro_batches],
+            is_eligible,
+            [r.task.num_prompt_tokens for r in head],
+            num_waiting_tokens,
+            is_head_overdue=head[0].num_passed_over >= len(self.micro_batches),
+        )
+        if num == 0:
+            head[0].num_passed_over += 1
+        return head[:num]
+
+    def _admissible_prompt_tokens(self, num_free: int) -> int:
+        """Prompt tokens of the waiting requests the node could admit now (the
+        head, up to `num_free` of them, while their KV fits in free memory):
+        what the balance rule's even share is taken over."""
+        free = [self.memory.free_bytes(s) for s in range(self.num_stages)]
+        total = 0
+        for req in islice(self.waiting, num_free):
+            need = kv_bytes(self.profile.memory, req.task.num_total_tokens)
+            if any(n > f for n, f in zip(need, free, strict=True)):
+                break
+            free = [f - n for n, f in zip(need, free, strict=True)]
+            total += req.task.num_prompt_tokens
+        return total
+
+    def finish_iteration(
+        self, iteration: Iteration, visible_updates: int, outcomes: list[Outcome]
+    ) -> None:
+        """`iteration` left the last stage: advance its requests, end the finished,
+        cancelled and failed ones (`visible_updates`: the serving weights')."""
+        batch = self.micro_batches[iteration.micro_batch]
+        batch.is_in_flight = False
+        for req, (start, num_tokens) in zip(
+            iteration.prefill, iteration.prefill_spans, strict=True
+        ):
+            req.num_prefilled = start + num_tokens
+            if req.num_prefilled < req.task.num_prompt_tokens:
+                req.context_tokens = req.num_prefilled  # more chunks to come
+                continue
+            req.num_generated = 1
+            req.context_tokens = req.task.num_prompt_tokens + 1
+            if not req.failure:  # a failed request's token was never made
+                outcomes.append(FirstToken(req.task.task_id, visible_updates))
+        for req in iteration.decode:
+            req.num_generated += 1
+            req.context_tokens += 1
+        emitted = [r for r in iteration.decode if not r.failure]
+        if self.config.emit_tokens and emitted:
+            outcomes.append(
+                TokensEmitted(
+                    tuple(r.task.task_id for r in emitted), tuple(r.num_generated for r in emitted)
+                )
+            )
+        still = []
+        for req in batch.running:
+            if req.is_cancelled or req.failure:
+                self.memory.release(req.task.task_id)
+                reason = (
+                    req.failure
+                    or req.cancel_reason
+                    or format_reason(ReasonCode.CANCELLED, "cancelled by the client")
+                )
+                outcomes.append(Failed(req.task.task_id, reason))
+            elif req.is_prefilled and (
+                req.is_stopped or req.num_generated >= req.task.max_output_tokens
+            ):
+                self.memory.release(req.task.task_id)
+                outcomes.append(Finished(req.task.task_id, req.num_generated))
+            else:
+                still.append(req)
+        batch.running = still

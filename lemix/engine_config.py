@@ -1,0 +1,99 @@
+"""A node engine's shape (`EngineConfig`) and the profile-derived default
+prefill token budget; `lemix.engine.NodeEngine` runs with them.
+
+The defaults reproduce the v1 engine exactly: one iteration in flight per
+node, whole-prompt prefill, each stage's training pass in one piece. Engine v2's
+knobs (micro-batches, chunked prefill, training slices) are described in
+`lemix.engine_groups`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lemix.batching import BatchingConfig
+from lemix.memory import MemoryConfig
+from lemix.profile import Profile
+
+# `default_prefill_token_budget`: a prefill chunk may cost this many batch-32
+# decode steps at a 512-token context on the same stage.
+CHUNK_DECODE_STEP_MULTIPLE = 3.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One node engine's shape: batching, memory, stage order and engine v2's knobs."""
+
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    stage_order: str = "inference-first"  # or "fifo"
+    # Training tasks admitted at once per node (None: one per stage, enough to
+    # keep every stage's pipeline busy, as 1F1B does). A backlog waits unadmitted
+    # and holds no memory, so it can never crowd serving out of its KV cache.
+    max_training_in_flight: int | None = None
+    emit_tokens: bool = False  # streaming executors need every token; the simulator does not
+    # Engine v2 (issue 9). The defaults reproduce the v1 engine exactly.
+    # Inference micro-batches in flight per node (None: one per stage, so all
+    # stages work at once); 1 = one iteration in flight per node (v1).
+    num_micro_batches: int | None = 1
+    # Tokens one iteration may carry (decode steps count one each; prefill is
+    # chunked to fit the rest); None = whole prompts, no chunking (v1).
+    prefill_token_budget: int | None = None
+    # Longest uninterrupted piece of a training forward/backward on one stage:
+    # longer ones run in slices, and inference iterations may run between
+    # slices; None = a stage's whole training pass at once (v1).
+    max_training_slice_s: float | None = None
+    # What `batching.max_batch_size` (C) caps with micro-batches: False = the
+    # node's running requests, split evenly (each group holds ceil(C / M));
+    # True = each micro-batch's own iteration, as vLLM's pipeline-parallel
+    # virtual engines do (one scheduler per stage, each with its own
+    # max_num_seqs), so the node may hold M × C when KV memory allows. Equal
+    # with M = 1.
+    is_batch_cap_per_micro_batch: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stage_order not in ("inference-first", "fifo"):
+            raise ValueError("stage_order must be 'inference-first' or 'fifo'")
+        if self.max_training_in_flight is not None and self.max_training_in_flight < 1:
+            raise ValueError("max_training_in_flight must be >= 1 or None")
+        if self.num_micro_batches is not None and self.num_micro_batches < 1:
+            raise ValueError(
+                f"num_micro_batches must be >= 1 or None, got {self.num_micro_batches}"
+            )
+        if self.prefill_token_budget is not None and self.prefill_token_budget < 1:
+            raise ValueError(
+                f"prefill_token_budget must be >= 1 tokens or None, got {self.prefill_token_budget}"
+            )
+        if self.max_training_slice_s is not None and not self.max_training_slice_s > 0:
+            raise ValueError(
+                f"max_training_slice_s must be > 0 s or None, got {self.max_training_slice_s}"
+            )
+
+
+def default_prefill_token_budget(profile: Profile) -> int:
+    """A per-iteration token budget derived from the profile alone.
+
+    The largest power of two n (32 ≤ n ≤ 16384) such that, on every stage, the
+    forward of one n-token chunk takes at most `CHUNK_DECODE_STEP_MULTIPLE`
+    (3) × a decode step of a batch of 32 at a 512-token context. An iteration
+    that carries such a chunk along with a full decode batch then costs at most
+    4 decode steps, so a chunk stretches the running requests' time between
+    tokens by a bounded factor instead of by a whole prompt's prefill. On the
+    shipped A100 Llama-2-7B profiles this gives 512 tokens, Sarathi-Serve's
+    budget for strict TBT SLOs on that hardware (its relaxed setting and vLLM's
+    chunked-prefill defaults are 2048 and up); H100 gives 1024, the CPU
+    tiny-llama profile 256. Falls back to 32 when even that is too long.
+    """
+    model = profile.ours
+    budget = 32
+    for exponent in range(5, 15):
+        num_tokens = 2**exponent
+        if all(
+            model.forward_s(s, 1, num_tokens)
+            <= CHUNK_DECODE_STEP_MULTIPLE * model.decode_step_s(s, 32, 32 * 512)
+            for s in range(profile.num_stages)
+        ):
+            budget = num_tokens
+        else:
+            break
+    return budget
