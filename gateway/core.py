@@ -46,7 +46,7 @@ from gateway.config import GatewayConfig
 from gateway.convert import OutputStream, stats_to_proto
 from gateway.model_limits import ModelLimitsCache, context_tokens
 from gateway.reader import Follower, OutputReader
-from gateway.upkeep import BatchedCounters, StreamLeases, Upkeep
+from gateway.upkeep import StreamLeases, Upkeep
 from gateway.validate import ANONYMOUS_SCOPE, validate_generate, validate_train
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, scheduler_pb2, scheduler_pb2_grpc
 from lemix.infra.rpc import convert as rpc_convert
@@ -57,6 +57,7 @@ from lemix.infra.rpc.errors import (
     Unavailable,
     error_from_rpc,
 )
+from lemix.infra.store.counters import BatchedCounters
 from lemix.infra.store.heartbeat import node_states_from_heartbeats
 from lemix.infra.store.intake import TaskIdConflict
 from lemix.infra.store.store import Store
@@ -68,7 +69,7 @@ log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
 
-# Counters this gateway increments (batched: `gateway.upkeep.BatchedCounters`;
+# Counters this gateway increments (batched: `lemix.infra.store.counters.BatchedCounters`;
 # GetStats reports the `gateway.convert.COUNTER_FIELDS` ones).
 REQUESTS_RECEIVED = "requests_received"
 TRAIN_REQUESTS_RECEIVED = "train_requests_received"

@@ -1,10 +1,8 @@
 """A gateway's background upkeep: the Redis writes it batches, so that taking
 a request in does no Redis round trip for bookkeeping.
 
-* `BatchedCounters`: `add` sums request counters in memory; `flush` writes
-  every delta in one round trip (`Store.incr_stats`), every `stats_flush_s`,
-  before GetStats reads them, and on stop. A failed flush keeps its deltas
-  for the next one: a count is late, never dropped.
+* the request counters (`BatchedCounters`) are flushed every
+  `stats_flush_s`, before GetStats reads them, and on stop.
 * `StreamLeases`: this gateway's one lease on every stream it reads
   (`RedisKeys.gateway_lease`; Submit names the gateway, so the task's hash
   says whose lease covers it). It must be live before Submit (the scheduler
@@ -26,12 +24,12 @@ import asyncio
 import contextlib
 import math
 import time
-from collections import Counter
 from collections.abc import Callable
 
 import structlog
 from redis.exceptions import RedisError
 
+from lemix.infra.store.counters import BatchedCounters
 from lemix.infra.store.store import Store
 
 log = structlog.get_logger(__name__)
@@ -40,36 +38,6 @@ log = structlog.get_logger(__name__)
 RENEW_RETRY_S = 0.5
 # `Upkeep.stop` cancels its loops again this often until they end.
 STOP_POLL_S = 0.1
-
-
-class BatchedCounters:
-    """Request counters summed in memory and written to Redis in batches."""
-
-    def __init__(self, store: Store) -> None:
-        self._store = store
-        self._pending: Counter[str] = Counter()
-
-    @property
-    def pending(self) -> dict[str, int]:
-        """Deltas not written yet."""
-        return dict(self._pending)
-
-    def add(self, name: str, by: int = 1) -> None:
-        """Count `by` more of `name` (no I/O)."""
-        self._pending[name] += by
-
-    async def flush(self) -> None:
-        """Write the pending deltas in one round trip. On a Redis error they
-        stay pending (and the error propagates). A write whose reply was lost
-        may then count twice: these are statistics, not per-task accounting."""
-        if not self._pending:
-            return
-        deltas, self._pending = self._pending, Counter()
-        try:
-            await self._store.incr_stats(deltas)
-        except BaseException:
-            self._pending.update(deltas)
-            raise
 
 
 class StreamLeases:

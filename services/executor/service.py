@@ -76,6 +76,7 @@ class ExecutorService(Service):
         self._profile = profile  # None: load config.profile_path at start()
         self.node: ExecutorNode | None = None
         self._store: Store | None = None
+        self._sink: RedisOutcomeSink | None = None
         self._bound_port: int | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._heartbeat_stop = asyncio.Event()
@@ -133,10 +134,11 @@ class ExecutorService(Service):
         export_pool_metrics(redis)
         await redis.ping()
         self._store = Store(redis, RedisKeys(config.namespace))
+        self._sink = RedisOutcomeSink(self._store, config.node_id, backend=backend)
         node = self.node = ExecutorNode(
             engine,
             backend,
-            RedisOutcomeSink(self._store, config.node_id, backend=backend),
+            self._sink,
             time_scale=config.time_scale,
             stage_timeout_s=config.stage_timeout_s,
         )
@@ -178,6 +180,7 @@ class ExecutorService(Service):
         assert self.node is not None  # registered once it exists
         await self.node.stop(grace_s)
         self.node.backend.close()
+        await self._flush_counters()  # what the last writes counted
 
     async def _stop_heartbeat(self, grace_s: float) -> None:
         """Stop beating, then withdraw the node state (the scheduler sees it gone)."""
@@ -239,6 +242,22 @@ class ExecutorService(Service):
                     node=self.config.node_id,
                     error=f"{type(exc).__name__}: {exc}",
                 )
+            await self._flush_counters()
+
+    async def _flush_counters(self) -> None:
+        """Write the sink's counters (statistics: kept for the next flush on
+        a Redis error, lost only if the process dies first)."""
+        if self._sink is None:
+            return
+        try:
+            await self._sink.counters.flush()
+        except Exception as exc:
+            log.warning(
+                "executor.counters_flush_failed",
+                node=self.config.node_id,
+                pending=self._sink.counters.pending,
+                error=f"{type(exc).__name__}: {exc}",
+            )
 
     async def _withdraw_state(self) -> None:
         """A last, unhealthy node state that expires at once: the node is gone."""

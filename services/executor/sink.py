@@ -5,8 +5,11 @@ Per `write` (one driver flush, usually one iteration) ONE script call
 
 1. every token message of the batch, so per-stream order follows engine order;
 2. then, per task that ended, its final state and ``end`` message
-   (fenced, once per task) and its completion entry for the scheduler;
-3. and the counters (tokens written, each end by its outcome).
+   (fenced, once per task) and its completion entry for the scheduler.
+
+The counters (tokens written, each end by its outcome) are summed in memory
+(`counters`) and written by the executor's heartbeat: per flush they cost a
+command per counter, i.e. about one per request.
 
 Tokens go first, so a task's ``end`` never precedes its last token. A task
 that completes in the batch sends its last token message's fields on its
@@ -47,6 +50,7 @@ from lemix.engine import (
 )
 from lemix.infra import telemetry
 from lemix.infra.store.codec import FieldValue
+from lemix.infra.store.counters import BatchedCounters
 from lemix.infra.store.fencing import FinishOutcome, NodeEnd, NodeEndKind
 from lemix.infra.store.messages import (
     TYPE_FIELD,
@@ -74,6 +78,8 @@ from services.executor.backends.base import ExecutorBackend
 from services.executor.backends.emulated import EmulatedBackend
 
 log = structlog.get_logger(__name__)
+
+TOKENS_STAT = "tokens_generated"  # token messages written (a message per token and iteration)
 
 
 class TaskLedger(Protocol):
@@ -122,6 +128,8 @@ class RedisOutcomeSink:
         self._ledger: TaskLedger | None = None
         # Live tasks found fenced, with the attempt: their writes are dropped here.
         self._fenced: dict[str, int] = {}
+        # Stack-wide counters of what this sink wrote; its owner flushes them.
+        self.counters = BatchedCounters(store)
 
     def bind(self, ledger: TaskLedger) -> None:
         """Take attempts from `ledger` and tell it of fenced tasks."""
@@ -165,19 +173,23 @@ class RedisOutcomeSink:
         the bookkeeping of what it found fenced and of the tasks that ended."""
         live = [item for item in tokens if not self._is_fenced(item[0], item[1])]
         telemetry.observe_fenced_writes(self.node_id, "token", len(tokens) - len(live))
-        written, outcomes = await self.store.write_node_batch(
-            live, ends, tokens_stat="tokens_generated"
-        )
+        written, outcomes = await self.store.write_node_batch(live, ends)
+        num_tokens = sum(written)
         for (task_id, attempt, _), is_written in zip(live, written, strict=True):
             if not is_written:
                 self._fence(task_id, attempt, "token")
         for end, outcome in zip(ends, outcomes, strict=True):
+            self.counters.add(end.counted_stat(outcome))
+            if outcome is FinishOutcome.ENDED:
+                num_tokens += end.num_carried_tokens
             if outcome is FinishOutcome.FENCED:
                 self._fence(end.task_id, end.attempt, "end")
             if end.kind is not NodeEndKind.REPORT:
                 self._num_tokens.pop(end.task_id, None)
                 self._weight_versions.pop(end.task_id, None)
             self._fenced.pop(end.task_id, None)
+        if num_tokens:
+            self.counters.add(TOKENS_STAT, num_tokens)
 
     def _fence(self, task_id: str, attempt: int, what: str) -> None:
         """Count a dropped write; the first for a task logs it and tells the ledger."""

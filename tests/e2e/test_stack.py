@@ -8,6 +8,7 @@ accounted for, and the gateway's counters must agree with the client's.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import grpc
@@ -56,9 +57,17 @@ async def test_mixed_load_every_task_accounted_for(tmp_path: Path) -> None:
             seed=3,
         )
         async with channel(stack.gateway_address) as chan:
-            stats = await gateway_pb2_grpc.GatewayStub(chan).GetStats(
-                gateway_pb2.GetStatsRequest(), timeout=10
-            )
+            stub = gateway_pb2_grpc.GatewayStub(chan)
+            # The executors' counters reach Redis with their heartbeats (0.5 s):
+            # GetStats catches up with the per-task truth within a few.
+            for _ in range(50):
+                stats = await stub.GetStats(gateway_pb2.GetStatsRequest(), timeout=10)
+                if (stats.num_completed_inference, stats.num_completed_training) == (
+                    metrics["num_completed_inference"],
+                    metrics["num_completed_training"],
+                ):
+                    break
+                await asyncio.sleep(0.1)
         assert stack.failed_child() is None
         assert stack.redis is not None
         events = await _read_events(stack.redis.url, "e2e")

@@ -23,9 +23,10 @@ from redis_pool import TEST_POOL_SIZE
 from waiting import wait_until
 
 from gateway.service import GatewayService
-from gateway.upkeep import BatchedCounters, StreamLeases
+from gateway.upkeep import StreamLeases
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from lemix.infra.rpc.client import channel
+from lemix.infra.store.counters import BatchedCounters
 from lemix.infra.store.intake import TaskIdConflict
 from lemix.infra.store.server import EmbeddedRedis, find_free_port
 from lemix.infra.store.store import Store

@@ -62,6 +62,13 @@ class NodeEnd:
     # on its end message): counted as written tokens when the end is written.
     num_carried_tokens: int = 0
 
+    def counted_stat(self, outcome: FinishOutcome) -> str:
+        """The counter its `write_node_batch` outcome bumps by one (a REPORT
+        end is always ENDED)."""
+        if outcome is FinishOutcome.ENDED:
+            return self.stat
+        return self.duplicate_stat if outcome is FinishOutcome.ALREADY_FINAL else self.fenced_stat
+
 
 class FencingOps(StoreBase):
     """Number placements, fence taken-away ones, write output and ends fenced."""
@@ -128,23 +135,21 @@ class FencingOps(StoreBase):
         self,
         tokens: Sequence[tuple[str, int, Mapping[str, FieldValue]]],
         ends: Sequence[NodeEnd],
-        *,
-        tokens_stat: str,
     ) -> tuple[list[bool], list[FinishOutcome]]:
         """An executor's whole flush in ONE script call (`scripts.WRITE_NODE_BATCH_LUA`):
         the token messages (task_id, attempt, fields) fenced as in
-        `append_outputs_fenced`, then each end fenced as in `finish_task_fenced`,
-        each end's completion entry, and the counters (`tokens_stat` by the
-        tokens written, one of each end's three stats by its outcome), all
-        atomically: a crash never leaves an end without its completion or count.
+        `append_outputs_fenced`, then each end fenced as in `finish_task_fenced`
+        and each end's completion entry, all atomically: a crash never leaves
+        an end without its completion. Counting is the caller's
+        (`NodeEnd.counted_stat` of each outcome).
 
         Returns per token message whether it was written, and per end its
         outcome (a REPORT end is ENDED).
         """
         if not tokens and not ends:
             return [], []
-        keys: list[str] = [self.keys.completions_stream, self.keys.stats]
-        args: list[str | int] = [self.output_maxlen, len(tokens), tokens_stat]
+        keys: list[str] = [self.keys.completions_stream]
+        args: list[str | int] = [self.output_maxlen, len(tokens)]
         for task_id, attempt, fields in tokens:
             keys += [self.keys.task(task_id), self.keys.output(task_id)]
             flat = flatten(encode_fields(fields))
@@ -158,8 +163,7 @@ class FencingOps(StoreBase):
             ttl_ms = 0 if end.ttl_s is None else to_ms(end.ttl_s, "ttl_s")
             args += [str(end.kind), int(end.attempt), ttl_ms]
             args += [len(state_items), *state_items, len(message_items), *message_items]
-            args += [len(completion), *completion, end.stat, end.duplicate_stat, end.fenced_stat]
-            args += [end.num_carried_tokens]
+            args += [len(completion), *completion]
         replies = [int(n) for n in await self._write_node_batch(keys=keys, args=args)]
         outcomes = {
             1: FinishOutcome.ENDED,

@@ -178,21 +178,16 @@ return {redis.call('HGET', KEYS[1], 'is_final') or '',
 """
 
 # One executor flush (`FencingOps.write_node_batch`) in one step: its token
-# messages, then its task ends, each end's completion entry, and the stats.
-# KEYS[1] completions stream, KEYS[2] stats hash; then per token message i
-# KEYS[2+2i-1] its task hash, KEYS[2+2i] its output stream; then the same
-# pair per end.
-# ARGV[1] output MAXLEN (approximate), ARGV[2] number of token messages,
-# ARGV[3] the stats field for tokens written; then per token message: the
-# writer's attempt, n, n field/value items (as APPEND_FENCED_LUA); then per
-# end: kind ("finish": FINISH_FENCED_LUA's end; "report": the completion
-# alone, e.g. requeued training; "fenced": known fenced, nothing but the
-# completion), the writer's attempt, TTL in ms (0: none), ns + ns state
-# items, nm + nm end-message items, nc + nc completion items, and the stats
-# fields to bump by 1 when the end was written / already final / fenced
-# (a "report" bumps the first), and the number of token messages the end
-# message carries (its task's last tokens ride on it: one entry, not two),
-# added to the tokens counter when the end is written.
+# messages, then its task ends and each end's completion entry. KEYS[1]
+# completions stream; then per token message i KEYS[2i] its task hash,
+# KEYS[2i+1] its output stream; then the same pair per end.
+# ARGV[1] output MAXLEN (approximate), ARGV[2] number of token messages;
+# then per token message: the writer's attempt, n, n field/value items (as
+# APPEND_FENCED_LUA); then per end: kind ("finish": FINISH_FENCED_LUA's end;
+# "report": the completion alone, e.g. requeued training; "fenced": known
+# fenced, nothing but the completion), the writer's attempt, TTL in ms (0:
+# none), ns + ns state items, nm + nm end-message items, nc + nc completion
+# items. Counters are the writer's to keep (the outcomes say what to count).
 # Returns per token message 1 (written) or 0 (fenced), then per end 1
 # (ended, or reported), 0 (already final) or -1 (fenced).
 WRITE_NODE_BATCH_LUA = """
@@ -212,26 +207,20 @@ local function attempt(hash)
   return state(hash)[1]
 end
 local num_tokens = tonumber(ARGV[2])
-local written = 0
-local at = 4
+local at = 3
 for i = 1, num_tokens do
-  local held = attempt(KEYS[1 + 2 * i])
+  local held = attempt(KEYS[2 * i])
   local n = tonumber(ARGV[at + 1])
   if held == false or held == ARGV[at] then
-    redis.call('XADD', KEYS[2 + 2 * i], 'MAXLEN', '~', ARGV[1], '*',
+    redis.call('XADD', KEYS[2 * i + 1], 'MAXLEN', '~', ARGV[1], '*',
                unpack(ARGV, at + 2, at + 1 + n))
     out[i] = 1
-    written = written + 1
   else
     out[i] = 0
   end
   at = at + 2 + n
 end
-local counts = {}
-if written > 0 then
-  counts[ARGV[3]] = written
-end
-local k = 2 + 2 * num_tokens
+local k = 1 + 2 * num_tokens
 local i = num_tokens
 while at <= #ARGV do
   i = i + 1
@@ -243,7 +232,6 @@ while at <= #ARGV do
   local message_at = state_at + ns + 1
   local nc = tonumber(ARGV[message_at + nm])
   local completion_at = message_at + nm + 1
-  local stats_at = completion_at + nc
   local outcome = 1
   if kind == 'fenced' then
     outcome = -1
@@ -265,24 +253,8 @@ while at <= #ARGV do
     end
   end
   redis.call('XADD', KEYS[1], '*', unpack(ARGV, completion_at, completion_at + nc - 1))
-  local stat = ARGV[stats_at]
-  if kind == 'finish' and outcome == 1 then
-    local carried = tonumber(ARGV[stats_at + 3])
-    if carried > 0 then
-      counts[ARGV[3]] = (counts[ARGV[3]] or 0) + carried
-    end
-  end
-  if outcome == 0 then
-    stat = ARGV[stats_at + 1]
-  elseif outcome == -1 then
-    stat = ARGV[stats_at + 2]
-  end
-  counts[stat] = (counts[stat] or 0) + 1
   out[i] = outcome
-  at = stats_at + 4
-end
-for stat, count in pairs(counts) do  -- one HINCRBY per counter, not per end
-  redis.call('HINCRBY', KEYS[2], stat, count)
+  at = completion_at + nc
 end
 return out
 """
