@@ -366,6 +366,7 @@ async def _run_stack(
                 "LEMIX_SLO_TTFT_S": "1.0",
                 "LEMIX_SLO_TBT_S": "1.0",
                 "LEMIX_LOG_LEVEL": args.log_level,
+                "LEMIX_EVENT_LOOP": args.event_loop,
             },
         )
         async with Stack(config) as stack, contextlib.AsyncExitStack() as channels:
@@ -401,6 +402,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=30.0, help="per-request deadline")
     parser.add_argument("--log-level", default="info", help="the services' log level")
+    parser.add_argument(
+        "--event-loop",
+        default="asyncio",
+        choices=("asyncio", "uvloop"),
+        help="the services' event loop (LEMIX_EVENT_LOOP)",
+    )
     parser.add_argument(
         "--redis-url-query",
         default="",
@@ -522,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
                     "machine": platform.machine(),
                     "num_nodes": args.nodes,
                     "num_gateways": args.gateways,
+                    "event_loop": args.event_loop,
                     "profile": result["profile"],
                     "duration_s": args.duration_s,
                     "targets": {

@@ -32,6 +32,9 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_SHUTDOWN_GRACE_S = 5.0
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("console", "json")  # json: one object per line
+# The asyncio event loop a service runs on: the standard one, or uvloop's
+# (libuv; the optional `lemix[fast]` extra), measured in docs/control-plane.md.
+EVENT_LOOPS = ("asyncio", "uvloop")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")  # what redis-py's from_url accepts
 # `python -m <service>` serves /metrics on a free port; the dataclass default
 # (-1, off) is what tests and embedded services want.
@@ -54,6 +57,7 @@ class CommonServiceConfig:
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S  # in-flight work gets this long on stop
     log_level: str = "info"
     log_format: str = "console"
+    event_loop: str = "asyncio"  # one of EVENT_LOOPS
     # Internal RPCs carry it (lemix.infra.rpc.auth); "" = unauthenticated.
     service_token: str = field(default="", repr=False)
 
@@ -79,6 +83,10 @@ class CommonServiceConfig:
         if self.log_format not in LOG_FORMATS:
             raise ValueError(
                 f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}"
+            )
+        if self.event_loop not in EVENT_LOOPS:
+            raise ValueError(
+                f"event_loop must be one of {', '.join(EVENT_LOOPS)}, got {self.event_loop!r}"
             )
         check_service_token(self.service_token)
 
@@ -131,6 +139,14 @@ SHARED_OPTIONS: tuple[Option, ...] = (
     ),
     Option("log_level", "--log-level", "LEMIX_LOG_LEVEL", str, "/".join(LOG_LEVELS), "LEVEL"),
     Option("log_format", "--log-format", "LEMIX_LOG_FORMAT", str, "/".join(LOG_FORMATS), "FORMAT"),
+    Option(
+        "event_loop",
+        "--event-loop",
+        "LEMIX_EVENT_LOOP",
+        str,
+        "/".join(EVENT_LOOPS) + " (uvloop: pip install 'lemix[fast]')",
+        "LOOP",
+    ),
     SERVICE_TOKEN_OPTION,
 )
 SHARED_ENV: dict[str, str] = {opt.field: opt.env for opt in SHARED_OPTIONS}

@@ -42,6 +42,9 @@ class _ServiceConfig(Protocol):
     @property
     def log_format(self) -> str: ...
 
+    @property
+    def event_loop(self) -> str: ...
+
 
 C = TypeVar("C", bound=_ServiceConfig)
 
@@ -63,6 +66,7 @@ async def serve(
         return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    log.info("event_loop", service=label, loop=f"{type(loop).__module__}.{type(loop).__name__}")
     signals = (signal.SIGINT, signal.SIGTERM)
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
@@ -100,14 +104,30 @@ def run_service(
     # leaves every thread's Python stack in the service's log.
     faulthandler.enable(all_threads=True)
     try:
-        return asyncio.run(
-            serve(
-                make(config),
-                label(config),
-                metrics_host=config.host,
-                metrics_port=config.metrics_port,
+        with asyncio.Runner(loop_factory=loop_factory(config.event_loop)) as runner:
+            return runner.run(
+                serve(
+                    make(config),
+                    label(config),
+                    metrics_host=config.host,
+                    metrics_port=config.metrics_port,
+                )
             )
-        )
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+
+
+def loop_factory(event_loop: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop factory for `event_loop` (`EVENT_LOOPS`); None: asyncio's.
+    Raises ValueError when uvloop is asked for but not installed."""
+    if event_loop != "uvloop":
+        return None
+    try:
+        import uvloop  # optional: the `lemix[fast]` extra
+    except ImportError as exc:
+        raise ValueError(
+            "event_loop uvloop needs the uvloop package: pip install 'lemix[fast]' "
+            "(or set LEMIX_EVENT_LOOP=asyncio)"
+        ) from exc
+    return uvloop.new_event_loop

@@ -4,6 +4,7 @@ declared and checked once, and deprecated aliases of renamed flags/variables."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -21,6 +22,7 @@ from lemix.infra.config import (
     common_options,
     listener_options,
 )
+from lemix.infra.service_main import loop_factory
 from lemix.infra.settings import Option
 
 # module, config class, LEMIX_<SERVICE>_ prefix
@@ -53,6 +55,7 @@ def test_every_service_reads_the_shared_options_under_one_name(
         "LEMIX_SHUTDOWN_GRACE_S": "7.5",
         "LEMIX_LOG_LEVEL": "debug",
         "LEMIX_LOG_FORMAT": "json",
+        "LEMIX_EVENT_LOOP": "uvloop",
         f"LEMIX_{prefix}_HOST": "0.0.0.0",
         f"LEMIX_{prefix}_METRICS_PORT": "off",
     }
@@ -69,6 +72,7 @@ def test_every_service_reads_the_shared_options_under_one_name(
         shutdown_grace_s=7.5,
         log_level="debug",
         log_format="json",
+        event_loop="uvloop",
     )
     # `python -m <service>` serves metrics on a free port unless told otherwise.
     assert _parse(module, [], {}).metrics_port == 0 and config_cls().metrics_port == -1
@@ -88,6 +92,7 @@ def test_every_service_reads_the_shared_options_under_one_name(
         ({"shutdown_grace_s": float("nan")}, "shutdown_grace_s must be"),
         ({"log_level": "loud"}, "log_level must be one of debug, info"),
         ({"log_format": "xml"}, "log_format must be one of console, json"),
+        ({"event_loop": "trio"}, "event_loop must be one of asyncio, uvloop"),
         ({"service_token": "short"}, "at least 16"),
     ],
 )
@@ -175,3 +180,14 @@ def test_deprecated_aliases_of_any_option_kind() -> None:
     with pytest.raises(ValueError, match="TOY_ENABLED='maybe' is not a valid boolean"):
         _toy([], {"TOY_ENABLED": "maybe"}, [])
     assert _toy([], {}, warnings := []) == _Toy() and warnings == []
+
+
+def test_the_event_loop_factory_names_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert loop_factory("asyncio") is None  # asyncio's own
+    fake = ModuleType("uvloop")
+    fake.new_event_loop = lambda: None  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "uvloop", fake)
+    assert loop_factory("uvloop") is fake.new_event_loop  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # not installed: import fails
+    with pytest.raises(ValueError, match=r"pip install 'lemix\[fast\]'"):
+        loop_factory("uvloop")
