@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -88,6 +89,9 @@ GATEWAY_GONE = "the gateway streaming this request is gone"
 _LOOP_BACKOFF_S = 0.5  # after an unexpected error in a loop iteration
 _MIN_TIMER_S = 0.001  # never spin on a wake-up that is (float-)due now
 _RECOVER_BATCH = 500  # task hashes read per round trip at restart
+# The completions cursor is stored at most this often (a SET and an XTRIM per
+# store): a restart re-applies at most this much, which is harmless.
+_CURSOR_STORE_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -161,6 +165,8 @@ class SchedulerService(Service):
         self._rpc_redis_slots = asyncio.Semaphore(config.max_rpc_redis_calls)
         self._has_unacked_intake = False
         self._completions_cursor: str | None = None
+        self._stored_cursor: str | None = None  # the cursor last stored in Redis
+        self._cursor_stored_s = -math.inf  # when (monotonic)
         self.port = 0
         self.epoch_s = 0.0
         self.num_recovered_events = 0  # events replayed at start (after the snapshot)
@@ -562,11 +568,14 @@ class SchedulerService(Service):
             try:
                 if self._completions_cursor is None:
                     self._completions_cursor = await self.store.get_completions_cursor()
+                    self._stored_cursor = self._completions_cursor
                 entries = await self._until_stop(
                     self.store.read_completions(self._completions_cursor, self._block_ms)
                 )
                 if entries:
                     await self._handle_completions(entries)
+                elif self._completions_cursor != self._stored_cursor:
+                    await self._store_cursor()  # idle: the last cursor, now
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -613,13 +622,26 @@ class SchedulerService(Service):
         # completion in one script), so its hash and output stream expire
         # with the cursor's step; executors write ends without a TTL, and
         # this is the stream's one expiry (a PEXPIRE is a command per task).
+        # The cursor itself is stored at most every `_CURSOR_STORE_S` (and
+        # when the stream goes idle): a restart re-applies what came since.
         config = self.config
+        is_stored = time.monotonic() - self._cursor_stored_s >= _CURSOR_STORE_S
         await self.store.advance_completions_cursor(
             entry_id,
             expire_ids=ended,
             ttl_s=config.finished_task_ttl_s,
             output_ttl_s=config.output_ttl_s,
+            is_stored=is_stored,
         )
+        if is_stored:
+            self._stored_cursor, self._cursor_stored_s = entry_id, time.monotonic()
+
+    async def _store_cursor(self) -> None:
+        cursor = self._completions_cursor
+        if cursor is None:
+            return
+        await self.store.advance_completions_cursor(cursor)
+        self._stored_cursor, self._cursor_stored_s = cursor, time.monotonic()
 
     # ----------------------------------------------------------------- nodes
 

@@ -94,25 +94,37 @@ class EventOps(StoreBase):
         expire_ids: Sequence[str] = (),
         ttl_s: float = 0.0,
         output_ttl_s: float | None = None,
+        is_stored: bool = True,
     ) -> None:
-        """Store the completions cursor and drop the entries before it, in one
-        MULTI/EXEC: the scheduler is the stream's one reader, and what it has
-        applied is in its event log (XTRIM MINID keeps `entry_id` itself).
+        """Expire what the completions up to `entry_id` ended and, with
+        `is_stored`, store the cursor and drop the entries before it, in one
+        pipelined round trip: the scheduler is the stream's one reader, and
+        what it has applied is in its event log (XTRIM MINID keeps `entry_id`
+        itself).
 
         `expire_ids`: tasks those entries ended (final in their hashes): their
         hash expires `ttl_s` and their output stream `output_ttl_s` (default:
-        `ttl_s`) from now, in the same step; 0 leaves that key alone.
+        `ttl_s`) from now; 0 leaves that key alone.
+
+        Not a MULTI/EXEC (two commands more per call): every step is safe
+        alone. A stored cursor behind the applied entries only makes a
+        restart apply some again (harmless); entries trimmed with the cursor
+        not stored were applied and logged, and a read from an older cursor
+        returns the entries after it that remain.
         """
         ttl_ms = to_ms(ttl_s, "ttl_s") if ttl_s > 0 else 0
         output_ttl = ttl_s if output_ttl_s is None else output_ttl_s
         output_ttl_ms = to_ms(output_ttl, "output_ttl_s") if output_ttl > 0 else 0
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.set(self.keys.completions_cursor, entry_id)
-            # Exact: "~" trims whole macro nodes only, i.e. nothing on a short stream.
-            pipe.xtrim(self.keys.completions_stream, minid=entry_id, approximate=False)
+        if not is_stored and not (expire_ids and (ttl_ms or output_ttl_ms)):
+            return
+        async with self.client.pipeline(transaction=False) as pipe:
             for task_id in expire_ids:
                 if ttl_ms:
                     pipe.pexpire(self.keys.task(task_id), ttl_ms)
                 if output_ttl_ms:
                     pipe.pexpire(self.keys.output(task_id), output_ttl_ms)
+            if is_stored:
+                pipe.set(self.keys.completions_cursor, entry_id)
+                # Exact: "~" trims whole macro nodes only, i.e. nothing on a short stream.
+                pipe.xtrim(self.keys.completions_stream, minid=entry_id, approximate=False)
             await pipe.execute()

@@ -144,15 +144,19 @@ class IntakeOps(StoreBase):
         return []  # unreachable; keeps mypy's return check simple
 
     async def ack_intake(self, entry_ids: Sequence[str]) -> int:
-        """Ack and delete intake entries in one MULTI/EXEC; returns the number acked.
+        """Ack and delete intake entries in one pipelined round trip; returns
+        the number acked.
 
         Deleting keeps the intake bounded; the scheduler's event log, not the
-        intake stream, is the record for replay.
+        intake stream, is the record for replay. Not a MULTI/EXEC (two
+        commands more per batch): Redis runs the pipeline in order, and were
+        it cut between the two, an entry would be acked and left in the
+        stream (never delivered again), not deleted while still pending.
         """
         if not entry_ids:
             return 0
         stream, group = self.keys.intake_stream, self.keys.intake_group
-        async with self.client.pipeline(transaction=True) as pipe:
+        async with self.client.pipeline(transaction=False) as pipe:
             pipe.xack(stream, group, *entry_ids)
             pipe.xdel(stream, *entry_ids)
             num_acked, _ = await pipe.execute()

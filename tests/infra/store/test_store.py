@@ -311,6 +311,13 @@ async def test_finished_outputs_expire_apart_from_their_state(
     await store.advance_completions_cursor(cursor, expire_ids=["t2"], ttl_s=60, output_ttl_s=10)
     assert 10_000 < await redis_client.pttl(store.keys.task("t2")) <= 60_000
     assert 0 < await redis_client.pttl(store.keys.output("t2")) <= 10_000
+    # Not stored this time: the expiries land, the cursor and the stream stay.
+    await store.finish_task("t3", "completed", "", {"n": 1})
+    later = await store.append_completion({"task_id": "t3", "status": "completed"})
+    await store.advance_completions_cursor(later, expire_ids=["t3"], ttl_s=60, is_stored=False)
+    assert 0 < await redis_client.pttl(store.keys.task("t3")) <= 60_000
+    assert await store.get_completions_cursor() == cursor
+    assert await redis_client.xlen(store.keys.completions_stream) == 2
 
 
 # ------------------------------------------------------------------ node state
