@@ -59,6 +59,7 @@ from lemix.infra.store.task_hash import (
     STATUS_FIELD,
     TASK_ID_FIELD,
     StoredStatus,
+    gateways_of,
 )
 from lemix.planner.recording import RecordingPlanner
 from lemix.planner.registry import build_planner
@@ -327,16 +328,16 @@ class SchedulerService(Service):
         moved = self.core.requeue_unconfirmed(unconfirmed)
         if moved:
             log.warning("unconfirmed_placements_requeued", num_tasks=len(moved))
-        gateway_of = {
-            task.task_id: state.get(GATEWAY_ID_FIELD, "")
+        gateways = {
+            task.task_id: gateways_of(state)
             for task, state in zip(tasks, states, strict=True)
             if task.kind is TaskKind.INFERENCE
         }
-        gateway_ids = sorted({g for g in gateway_of.values() if g})
+        gateway_ids = sorted({g for ids in gateways.values() for g in ids})
         held = dict(
             zip(gateway_ids, await self.store.gateway_leases_held(gateway_ids), strict=True)
         )
-        self.leases.note([(t, g) for t, g in gateway_of.items() if g and held[g]])
+        self.leases.note([(t, g) for t, ids in gateways.items() for g in ids if held[g]])
 
     async def _stop_loops(self, grace_s: float) -> None:
         """Ask the loops to stop; cancel those still running after the grace
@@ -373,9 +374,11 @@ class SchedulerService(Service):
         async with self._rpc_redis_slots, redis_unavailable("Submit"):
             is_new = await self.store.submit_task(fields)
         if not is_new and gateway_id:
-            # A retry through another gateway: its lease covers the task too
-            # (while this scheduler runs; a restart knows the first one only).
+            # A retry through another gateway: its lease covers the task too,
+            # recorded in the task hash so a restarted scheduler knows it.
             self.leases.also(task.task_id, gateway_id)
+            async with self._rpc_redis_slots, redis_unavailable("Submit"):
+                await self.store.add_task_gateway(task.task_id, gateway_id)
         return is_new
 
     async def cancel(self, task_id: str, reason: str) -> bool:

@@ -226,6 +226,10 @@ class LeaseWatch:
     def forget(self, task_id: str) -> None:
         self._gateways_of.pop(task_id, None)
 
+    def gateways_watching(self, task_id: str) -> set[str]:
+        """The gateways whose leases keep a watched task (empty: unwatched)."""
+        return set(self._gateways_of.get(task_id, ()))
+
     @property
     def num_watched(self) -> int:
         return len(self._gateways_of)

@@ -31,6 +31,7 @@ from lemix.infra.store.base import (
 )
 from lemix.infra.store.codec import Entry, FieldValue, encode_fields
 from lemix.infra.store.task_hash import (
+    ALSO_GATEWAY_PREFIX,
     CANCELLED_FIELD,
     GATEWAY_ID_FIELD,
     SUBMIT_T_FIELD,
@@ -257,6 +258,11 @@ class IntakeOps(StoreBase):
             IntakeCheck(bool(flags[i]), bool(flags[i + 1]), bool(flags[i + 2]), flags[i + 3])
             for i in range(0, len(flags), 4)
         ]
+
+    async def add_task_gateway(self, task_id: str, gateway_id: str) -> None:
+        """Record that gateway `gateway_id` streams the task too (a retry
+        through it; `task_hash.gateways_of` reads it back after a restart)."""
+        await self.client.hset(self.keys.task(task_id), f"{ALSO_GATEWAY_PREFIX}{gateway_id}", "1")
 
     async def mark_cancelled(self, task_id: str, ttl_s: float = 3600.0) -> None:
         """Mark the task cancelled before placement (`CANCELLED_FIELD` in its

@@ -26,6 +26,7 @@ rejected task's reason reads ``"<ReasonCode>: text"`` (`lemix.reasons.format_rea
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
 
 TASK_ID_FIELD = "task_id"
@@ -46,6 +47,9 @@ SUBMIT_T_FIELD = "submit_t"  # epoch s when Submit stored it
 # its lease (`RedisKeys.gateway_lease`) lapsing cancels the task. Absent on a
 # task submitted straight to the scheduler.
 GATEWAY_ID_FIELD = "gateway_id"
+# "also_gateway:<id>": another gateway streams the task too (an idempotent
+# retry through it): its lease covers the task as well, after a restart too.
+ALSO_GATEWAY_PREFIX = "also_gateway:"
 # gRPC metadata key by which a gateway names itself on Submit (no proto change).
 GATEWAY_ID_METADATA = "lemix-gateway-id"
 FINISH_T_FIELD = "finish_t"  # epoch s when it ended
@@ -71,3 +75,13 @@ FINAL_STATUSES = frozenset({StoredStatus.COMPLETED, StoredStatus.FAILED, StoredS
 def final_fields(status: str, reason: str) -> dict[str, str]:
     """The fields that end a task, on its hash and on its ``end`` message alike."""
     return {STATUS_FIELD: str(status), REASON_FIELD: reason, IS_FINAL_FIELD: "1"}
+
+
+def gateways_of(fields: Mapping[str, str]) -> list[str]:
+    """Every gateway a task hash names as streaming the task: its first
+    (`GATEWAY_ID_FIELD`) and those of later retries (`ALSO_GATEWAY_PREFIX`)."""
+    first = fields.get(GATEWAY_ID_FIELD, "")
+    also = sorted(
+        k[len(ALSO_GATEWAY_PREFIX) :] for k in fields if k.startswith(ALSO_GATEWAY_PREFIX)
+    )
+    return ([first] if first else []) + [g for g in also if g and g != first]

@@ -37,6 +37,7 @@ from lemix.infra.store.client import RedisClientConfig, connect
 from lemix.infra.store.keys import RedisKeys
 from lemix.infra.store.server import EmbeddedRedis, find_free_port
 from lemix.infra.store.store import Store
+from lemix.infra.store.task_hash import gateways_of
 from lemix.types import Task, TaskKind, TaskPayload
 from services.scheduler.codec import task_to_fields
 from services.scheduler.service import GATEWAY_GONE, SchedulerService, describe_redis_error
@@ -383,6 +384,13 @@ async def test_a_lapsed_gateway_lease_cancels_its_requests_and_only_them(stack: 
     # (asynchronously).
     await wait_until(lambda: service.leases.num_watched == 2, what="'kept', 'retried' watched")
     assert (await store.get_task_state("orphan"))["gateway_id"] == "gw-a"
+    # A restarted scheduler knows both gateways of "retried" (from its hash):
+    # gw-a's lease lapsed, gw-b's is renewed, so it stays watched.
+    assert gateways_of(await store.get_task_state("retried")) == ["gw-a", "gw-b"]
+    await service.stop(grace_s=0.1)
+    await store.renew_gateway_lease("gw-b", ttl_s=5.0)
+    restarted = await stack.start_service(num_nodes=1, lease_check_s=0.05, **FAST)
+    assert restarted.leases.gateways_watching("retried") == {"gw-b"}
 
 
 # ------------------------------------------------------------------ error causes
