@@ -234,7 +234,8 @@ class Planner:
     def plan(self, now_s: float) -> list[Decision]:
         """Place what can be placed now: inference first, then training in order."""
         for view in self.views:
-            view.prune(now_s)
+            if view.windows:  # most nodes have none: skip the call
+                view.prune(now_s)
         decisions: list[Decision] = []
         context = self.context(now_s)
         # Re-evaluating deferred training is the planner's costliest step. New
@@ -289,8 +290,10 @@ class Planner:
         )
         if task.is_training or self.config.max_training_slice_s is None:
             return prediction
-        response_s = min(prediction.response_s, self._sliced_response_s(view, costs))
-        return replace(prediction, response_s=response_s)
+        sliced_s = self._sliced_response_s(view, costs)
+        if not sliced_s < prediction.response_s:
+            return prediction  # the min would keep it: no copy
+        return replace(prediction, response_s=sliced_s)
 
     def _sliced_response_s(self, view: NodeView, costs: TaskCosts) -> float:
         """An inference's response when training runs in slices: inference goes
@@ -447,7 +450,7 @@ class Planner:
 
     def _memory_fraction(self, view: NodeView) -> float:
         kv = view.sum_request_prompt_tokens + view.sum_request_output_tokens
-        act = sum(view.training_tasks.values())
+        act = view.sum_training_tokens
         used = kv * self._kv_bytes_per_token + act * self._act_bytes_per_token
         return used / self._dynamic_bytes
 
