@@ -62,7 +62,7 @@ class PaperCostEstimator:
         return None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen __init__ is ~5x slower
 class _BatchFacts:
     """What the decode-aware estimator derives from a node's held requests.
 
@@ -84,7 +84,7 @@ class _BatchFacts:
     drain_s: float  # until the longest request drains: max remaining × period
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen __init__ is ~5x slower
 class _TrainingLoad:
     """`NodeView.training_load` at one `now_s`, with what follows from it (it
     changes with the version and with time: old placements leave the window)."""
@@ -157,11 +157,7 @@ class DecodeAwareCostEstimator:
     def _batch(self, view: NodeView) -> _BatchFacts:
         """The view's `_BatchFacts`, computed once per version."""
         facts = view.cached.get(_BATCH_KEY)
-        if (
-            isinstance(facts, _BatchFacts)
-            and facts.version == view.version
-            and facts.owner is self
-        ):
+        if isinstance(facts, _BatchFacts) and facts.version == view.version and facts.owner is self:
             return facts
         facts = self._batch_facts(view)
         view.cached[_BATCH_KEY] = facts
@@ -196,14 +192,20 @@ class DecodeAwareCostEstimator:
         )
 
     def _training_load(self, view: NodeView, now_s: float) -> _TrainingLoad:
-        """`view.training_load(now_s)`, once per (version, now_s): it prunes the
-        window, so a second call at the same time and version finds the same."""
+        """`view.training_load(now_s)`, recomputed only when the version changed
+        or the window would drop a placement: otherwise that call would prune
+        nothing and return what it did last time."""
         load = view.cached.get(_LOAD_KEY)
         if (
             isinstance(load, _TrainingLoad)
             and load.version == view.version
-            and load.now_s == now_s
             and load.owner is self
+            and (
+                load.now_s == now_s
+                # the prune's own test: nothing placed before the window
+                or not view.recent_training
+                or not view.recent_training[0][0] < now_s - TRAINING_LOAD_WINDOW_S
+            )
         ):
             return load
         busy_fraction, mean_item_s = view.training_load(now_s, TRAINING_LOAD_WINDOW_S)

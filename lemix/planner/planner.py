@@ -20,7 +20,14 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from lemix.memory import dynamic_bytes, threshold_bytes
-from lemix.planner.base import PlacementPolicy, PlannerConfig, PolicyContext, Ranked
+from lemix.planner.base import (
+    PlacementPolicy,
+    PlannerConfig,
+    PolicyContext,
+    Ranked,
+    ScoreBoundedPolicy,
+)
+from lemix.planner.candidates import best_candidates
 from lemix.planner.costs import CostEstimator
 from lemix.planner.replica_sync import ReplicaSyncClock
 from lemix.planner.snapshot import (
@@ -32,7 +39,13 @@ from lemix.planner.snapshot import (
     view_from_state,
     view_to_state,
 )
-from lemix.planner.trace import NodeView, Prediction, TaskCosts, compute_idleness
+from lemix.planner.trace import (
+    NodeView,
+    Prediction,
+    TaskCosts,
+    compute_idleness,
+    response_lower_bound_s,
+)
 from lemix.profile import MemoryProfile
 from lemix.reasons import NEVER_FITS, ReasonCode, format_reason
 from lemix.types import Decision, Deferral, Placement, Rejection, Task, TaskKind, WeightSync
@@ -66,6 +79,8 @@ class Planner:
     ) -> None:
         self.config = config
         self.policy = policy
+        # Policies that can bound their score let `_candidates` skip nodes.
+        self._bounded = policy if isinstance(policy, ScoreBoundedPolicy) else None
         self.estimator = estimator
         self.views = [NodeView(i, config.num_stages) for i in range(config.num_nodes)]
         self._intake: deque[Task] = deque()
@@ -276,15 +291,53 @@ class Planner:
         # Same arithmetic as next_wakeup_s, so a wake-up at the deadline ages it.
         return now_s >= item.since_s + self.config.max_defer_s
 
-    def _candidates(self, task: Task, now_s: float, views: list[NodeView]) -> dict[int, Prediction]:
+    def _candidates(
+        self,
+        task: Task,
+        now_s: float,
+        views: list[NodeView],
+        context: PolicyContext,
+        num_needed: int,
+    ) -> dict[int, Prediction]:
+        """Predictions for the policy to rank: every node's, or (a policy that
+        bounds its score, every node up) at least the `num_needed` best's
+        (`lemix.planner.candidates`)."""
         if not self.policy.needs_prediction:
             return {}
+        if self._bounded is not None and not self._down_nodes and len(views) > num_needed:
+            predictions = best_candidates(
+                self._bounded,
+                task,
+                views,
+                context,
+                num_needed,
+                lambda view: self.estimator.costs(view, task, now_s),
+                lambda view, costs: self._response_floor_s(view, task, now_s, costs),
+                lambda view, costs: self._predict_with(view, task, now_s, costs),
+            )
+            if predictions is not None:
+                return predictions
         return {view.node_id: self._predict(view, task, now_s) for view in views}
+
+    def _response_floor_s(
+        self, view: NodeView, task: Task, now_s: float, costs: TaskCosts
+    ) -> float:
+        """A floor under `_predict_with(...).response_s` (Algorithm 1's, or the
+        sliced one when that is lower)."""
+        floor_s = response_lower_bound_s(view, task, now_s, costs)
+        if task.is_training or self.config.max_training_slice_s is None:
+            return floor_s
+        return min(floor_s, self._sliced_response_s(view, costs))
 
     def _predict(self, view: NodeView, task: Task, now_s: float) -> Prediction:
         """Algorithm 1 for `task` on `view`, with an inference response that
         knows training slices (see `_sliced_response_s`)."""
-        costs = self.estimator.costs(view, task, now_s)
+        return self._predict_with(view, task, now_s, self.estimator.costs(view, task, now_s))
+
+    def _predict_with(
+        self, view: NodeView, task: Task, now_s: float, costs: TaskCosts
+    ) -> Prediction:
+        """`_predict` with the estimator's costs of `task` on `view` given."""
         prediction = compute_idleness(
             view, task, now_s, costs, self.estimator.decode_load(view, now_s)
         )
@@ -304,7 +357,11 @@ class Planner:
         stall_s = view.num_stages * slice_s if view.training_tasks else 0.0
         return costs.start_delay_s + sum(costs.forward_s) + stall_s
 
-    def _rank(self, task: Task, now_s: float, context: PolicyContext) -> list[Ranked]:
+    def _rank(
+        self, task: Task, now_s: float, context: PolicyContext, num_needed: int = 1
+    ) -> list[Ranked]:
+        """Eligible live nodes for `task`, best first; the first `num_needed`
+        are exact, the rest may be left out (nodes that cannot be among them)."""
         views: list[NodeView] = self.views
         # SEPARATE ranks its own training nodes (the config's are inert for it).
         if (
@@ -314,7 +371,8 @@ class Planner:
         ):
             homes = set(self.config.training_node_ids)
             views = [v for v in self.views if v.node_id in homes]
-        ranked = self.policy.rank(task, views, self._candidates(task, now_s, views), context)
+        predictions = self._candidates(task, now_s, views, context, num_needed)
+        ranked = self.policy.rank(task, views, predictions, context)
         self._is_rank_empty_by_policy = not ranked
         if self._down_nodes:
             ranked = [r for r in ranked if r.node_id not in self._down_nodes]
@@ -383,10 +441,11 @@ class Planner:
         reason = self._never_fits(task)
         if reason is not None:
             return Rejection(task.task_id, reason)
-        ranked = self._rank(task, now_s, context)
+        is_checked = self.config.is_deprioritization_enabled and self.policy.needs_prediction
+        ranked = self._rank(task, now_s, context, _MAX_DEFER_CANDIDATES if is_checked else 1)
         if not ranked:
             return Rejection(task.task_id, self._no_node_reason(task))
-        if not (self.config.is_deprioritization_enabled and self.policy.needs_prediction):
+        if not is_checked:
             return self._commit(task, ranked[0], now_s)
         # The best few nodes only: the score already ranks nodes by the decode
         # slowdown this task would cause, so if those would miss, the rest would.
