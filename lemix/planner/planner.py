@@ -6,10 +6,12 @@ draws random numbers, so recording the inputs of a live run and replaying them
 yields the same decisions (the parity test relies on that).
 
 Mechanism, not policy: the policy ranks nodes; the planner runs Algorithm 1
-where the policy needs it, applies queue-level deprioritization of training
-(with aging, so training never starves and is never dropped), keeps the
-accounting, rejects what can never fit, and emits SEPARATE's weight syncs
-and the replica averages of `lemix.planner.replica_sync`.
+where the policy needs it (for a policy that bounds its score, only on the
+nodes that can still be among the best few: `lemix.planner.candidates`),
+applies queue-level deprioritization of training (with aging, so training
+never starves and is never dropped), keeps the accounting, rejects what can
+never fit, and emits SEPARATE's weight syncs and the replica averages of
+`lemix.planner.replica_sync`.
 """
 
 from __future__ import annotations
