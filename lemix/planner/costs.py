@@ -67,13 +67,16 @@ class _BatchFacts:
     """What the decode-aware estimator derives from a node's held requests.
 
     Algorithm 1 asks for these on every node for every task, but they change
-    only when the node's requests do, so they are computed once per
-    `NodeView.version` and kept in `NodeView.cached`, with the estimator that
-    made them (two estimators may look at one view).
+    only when the node's requests do: they are kept in `NodeView.cached` with
+    the estimator that made them (two estimators may look at one view), and
+    are valid at the version they were made at or while the request sums they
+    come from (`key`) are the same, so placing training keeps them, and so
+    does a copy of the view (training's what-if probe).
     """
 
     owner: DecodeAwareCostEstimator
     version: int
+    key: tuple[int, int, int, int]  # `_batch_key` of the view they were made from
     num_running: int
     sum_context: int  # KV tokens of the running requests, mid-decode on average
     step_s: tuple[float, ...]  # per stage: one decode round (`iteration_s`)
@@ -99,6 +102,18 @@ class _TrainingLoad:
 
 
 _BATCH_KEY = "decode-aware-batch"
+
+
+def _batch_key(view: NodeView) -> tuple[int, int, int, int]:
+    """Everything `_BatchFacts` is computed from (with the estimator)."""
+    return (
+        len(view.requests),
+        view.sum_request_prompt_tokens,
+        view.sum_request_output_tokens,
+        view.max_request_output_tokens,
+    )
+
+
 _LOAD_KEY = "decode-aware-training-load"
 _MAX_SHAPES = 4096  # memoized task shapes before the memo starts over
 
@@ -155,9 +170,13 @@ class DecodeAwareCostEstimator:
         return max(sum(busy) / groups, max(busy))
 
     def _batch(self, view: NodeView) -> _BatchFacts:
-        """The view's `_BatchFacts`, computed once per version."""
+        """The view's `_BatchFacts`, computed when its requests change."""
         facts = view.cached.get(_BATCH_KEY)
-        if isinstance(facts, _BatchFacts) and facts.version == view.version and facts.owner is self:
+        if (
+            isinstance(facts, _BatchFacts)
+            and facts.owner is self
+            and (facts.version == view.version or facts.key == _batch_key(view))
+        ):
             return facts
         facts = self._batch_facts(view)
         view.cached[_BATCH_KEY] = facts
@@ -168,7 +187,8 @@ class DecodeAwareCostEstimator:
         num_requests = len(view.requests)
         if num_requests == 0:
             step = (0.0,) * num_stages
-            return _BatchFacts(self, view.version, 0, 0, step, step, 0.0, 0.0, None, 0.0)
+            key = _batch_key(view)
+            return _BatchFacts(self, view.version, key, 0, 0, step, step, 0.0, 0.0, None, 0.0)
         num_running = min(num_requests, self.max_batch_size)
         # Mid-decode on average: the prompt plus half the output is cached.
         sum_context = view.sum_request_prompt_tokens + view.sum_request_output_tokens // 2
@@ -181,6 +201,7 @@ class DecodeAwareCostEstimator:
         return _BatchFacts(
             owner=self,
             version=view.version,
+            key=_batch_key(view),
             num_running=num_running,
             sum_context=sum_context,
             step_s=step,

@@ -108,8 +108,8 @@ class NodeView:
     recent_training: deque[tuple[float, float]] = field(default_factory=deque)
     recent_training_work_s: float = 0.0  # running sum over `recent_training`
     version: int = 0  # bumped on every change; estimators cache per version
-    # The estimator's derived facts, each entry carrying the version it was
-    # computed at (never copied: a copy recomputes them).
+    # The estimator's derived facts, each entry carrying what it was computed
+    # from (a version, sums): a copy keeps them, valid until it changes.
     cached: dict[str, object] = field(default_factory=dict)
     num_placed: int = 0
     num_training_updates: int = 0
@@ -234,6 +234,7 @@ class NodeView:
             sum_request_prompt_tokens=self.sum_request_prompt_tokens,
             sum_request_output_tokens=self.sum_request_output_tokens,
             max_request_output_tokens=self.max_request_output_tokens,
+            cached=dict(self.cached),  # entries are immutable: shared, not copied
         )
 
 
