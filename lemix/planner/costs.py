@@ -27,7 +27,7 @@ from typing import Protocol
 
 from lemix.latency import LatencyModel
 from lemix.planner.trace import DecodeLoad, NodeView, TaskCosts
-from lemix.types import Task
+from lemix.types import Task, TaskKind
 
 # Training placed on a node within this window sets its predicted training load.
 TRAINING_LOAD_WINDOW_S = 10.0
@@ -134,9 +134,9 @@ class DecodeAwareCostEstimator:
     # of KV then (`lemix.engine_memory`), so no request it serves waited longer
     # for KV; None: a wait without a bound.
     max_kv_wait_s: float | None = None
-    # (is_training, batch size, tokens) -> per-stage forward and backward (+
+    # (kind, batch size, tokens) -> per-stage forward and backward (+
     # optimizer step) times: a task's own costs are the same on every node.
-    _shapes: dict[tuple[bool, int, int], tuple[tuple[float, ...], tuple[float, ...]]] = field(
+    _shapes: dict[tuple[TaskKind, int, int], tuple[tuple[float, ...], tuple[float, ...]]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
@@ -150,15 +150,12 @@ class DecodeAwareCostEstimator:
     def _round(self, num_running: int, sum_context: int, num_stages: int) -> tuple[float, ...]:
         """Per-stage busy time of one decode round of `num_running` requests."""
         groups = min(self.num_micro_batches, num_running)
+        step_s = self.latency.decode_step_s
+        # (lists, not generators, into tuple(): this runs per node per task)
         if groups <= 1:
-            return tuple(
-                self.latency.decode_step_s(s, num_running, sum_context) for s in range(num_stages)
-            )
+            return tuple([step_s(s, num_running, sum_context) for s in range(num_stages)])
         per_group, per_context = -(-num_running // groups), sum_context // groups
-        return tuple(
-            groups * self.latency.decode_step_s(s, per_group, per_context)
-            for s in range(num_stages)
-        )
+        return tuple([groups * step_s(s, per_group, per_context) for s in range(num_stages)])
 
     def _period_s(self, busy: tuple[float, ...], num_running: int) -> float:
         """Time between a request's tokens, given the stages' busy time per round."""
@@ -246,13 +243,13 @@ class DecodeAwareCostEstimator:
     def _shape_s(self, task: Task, num_stages: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """`task`'s own per-stage (forward, backward + optimizer step) times;
         inference is one sequence and has no backward."""
-        key = (task.is_training, task.batch_size, task.num_prompt_tokens)
+        key = (task.kind, task.batch_size, task.num_prompt_tokens)
         hit = self._shapes.get(key)
         if hit is not None and len(hit[0]) == num_stages:
             return hit
         stages = range(num_stages)
         latency = self.latency
-        if not task.is_training:
+        if task.kind is not TaskKind.TRAINING:
             shape: tuple[tuple[float, ...], tuple[float, ...]] = (
                 tuple(latency.forward_s(s, 1, task.num_prompt_tokens) for s in stages),
                 (),
@@ -308,7 +305,7 @@ class DecodeAwareCostEstimator:
     def costs(self, view: NodeView, task: Task, now_s: float) -> TaskCosts:
         batch = self._batch(view)
         forward_s, backward_s = self._shape_s(task, view.num_stages)
-        if not task.is_training:
+        if task.kind is not TaskKind.TRAINING:
             # Prefill plus the running batch's decode step; joining happens at
             # an iteration boundary: half a period on average.
             delay_s = batch.join_delay_s
