@@ -109,6 +109,8 @@ class Planner:
         self._aged_tokens_at_s = 0.0
         self.num_deferrals = 0
         self.num_aged_releases = 0
+        # (node, version, now_s, probe lengths) -> misses, for one `plan` call
+        self._probe_memo: dict[tuple[int, int, float, int, int], bool] = {}
 
     # ------------------------------------------------------------ inputs
 
@@ -267,6 +269,7 @@ class Planner:
         if not is_blocked:
             self._deferred_eval_s = now_s
         self._is_deferred_dirty = False
+        self._probe_memo.clear()
         while self._intake:
             task = self._intake.popleft()
             if task.is_training:
@@ -493,10 +496,22 @@ class Planner:
         # Cluster-wide: it hurts only if the next request would miss on every
         # other live node too (placing `task` changes none of them).
         return all(
-            self._probe_misses(other, probe, now_s)
+            self._other_probe_misses(other, probe, now_s)
             for other in self.views
             if other.node_id != choice.node_id and other.node_id not in self._down_nodes
         )
+
+    def _other_probe_misses(self, view: NodeView, probe: Task, now_s: float) -> bool:
+        """`_probe_misses` on a live node, remembered for the `plan` call: the
+        check repeats for every candidate and every deferred task while the
+        other nodes stay as they are. A view changes its version on every
+        change but the window prune at the start of `plan` (same `now_s`)."""
+        key = (view.node_id, view.version, now_s, probe.num_prompt_tokens, probe.max_output_tokens)
+        misses = self._probe_memo.get(key)
+        if misses is None:
+            misses = self._probe_misses(view, probe, now_s)
+            self._probe_memo[key] = misses
+        return misses
 
     def _probe_misses(self, view: NodeView, probe: Task, now_s: float) -> bool:
         """Would `probe` (the next inference) miss its SLO, with headroom, on `view`?"""

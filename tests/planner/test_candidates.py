@@ -87,3 +87,30 @@ def test_paper_form_has_no_bound_and_predicts_every_node() -> None:
     task = make_request("a", 0.0)
     context = planner.context(0.0)
     assert len(planner._candidates(task, 0.0, planner.views, context, 1)) == 6
+
+
+def _decisions(planner: Planner, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    now_s, held, out = 0.0, [], []
+    for i in range(200):
+        now_s += rng.expovariate(60.0)
+        if rng.random() < 0.4:
+            task = make_training(f"t{i}", now_s, rng.randint(50, 300), rng.randint(1, 4))
+        else:
+            task = make_request(f"r{i}", now_s, rng.randint(10, 400), rng.randint(5, 80))
+        planner.submit(task, now_s)
+        decisions = planner.plan(now_s)
+        out += [repr(d) for d in decisions]
+        held += [d.task_id for d in decisions if isinstance(d, Placement)]
+        if held and rng.random() < 0.3:
+            planner.on_task_finished(held.pop(rng.randrange(len(held))), now_s)
+    return out
+
+
+def test_cluster_admission_probe_memo_changes_no_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = {"num_training_nodes": 2, "is_admission_cluster_wide": True, "slo_ttft_s": 0.3}
+    memo = _decisions(make_planner("lemix", num_nodes=6, **config), seed=3)
+    unmemoized = make_planner("lemix", num_nodes=6, **config)
+    monkeypatch.setattr(unmemoized, "_other_probe_misses", unmemoized._probe_misses)
+    assert _decisions(unmemoized, seed=3) == memo
+    assert any("Deferral" in d for d in memo)  # the admission check ran and said no
