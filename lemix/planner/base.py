@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from lemix.planner.trace import NodeView, Prediction
 from lemix.types import Task
@@ -113,7 +113,8 @@ class PlannerConfig:
         return self.max_batch_size
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen, as `lemix.planner.trace.TaskCosts` is not (built per node per task).
+@dataclass(slots=True)
 class Ranked:
     """One candidate node with its score (higher is better)."""
 
@@ -168,4 +169,33 @@ class PlacementPolicy(Protocol):
 
     def restore_state(self, state: Mapping[str, Any]) -> None:
         """Take over what `snapshot_state` returned (planner restarts)."""
+        ...
+
+
+@runtime_checkable
+class ScoreBoundedPolicy(Protocol):
+    """A policy whose `rank` orders nodes by a per-node score it can also bound
+    from cheap facts. The planner then runs Algorithm 1 only on the nodes whose
+    bound can still reach the best few (an exact early exit, never a
+    heuristic: the nodes it skips cannot be among those it returns first)."""
+
+    def score(
+        self, task: Task, view: NodeView, prediction: Prediction, context: PolicyContext
+    ) -> float:
+        """The score `rank` gives `task` on `view` (higher is better); `rank`
+        orders by (-score, node id) and depends on no other node."""
+        ...
+
+    def score_upper_bound(
+        self,
+        task: Task,
+        view: NodeView,
+        response_lower_s: float,
+        time_between_tokens_s: float,
+        context: PolicyContext,
+    ) -> float | None:
+        """A float no smaller than `score` for any prediction of `task` on
+        `view` whose response is >= `response_lower_s` and whose TBT is
+        `time_between_tokens_s`, in floating point, not only in exact
+        arithmetic; None: no such bound (the planner predicts every node)."""
         ...

@@ -21,12 +21,13 @@ Two estimators share one interface:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from operator import add
 from typing import Protocol
 
 from lemix.latency import LatencyModel
 from lemix.planner.trace import DecodeLoad, NodeView, TaskCosts
-from lemix.types import Task
+from lemix.types import Task, TaskKind
 
 # Training placed on a node within this window sets its predicted training load.
 TRAINING_LOAD_WINDOW_S = 10.0
@@ -61,6 +62,62 @@ class PaperCostEstimator:
         return None
 
 
+@dataclass(slots=True)  # not frozen: a frozen __init__ is ~5x slower
+class _BatchFacts:
+    """What the decode-aware estimator derives from a node's held requests.
+
+    Algorithm 1 asks for these on every node for every task, but they change
+    only when the node's requests do: they are kept in `NodeView.cached` with
+    the estimator that made them (two estimators may look at one view), and
+    are valid at the version they were made at or while the request sums they
+    come from (`key`) are the same, so placing training keeps them, and so
+    does a copy of the view (training's what-if probe).
+    """
+
+    owner: DecodeAwareCostEstimator
+    version: int
+    key: tuple[int, int, int, int]  # `_batch_key` of the view they were made from
+    num_running: int
+    sum_context: int  # KV tokens of the running requests, mid-decode on average
+    step_s: tuple[float, ...]  # per stage: one decode round (`iteration_s`)
+    half_step_s: tuple[float, ...]  # 0.5 × step_s: the decode item a training item waits out
+    period_s: float  # time between tokens of the batch as it is
+    join_delay_s: float  # half a period (iteration boundary) + the slot/KV wait
+    decode_busy_fraction: tuple[float, ...] | None  # per stage; None: no decode load
+    drain_s: float  # until the longest request drains: max remaining × period
+
+
+@dataclass(slots=True)  # not frozen: a frozen __init__ is ~5x slower
+class _TrainingLoad:
+    """`NodeView.training_load` at one `now_s`, with what follows from it (it
+    changes with the version and with time: old placements leave the window)."""
+
+    owner: DecodeAwareCostEstimator
+    version: int
+    now_s: float
+    busy_fraction: float
+    mean_item_s: float
+    num_items: int  # forwards and backwards in the window (2 per placement)
+    stall_term_s: float  # S · min(u, 1) · stall: the training part of a joiner's TBT
+
+
+_BATCH_KEY = "decode-aware-batch"
+
+
+def _batch_key(view: NodeView) -> tuple[int, int, int, int]:
+    """Everything `_BatchFacts` is computed from (with the estimator)."""
+    return (
+        len(view.requests),
+        view.sum_request_prompt_tokens,
+        view.sum_request_output_tokens,
+        view.max_request_output_tokens,
+    )
+
+
+_LOAD_KEY = "decode-aware-training-load"
+_MAX_SHAPES = 4096  # memoized task shapes before the memo starts over
+
+
 @dataclass(frozen=True)
 class DecodeAwareCostEstimator:
     """Ours: prefill + decode occupancy + slot and KV-memory waits."""
@@ -77,6 +134,11 @@ class DecodeAwareCostEstimator:
     # of KV then (`lemix.engine_memory`), so no request it serves waited longer
     # for KV; None: a wait without a bound.
     max_kv_wait_s: float | None = None
+    # (kind, batch size, tokens) -> per-stage forward and backward (+
+    # optimizer step) times: a task's own costs are the same on every node.
+    _shapes: dict[tuple[TaskKind, int, int], tuple[tuple[float, ...], tuple[float, ...]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def _training_stall_s(self, mean_item_s: float) -> float:
         """What an inference iteration waits behind a training item it finds
@@ -88,15 +150,12 @@ class DecodeAwareCostEstimator:
     def _round(self, num_running: int, sum_context: int, num_stages: int) -> tuple[float, ...]:
         """Per-stage busy time of one decode round of `num_running` requests."""
         groups = min(self.num_micro_batches, num_running)
+        step_s = self.latency.decode_step_s
+        # (lists, not generators, into tuple(): this runs per node per task)
         if groups <= 1:
-            return tuple(
-                self.latency.decode_step_s(s, num_running, sum_context) for s in range(num_stages)
-            )
+            return tuple([step_s(s, num_running, sum_context) for s in range(num_stages)])
         per_group, per_context = -(-num_running // groups), sum_context // groups
-        return tuple(
-            groups * self.latency.decode_step_s(s, per_group, per_context)
-            for s in range(num_stages)
-        )
+        return tuple([groups * step_s(s, per_group, per_context) for s in range(num_stages)])
 
     def _period_s(self, busy: tuple[float, ...], num_running: int) -> float:
         """Time between a request's tokens, given the stages' busy time per round."""
@@ -107,39 +166,117 @@ class DecodeAwareCostEstimator:
         # busiest stage working through all groups once.
         return max(sum(busy) / groups, max(busy))
 
-    def _batch_state(self, view: NodeView) -> tuple[int, int, int, float]:
-        """(running, sum_context, max_remaining, mean_output) of the held requests."""
+    def _batch(self, view: NodeView) -> _BatchFacts:
+        """The view's `_BatchFacts`, computed when its requests change."""
+        facts = view.cached.get(_BATCH_KEY)
+        if (
+            isinstance(facts, _BatchFacts)
+            and facts.owner is self
+            and (facts.version == view.version or facts.key == _batch_key(view))
+        ):
+            return facts
+        facts = self._batch_facts(view)
+        view.cached[_BATCH_KEY] = facts
+        return facts
+
+    def _batch_facts(self, view: NodeView) -> _BatchFacts:
+        num_stages = view.num_stages
         num_requests = len(view.requests)
         if num_requests == 0:
-            return 0, 0, 0, 0.0
+            step = (0.0,) * num_stages
+            key = _batch_key(view)
+            return _BatchFacts(self, view.version, key, 0, 0, step, step, 0.0, 0.0, None, 0.0)
         num_running = min(num_requests, self.max_batch_size)
         # Mid-decode on average: the prompt plus half the output is cached.
         sum_context = view.sum_request_prompt_tokens + view.sum_request_output_tokens // 2
         sum_context = sum_context * num_running // num_requests
         mean_output = view.sum_request_output_tokens / num_requests
-        return num_running, sum_context, view.max_request_output_tokens, mean_output
+        step = self._round(num_running, sum_context, num_stages)
+        period_s = self._period_s(step, num_running)
+        join_delay_s = 0.5 * period_s + self._slot_wait_s(view, period_s, mean_output)
+        busy = tuple(x / period_s for x in step) if period_s > 0 else None
+        return _BatchFacts(
+            owner=self,
+            version=view.version,
+            key=_batch_key(view),
+            num_running=num_running,
+            sum_context=sum_context,
+            step_s=step,
+            half_step_s=tuple(0.5 * x for x in step),
+            period_s=period_s,
+            join_delay_s=join_delay_s,
+            decode_busy_fraction=busy,
+            drain_s=view.max_request_output_tokens * period_s,
+        )
+
+    def _training_load(self, view: NodeView, now_s: float) -> _TrainingLoad:
+        """`view.training_load(now_s)`, recomputed only when the version changed
+        or the window would drop a placement: otherwise that call would prune
+        nothing and return what it did last time."""
+        load = view.cached.get(_LOAD_KEY)
+        if (
+            isinstance(load, _TrainingLoad)
+            and load.version == view.version
+            and load.owner is self
+            and (
+                load.now_s == now_s
+                # the prune's own test: nothing placed before the window
+                or not view.recent_training
+                or not view.recent_training[0][0] < now_s - TRAINING_LOAD_WINDOW_S
+            )
+        ):
+            return load
+        busy_fraction, mean_item_s = view.training_load(now_s, TRAINING_LOAD_WINDOW_S)
+        stall_s = self._training_stall_s(mean_item_s)
+        load = _TrainingLoad(
+            owner=self,
+            version=view.version,
+            now_s=now_s,
+            busy_fraction=busy_fraction,
+            mean_item_s=mean_item_s,
+            num_items=2 * len(view.recent_training),
+            stall_term_s=view.num_stages * min(busy_fraction, 1.0) * stall_s,
+        )
+        view.cached[_LOAD_KEY] = load
+        return load
+
+    def _shape_s(self, task: Task, num_stages: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """`task`'s own per-stage (forward, backward + optimizer step) times;
+        inference is one sequence and has no backward."""
+        key = (task.kind, task.batch_size, task.num_prompt_tokens)
+        hit = self._shapes.get(key)
+        if hit is not None and len(hit[0]) == num_stages:
+            return hit
+        stages = range(num_stages)
+        latency = self.latency
+        if task.kind is not TaskKind.TRAINING:
+            shape: tuple[tuple[float, ...], tuple[float, ...]] = (
+                tuple(latency.forward_s(s, 1, task.num_prompt_tokens) for s in stages),
+                (),
+            )
+        else:
+            batch_size, num_tokens = task.batch_size, task.num_prompt_tokens
+            shape = (
+                tuple(latency.forward_s(s, batch_size, num_tokens) for s in stages),
+                tuple(
+                    latency.backward_s(s, batch_size, num_tokens) + self.optimizer_step_s[s]
+                    for s in stages
+                ),
+            )
+        if len(self._shapes) >= _MAX_SHAPES:
+            self._shapes.clear()
+        self._shapes[key] = shape
+        return shape
 
     def iteration_s(self, view: NodeView) -> tuple[float, ...]:
         """Per-stage time of one decode iteration of the node's running batch."""
-        hit = view.cached.get("iteration_s")
-        if hit is not None and hit[0] == view.version:
-            return hit[1]  # type: ignore[return-value]
-        num_running, sum_context, _, _ = self._batch_state(view)
-        if num_running == 0:
-            step = (0.0,) * view.num_stages
-        else:
-            step = self._round(num_running, sum_context, view.num_stages)
-        view.cached["iteration_s"] = (view.version, step)
-        return step
+        return self._batch(view).step_s
 
     def period_s(self, view: NodeView) -> float:
         """Time between tokens of the node's running batch as it is."""
-        num_running = min(len(view.requests), self.max_batch_size)
-        return self._period_s(self.iteration_s(view), num_running)
+        return self._batch(view).period_s
 
-    def _slot_wait_s(
-        self, view: NodeView, task: Task, period_s: float, mean_output: float
-    ) -> float:
+    def _slot_wait_s(self, view: NodeView, period_s: float, mean_output: float) -> float:
         """Expected wait for a free batch slot (and KV room when memory-aware).
 
         The wait for KV is at most `max_kv_wait_s`: past it the engine fails
@@ -166,47 +303,39 @@ class DecodeAwareCostEstimator:
         return max(slot_wait_s, kv_wait_s)
 
     def costs(self, view: NodeView, task: Task, now_s: float) -> TaskCosts:
-        stages = range(view.num_stages)
-        step = self.iteration_s(view)
-        period_s = self.period_s(view)
-        if not task.is_training:
-            _, _, _, mean_output = self._batch_state(view)
-            forward = tuple(
-                self.latency.forward_s(s, 1, task.num_prompt_tokens) + step[s] for s in stages
-            )
-            # Joining happens at an iteration boundary: half a period on average.
-            delay_s = 0.5 * period_s + self._slot_wait_s(view, task, period_s, mean_output)
+        batch = self._batch(view)
+        forward_s, backward_s = self._shape_s(task, view.num_stages)
+        if task.kind is not TaskKind.TRAINING:
+            # Prefill plus the running batch's decode step; joining happens at
+            # an iteration boundary: half a period on average.
+            delay_s = batch.join_delay_s
             budget = self.prefill_token_budget
             if budget is not None and task.num_prompt_tokens > budget:
                 # The chunks before the last ride one iteration each.
-                delay_s += (-(-task.num_prompt_tokens // budget) - 1) * period_s
+                delay_s += (-(-task.num_prompt_tokens // budget) - 1) * batch.period_s
             return TaskCosts(
-                forward_s=forward,
-                start_delay_s=delay_s,
-                time_between_tokens_s=self._tbt_after_join_s(view, task, now_s),
+                tuple(map(add, forward_s, batch.step_s)),
+                (),
+                delay_s,
+                self._tbt_after_join_s(view, batch, task, now_s),
             )
         # Inference goes first at each stage, so a training item waits out the
         # decode item in progress: half a step on average.
-        forward = tuple(
-            self.latency.forward_s(s, task.batch_size, task.num_prompt_tokens) + 0.5 * step[s]
-            for s in stages
-        )
-        backward = tuple(
-            self.latency.backward_s(s, task.batch_size, task.num_prompt_tokens)
-            + self.optimizer_step_s[s]
-            + 0.5 * step[s]
-            for s in stages
-        )
+        forward = tuple(map(add, forward_s, batch.half_step_s))
+        backward = tuple(map(add, backward_s, batch.half_step_s))
         # What the node's running batch would see per token with this task
         # added to its training load: placement steers training to idle time.
-        work_s = max(f + b for f, b in zip(forward, backward, strict=True))
+        work_s = max(map(add, forward, backward))
         return TaskCosts(
-            forward_s=forward,
-            backward_s=backward,
-            time_between_tokens_s=self._batch_tbt_with_training_s(view, now_s, work_s),
+            forward,
+            backward,
+            0.0,
+            self._batch_tbt_with_training_s(view, batch, now_s, work_s),
         )
 
-    def _tbt_after_join_s(self, view: NodeView, task: Task, now_s: float) -> float:
+    def _tbt_after_join_s(
+        self, view: NodeView, batch: _BatchFacts, task: Task, now_s: float
+    ) -> float:
         """Predicted time between tokens for `task` once it joins the batch.
 
         The batch's decode period with the request added, plus training
@@ -217,37 +346,28 @@ class DecodeAwareCostEstimator:
         busy fraction u (from the node's recent training placements) and mean
         item length w, that is S·min(u, 1)·w per token.
         """
-        num_running, sum_context, _, _ = self._batch_state(view)
-        num_after = min(num_running + 1, self.max_batch_size)
-        context_after = sum_context + task.num_prompt_tokens + task.max_output_tokens // 2
+        num_after = min(batch.num_running + 1, self.max_batch_size)
+        context_after = batch.sum_context + task.num_prompt_tokens + task.max_output_tokens // 2
         period_s = self._period_s(self._round(num_after, context_after, view.num_stages), num_after)
-        busy_fraction, mean_item_s = view.training_load(now_s, TRAINING_LOAD_WINDOW_S)
-        stall_s = self._training_stall_s(mean_item_s)
-        return period_s + view.num_stages * min(busy_fraction, 1.0) * stall_s
+        return period_s + self._training_load(view, now_s).stall_term_s
 
-    def _batch_tbt_with_training_s(self, view: NodeView, now_s: float, work_s: float) -> float:
+    def _batch_tbt_with_training_s(
+        self, view: NodeView, batch: _BatchFacts, now_s: float, work_s: float
+    ) -> float:
         """The running batch's time between tokens if training of `work_s` joins the
         node's recent training load (0 when nothing is decoding there)."""
         if not view.requests:
             return 0.0
-        period_s = self.period_s(view)
-        busy_fraction, mean_item_s = view.training_load(now_s, TRAINING_LOAD_WINDOW_S)
-        num_items = 2 * len(view.recent_training)
-        mean_item_s = (mean_item_s * num_items + work_s) / (num_items + 2)
-        busy_fraction += work_s / TRAINING_LOAD_WINDOW_S
+        load = self._training_load(view, now_s)
+        num_items = load.num_items
+        mean_item_s = (load.mean_item_s * num_items + work_s) / (num_items + 2)
+        busy_fraction = load.busy_fraction + work_s / TRAINING_LOAD_WINDOW_S
         stall_s = self._training_stall_s(mean_item_s)
-        return period_s + view.num_stages * min(busy_fraction, 1.0) * stall_s
+        return batch.period_s + view.num_stages * min(busy_fraction, 1.0) * stall_s
 
     def decode_load(self, view: NodeView, now_s: float) -> DecodeLoad | None:
-        num_running, _, max_remaining, _ = self._batch_state(view)
-        if num_running == 0:
-            return None
-        step = self.iteration_s(view)
-        period_s = self.period_s(view)
-        if period_s <= 0:
-            return None
+        batch = self._batch(view)
+        if batch.decode_busy_fraction is None:
+            return None  # nothing decoding (or a zero-cost decode step)
         # Until the longest request drains (at most max_remaining iterations).
-        return DecodeLoad(
-            busy_fraction=tuple(x / period_s for x in step),
-            until_s=now_s + max_remaining * period_s,
-        )
+        return DecodeLoad(busy_fraction=batch.decode_busy_fraction, until_s=now_s + batch.drain_s)

@@ -6,10 +6,12 @@ draws random numbers, so recording the inputs of a live run and replaying them
 yields the same decisions (the parity test relies on that).
 
 Mechanism, not policy: the policy ranks nodes; the planner runs Algorithm 1
-where the policy needs it, applies queue-level deprioritization of training
-(with aging, so training never starves and is never dropped), keeps the
-accounting, rejects what can never fit, and emits SEPARATE's weight syncs
-and the replica averages of `lemix.planner.replica_sync`.
+where the policy needs it (for a policy that bounds its score, only on the
+nodes that can still be among the best few: `lemix.planner.candidates`),
+applies queue-level deprioritization of training (with aging, so training
+never starves and is never dropped), keeps the accounting, rejects what can
+never fit, and emits SEPARATE's weight syncs and the replica averages of
+`lemix.planner.replica_sync`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from lemix.memory import dynamic_bytes, threshold_bytes
-from lemix.planner.base import PlacementPolicy, PlannerConfig, PolicyContext, Ranked
+from lemix.planner.base import (
+    PlacementPolicy,
+    PlannerConfig,
+    PolicyContext,
+    Ranked,
+    ScoreBoundedPolicy,
+)
+from lemix.planner.candidates import best_candidates
 from lemix.planner.costs import CostEstimator
 from lemix.planner.replica_sync import ReplicaSyncClock
 from lemix.planner.snapshot import (
@@ -32,7 +41,13 @@ from lemix.planner.snapshot import (
     view_from_state,
     view_to_state,
 )
-from lemix.planner.trace import NodeView, Prediction, TaskCosts, compute_idleness
+from lemix.planner.trace import (
+    NodeView,
+    Prediction,
+    TaskCosts,
+    compute_idleness,
+    response_lower_bound_s,
+)
 from lemix.profile import MemoryProfile
 from lemix.reasons import NEVER_FITS, ReasonCode, format_reason
 from lemix.types import Decision, Deferral, Placement, Rejection, Task, TaskKind, WeightSync
@@ -66,6 +81,8 @@ class Planner:
     ) -> None:
         self.config = config
         self.policy = policy
+        # Policies that can bound their score let `_candidates` skip nodes.
+        self._bounded = policy if isinstance(policy, ScoreBoundedPolicy) else None
         self.estimator = estimator
         self.views = [NodeView(i, config.num_stages) for i in range(config.num_nodes)]
         self._intake: deque[Task] = deque()
@@ -92,6 +109,8 @@ class Planner:
         self._aged_tokens_at_s = 0.0
         self.num_deferrals = 0
         self.num_aged_releases = 0
+        # (node, version, now_s, probe lengths) -> misses, for one `plan` call
+        self._probe_memo: dict[tuple[int, int, float, int, int], bool] = {}
 
     # ------------------------------------------------------------ inputs
 
@@ -234,7 +253,8 @@ class Planner:
     def plan(self, now_s: float) -> list[Decision]:
         """Place what can be placed now: inference first, then training in order."""
         for view in self.views:
-            view.prune(now_s)
+            if view.windows:  # most nodes have none: skip the call
+                view.prune(now_s)
         decisions: list[Decision] = []
         context = self.context(now_s)
         # Re-evaluating deferred training is the planner's costliest step. New
@@ -249,6 +269,7 @@ class Planner:
         if not is_blocked:
             self._deferred_eval_s = now_s
         self._is_deferred_dirty = False
+        self._probe_memo.clear()
         while self._intake:
             task = self._intake.popleft()
             if task.is_training:
@@ -275,22 +296,62 @@ class Planner:
         # Same arithmetic as next_wakeup_s, so a wake-up at the deadline ages it.
         return now_s >= item.since_s + self.config.max_defer_s
 
-    def _candidates(self, task: Task, now_s: float, views: list[NodeView]) -> dict[int, Prediction]:
+    def _candidates(
+        self,
+        task: Task,
+        now_s: float,
+        views: list[NodeView],
+        context: PolicyContext,
+        num_needed: int,
+    ) -> dict[int, Prediction]:
+        """Predictions for the policy to rank: every node's, or (a policy that
+        bounds its score, every node up) at least the `num_needed` best's
+        (`lemix.planner.candidates`)."""
         if not self.policy.needs_prediction:
             return {}
+        if self._bounded is not None and not self._down_nodes and len(views) > num_needed:
+            predictions = best_candidates(
+                self._bounded,
+                task,
+                views,
+                context,
+                num_needed,
+                lambda view: self.estimator.costs(view, task, now_s),
+                lambda view, costs: self._response_floor_s(view, task, now_s, costs),
+                lambda view, costs: self._predict_with(view, task, now_s, costs),
+            )
+            if predictions is not None:
+                return predictions
         return {view.node_id: self._predict(view, task, now_s) for view in views}
+
+    def _response_floor_s(
+        self, view: NodeView, task: Task, now_s: float, costs: TaskCosts
+    ) -> float:
+        """A floor under `_predict_with(...).response_s` (Algorithm 1's, or the
+        sliced one when that is lower)."""
+        floor_s = response_lower_bound_s(view, task, now_s, costs)
+        if task.is_training or self.config.max_training_slice_s is None:
+            return floor_s
+        return min(floor_s, self._sliced_response_s(view, costs))
 
     def _predict(self, view: NodeView, task: Task, now_s: float) -> Prediction:
         """Algorithm 1 for `task` on `view`, with an inference response that
         knows training slices (see `_sliced_response_s`)."""
-        costs = self.estimator.costs(view, task, now_s)
+        return self._predict_with(view, task, now_s, self.estimator.costs(view, task, now_s))
+
+    def _predict_with(
+        self, view: NodeView, task: Task, now_s: float, costs: TaskCosts
+    ) -> Prediction:
+        """`_predict` with the estimator's costs of `task` on `view` given."""
         prediction = compute_idleness(
             view, task, now_s, costs, self.estimator.decode_load(view, now_s)
         )
         if task.is_training or self.config.max_training_slice_s is None:
             return prediction
-        response_s = min(prediction.response_s, self._sliced_response_s(view, costs))
-        return replace(prediction, response_s=response_s)
+        sliced_s = self._sliced_response_s(view, costs)
+        if not sliced_s < prediction.response_s:
+            return prediction  # the min would keep it: no copy
+        return replace(prediction, response_s=sliced_s)
 
     def _sliced_response_s(self, view: NodeView, costs: TaskCosts) -> float:
         """An inference's response when training runs in slices: inference goes
@@ -301,7 +362,11 @@ class Planner:
         stall_s = view.num_stages * slice_s if view.training_tasks else 0.0
         return costs.start_delay_s + sum(costs.forward_s) + stall_s
 
-    def _rank(self, task: Task, now_s: float, context: PolicyContext) -> list[Ranked]:
+    def _rank(
+        self, task: Task, now_s: float, context: PolicyContext, num_needed: int = 1
+    ) -> list[Ranked]:
+        """Eligible live nodes for `task`, best first; the first `num_needed`
+        are exact, the rest may be left out (nodes that cannot be among them)."""
         views: list[NodeView] = self.views
         # SEPARATE ranks its own training nodes (the config's are inert for it).
         if (
@@ -311,7 +376,8 @@ class Planner:
         ):
             homes = set(self.config.training_node_ids)
             views = [v for v in self.views if v.node_id in homes]
-        ranked = self.policy.rank(task, views, self._candidates(task, now_s, views), context)
+        predictions = self._candidates(task, now_s, views, context, num_needed)
+        ranked = self.policy.rank(task, views, predictions, context)
         self._is_rank_empty_by_policy = not ranked
         if self._down_nodes:
             ranked = [r for r in ranked if r.node_id not in self._down_nodes]
@@ -380,10 +446,11 @@ class Planner:
         reason = self._never_fits(task)
         if reason is not None:
             return Rejection(task.task_id, reason)
-        ranked = self._rank(task, now_s, context)
+        is_checked = self.config.is_deprioritization_enabled and self.policy.needs_prediction
+        ranked = self._rank(task, now_s, context, _MAX_DEFER_CANDIDATES if is_checked else 1)
         if not ranked:
             return Rejection(task.task_id, self._no_node_reason(task))
-        if not (self.config.is_deprioritization_enabled and self.policy.needs_prediction):
+        if not is_checked:
             return self._commit(task, ranked[0], now_s)
         # The best few nodes only: the score already ranks nodes by the decode
         # slowdown this task would cause, so if those would miss, the rest would.
@@ -429,10 +496,22 @@ class Planner:
         # Cluster-wide: it hurts only if the next request would miss on every
         # other live node too (placing `task` changes none of them).
         return all(
-            self._probe_misses(other, probe, now_s)
+            self._other_probe_misses(other, probe, now_s)
             for other in self.views
             if other.node_id != choice.node_id and other.node_id not in self._down_nodes
         )
+
+    def _other_probe_misses(self, view: NodeView, probe: Task, now_s: float) -> bool:
+        """`_probe_misses` on a live node, remembered for the `plan` call: the
+        check repeats for every candidate and every deferred task while the
+        other nodes stay as they are. A view changes its version on every
+        change but the window prune at the start of `plan` (same `now_s`)."""
+        key = (view.node_id, view.version, now_s, probe.num_prompt_tokens, probe.max_output_tokens)
+        misses = self._probe_memo.get(key)
+        if misses is None:
+            misses = self._probe_misses(view, probe, now_s)
+            self._probe_memo[key] = misses
+        return misses
 
     def _probe_misses(self, view: NodeView, probe: Task, now_s: float) -> bool:
         """Would `probe` (the next inference) miss its SLO, with headroom, on `view`?"""
@@ -447,7 +526,7 @@ class Planner:
 
     def _memory_fraction(self, view: NodeView) -> float:
         kv = view.sum_request_prompt_tokens + view.sum_request_output_tokens
-        act = sum(view.training_tasks.values())
+        act = view.sum_training_tokens
         used = kv * self._kv_bytes_per_token + act * self._act_bytes_per_token
         return used / self._dynamic_bytes
 

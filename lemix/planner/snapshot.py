@@ -135,7 +135,8 @@ def window_from_state(state: Mapping[str, Any]) -> TrainWindow:
 
 def view_to_state(view: NodeView) -> State:
     """Every field of a `NodeView` but its estimator cache (rebuilt on demand:
-    its entries are keyed by `version`, which is kept)."""
+    its entries are keyed by `version`, which is kept) and
+    `sum_training_tokens` (a sum over `training_tasks`)."""
     return {
         "node_id": view.node_id,
         "num_stages": view.num_stages,
@@ -165,6 +166,7 @@ def view_to_state(view: NodeView) -> State:
 
 def view_from_state(state: Mapping[str, Any]) -> NodeView:
     last_arrival = state["last_arrival_s"]
+    training_tasks = {str(t): int(n) for t, n in state["training_tasks"].items()}
     return NodeView(
         node_id=int(state["node_id"]),
         num_stages=int(state["num_stages"]),
@@ -177,7 +179,8 @@ def view_from_state(state: Mapping[str, Any]) -> NodeView:
         requests={
             str(t): OutstandingRequest(int(p), int(o)) for t, (p, o) in state["requests"].items()
         },
-        training_tasks={str(t): int(n) for t, n in state["training_tasks"].items()},
+        training_tasks=training_tasks,
+        sum_training_tokens=sum(training_tasks.values()),  # derived, not stored
         training_work_s={str(t): float(w) for t, w in state["training_work_s"].items()},
         sum_training_work_s=float(state["sum_training_work_s"]),
         recent_training=deque((float(p), float(w)) for p, w in state["recent_training"]),

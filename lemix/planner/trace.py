@@ -29,7 +29,9 @@ class TrainWindow:
     backward_s: tuple[float, ...]  # busy time per stage (the offset rule)
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen (treat as read-only): one is built per node per task, and a frozen
+# dataclass's __init__ (object.__setattr__ per field) costs ~5x a plain one's.
+@dataclass(slots=True)
 class TaskCosts:
     """Predicted per-stage costs of one task on one node.
 
@@ -45,7 +47,8 @@ class TaskCosts:
     time_between_tokens_s: float = 0.0  # inference: predicted TBT on this node (0 = unknown)
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen, as TaskCosts is not (built per node per task).
+@dataclass(slots=True)
 class DecodeLoad:
     """Occupancy of the node's running decode batch, as the planner predicts it.
 
@@ -57,7 +60,8 @@ class DecodeLoad:
     until_s: float
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen, as TaskCosts is not (built per node per task).
+@dataclass(slots=True)
 class Prediction:
     """Algorithm 1's output for one (task, node) pair."""
 
@@ -95,6 +99,7 @@ class NodeView:
     length_m2: float = 0.0
     requests: dict[str, OutstandingRequest] = field(default_factory=dict)
     training_tasks: dict[str, int] = field(default_factory=dict)  # id -> activation tokens
+    sum_training_tokens: int = 0  # over `training_tasks`, kept incrementally (memory use)
     # id -> predicted busiest-stage work (forward + backward) of each held training task
     training_work_s: dict[str, float] = field(default_factory=dict)
     sum_training_work_s: float = 0.0
@@ -103,7 +108,9 @@ class NodeView:
     recent_training: deque[tuple[float, float]] = field(default_factory=deque)
     recent_training_work_s: float = 0.0  # running sum over `recent_training`
     version: int = 0  # bumped on every change; estimators cache per version
-    cached: dict[str, tuple[int, object]] = field(default_factory=dict)
+    # The estimator's derived facts, each entry carrying what it was computed
+    # from (a version, sums): a copy keeps them, valid until it changes.
+    cached: dict[str, object] = field(default_factory=dict)
     num_placed: int = 0
     num_training_updates: int = 0
     # Aggregates over `requests`, kept incrementally: Algorithm 1 runs on every
@@ -157,7 +164,9 @@ class NodeView:
         self.length_m2 += delta * (task.num_prompt_tokens - self.length_mean)
         self.num_placed += 1
         if task.is_training:
-            self.training_tasks[task.task_id] = task.batch_size * task.num_prompt_tokens
+            num_tokens = task.batch_size * task.num_prompt_tokens
+            self.sum_training_tokens += num_tokens - self.training_tasks.get(task.task_id, 0)
+            self.training_tasks[task.task_id] = num_tokens
             work_s = _busiest_stage_work_s(prediction)
             self.training_work_s[task.task_id] = work_s
             self.sum_training_work_s += work_s
@@ -184,7 +193,9 @@ class NodeView:
                 self.max_request_output_tokens = max(
                     (r.max_output_tokens for r in self.requests.values()), default=0
                 )
-        if self.training_tasks.pop(task_id, None) is not None:
+        num_tokens = self.training_tasks.pop(task_id, None)
+        if num_tokens is not None:
+            self.sum_training_tokens -= num_tokens
             self.sum_training_work_s -= self.training_work_s.pop(task_id, 0.0)
             if not self.training_tasks:
                 self.sum_training_work_s = 0.0  # no float residue once empty
@@ -212,6 +223,7 @@ class NodeView:
             length_m2=self.length_m2,
             requests=self.requests if share_requests else dict(self.requests),
             training_tasks=dict(self.training_tasks),
+            sum_training_tokens=self.sum_training_tokens,
             training_work_s=dict(self.training_work_s),
             sum_training_work_s=self.sum_training_work_s,
             recent_training=deque(self.recent_training),
@@ -222,6 +234,7 @@ class NodeView:
             sum_request_prompt_tokens=self.sum_request_prompt_tokens,
             sum_request_output_tokens=self.sum_request_output_tokens,
             max_request_output_tokens=self.max_request_output_tokens,
+            cached=dict(self.cached),  # entries are immutable: shared, not copied
         )
 
 
@@ -305,9 +318,12 @@ def compute_idleness(
         # Busy time in the gap [pfe_s, fb_s] is not idleness: every pending
         # backward's overlap with the gap (also windows passed at earlier
         # stages, which the prototype's offset missed) and decode iterations.
-        offset_s = _backward_overlap_s(windows, stage, prev_end_s, begin_s)
-        offset_s += _busy_overlap_s(decode, stage, prev_end_s, begin_s, now_s)
-        idleness_s += max(begin_s - prev_end_s - offset_s, 0.0)
+        # Without a gap there is no idleness to add (and no overlap to find):
+        # on a loaded node that is most stages, and they skip the overlap sums.
+        if begin_s > prev_end_s:
+            offset_s = _backward_overlap_s(windows, stage, prev_end_s, begin_s)
+            offset_s += _busy_overlap_s(decode, stage, prev_end_s, begin_s, now_s)
+            idleness_s += max(begin_s - prev_end_s - offset_s, 0.0)
         begins.append(begin_s)
         ends.append(end_s)
         begin_s = end_s  # the next stage needs this stage's output
@@ -315,17 +331,37 @@ def compute_idleness(
         _backward_chain(task.task_id, ends[-1], costs.backward_s) if costs.backward_s else None
     )
     gap_s = 0.0 if view.last_arrival_s is None else max(arrival_s - view.last_arrival_s, 0.0)
-    return Prediction(
-        node_id=view.node_id,
-        idleness_increase_s=idleness_s,
-        response_s=ends[-1] - arrival_s,
-        arrival_gap_s=gap_s,
-        forward_begin_s=tuple(begins),
-        forward_end_s=tuple(ends),
-        window=window_out,
-        num_passed_windows=num_passed,
-        time_between_tokens_s=costs.time_between_tokens_s,
+    return Prediction(  # positional: this runs for every node for every task
+        view.node_id,
+        idleness_s,  # idleness_increase_s
+        ends[-1] - arrival_s,  # response_s
+        gap_s,  # arrival_gap_s
+        tuple(begins),
+        tuple(ends),
+        window_out,
+        num_passed,
+        costs.time_between_tokens_s,
     )
+
+
+def response_lower_bound_s(view: NodeView, task: Task, now_s: float, costs: TaskCosts) -> float:
+    """A floor under `compute_idleness(view, task, now_s, costs).response_s`.
+
+    The same float operations along the immediate dependencies only: the far
+    ones (backward windows) can only delay a forward, and each step (a max, an
+    addition) is monotone after rounding too, so the floor holds exactly. With
+    no pending windows it is the response itself.
+    """
+    arrival_s = task.arrival_s
+    begin_s = max(arrival_s, now_s) + costs.start_delay_s
+    is_empty = view.last_arrival_s is None
+    forward_end_s = view.forward_end_s
+    for stage, duration_s in enumerate(costs.forward_s):
+        prev_end_s = arrival_s if is_empty else forward_end_s[stage]
+        if prev_end_s > begin_s:
+            begin_s = prev_end_s
+        begin_s = begin_s + duration_s  # this stage's end: the next one's earliest begin
+    return begin_s - arrival_s
 
 
 def _backward_chain(

@@ -34,7 +34,7 @@ class LemixPolicy:
         if self.form not in ("paper", "normalized"):
             raise ValueError(f"unknown score form {self.form!r}")
 
-    def _score(self, task: Task, view: NodeView, pred: Prediction, context: PolicyContext) -> float:
+    def score(self, task: Task, view: NodeView, pred: Prediction, context: PolicyContext) -> float:
         config = context.config
         ip = idleness_profit(
             pred.idleness_increase_s, view.num_stages, pred.arrival_gap_s, config.tau_idle_s
@@ -58,6 +58,39 @@ class LemixPolicy:
             self.lambda_tbt,
         )
 
+    def score_upper_bound(
+        self,
+        task: Task,
+        view: NodeView,
+        response_lower_s: float,
+        time_between_tokens_s: float,
+        context: PolicyContext,
+    ) -> float | None:
+        """`score` with IP at its ceiling −τ and R at its floor, the other
+        terms exact. The normalized form is the same float operations as
+        `score`, each monotone in IP (up) and R (down) when τ > 0 and λ1 ≥ 0,
+        so the bound holds after rounding. The paper form divides by R, which
+        is not monotone in it: no bound."""
+        config = context.config
+        if self.form != "normalized" or not config.tau_idle_s > 0 or self.lambda_response < 0:
+            return None
+        lam_length = self.lambda_length if self.is_length_consistency_enabled else 0.0
+        lc_norm = length_consistency_normalized(
+            float(task.num_prompt_tokens), view.length_mean, view.length_std
+        )
+        return normalized_score(
+            -config.tau_idle_s,  # IP = −max(II/S − Δa, τ) ≤ −τ
+            lc_norm,
+            response_lower_s,
+            config.tau_idle_s,
+            config.slo_ttft_s,
+            self.lambda_response,
+            lam_length,
+            time_between_tokens_s,
+            config.slo_tbt_s,
+            self.lambda_tbt,
+        )
+
     def rank(
         self,
         task: Task,
@@ -68,7 +101,7 @@ class LemixPolicy:
         ranked = [
             Ranked(
                 view.node_id,
-                self._score(task, view, predictions[view.node_id], context),
+                self.score(task, view, predictions[view.node_id], context),
                 predictions[view.node_id],
             )
             for view in views

@@ -1,0 +1,65 @@
+"""Which nodes Algorithm 1 must run on for one task: the best few by a bound.
+
+LeMix scores every node and places on the best; at 64 nodes running Algorithm
+1 on each is most of a decision. A `ScoreBoundedPolicy` bounds its score from
+the estimator's costs alone (TBT exact, response floored, idleness profit at
+its ceiling), so nodes are predicted in order of that bound until the next
+bound is below the `num_needed`-th best score found. Every node left out
+scores below that too, strictly, so the policy's first `num_needed` (ties to
+the lower node id included) are the same as with every node predicted: an
+exact early exit, not a heuristic.
+
+Pure and synchronous, like the planner that calls it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+
+from lemix.planner.base import PolicyContext, ScoreBoundedPolicy
+from lemix.planner.trace import NodeView, Prediction, TaskCosts
+from lemix.types import Task
+
+
+def best_candidates(
+    policy: ScoreBoundedPolicy,
+    task: Task,
+    views: Sequence[NodeView],
+    context: PolicyContext,
+    num_needed: int,
+    costs_of: Callable[[NodeView], TaskCosts],
+    response_floor_s: Callable[[NodeView, TaskCosts], float],
+    predict_with: Callable[[NodeView, TaskCosts], Prediction],
+) -> dict[int, Prediction] | None:
+    """Predictions of at least the `num_needed` best nodes among `views`
+    (all of them when there are no more); None when the policy has no bound
+    for this task (the caller predicts every node).
+
+    `costs_of(view)` is the estimator's costs of the task on `view`,
+    `response_floor_s(view, costs)` a floor under the response its prediction
+    will have, and `predict_with(view, costs)` that prediction.
+    """
+    bounds: list[tuple[float, int, NodeView, TaskCosts]] = []
+    for view in views:
+        costs = costs_of(view)
+        bound = policy.score_upper_bound(
+            task, view, response_floor_s(view, costs), costs.time_between_tokens_s, context
+        )
+        if bound is None:
+            return None
+        bounds.append((-bound, view.node_id, view, costs))
+    bounds.sort(key=lambda b: (b[0], b[1]))  # best bound first, ties to the lower node id
+    predictions: dict[int, Prediction] = {}
+    best: list[float] = []  # min-heap: the num_needed highest scores so far
+    for neg_bound, node_id, view, costs in bounds:
+        if len(best) == num_needed and -neg_bound < best[0]:
+            break  # this node and every one after it score below the cut
+        prediction = predict_with(view, costs)
+        predictions[node_id] = prediction
+        score = policy.score(task, view, prediction, context)
+        if len(best) < num_needed:
+            heapq.heappush(best, score)
+        elif score > best[0]:
+            heapq.heapreplace(best, score)
+    return predictions

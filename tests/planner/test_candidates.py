@@ -1,0 +1,116 @@
+"""The bound-ordered early exit (`lemix.planner.candidates`) changes no decision.
+
+A loaded cluster built from a seeded random stream of requests, training and
+completions; at every step a fresh inference and a fresh training task are
+ranked twice: with Algorithm 1 on every node, and through the planner's
+early exit. The first k nodes (and their scores) must be the same, and the
+bound must hold on every node.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from factories import make_planner, make_request, make_training
+
+from lemix.planner.base import ScoreBoundedPolicy
+from lemix.planner.planner import Planner
+from lemix.types import Placement
+
+
+def loaded_planner(seed: int, **overrides: object) -> tuple[Planner, random.Random, float]:
+    planner = make_planner("lemix", num_nodes=12, **overrides)
+    rng = random.Random(seed)
+    now_s = 0.0
+    held: list[str] = []
+    for i in range(150):
+        now_s += rng.expovariate(40.0)
+        if rng.random() < 0.3:
+            task = make_training(f"t{i}", now_s, rng.randint(20, 200), rng.randint(1, 4))
+        else:
+            task = make_request(f"r{i}", now_s, rng.randint(10, 400), rng.randint(5, 80))
+        planner.submit(task, now_s)
+        held += [d.task_id for d in planner.plan(now_s) if isinstance(d, Placement)]
+        if held and rng.random() < 0.4:
+            planner.on_task_finished(held.pop(rng.randrange(len(held))), now_s)
+    return planner, rng, now_s
+
+
+@pytest.mark.parametrize("overrides", [{}, {"max_training_slice_s": 0.05}])
+def test_early_exit_keeps_the_first_nodes_and_their_scores(overrides: dict) -> None:
+    planner, rng, now_s = loaded_planner(seed=7, **overrides)
+    policy = planner.policy
+    assert isinstance(policy, ScoreBoundedPolicy)
+    num_predicted = num_possible = 0
+    for step in range(40):
+        now_s += 0.01
+        context = planner.context(now_s)
+        for task in (
+            make_request(f"q{step}", now_s, rng.randint(10, 400), rng.randint(5, 80)),
+            make_training(f"p{step}", now_s, rng.randint(20, 200), rng.randint(1, 4)),
+        ):
+            every = {v.node_id: planner._predict(v, task, now_s) for v in planner.views}
+            full = policy.rank(task, planner.views, every, context)
+            for view in planner.views:
+                costs = planner.estimator.costs(view, task, now_s)
+                bound = policy.score_upper_bound(
+                    task,
+                    view,
+                    planner._response_floor_s(view, task, now_s, costs),
+                    costs.time_between_tokens_s,
+                    context,
+                )
+                assert bound is not None
+                assert policy.score(task, view, every[view.node_id], context) <= bound
+            for k in (1, 3):
+                some = planner._candidates(task, now_s, planner.views, context, k)
+                ranked = policy.rank(task, planner.views, some, context)
+                assert [(r.node_id, r.score) for r in ranked[:k]] == [
+                    (r.node_id, r.score) for r in full[:k]
+                ]
+                num_predicted += len(some)
+                num_possible += len(planner.views)
+    # The exit is taken (else this test would not test it).
+    assert num_predicted < num_possible / 2
+
+
+def test_ties_go_to_the_lower_node_id_as_without_the_exit() -> None:
+    planner = make_planner("lemix", num_nodes=8)
+    planner.submit(make_request("a", 0.0), 0.0)
+    decisions = planner.plan(0.0)
+    assert [(d.node_id) for d in decisions if isinstance(d, Placement)] == [0]
+
+
+def test_paper_form_has_no_bound_and_predicts_every_node() -> None:
+    planner = make_planner("lemix-paper", num_nodes=6)
+    task = make_request("a", 0.0)
+    context = planner.context(0.0)
+    assert len(planner._candidates(task, 0.0, planner.views, context, 1)) == 6
+
+
+def _decisions(planner: Planner, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    now_s, held, out = 0.0, [], []
+    for i in range(200):
+        now_s += rng.expovariate(60.0)
+        if rng.random() < 0.4:
+            task = make_training(f"t{i}", now_s, rng.randint(50, 300), rng.randint(1, 4))
+        else:
+            task = make_request(f"r{i}", now_s, rng.randint(10, 400), rng.randint(5, 80))
+        planner.submit(task, now_s)
+        decisions = planner.plan(now_s)
+        out += [repr(d) for d in decisions]
+        held += [d.task_id for d in decisions if isinstance(d, Placement)]
+        if held and rng.random() < 0.3:
+            planner.on_task_finished(held.pop(rng.randrange(len(held))), now_s)
+    return out
+
+
+def test_cluster_admission_probe_memo_changes_no_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = {"num_training_nodes": 2, "is_admission_cluster_wide": True, "slo_ttft_s": 0.3}
+    memo = _decisions(make_planner("lemix", num_nodes=6, **config), seed=3)
+    unmemoized = make_planner("lemix", num_nodes=6, **config)
+    monkeypatch.setattr(unmemoized, "_other_probe_misses", unmemoized._probe_misses)
+    assert _decisions(unmemoized, seed=3) == memo
+    assert any("Deferral" in d for d in memo)  # the admission check ran and said no
