@@ -320,15 +320,19 @@ class RedisEventSink:
     """Planner events to the Redis events stream, in order, off the hot path.
 
     Call the sink itself (`sink(event)`) from the planner; it only buffers.
-    A background task appends; a failed append is retried (events are never
+    A background task appends: at once when someone waits (`flush`), else
+    what `coalesce_s` gathers goes in one entry (an `XADD` per planner input
+    was a command per request). A failed append is retried (events are never
     dropped or reordered) after `retry_s`. Once a snapshot event is stored,
     the entries before it are trimmed (a failed trim is retried likewise; a
     restart reads from the last snapshot either way).
     """
 
-    def __init__(self, store: Store, retry_s: float = 0.2) -> None:
+    def __init__(self, store: Store, retry_s: float = 0.2, coalesce_s: float = 0.02) -> None:
         self.store = store
         self.retry_s = retry_s
+        self.coalesce_s = coalesce_s
+        self._flush_wanted = asyncio.Event()  # a `flush` waits: append now
         self._buffer: deque[Event] = deque()
         self._num_recorded = 0
         self._num_stored = 0
@@ -369,6 +373,7 @@ class RedisEventSink:
             return
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append((target, waiter))
+        self._flush_wanted.set()
         await asyncio.wait_for(waiter, timeout_s)
 
     async def stop(self, timeout_s: float | None = None) -> None:
@@ -383,6 +388,7 @@ class RedisEventSink:
                 # (one landing mid-command can be, with redis-py 8.1).
                 self._is_stopping = True
                 self._wake.set()
+                self._flush_wanted.set()
                 _, running = await asyncio.wait({self._task}, timeout=_STOP_WAIT_S)
                 for task in running:
                     task.cancel()
@@ -437,7 +443,13 @@ class RedisEventSink:
     async def _run(self) -> None:
         while not self._is_stopping:
             await self._wake.wait()
+            if not self._waiters and not self._is_stopping:
+                # asyncio.timeout, not wait_for (which may swallow a cancel: `stop`)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.coalesce_s):
+                        await self._flush_wanted.wait()
             self._wake.clear()
+            self._flush_wanted.clear()
             try:
                 await self._drain()  # on stop: a last pass (a pending trim)
             except (RedisError, OSError) as exc:

@@ -619,7 +619,9 @@ class SchedulerService(Service):
         ]
         entry_id = entries[-1][0]
         self._completions_cursor = entry_id
-        await self.events.flush()  # the stored cursor never runs ahead of the log
+        is_stored = time.monotonic() - self._cursor_stored_s >= _CURSOR_STORE_S
+        if is_stored:
+            await self.events.flush()  # the stored cursor never runs ahead of the log
         # Entries before the cursor are applied and in the log: trimmed. An
         # applied end is final in its hash (the executor wrote the end and its
         # completion in one script), so its hash and output stream expire
@@ -628,7 +630,6 @@ class SchedulerService(Service):
         # The cursor itself is stored at most every `_CURSOR_STORE_S` (and
         # when the stream goes idle): a restart re-applies what came since.
         config = self.config
-        is_stored = time.monotonic() - self._cursor_stored_s >= _CURSOR_STORE_S
         await self.store.advance_completions_cursor(
             entry_id,
             expire_ids=ended,
@@ -643,6 +644,7 @@ class SchedulerService(Service):
         cursor = self._completions_cursor
         if cursor is None:
             return
+        await self.events.flush()  # the stored cursor never runs ahead of the log
         await self.store.advance_completions_cursor(cursor)
         self._stored_cursor, self._cursor_stored_s = cursor, time.monotonic()
 

@@ -354,3 +354,24 @@ async def test_the_sink_packs_a_drain_into_entries_a_snapshot_alone(
     assert events_from_entries(entries) == recorded[300:]
     assert [len(events_from_fields(f)) for _, f in entries] == [1, 199, 102]
     assert events_to_recover(entries) == recorded[300:]
+
+
+async def test_the_sink_gathers_events_nobody_waits_for_and_appends_at_once_for_a_flush(
+    redis_client: aioredis.Redis,
+) -> None:
+    store = Store(redis_client, RedisKeys(f"gather-{uuid.uuid4().hex[:8]}"))
+    sink = RedisEventSink(store, coalesce_s=0.3)
+    sink.start()
+    try:
+        for i in range(3):  # a tick apart: without gathering, three entries
+            sink({"input": "plan", "now_s": float(i)})
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        assert await store.events_length() == 0  # still gathering
+        await wait_until(lambda: _length_is(store, 1), what="one entry for the three")
+        sink({"input": "plan", "now_s": 3.0})
+        await asyncio.wait_for(sink.flush(), 0.2)  # a waiter: appended at once
+        assert await store.events_length() == 2
+    finally:
+        await sink.stop()
+    assert [len(events_from_fields(f)) for _, f in await store.read_events()] == [3, 1]
