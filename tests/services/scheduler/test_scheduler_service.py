@@ -694,6 +694,7 @@ async def test_restart_replays_the_log_into_the_same_planner(stack: Stack) -> No
     twin = copy.deepcopy(old_planner)
     await submit(stack.stub(new), inference("after", prompt=77, seq=20))
     await wait_until(lambda: new.core.node_of("after") is not None, what="placement")
+    await new.events.flush()  # logged before its intake entry is acked, not before placement
     events = await read_events(stack.store)
     submitted = [
         e for e in events if e.get("input") == "submit" and e["task"]["task_id"] == "after"
