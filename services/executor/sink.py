@@ -307,20 +307,23 @@ def _carry_last_tokens(
             last_of[task_id] = i
     if not last_of:
         return tokens, ends
-    merged = {
-        task_id: dataclasses.replace(
-            carriers[task_id],
+    carried = set(last_of.values())
+
+    def with_tokens(end: NodeEnd) -> NodeEnd:
+        i = last_of.get(end.task_id)
+        if i is None or end is not carriers[end.task_id]:  # not a carrier (or a second end)
+            return end
+        return dataclasses.replace(
+            end,
             # The end's own fields (type, n, node, t, finish reason) win.
             output_fields={
                 **{k: v for k, v in tokens[i][2].items() if k != TYPE_FIELD},
-                **carriers[task_id].output_fields,
+                **end.output_fields,
             },
             num_carried_tokens=1,
         )
-        for task_id, i in last_of.items()
-    }
-    carried = set(last_of.values())
+
     return (
         [item for i, item in enumerate(tokens) if i not in carried],
-        [merged.get(end.task_id, end) if end is carriers.get(end.task_id) else end for end in ends],
+        [with_tokens(end) for end in ends],
     )
