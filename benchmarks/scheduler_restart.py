@@ -36,6 +36,7 @@ from lemix.infra.store.client import RedisClientConfig, connect
 from lemix.infra.store.keys import RedisKeys
 from lemix.infra.store.server import EmbeddedRedis
 from lemix.infra.store.store import Store
+from lemix.infra.store.task_fields import task_to_fields
 from lemix.planner.recording import RecordingPlanner
 from lemix.planner.registry import build_planner
 from lemix.profile import Profile, default_profile_path, load_profile
@@ -43,7 +44,7 @@ from lemix.report.metrics import format_table
 from lemix.types import Placement, TaskPayload
 from lemix.workload import WorkloadConfig, build_workload
 from services.scheduler.adapters import RedisEventSink
-from services.scheduler.codec import event_to_fields, task_to_fields
+from services.scheduler.codec import event_to_fields
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.recovery import (
     LogTally,

@@ -229,7 +229,7 @@ class Placing(CoreBase):
         node_id, task_id = placement.node_id, placement.task_id
         if error is None:
             self.num_placed += 1
-            # The intake stamps arrival_s with this clock (codec.task_from_fields).
+            # The intake stamps arrival_s with this clock (task_fields.task_from_fields).
             telemetry.observe_placed(self.policy, task.kind.value, now_s - task.arrival_s)
             if self._is_in_flight(sending):
                 self._note(StateWrite(task_id, StoredStatus.PLACED, node_id=node_id))

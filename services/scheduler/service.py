@@ -52,6 +52,7 @@ from lemix.infra.store.codec import Entry, Fields, get_optional_int
 from lemix.infra.store.keys import RedisKeys
 from lemix.infra.store.messages import completion_from_fields
 from lemix.infra.store.store import Store
+from lemix.infra.store.task_fields import task_from_fields, task_to_fields
 from lemix.infra.store.task_hash import (
     ATTEMPT_FIELD,
     GATEWAY_ID_FIELD,
@@ -67,7 +68,6 @@ from lemix.profile import Profile, load_profile
 from lemix.reasons import ReasonCode, format_reason
 from lemix.types import Task, TaskKind, TaskPayload
 from services.scheduler.adapters import GrpcDispatcher, RedisEventSink, RedisResultWriter
-from services.scheduler.codec import task_from_fields, task_to_fields
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import FinishReport, SchedulerCore
 from services.scheduler.recovery import (

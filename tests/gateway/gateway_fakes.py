@@ -26,9 +26,9 @@ from lemix._proto.lemix.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from lemix.infra.rpc import convert
 from lemix.infra.store.intake import TaskIdConflict
 from lemix.infra.store.store import Store
+from lemix.infra.store.task_fields import task_to_fields
 from lemix.infra.store.task_hash import GATEWAY_ID_METADATA
 from lemix.types import Task, TaskKind, TaskPayload
-from services.scheduler.codec import task_to_fields
 
 if TYPE_CHECKING:
     from gateway.service import GatewayService

@@ -30,8 +30,8 @@ from lemix.infra.store.counters import BatchedCounters
 from lemix.infra.store.intake import TaskIdConflict
 from lemix.infra.store.server import EmbeddedRedis, find_free_port
 from lemix.infra.store.store import Store
+from lemix.infra.store.task_fields import task_to_fields
 from lemix.types import Task, TaskKind, TaskPayload
-from services.scheduler.codec import task_to_fields
 
 pytestmark = pytest.mark.usefixtures("live_node")
 

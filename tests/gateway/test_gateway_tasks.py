@@ -26,10 +26,10 @@ from lemix.engine import Failed, Finished, FirstToken
 from lemix.infra.rpc.client import channel
 from lemix.infra.store.server import EmbeddedRedis
 from lemix.infra.store.store import Store
+from lemix.infra.store.task_fields import task_to_fields
 from lemix.types import Task, TaskKind, TaskPayload
 from services.executor.sink import RedisOutcomeSink
 from services.scheduler.adapters import RedisResultWriter
-from services.scheduler.codec import task_to_fields
 from services.scheduler.core import StateWrite
 
 S = gateway_pb2  # state names: S.TASK_STATE_...

@@ -18,9 +18,9 @@ from torch_stack import MODEL, openai_client, torch_stack  # noqa: F401 - the fi
 from gateway.openai_convert import BadRequest, parse_chat, parse_completion
 from lemix.infra.rpc import convert as rpc_convert
 from lemix.infra.store.codec import encode_value
+from lemix.infra.store.task_fields import task_from_fields, task_to_fields
 from lemix.outputs import TokenLogprob, format_logprobs, parse_logprobs
 from lemix.types import Task, TaskKind, TaskPayload
-from services.scheduler.codec import task_from_fields, task_to_fields
 
 PROMPT_IDS = [1, 57, 300, 12, 999, 4]
 NUM_TOKENS = 5

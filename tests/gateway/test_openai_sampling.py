@@ -19,8 +19,8 @@ from lemix._proto.lemix.v1 import common_pb2, gateway_pb2
 from lemix.infra.rpc.convert import task_from_proto, task_to_proto
 from lemix.infra.rpc.errors import InvalidArgument
 from lemix.infra.store.codec import encode_value
+from lemix.infra.store.task_fields import task_from_fields, task_to_fields
 from lemix.tokenizer import ApproxTokenizer
-from services.scheduler.codec import task_from_fields, task_to_fields
 
 PROMPT = "Once upon a time"
 FIXED = {"ignore_eos": True}  # every choice runs to max_tokens unless said otherwise

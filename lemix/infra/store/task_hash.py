@@ -5,7 +5,7 @@ Who writes what (docs/protocol.md, "Task states"; `gateway.tasks` reads it):
 =====================  =========================================================
 writer                 fields
 =====================  =========================================================
-scheduler intake       the task (`services.scheduler.codec.task_to_fields`),
+scheduler intake       the task (`lemix.infra.store.task_fields.task_to_fields`),
                        ``status=queued``, `SUBMIT_T_FIELD`, ``queued_t``,
                        `GATEWAY_ID_FIELD` (from Submit's metadata),
                        `ATTEMPT_FIELD` + 1 (the first placement's number)

@@ -29,6 +29,7 @@ from lemix.infra.store.codec import Entry, encode_fields
 from lemix.infra.store.keys import RedisKeys
 from lemix.infra.store.server import EmbeddedRedis
 from lemix.infra.store.store import Store
+from lemix.infra.store.task_fields import task_to_fields
 from lemix.planner.recording import (
     Event,
     RecordingPlanner,
@@ -38,12 +39,7 @@ from lemix.planner.recording import (
 )
 from lemix.types import Task, TaskKind, TaskPayload
 from services.scheduler.adapters import RedisEventSink
-from services.scheduler.codec import (
-    event_to_fields,
-    events_from_entries,
-    events_from_fields,
-    task_to_fields,
-)
+from services.scheduler.codec import event_to_fields, events_from_entries, events_from_fields
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.recovery import (
     SNAPSHOT_MARKER,

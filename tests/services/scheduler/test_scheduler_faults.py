@@ -37,9 +37,9 @@ from lemix.infra.store.client import RedisClientConfig, connect
 from lemix.infra.store.keys import RedisKeys
 from lemix.infra.store.server import EmbeddedRedis, find_free_port
 from lemix.infra.store.store import Store
+from lemix.infra.store.task_fields import task_to_fields
 from lemix.infra.store.task_hash import gateways_of
 from lemix.types import Task, TaskKind, TaskPayload
-from services.scheduler.codec import task_to_fields
 from services.scheduler.service import GATEWAY_GONE, SchedulerService, describe_redis_error
 
 # Fast failure detection for tests: heartbeats live 0.6 s, polled every 50 ms.

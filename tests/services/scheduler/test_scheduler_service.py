@@ -43,6 +43,7 @@ from lemix.infra.store.codec import encode_fields
 from lemix.infra.store.keys import RedisKeys
 from lemix.infra.store.server import EmbeddedRedis
 from lemix.infra.store.store import Store
+from lemix.infra.store.task_fields import task_from_fields, task_to_fields
 from lemix.infra.store.task_hash import GATEWAY_ID_METADATA
 from lemix.planner.planner import Planner
 from lemix.planner.recording import (
@@ -53,7 +54,7 @@ from lemix.planner.recording import (
 )
 from lemix.planner.registry import build_planner
 from lemix.types import Placement, Task, TaskKind, TaskPayload
-from services.scheduler.codec import events_from_entries, task_from_fields, task_to_fields
+from services.scheduler.codec import events_from_entries
 from services.scheduler.config import SchedulerConfig, env_table, from_env_and_args
 from services.scheduler.recovery import START_MARKER
 from services.scheduler.service import SchedulerService
