@@ -53,7 +53,7 @@ class GatewayConfig(CommonServiceConfig):
     max_train_samples: int = DEFAULT_MAX_TRAIN_SAMPLES
     # Samples per training task (a Train call's batch_size).
     max_train_batch_size: int = DEFAULT_MAX_TRAIN_BATCH_SIZE
-    submit_deadline_s: float = 5.0  # Scheduler.Submit (a Redis write behind it)
+    submit_deadline_s: float = 5.0  # the task's write to the intake (Redis)
     cancel_deadline_s: float = 2.0  # Scheduler.Cancel after a client went away
     # A stream with no new output message for this long is ended UNAVAILABLE
     # (its executor probably died) and its task cancelled.
@@ -220,7 +220,7 @@ _OPTIONS: tuple[Option, ...] = (
         "--submit-deadline-s",
         "LEMIX_SUBMIT_DEADLINE_S",
         float,
-        "deadline of Scheduler.Submit, seconds",
+        "deadline of a request's write to the intake (Redis), seconds",
     ),
     Option(
         "cancel_deadline_s",

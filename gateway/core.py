@@ -9,9 +9,12 @@ Admission, in order: a valid request (`admit`: no I/O but a cached read of
 the model's limits, `gateway.model_limits`), a free in-flight slot
 (`max_in_flight`; taken before any Redis I/O, so a flood is refused with
 RESOURCE_EXHAUSTED at once, never queued behind the Redis pool), a live
-executor (node states in Redis, cached `node_check_s`, one check in flight at
-a time), this gateway's lease on the task's stream (`gateway.upkeep`), then
-Submit. Request counters are summed in memory and flushed in batches.
+executor and a live scheduler (their heartbeat keys in Redis, cached
+`node_check_s`, one check in flight at a time), then the task's write to the
+scheduler's durable intake stream (`Store.submit_tasks`, idempotent by id),
+which also renews this gateway's lease on the task's stream when it needs it
+and wakes the output reader: one round trip, no RPC to the scheduler.
+Request counters are summed in memory and flushed in batches.
 
 A stream the caller abandons (cancel, deadline, disconnect) or the gateway
 gives up on (idle timeout, Redis down past it) has its task cancelled at the
@@ -32,8 +35,8 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import TypeVar
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from typing import NamedTuple, TypeVar
 
 import grpc
 import grpc.aio
@@ -48,20 +51,18 @@ from gateway.model_limits import ModelLimitsCache, context_tokens
 from gateway.reader import Follower, OutputReader
 from gateway.upkeep import StreamLeases, Upkeep
 from gateway.validate import ANONYMOUS_SCOPE, validate_generate, validate_train
-from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, scheduler_pb2, scheduler_pb2_grpc
-from lemix.infra.rpc import convert as rpc_convert
+from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, scheduler_pb2_grpc
 from lemix.infra.rpc.errors import (
     InvalidArgument,
     ResourceExhausted,
-    ServiceError,
     Unavailable,
-    error_from_rpc,
 )
 from lemix.infra.store.counters import BatchedCounters
 from lemix.infra.store.heartbeat import node_states_from_heartbeats
-from lemix.infra.store.intake import TaskIdConflict
+from lemix.infra.store.intake import GatewayHold, SubmitOutcome, TaskIdConflict
 from lemix.infra.store.store import Store
-from lemix.infra.store.task_hash import GATEWAY_ID_METADATA
+from lemix.infra.store.task_fields import task_to_fields
+from lemix.infra.store.task_hash import GATEWAY_ID_FIELD
 from lemix.tokenizer import Tokenizer
 from lemix.types import Task, TaskPayload
 
@@ -80,8 +81,8 @@ REQUESTS_CANCELLED = "requests_cancelled"
 NUM_INFERENCE = "num_inference"  # inference tasks the scheduler acknowledged (new ids)
 NUM_TRAINING = "num_training"  # training tasks the scheduler acknowledged (new ids)
 
-# Train submits its tasks concurrently, at most this many Submits at once.
-TRAIN_SUBMIT_CONCURRENCY = 32
+# Train writes its tasks to the intake this many per round trip.
+TRAIN_SUBMIT_CHUNK = 128
 # The output reader's blocking read returns after this long at most, so a
 # stream added while a wake was lost waits no longer than that.
 READ_BLOCK_CAP_S = 1.0
@@ -89,12 +90,20 @@ READ_BLOCK_CAP_S = 1.0
 GATEWAY_STOPPED_REASON = "CANCELLED: the gateway stopped streaming this task"
 
 NO_EXECUTOR_MESSAGE = "no live executor: start one with `lemix up` or check the executors"
+NO_SCHEDULER_MESSAGE = "no live scheduler: start one with `lemix up` or check the scheduler"
 # What a busy gateway tells HTTP clients to wait before retrying (Retry-After).
 BUSY_RETRY_AFTER_S = 1
 
 
 class SubmitDeadlineExceeded(Unavailable):
-    """Submit got no answer in time; the scheduler may or may not hold the task."""
+    """The intake write got no answer in time; the task may or may not be stored."""
+
+
+class Liveness(NamedTuple):
+    """Whether the services that serve new work are running (`GatewayCore.liveness`)."""
+
+    has_executor: bool
+    has_scheduler: bool
 
 
 class Busy(ResourceExhausted):
@@ -104,7 +113,7 @@ class Busy(ResourceExhausted):
 
 
 def new_gateway_id() -> str:
-    """This gateway process's name: its lease's owner, sent with each Submit."""
+    """This gateway process's name: its lease's owner, named in each task it writes."""
     return f"gw-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
@@ -145,8 +154,8 @@ class GatewayCore:
         self._idle = asyncio.Event()
         self._idle.set()
         self._live_checked_s: float | None = None
-        self._is_live = False
-        self._live_check: asyncio.Future[bool] | None = None  # the check in flight
+        self._liveness = Liveness(has_executor=False, has_scheduler=False)
+        self._live_check: asyncio.Future[Liveness] | None = None  # the check in flight
         self.model_limits = ModelLimitsCache(store, clock)  # what executors publish
 
     def start(self) -> None:
@@ -216,27 +225,33 @@ class GatewayCore:
         """
         self._acquire_slot()  # first: a busy gateway answers without touching Redis
         is_leased = False
-        is_submitted = False  # True from the moment Submit is sent: the scheduler may hold it
+        is_submitted = False  # True once the intake write may have landed
         stream = OutputStream(
             task.task_id, task.max_output_tokens, received_s, self.clock, tokenizer=self.tokenizer
         )
         cancel_reason = GATEWAY_STOPPED_REASON
         follower: Follower | None = None
         try:
-            await self._require_live_executor()
-            # Followed before the lease is taken, so that a wake of the
+            await self._require_live_stack()
+            # Followed before the task is written, so that a wake of the
             # reader (when it blocks in a read without this stream) goes in
-            # the lease's round trip.
+            # the same round trip.
             follower = self.reader.follow(task.task_id)
-            # The lease is live before the task exists: the scheduler cancels
-            # a streamed task whose gateway's lease is missing (it died).
-            await self._redis(self.leases.take(task.task_id, wake=self.reader.claim_wake()))
-            is_leased = is_submitted = True
+            wake = self.reader.claim_wake()
             try:
-                await self._submit(task, payload)
-            except ServiceError as exc:
-                is_submitted = isinstance(exc, SubmitDeadlineExceeded)
+                # The lease, when it needs writing, goes ahead of the task:
+                # the scheduler cancels a streamed task whose gateway's lease
+                # is missing (it died).
+                await self.leases.take(
+                    task.task_id,
+                    lambda lease_ttl_s: self._submit(
+                        [(task, payload)], GatewayHold(self.leases.owner, lease_ttl_s, wake)
+                    ),
+                )
+            except SubmitDeadlineExceeded:
+                is_submitted = True
                 raise
+            is_leased = is_submitted = True
             async with contextlib.aclosing(self._follow(stream, follower)) as responses:
                 async for response in responses:
                     yield response
@@ -275,18 +290,11 @@ class GatewayCore:
         except InvalidArgument:
             self.counters.add(REQUESTS_REJECTED_INVALID)
             raise
-        limit = asyncio.Semaphore(TRAIN_SUBMIT_CONCURRENCY)
-
-        async def submit(task: Task, payload: TaskPayload) -> bool:
-            async with limit:
-                return await self._submit(task, payload)
-
-        # Every Submit runs to its end (each has a deadline) before we answer,
-        # so a failure never leaves calls running behind the reply.
-        results = await asyncio.gather(*(submit(t, p) for t, p in tasks), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+        await self._require_live_stack()
+        # In chunks, each one round trip: a chunk is durable (or a duplicate)
+        # before the next is sent, and one reply never holds Redis for long.
+        for start in range(0, len(tasks), TRAIN_SUBMIT_CHUNK):
+            await self._submit(tasks[start : start + TRAIN_SUBMIT_CHUNK])
         return [task.task_id for task, _ in tasks]
 
     async def stats(self) -> gateway_pb2.Stats:
@@ -304,8 +312,13 @@ class GatewayCore:
         return stats_to_proto(counters, nodes, self._num_in_flight)
 
     async def has_live_executor(self) -> bool:
-        """True when some executor's heartbeat is live (cached `node_check_s`;
-        callers that arrive while a check runs share its answer).
+        """True when some executor's heartbeat is live (`liveness`)."""
+        return (await self.liveness()).has_executor
+
+    async def liveness(self) -> Liveness:
+        """Whether an executor and the scheduler are live (their heartbeat
+        keys; cached `node_check_s`; callers that arrive while a check runs
+        share its answer).
 
         Raises `Unavailable` when Redis cannot be reached.
         """
@@ -313,7 +326,7 @@ class GatewayCore:
         if self._live_checked_s is not None and now_s - self._live_checked_s < (
             self.config.node_check_s
         ):
-            return self._is_live
+            return self._liveness
         if self._live_check is None:
             self._live_check = asyncio.ensure_future(self._check_live(now_s))
             # Read its error even if every caller went away (no "never retrieved").
@@ -322,20 +335,27 @@ class GatewayCore:
         # shield: one caller going away must not cancel the others' check
         return await asyncio.shield(check)
 
-    async def _check_live(self, now_s: float) -> bool:
+    async def _check_live(self, now_s: float) -> Liveness:
         try:
-            states = await self._redis(self.store.get_node_states())
-            self._is_live, self._live_checked_s = bool(states), now_s
-            return self._is_live
+            states, is_scheduler_alive = await self._redis(self.store.get_liveness())
+            self._liveness = Liveness(bool(states), is_scheduler_alive)
+            self._live_checked_s = now_s
+            return self._liveness
         finally:
             self._live_check = None
 
     # ============================================================= admission
 
-    async def _require_live_executor(self) -> None:
-        if not await self.has_live_executor():
+    async def _require_live_stack(self) -> None:
+        """Refuse new work (UNAVAILABLE) while no executor or no scheduler
+        runs: the intake would keep it, but nobody would serve it."""
+        liveness = await self.liveness()
+        if not liveness.has_executor:
             self.counters.add(REQUESTS_REJECTED_UNAVAILABLE)
             raise Unavailable(NO_EXECUTOR_MESSAGE)
+        if not liveness.has_scheduler:
+            self.counters.add(REQUESTS_REJECTED_UNAVAILABLE)
+            raise Unavailable(NO_SCHEDULER_MESSAGE)
 
     def _acquire_slot(self) -> None:
         """Take an in-flight slot or raise `Busy` (no I/O, no await)."""
@@ -368,35 +388,43 @@ class GatewayCore:
                 if stream.is_ended:
                     break
 
-    async def _submit(self, task: Task, payload: TaskPayload) -> bool:
-        """Scheduler.Submit with a deadline; True for a new task, False for a
-        known id (idempotent resubmit). Raises domain errors."""
-        request = scheduler_pb2.SubmitRequest(task=rpc_convert.task_to_proto(task, payload))
+    async def _submit(
+        self, tasks: Sequence[tuple[Task, TaskPayload]], hold: GatewayHold | None = None
+    ) -> list[bool]:
+        """Write tasks to the scheduler's intake (`Store.submit_tasks`: durable,
+        idempotent by id), in one round trip within `submit_deadline_s`; per
+        task True when new, False for a known id (an idempotent resubmit).
+        Raises `TaskIdConflict` when an id names another request (that task
+        is not written; the others are), `SubmitDeadlineExceeded` (the write
+        may have landed) or `Unavailable` (Redis unreachable)."""
+        records = []
+        for task, payload in tasks:
+            fields = task_to_fields(task, payload)
+            fields[GATEWAY_ID_FIELD] = self.leases.owner  # whose lease covers its stream
+            records.append(fields)
         try:
-            reply = await self.scheduler.Submit(
-                request,
-                timeout=self.config.submit_deadline_s,
-                metadata=((GATEWAY_ID_METADATA, self.leases.owner),),
-            )
-        except grpc.aio.AioRpcError as err:
-            raise self._scheduler_error("Submit", err) from err
-        if not reply.is_duplicate:
-            self.counters.add(NUM_TRAINING if task.is_training else NUM_INFERENCE)
-        return not reply.is_duplicate
-
-    def _scheduler_error(self, method: str, err: grpc.aio.AioRpcError) -> Exception:
-        where = f"scheduler at {self.config.scheduler_address}"
-        if err.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
-            return SubmitDeadlineExceeded(
-                f"{where} did not answer {method} within "
+            async with asyncio.timeout(self.config.submit_deadline_s):
+                outcomes = await self._redis(self.store.submit_tasks(records, hold=hold))
+        except TimeoutError:
+            raise SubmitDeadlineExceeded(
+                f"state store (Redis) did not take the request within "
                 f"{self.config.submit_deadline_s:g} s; retry later"
+            ) from None
+        for (task, _), outcome in zip(tasks, outcomes, strict=True):
+            if outcome is SubmitOutcome.ADDED:
+                self.counters.add(NUM_TRAINING if task.is_training else NUM_INFERENCE)
+            elif outcome is SubmitOutcome.DUPLICATE and hold is not None:
+                # A retry through this gateway of a task another one streamed:
+                # this lease covers it too (the scheduler reads the record
+                # before calling the task orphaned).
+                await self._redis(self.store.add_task_gateway(task.task_id, self.leases.owner))
+        conflicts = [t.task_id for (t, _), o in zip(tasks, outcomes, strict=True) if o < 0]
+        if conflicts:
+            raise TaskIdConflict(
+                f"request_id {conflicts[0]!r} was already used with a different request; "
+                "use a new id"
             )
-        if err.code() is grpc.StatusCode.ALREADY_EXISTS:  # the id names another request
-            return TaskIdConflict(err.details() or "request_id was already used; use a new id")
-        error = error_from_rpc(err)
-        if isinstance(error, Unavailable):
-            return Unavailable(f"{where} is unavailable ({err.details()}); retry later")
-        return error  # the scheduler's own refusal, or an AioRpcError (-> INTERNAL, logged)
+        return [outcome is SubmitOutcome.ADDED for outcome in outcomes]
 
     async def _next_output(self, follower: Follower) -> list[tuple[str, dict[str, str]]]:
         """The output messages the reader got for `follower` since the last

@@ -4,11 +4,13 @@ a request in does no Redis round trip for bookkeeping.
 * the request counters (`BatchedCounters`) are flushed every
   `stats_flush_s`, before GetStats reads them, and on stop.
 * `StreamLeases`: this gateway's one lease on every stream it reads
-  (`RedisKeys.gateway_lease`; Submit names the gateway, so the task's hash
-  says whose lease covers it). It must be live before Submit (the scheduler
-  cancels a streamed task whose gateway's lease is missing: its gateway
-  died), so `take` writes it only when the loop has not renewed it lately
-  (at start, or while renewals fail); one loop renews it every `ttl_s / 3`.
+  (`RedisKeys.gateway_lease`; the task's intake fields name the gateway, so
+  its hash says whose lease covers it). It must be live before the task
+  exists (the scheduler cancels a streamed task whose gateway's lease is
+  missing: its gateway died), so `take` has the task's intake write rewrite
+  it, ahead of the task in the same round trip, only when the loop has not
+  renewed it lately (at start, or while renewals fail); one loop renews it
+  every `ttl_s / 3`.
   Per request no lease is written or deleted, and no stream expired: the
   scheduler expires a task's output stream once, when it sees the task end
   (`SchedulerConfig.output_retain_s`).
@@ -24,7 +26,8 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import structlog
 from redis.exceptions import RedisError
@@ -33,6 +36,8 @@ from lemix.infra.store.counters import BatchedCounters
 from lemix.infra.store.store import Store
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
 
 # A failed renewal is retried after at most this long (not a whole ttl/3).
 RENEW_RETRY_S = 0.5
@@ -78,30 +83,27 @@ class StreamLeases:
     @property
     def is_fresh(self) -> bool:
         """The lease has at least two renewal intervals left: the loop keeps
-        it (a Submit sent now finds it live with a wide margin)."""
+        it (a task written now finds it live with a wide margin)."""
         return self._held_until_s - self._clock() >= 2 * self.renew_interval_s
 
-    async def take(self, task_id: str, *, wake: bool = False) -> None:
-        """Count a reader of `task_id` and make sure the lease is live before
-        its Submit: no I/O while the loop keeps it fresh, else it is written
-        now (one round trip). With `wake`, the output reader's wake is sent
-        (`gateway.reader`), in that round trip when there is one. Raises the
-        Redis error (the reader is then not counted)."""
+    async def take(self, task_id: str, write: Callable[[float | None], Awaitable[T]]) -> T:
+        """Count a reader of `task_id` and run `write(lease_ttl_s)`, the round
+        trip that stores its task (`Store.submit_tasks` with a `GatewayHold`):
+        it rewrites the lease with `lease_ttl_s` ahead of the task, or, when
+        None, the loop keeps the lease fresh and no lease write is needed.
+        Returns what `write` returns; raises what it raises (the reader is
+        then not counted)."""
         self._refs[task_id] = self._refs.get(task_id, 0) + 1
+        lease_ttl_s = None if self.is_fresh else self.ttl_s
+        sent_s = self._clock()
         try:
-            if self.is_fresh:
-                if wake:
-                    await self._store.wake_reader(self.owner)
-            else:
-                await self._write(wake=wake)
+            result = await write(lease_ttl_s)
         except BaseException:
             self.release(task_id)
             raise
-
-    async def _write(self, *, wake: bool = False) -> None:
-        sent_s = self._clock()
-        await self._store.renew_gateway_lease(self.owner, self.ttl_s, wake=wake)
-        self._held_until_s = max(self._held_until_s, sent_s + self.ttl_s)
+        if lease_ttl_s is not None:
+            self._held_until_s = max(self._held_until_s, sent_s + lease_ttl_s)
+        return result
 
     def release(self, task_id: str) -> None:
         """One reader is done (no I/O)."""

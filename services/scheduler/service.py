@@ -39,6 +39,7 @@ from typing import TypeVar
 import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from lemix._proto.lemix.v1 import scheduler_pb2_grpc
@@ -49,7 +50,7 @@ from lemix.infra.rpc.errors import InvalidArgument, Unavailable
 from lemix.infra.rpc.server import start_server, stop_server
 from lemix.infra.store.client import RedisClientConfig, connect, export_pool_metrics
 from lemix.infra.store.codec import Entry, Fields, get_optional_int
-from lemix.infra.store.keys import RedisKeys
+from lemix.infra.store.keys import SCHEDULER_ALIVE_TTL_S, RedisKeys
 from lemix.infra.store.messages import completion_from_fields
 from lemix.infra.store.store import Store
 from lemix.infra.store.task_fields import task_from_fields, task_to_fields
@@ -172,6 +173,8 @@ class SchedulerService(Service):
         self.epoch_s = 0.0
         self.num_recovered_events = 0  # events replayed at start (after the snapshot)
         self.is_recovered_from_snapshot = False
+        # Renewed every node poll; a few polls may fail (Redis blip) before it lapses.
+        self._alive_ttl_s = max(SCHEDULER_ALIVE_TTL_S, 4 * config.node_poll_s)
 
     # ================================================================ lifecycle
 
@@ -229,6 +232,7 @@ class SchedulerService(Service):
         )
         self.lifecycle.on_stopping(health.enter_graceful_shutdown)
         self.lifecycle.add_server("grpc", lambda grace_s: stop_server(server, health, grace_s))
+        await self.store.mark_scheduler_alive(self._alive_ttl_s)  # gateways may send work now
         log.info(
             "scheduler_started",
             address=self.address,
@@ -343,6 +347,10 @@ class SchedulerService(Service):
         """Ask the loops to stop; cancel those still running after the grace
         plus one blocking read."""
         self._stopping.set()
+        try:  # gateways refuse new work from their next check instead of queueing it
+            await self.store.drop_scheduler_alive()
+        except (RedisError, OSError) as exc:  # it lapses with its TTL
+            log.warning("drop_alive_failed", error=str(exc))
         loops, self._loops = self._loops, []
         if not loops:
             return
@@ -655,6 +663,7 @@ class SchedulerService(Service):
         if self._stopping.is_set():
             return
         await self.nodes.poll()
+        await self.store.mark_scheduler_alive(self._alive_ttl_s)
         await self.core.retry_writes()
         await self._cancel_orphans()
         await self._export_queue_depths()

@@ -199,7 +199,9 @@ class LeaseWatch:
     Only tasks whose gateway's lease was live at intake are watched: one
     submitted straight to the scheduler (no gateway) is never cancelled for
     lacking one. A task read through several gateways (an idempotent retry
-    through another) is orphaned only once every one of their leases lapsed.
+    through another) is orphaned only once every one of their leases lapsed;
+    the gateway that takes such a retry records itself in the task hash
+    (`Store.add_task_gateway`), read back before a task is called orphaned.
     """
 
     def __init__(
@@ -244,6 +246,18 @@ class LeaseWatch:
         self._next_check_s = now_s + self.check_s
         task_ids = sorted(t for t in self._gateways_of if is_held(t))
         gateway_ids = sorted({g for t in task_ids for g in self._gateways_of[t]})
+        live = await self._live(gateway_ids)
+        lapsed = [t for t in task_ids if not self._gateways_of[t] & live]
+        if not lapsed:
+            return []
+        # A retry through another gateway is recorded by that gateway in the
+        # task hash (it writes the intake itself): read before cancelling.
+        for task_id, also in (await self.store.also_gateways(lapsed)).items():
+            self._gateways_of[task_id] |= also
+        extra = sorted({g for t in lapsed for g in self._gateways_of[t]} - set(gateway_ids))
+        live |= await self._live(extra)
+        return [t for t in lapsed if not self._gateways_of[t] & live]
+
+    async def _live(self, gateway_ids: list[str]) -> set[str]:
         held = await self.store.gateway_leases_held(gateway_ids)
-        live = {g for g, is_live in zip(gateway_ids, held, strict=True) if is_live}
-        return [t for t in task_ids if not self._gateways_of[t] & live]
+        return {g for g, is_live in zip(gateway_ids, held, strict=True) if is_live}

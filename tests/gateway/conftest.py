@@ -73,6 +73,7 @@ async def live_node(store: Store) -> int:
 @pytest.fixture
 async def fake_scheduler(store: Store) -> AsyncIterator[FakeScheduler]:
     fake = FakeScheduler(store)
+    await fake.start()
     server, port, _ = await start_server(
         [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, fake)],
         "127.0.0.1",

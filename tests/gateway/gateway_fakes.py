@@ -1,9 +1,9 @@
 """A test double of the OTHER services for the gateway's tests.
 
-`FakeScheduler` is a real `lemix.v1.Scheduler` gRPC servicer. On Submit it
-stores the task as the scheduler does (`Store.submit_task`: duplicates and
-reused ids with another request, ALREADY_EXISTS, are decided there),
-acknowledges it and, for a new inference task, plays its executor's part per
+`FakeScheduler` is a real `lemix.v1.Scheduler` gRPC servicer (Cancel,
+GetState) that marks itself live and reads the intake stream the gateway
+writes, as the scheduler does (the gateway's write decides duplicates and
+reused ids), and for each new inference task plays its executor's part per
 docs/protocol.md: token messages on ``output:{task_id}`` (the first with
 ``first``/``version``), then an ``end`` message written with
 `Store.finish_task`. On Cancel it records the call, stops the run and writes
@@ -23,11 +23,10 @@ import grpc
 import grpc.aio
 
 from lemix._proto.lemix.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from lemix.infra.rpc import convert
-from lemix.infra.store.intake import TaskIdConflict
+from lemix.infra.store.codec import Entry
 from lemix.infra.store.store import Store
-from lemix.infra.store.task_fields import task_to_fields
-from lemix.infra.store.task_hash import GATEWAY_ID_METADATA
+from lemix.infra.store.task_fields import task_from_fields
+from lemix.infra.store.task_hash import GATEWAY_ID_FIELD
 from lemix.types import Task, TaskKind, TaskPayload
 
 if TYPE_CHECKING:
@@ -37,6 +36,7 @@ if TYPE_CHECKING:
 GatewayFactory = Callable[..., Awaitable["GatewayService"]]
 
 FAKE_NODE_ID = 7
+FAKE_CONSUMER = "fake-scheduler"
 FAKE_WEIGHT_VERSION = 3
 
 
@@ -57,33 +57,50 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     address: str = ""  # host:port, set once its server is up
     script: Script = field(default_factory=Script)
     task_scripts: dict[str, Script] = field(default_factory=dict)  # by task id, over `script`
-    submit_delay_s: float = 0.0
-    submit_error: tuple[grpc.StatusCode, str] | None = None
-    submitted: list[tuple[Task, TaskPayload]] = field(default_factory=list)
-    acked_at_s: dict[str, float] = field(default_factory=dict)  # monotonic, at the reply
+    submitted: list[tuple[Task, TaskPayload]] = field(default_factory=list)  # new ids, as read
+    read_at_s: dict[str, float] = field(default_factory=dict)  # monotonic, when read
     cancelled: list[tuple[str, str]] = field(default_factory=list)  # (task_id, reason)
-    gateway_ids: list[str] = field(default_factory=list)  # per Submit, its metadata's
+    gateway_ids: list[str] = field(default_factory=list)  # per task read, the gateway it names
     _runs: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    _intake: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Be live (the key gateways check) and read the intake as the scheduler does."""
+        await self.store.ensure_group()
+        await self.store.mark_scheduler_alive(ttl_s=600.0)
+        self._intake = asyncio.create_task(self._read_intake())
+
+    async def stop_reading(self) -> None:
+        """Leave the intake alone (a test plays the scheduler itself)."""
+        if self._intake is not None:
+            self._intake.cancel()
+            await asyncio.gather(self._intake, return_exceptions=True)
+            self._intake = None
+
+    async def settle(self) -> None:
+        """Take in every task written so far (a test reads `submitted` next)."""
+        await self._take(await self.store.read_intake(FAKE_CONSUMER, count=10_000))
+
+    async def _read_intake(self) -> None:
+        while True:
+            await self._take(await self.store.read_intake(FAKE_CONSUMER, block_ms=20))
+
+    async def _take(self, entries: list[Entry]) -> None:
+        for _, fields in entries:
+            task, payload = task_from_fields(fields)
+            self.gateway_ids.append(fields.get(GATEWAY_ID_FIELD, ""))
+            self.submitted.append((task, payload))
+            self.read_at_s[task.task_id] = time.monotonic()
+            if task.kind is TaskKind.INFERENCE:
+                self._runs[task.task_id] = asyncio.create_task(self._play(task))
+        if entries:
+            await self.store.ack_intake([entry_id for entry_id, _ in entries])
 
     async def Submit(
         self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.SubmitResponse:
-        task, payload = convert.task_from_proto(request.task)
-        metadata = dict(context.invocation_metadata() or ())
-        self.gateway_ids.append(str(metadata.get(GATEWAY_ID_METADATA, "")))
-        if self.submit_delay_s:
-            await asyncio.sleep(self.submit_delay_s)
-        if self.submit_error is not None:
-            await context.abort(*self.submit_error)
-        try:  # the real intake write: its dedupe and request-hash check
-            is_duplicate = not await self.store.submit_task(task_to_fields(task, payload))
-        except TaskIdConflict as exc:
-            await context.abort(exc.code, str(exc))
-        self.submitted.append((task, payload))
-        if task.kind is TaskKind.INFERENCE and not is_duplicate:
-            self._runs[task.task_id] = asyncio.create_task(self._play(task))
-        self.acked_at_s[task.task_id] = time.monotonic()
-        return scheduler_pb2.SubmitResponse(task_id=task.task_id, is_duplicate=is_duplicate)
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "gateways write the intake themselves")
+        raise AssertionError  # abort raises
 
     async def Cancel(
         self, request: common_pb2.CancelRequest, context: grpc.aio.ServicerContext
@@ -134,6 +151,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         return [task_id for task_id, _ in self.cancelled]
 
     async def close(self) -> None:
+        await self.stop_reading()
         runs = list(self._runs.values())
         for run in runs:
             run.cancel()

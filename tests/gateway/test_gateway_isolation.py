@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -27,10 +27,11 @@ from gateway.upkeep import StreamLeases
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from lemix.infra.rpc.client import channel
 from lemix.infra.store.counters import BatchedCounters
-from lemix.infra.store.intake import TaskIdConflict
+from lemix.infra.store.intake import GatewayHold, SubmitOutcome, TaskIdConflict
 from lemix.infra.store.server import EmbeddedRedis, find_free_port
 from lemix.infra.store.store import Store
 from lemix.infra.store.task_fields import task_to_fields
+from lemix.infra.store.task_hash import GATEWAY_ID_FIELD, TASK_ID_FIELD
 from lemix.types import Task, TaskKind, TaskPayload
 
 pytestmark = pytest.mark.usefixtures("live_node")
@@ -427,19 +428,34 @@ async def test_a_request_writes_the_lease_only_when_the_loop_has_not_kept_it(
     now_s = [100.0]
     leases = StreamLeases(store, "gw-fresh", ttl_s=3.0, clock=lambda: now_s[0])
     lease = store.keys.gateway_lease("gw-fresh")
-    await leases.take("a")  # never written: written now, before its Submit
-    assert await store.client.get(lease) == "gw-fresh"
+
+    def write(task_id: str) -> Callable[[float | None], Awaitable[list[SubmitOutcome]]]:
+        """The request's one round trip: the lease (when asked for), then its task."""
+        task = Task(task_id, TaskKind.INFERENCE, 0.0, 3, 4)
+        fields = {**task_to_fields(task, TaskPayload()), GATEWAY_ID_FIELD: "gw-fresh"}
+        return lambda ttl_s: store.submit_tasks(
+            [fields], hold=GatewayHold("gw-fresh", lease_ttl_s=ttl_s)
+        )
+
+    assert await leases.take("a", write("a")) == [SubmitOutcome.ADDED]
+    assert await store.client.get(lease) == "gw-fresh"  # never written: written with "a"
     await store.client.delete(lease)  # so a write would show
     now_s[0] += 0.9  # within one renewal interval (1 s): fresh
-    await leases.take("b")
+    await leases.take("b", write("b"))
     assert not await store.client.exists(lease)
     now_s[0] += 0.2  # the loop's renewal is overdue (renewals failing): written again
-    await leases.take("c")
+    await leases.take("c", write("c"))
     assert await store.client.exists(lease)
     await leases.renew()  # the loop renews: fresh from now
     await store.client.delete(lease)
-    await leases.take("d")
+    await leases.take("d", write("d"))
     assert not await store.client.exists(lease)
+    assert [f[TASK_ID_FIELD] for _, f in await store.client.xrange(store.keys.intake_stream)] == [
+        "a",
+        "b",
+        "c",
+        "d",
+    ]
     assert sorted(leases.live_ids) == ["a", "b", "c", "d"]
     for task_id in ("a", "b", "c", "d"):
         leases.release(task_id)

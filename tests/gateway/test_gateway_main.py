@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -73,14 +74,15 @@ async def test_serves_then_stops_cleanly_on_sigterm(
     )
     try:
         assert proc.stdout is not None
-        line = proc.stdout.readline().strip()
+        # Off the event loop: the fake scheduler's intake reader runs on it.
+        line = (await asyncio.to_thread(proc.stdout.readline)).strip()
         assert line.startswith(PREFIX), line
         # The line goes on with the other listeners: http=HOST:PORT, metrics=HOST:PORT.
         address, *others = line.removeprefix(PREFIX).split()
         assert others and others[0].startswith("http=127.0.0.1:"), line
         await wait_for_serving(address, GATEWAY_SERVICE, timeout_s=10.0)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        assert await asyncio.to_thread(proc.wait, 30) == 0
         assert proc.stderr is not None
         # gRPC core may print its own (non-JSON) lines to stderr too.
         logs = [

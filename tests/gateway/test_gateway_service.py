@@ -29,8 +29,8 @@ from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from lemix.infra.rpc import GATEWAY_SERVICE
 from lemix.infra.rpc.client import channel
 from lemix.infra.rpc.server import MAX_MESSAGE_BYTES
-from lemix.infra.store.server import find_free_port
 from lemix.infra.store.store import Store
+from lemix.infra.store.task_fields import task_from_fields
 from lemix.tokenizer import ApproxTokenizer, emulated_token_id
 from lemix.types import TaskKind
 
@@ -237,27 +237,30 @@ async def test_live_executor_answer_is_cached_for_node_check_s(
     await _assert_still_serving(gateway)  # still cached
 
 
-async def test_scheduler_down_is_unavailable(make_gateway: GatewayFactory) -> None:
-    gateway = await make_gateway(
-        scheduler_address=f"127.0.0.1:{find_free_port()}", submit_deadline_s=2.0
-    )
+async def test_no_live_scheduler_is_unavailable_and_writes_nothing(
+    make_gateway: GatewayFactory, fake_scheduler: FakeScheduler, store: Store
+) -> None:
+    gateway = await make_gateway()
+    await fake_scheduler.stop_reading()
+    await store.drop_scheduler_alive()  # as a scheduler does when it stops
     async with channel(gateway.address) as ch:
         err = await _status_of(gateway_pb2_grpc.GatewayStub(ch), _generate())
     assert err.code() is grpc.StatusCode.UNAVAILABLE
-    assert "scheduler at 127.0.0.1:" in (err.details() or "")
+    assert err.details() == ("no live scheduler: start one with `lemix up` or check the scheduler")
+    assert await store.read_intake_entries() == []
     assert gateway.servicer.num_in_flight == 0
 
 
-async def test_submit_deadline_is_unavailable_and_cancels_the_task(
-    make_gateway: GatewayFactory, fake_scheduler: FakeScheduler
+async def test_intake_write_deadline_is_unavailable_and_cancels_the_task(
+    make_gateway: GatewayFactory, fake_scheduler: FakeScheduler, store: Store
 ) -> None:
     gateway = await make_gateway(submit_deadline_s=0.2)
-    fake_scheduler.submit_delay_s = 1.0
+    await store.client.execute_command("CLIENT", "PAUSE", 1000, "WRITE")  # Redis stalls writes
     async with channel(gateway.address) as ch:
         err = await _status_of(gateway_pb2_grpc.GatewayStub(ch), _generate())
     assert err.code() is grpc.StatusCode.UNAVAILABLE
-    assert "did not answer Submit within 0.2 s" in (err.details() or "")
-    # The scheduler may have stored it after all: the gateway cancels it.
+    assert "did not take the request within 0.2 s" in (err.details() or "")
+    # The write may have landed after all: the gateway cancels the task.
     await _eventually(lambda: len(fake_scheduler.cancelled) == 1)
     assert gateway.servicer.num_in_flight == 0
 
@@ -376,23 +379,22 @@ def _samples(n: int, *, with_ids: bool = False) -> list[gateway_pb2.TrainSample]
     ]
 
 
-async def test_train_returns_ids_only_after_every_submit_is_acked(
+async def test_train_returns_ids_only_once_every_task_is_in_the_intake(
     gateway: GatewayService,
     stub: gateway_pb2_grpc.GatewayStub,
     fake_scheduler: FakeScheduler,
     store: Store,
 ) -> None:
-    fake_scheduler.submit_delay_s = 0.2
+    await fake_scheduler.stop_reading()  # the entries stay where the reply found them
     reply = await stub.Train(
         gateway_pb2.TrainRequest(samples=_samples(5), batch_size=2), timeout=DEADLINE_S
     )
-    returned_at_s = time.monotonic()
+    stored = {f["task_id"]: f for _, f in await store.read_intake_entries()}
 
     assert len(reply.task_ids) == 3 and len(set(reply.task_ids)) == 3
     assert all(task_id.startswith("trn-") for task_id in reply.task_ids)
-    assert all(fake_scheduler.acked_at_s[t] <= returned_at_s for t in reply.task_ids)
-    tasks = {task.task_id: task for task, _ in fake_scheduler.submitted}
-    batches = [tasks[t] for t in reply.task_ids]
+    assert sorted(stored) == sorted(reply.task_ids)  # durable before the reply
+    batches = [task_from_fields(stored[t])[0] for t in reply.task_ids]
     assert [t.batch_size for t in batches] == [2, 2, 1]
     # Samples are query (4, 8, ..., 20 bytes) + 4 bytes: 2..6 tokens; a batch is its longest.
     assert [t.num_prompt_tokens for t in batches] == [3, 5, 6]
@@ -410,7 +412,8 @@ async def test_train_with_sample_ids_is_idempotent(
     first = await stub.Train(request, timeout=DEADLINE_S)
     again = await stub.Train(request, timeout=DEADLINE_S)
     assert list(first.task_ids) == list(again.task_ids)
-    assert len(fake_scheduler.submitted) == 6  # resubmitted, acked as duplicates
+    await fake_scheduler.settle()
+    assert len(fake_scheduler.submitted) == 3  # the resubmits were duplicates: not written
     assert (await flushed_stats(gateway, store))["num_training"] == 3
 
 
@@ -435,16 +438,6 @@ async def test_train_invalid_is_invalid_argument(
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert details in (info.value.details() or "")
     assert fake_scheduler.submitted == []
-
-
-async def test_train_submit_refusal_maps_to_its_status(
-    stub: gateway_pb2_grpc.GatewayStub, fake_scheduler: FakeScheduler
-) -> None:
-    fake_scheduler.submit_error = (grpc.StatusCode.RESOURCE_EXHAUSTED, "intake full; retry")
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await stub.Train(gateway_pb2.TrainRequest(samples=_samples(2)), timeout=DEADLINE_S)
-    assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert info.value.details() == "intake full; retry"
 
 
 # -------------------------------------------------------------------- stats

@@ -17,6 +17,7 @@ import aiohttp
 import grpc
 import grpc.aio
 import pytest
+from gateway_fakes import FakeScheduler
 from task_stack import TaskStack, eventually, start_stack
 
 from gateway.service import GatewayService
@@ -44,6 +45,12 @@ def _task(task_id: str, kind: TaskKind = TaskKind.INFERENCE) -> Task:
         num_prompt_tokens=8,
         max_output_tokens=0 if kind is TaskKind.TRAINING else 4,
     )
+
+
+@pytest.fixture(autouse=True)
+async def _no_fake_intake_reader(fake_scheduler: FakeScheduler) -> None:
+    """These tests play the scheduler's part on the intake themselves."""
+    await fake_scheduler.stop_reading()
 
 
 async def _submit(

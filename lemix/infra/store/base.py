@@ -21,6 +21,9 @@ from lemix.infra.store.codec import Entry, Fields, FieldValue, encode_fields
 from lemix.infra.store.keys import DEDUPE_TTL_S, OUTPUT_MAXLEN, RedisKeys
 from lemix.infra.store.task_hash import final_fields
 
+# The one entry of a gateway's reader wake stream (`RedisKeys.reader_wake`).
+WAKE_FIELDS: dict[Any, Any] = {"wake": "1"}  # Any: redis-py's stub wants its own key union
+
 
 class StoreBase:
     """The state `Store`'s mixins share, over a ``decode_responses=True`` client.
@@ -68,6 +71,17 @@ class StoreBase:
     ) -> None:
         """Queue `script` on `pipe` as a bare EVALSHA (see `execute_scripted`)."""
         pipe.evalsha(script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+
+    def queue_gateway_hold(
+        self, pipe: Pipeline, owner: str, *, lease_ttl_s: float | None, wake: bool
+    ) -> None:
+        """Queue what a streaming gateway `owner` writes ahead of a request:
+        its lease (`RedisKeys.gateway_lease`, when `lease_ttl_s` is given) and
+        a wake of its output reader (`RedisKeys.reader_wake`, with `wake`)."""
+        if lease_ttl_s is not None:
+            pipe.set(self.keys.gateway_lease(owner), owner, px=to_ms(lease_ttl_s, "lease_ttl_s"))
+        if wake:
+            pipe.xadd(self.keys.reader_wake(owner), WAKE_FIELDS, maxlen=1, approximate=False)
 
     async def execute_scripted(self, pipe: Pipeline) -> list[Any]:
         """Execute a non-transactional `pipe` whose scripts were queued with

@@ -2,7 +2,7 @@
 profiles, the planner's time origin and the Redis server's run id.
 
 A node is alive while its heartbeat key lives (TTL); its state hash holds
-the fields of `heartbeat`.
+the fields of `heartbeat`. The scheduler is alive while its key lives.
 """
 
 from __future__ import annotations
@@ -11,11 +11,24 @@ from collections.abc import Mapping
 
 from lemix.infra.store.base import StoreBase, as_fields, to_ms
 from lemix.infra.store.codec import Fields, FieldValue, encode_fields, get_float
-from lemix.infra.store.keys import NODE_HEARTBEAT_TTL_S
+from lemix.infra.store.keys import NODE_HEARTBEAT_TTL_S, SCHEDULER_ALIVE_TTL_S
 
 
 class ClusterOps(StoreBase):
     """Node heartbeats; stack-wide counters, SLO, profiles, epoch, server identity."""
+
+    async def mark_scheduler_alive(self, ttl_s: float = SCHEDULER_ALIVE_TTL_S) -> None:
+        """A scheduler runs: (re)set its liveness key for `ttl_s`."""
+        await self.client.set(self.keys.scheduler_alive, "1", px=to_ms(ttl_s, "ttl_s"))
+
+    async def drop_scheduler_alive(self) -> None:
+        """The scheduler stops: gateways refuse new work from their next check."""
+        await self.client.delete(self.keys.scheduler_alive)
+
+    async def get_liveness(self) -> tuple[dict[int, Fields], bool]:
+        """The live nodes' states (`get_node_states`) and whether a scheduler is live."""
+        is_scheduler_alive = bool(await self.client.exists(self.keys.scheduler_alive))
+        return await self.get_node_states(), is_scheduler_alive
 
     async def put_node_state(
         self,

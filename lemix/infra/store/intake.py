@@ -11,6 +11,7 @@ Cancel-before-placement markers live here too: the intake loop checks them.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
@@ -68,6 +69,22 @@ class IntakeCheck(NamedTuple):
     attempt: int  # its first placement's number, written to its hash (0: not taken)
 
 
+class SubmitOutcome(enum.IntEnum):
+    """What `IntakeOps.submit_tasks` did with one task (`scripts.SUBMIT_LUA`'s reply)."""
+
+    CONFLICT = -1  # its id names another request: nothing written
+    DUPLICATE = 0  # the same request again: nothing written
+    ADDED = 1
+
+
+class GatewayHold(NamedTuple):
+    """What a streaming gateway writes ahead of its tasks (`IntakeOps.submit_tasks`)."""
+
+    owner: str  # the gateway's id
+    lease_ttl_s: float | None = None  # rewrite its lease with this TTL (None: still fresh)
+    is_wake: bool = False  # wake its output reader (blocked without the new stream)
+
+
 class TaskIdConflict(ServiceError):
     """A Submit reuses a task id (a client's `request_id`) for a different
     request. Retrying cannot succeed: the client must pick a new id."""
@@ -87,21 +104,41 @@ class IntakeOps(StoreBase):
         nothing written. The check and the XADD are one Lua script, so two
         racing submits of one id add exactly one entry.
         """
-        fields = encode_fields(task_fields)
-        task_id = fields.get(TASK_ID_FIELD, "")
-        if not task_id:
-            raise ValueError(f"task fields need a non-empty {TASK_ID_FIELD!r}")
-        outcome = int(
-            await self._submit(
-                keys=[self.keys.dedupe(task_id), self.keys.intake_stream],
+        (outcome,) = await self.submit_tasks([task_fields])
+        if outcome is SubmitOutcome.CONFLICT:
+            raise TaskIdConflict(
+                f"request_id {task_fields.get(TASK_ID_FIELD)!r} was already used with a "
+                "different request; use a new id"
+            )
+        return outcome is SubmitOutcome.ADDED
+
+    async def submit_tasks(
+        self, tasks_fields: Sequence[Mapping[str, FieldValue]], *, hold: GatewayHold | None = None
+    ) -> list[SubmitOutcome]:
+        """`submit_task` for several tasks, in one round trip, an outcome per
+        task (a conflict is reported, not raised: nothing of that task is
+        written, the others are). With `hold`, the gateway's lease and reader
+        wake (`StoreBase.queue_gateway_hold`) go first in the same round
+        trip: Redis runs a connection's commands in order, so the lease is
+        live before any task it covers exists."""
+        encoded = [encode_fields(fields) for fields in tasks_fields]
+        for fields in encoded:
+            if not fields.get(TASK_ID_FIELD, ""):
+                raise ValueError(f"task fields need a non-empty {TASK_ID_FIELD!r}")
+        pipe = self.client.pipeline(transaction=False)
+        if hold is not None:
+            self.queue_gateway_hold(
+                pipe, hold.owner, lease_ttl_s=hold.lease_ttl_s, wake=hold.is_wake
+            )
+        for fields in encoded:
+            self.queue_script(
+                pipe,
+                self._submit,
+                keys=[self.keys.dedupe(fields[TASK_ID_FIELD]), self.keys.intake_stream],
                 args=[self._dedupe_ttl_ms, request_hash(fields), *flatten(fields)],
             )
-        )
-        if outcome < 0:
-            raise TaskIdConflict(
-                f"request_id {task_id!r} was already used with a different request; use a new id"
-            )
-        return outcome > 0
+        replies = await self.execute_scripted(pipe)
+        return [SubmitOutcome(int(reply)) for reply in replies[len(replies) - len(encoded) :]]
 
     async def ensure_group(self) -> None:
         """Create the intake stream and its consumer group if missing.
@@ -263,6 +300,23 @@ class IntakeOps(StoreBase):
         """Record that gateway `gateway_id` streams the task too (a retry
         through it; `task_hash.gateways_of` reads it back after a restart)."""
         await self.client.hset(self.keys.task(task_id), f"{ALSO_GATEWAY_PREFIX}{gateway_id}", "1")
+
+    async def also_gateways(self, task_ids: Sequence[str]) -> dict[str, set[str]]:
+        """Per task, the gateways `add_task_gateway` recorded (one round trip)."""
+        if not task_ids:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        for task_id in task_ids:
+            pipe.hkeys(self.keys.task(task_id))
+        replies = await pipe.execute()
+        return {
+            task_id: {
+                name[len(ALSO_GATEWAY_PREFIX) :]
+                for name in names
+                if name.startswith(ALSO_GATEWAY_PREFIX)
+            }
+            for task_id, names in zip(task_ids, replies, strict=True)
+        }
 
     async def mark_cancelled(self, task_id: str, ttl_s: float = 3600.0) -> None:
         """Mark the task cancelled before placement (`CANCELLED_FIELD` in its

@@ -40,6 +40,10 @@ INTAKE_GROUP = "scheduler"
 # A node whose heartbeat is older than this is treated as gone. Executors
 # heartbeat several times per TTL (e.g. every TTL / 3).
 NODE_HEARTBEAT_TTL_S = 5.0
+# The scheduler renews its liveness key every node poll; gateways refuse new
+# work (UNAVAILABLE) once it lapses. Long enough to ride out a supervised
+# restart of a few seconds, during which the intake keeps what arrives.
+SCHEDULER_ALIVE_TTL_S = 10.0
 # How long a task id stays known to the intake's dedupe check.
 DEDUPE_TTL_S = 24 * 3600.0
 # A gateway renews its lease (on every stream it reads) every
@@ -145,6 +149,11 @@ class RedisKeys:
     def scheduler_epoch(self) -> str:
         """Wall-clock epoch of the scheduler's planner time (set once)."""
         return self._key("scheduler", "epoch")
+
+    @property
+    def scheduler_alive(self) -> str:
+        """Set with a TTL while a scheduler runs its loops (gateways check it)."""
+        return self._key("scheduler", "alive")
 
     @property
     def scheduler_slo(self) -> str:

@@ -17,8 +17,6 @@ from lemix.infra.store.base import StoreBase, as_fields, stream_entries, to_ms
 from lemix.infra.store.codec import Entry, FieldValue, encode_fields
 from lemix.infra.store.keys import STREAM_LEASE_TTL_S
 
-_WAKE_FIELDS = {"wake": "1"}
-
 
 class OutputOps(StoreBase):
     """Append to, read and expire output streams; take and drop gateway leases."""
@@ -116,20 +114,15 @@ class OutputOps(StoreBase):
         """(Re)take gateway `owner`'s lease (`RedisKeys.gateway_lease`), and
         with `wake` wake `owner`'s output reader (`wake_reader`), one round trip."""
         pipe = self.client.pipeline(transaction=False)
-        pipe.set(self.keys.gateway_lease(owner), owner, px=to_ms(ttl_s, "ttl_s"))
-        if wake:
-            self._queue_wake(pipe, owner)
+        self.queue_gateway_hold(pipe, owner, lease_ttl_s=ttl_s, wake=wake)
         await pipe.execute()
 
     async def wake_reader(self, owner: str) -> None:
         """Append to `owner`'s wake stream: its reader's blocking `read_outputs`
         (given `wake`) returns, to read again with the streams added since."""
         pipe = self.client.pipeline(transaction=False)
-        self._queue_wake(pipe, owner)
+        self.queue_gateway_hold(pipe, owner, lease_ttl_s=None, wake=True)
         await pipe.execute()
-
-    def _queue_wake(self, pipe: Any, owner: str) -> None:
-        pipe.xadd(self.keys.reader_wake(owner), _WAKE_FIELDS, maxlen=1, approximate=False)
 
     async def keep_gateway_lease(self, owner: str, ttl_s: float = STREAM_LEASE_TTL_S) -> None:
         """Renew gateway `owner`'s lease and its wake stream's TTL (its lease
