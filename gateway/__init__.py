@@ -9,7 +9,9 @@ OpenAI-compatible HTTP API, one request path behind both.
 - `gateway.servicer`         — `GatewayServicer` (thin: gRPC -> core).
 - `gateway.openai_convert`   — OpenAI JSON -> requests (then `gateway.validate`).
 - `gateway.openai_responses` — responses -> OpenAI JSON; errors -> HTTP statuses.
-- `gateway.http_api`         — the aiohttp routes (thin: HTTP -> core).
+- `gateway.http_api`         — the aiohttp routes (thin: HTTP -> core); with
+  `gateway.http_middleware` (headers, API key, errors), `gateway.http_body`
+  (JSON bodies), `gateway.http_sse` (streams, disconnects), `gateway.http_cors`.
 - `gateway.service`          — `GatewayService`: start/stop the servers and clients.
 
 Run it with ``python -m gateway [flags]``.

@@ -52,7 +52,7 @@ async def cancel_all(tasks: Sequence[asyncio.Future[Any]]) -> None:
     """Cancel `tasks` and wait until every one has ended. The cancel is
     repeated: on Python 3.11 one that lands while redis-py is inside
     `asyncio.wait_for` can be swallowed, and the reader would go on
-    generating for nobody (see `gateway.http_api._run_unless_gone`).
+    generating for nobody (see `gateway.http_sse.run_unless_gone`).
 
     Being cancelled itself (the caller's cancel, repeated the same way) does
     not stop the wait: the readers must be gone before their streams are

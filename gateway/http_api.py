@@ -41,38 +41,45 @@ within the caller's scope (``Authorization: Bearer`` key and ``X-Client-Id``,
 hashed: `gateway.validate.client_scope`): the same request again replays its
 answer, another request under that id is a 409.
 
-Handlers are thin: `gateway.openai_convert` parses, `gateway.core.GatewayCore`
-runs the request exactly as gRPC's Generate/Train would (validation, in-flight
-bound, Submit, the Redis output stream), `gateway.openai_responses` builds the
-JSON and maps errors. A client that disconnects cancels its task. Completions
-and training count in the gateway's metrics exactly as gRPC calls do
-(`gateway.observe`, with the gRPC status name as the code).
+Handlers are thin: `gateway.http_body` reads the JSON, `gateway.openai_convert`
+parses it, `gateway.core.GatewayCore` runs the request exactly as gRPC's
+Generate/Train would (validation, in-flight bound, Submit, the Redis output
+stream), `gateway.openai_responses` builds the JSON and maps errors,
+`gateway.http_middleware` adds the headers, the API key check and the error
+answers, `gateway.http_sse` streams. A client that disconnects cancels its
+task. Completions and training count in the gateway's metrics exactly as gRPC
+calls do (`gateway.observe`, with the gRPC status name as the code).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import math
-import re
 import ssl
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.config import GatewayConfig
-from gateway.core import BUSY_RETRY_AFTER_S, NO_EXECUTOR_MESSAGE, GatewayCore
+from gateway.core import NO_EXECUTOR_MESSAGE, GatewayCore
+from gateway.http_body import read_json
 from gateway.http_cors import Cors, parse_origins
+from gateway.http_middleware import (
+    REQUEST_ID_HEADER,
+    REQUEST_ID_KEY,
+    common_headers,
+    http_code_of,
+    openai_errors,
+    require_api_key,
+)
+from gateway.http_sse import HTTP_GONE_REASON, SseStreams, gone_reason, run_unless_gone
 from gateway.model_limits import context_tokens
-from gateway.observe import GenerateObservation, SloCache, code_of, observe_training
-from gateway.openai_choices import Choices, choice_requests, collect, firsts, merged
+from gateway.observe import GenerateObservation, SloCache, observe_training
+from gateway.openai_choices import Choices, choice_requests, collect
 from gateway.openai_convert import (
     BadRequest,
     CompletionRequest,
@@ -85,218 +92,19 @@ from gateway.openai_convert import (
     templated_chat_ids,
     use_chat_template,
 )
-from gateway.openai_responses import (
-    CompletionBuilder,
-    Json,
-    error_for,
-    error_for_status,
-    model_body,
-    models_body,
-    unauthorized_body,
-)
-from gateway.openai_stops import STOPPED_REASON
+from gateway.openai_responses import CompletionBuilder, model_body, models_body
 from gateway.tasks import TaskReader
 from gateway.validate import check_token_ids, scope_from_headers
 from lemix import __version__
-from lemix._proto.lemix.v1 import gateway_pb2
 from lemix.infra import telemetry
 from lemix.infra.rpc.auth import ApiKeyCheck
-from lemix.infra.rpc.errors import ServiceError, Unavailable
+from lemix.infra.rpc.errors import ServiceError
 from lemix.infra.rpc.server import MAX_MESSAGE_BYTES
 from lemix.infra.task_states import task_info_to_dict
 from lemix.tokenizer import encode_prompt
 from lemix.types import TaskPayload
 
-log = structlog.get_logger(__name__)
-
-# The failure reason a task gets when its HTTP client goes away (docs/protocol.md).
-HTTP_GONE_REASON = "CANCELLED: the HTTP client disconnected"
-SHUTDOWN_REASON = "CANCELLED: the gateway stopped before the stream ended"
-# How often a non-streaming request checks that its client is still there.
-_DISCONNECT_POLL_S = 0.1
-# A completion's idempotency key when its body has no `request_id` (vLLM's header).
-REQUEST_ID_HEADER = "X-Request-Id"
-RETRY_AFTER_HEADER = "Retry-After"
-# Statuses that say "try again later": they always carry Retry-After.
-_RETRY_STATUSES = (429, 503)
-# Routes open without an API key: probes, and the metrics Prometheus scrapes
-# (the metrics port is open too; neither carries request data).
-OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
-# Where a request keeps its id once known (the completion's task id, or one
-# made up); a typed key where aiohttp has them (3.12+: plain strings warn).
-_REQUEST_ID_KEY: Any = (
-    web.RequestKey("lemix_request_id", str) if hasattr(web, "RequestKey") else "lemix.request_id"
-)
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Parse = Callable[[Any, str], CompletionRequest]
-
-
-def _http_code_of(exc: BaseException) -> str:
-    """`code_of`, plus aiohttp's own refusals of a request (e.g. a body over
-    the size limit), which are the client's: INVALID_ARGUMENT."""
-    if isinstance(exc, web.HTTPClientError):
-        return "INVALID_ARGUMENT"
-    return code_of(exc)
-
-
-def retry_after(seconds: float) -> str:
-    """A ``Retry-After`` value: whole seconds, at least 1."""
-    return str(max(1, math.ceil(seconds)))
-
-
-def request_id_of(request: web.Request) -> str:
-    """The id a response echoes in ``X-Request-Id``: the client's header,
-    else the completion's task id, else one made up for this request."""
-    given = request.headers.get(REQUEST_ID_HEADER)
-    if given:
-        return given
-    if _REQUEST_ID_KEY not in request:
-        request[_REQUEST_ID_KEY] = uuid.uuid4().hex
-    return str(request[_REQUEST_ID_KEY])
-
-
-@web.middleware
-async def _common_headers(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """``X-Request-Id`` on every response, ``Retry-After`` on every 429 and 503
-    (a streamed response sets its own before its headers go out)."""
-    response = await handler(request)
-    if not response.prepared:
-        response.headers.setdefault(REQUEST_ID_HEADER, request_id_of(request))
-        if response.status in _RETRY_STATUSES:
-            response.headers.setdefault(RETRY_AFTER_HEADER, retry_after(BUSY_RETRY_AFTER_S))
-    return response
-
-
-def require_api_key(check: ApiKeyCheck) -> Middleware:
-    """401 for a request to a route outside `OPEN_PATHS` without an accepted
-    ``Authorization: Bearer <key>``; the key itself is never logged."""
-
-    @web.middleware
-    async def require(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in OPEN_PATHS:
-            return await handler(request)
-        problem = check.http_problem(request.headers.get("Authorization"))
-        if problem is None:
-            return await handler(request)
-        log.info("http.unauthenticated", path=request.path, reason=problem.split(":")[0])
-        return web.json_response(
-            unauthorized_body(problem), status=401, headers={"WWW-Authenticate": "Bearer"}
-        )
-
-    return require
-
-
-@web.middleware
-async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure answers in OpenAI's error shape; the server keeps serving."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-        message = f"{exc.reason}: {request.method} {request.path}"
-        if isinstance(exc, web.HTTPRequestEntityTooLarge):  # its text names both sizes
-            message = f"{exc.text}; send a smaller body (split a Train call's samples)"
-        body = error_for_status(exc.status, message)
-        return web.json_response(body, status=exc.status, headers=headers)
-    except Exception as exc:
-        status, body = error_for(exc)
-        log.info("http.error", path=request.path, status=status, message=body["error"]["message"])
-        # 429 (busy, or a task refused for lack of room), 503: when to try again.
-        seconds = getattr(exc, "retry_after_s", BUSY_RETRY_AFTER_S)
-        retry = {RETRY_AFTER_HEADER: retry_after(seconds)}
-        return web.json_response(
-            body, status=status, headers=retry if status in _RETRY_STATUSES else None
-        )
-
-
-# A body may nest at most this deep (ours nest 4: body, messages, message,
-# content parts). Deeper is refused before parsing: `json.loads` recurses, and
-# a few thousand levels exhaust the interpreter's stack (a 500, not a 400).
-MAX_JSON_DEPTH = 32
-# A JSON string (skipped whole, brackets inside it are text) or a bracket.
-_JSON_STRING_OR_BRACKET = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
-
-
-def _is_nested_deeper(text: str, max_depth: int) -> bool:
-    """Whether `text` opens more than `max_depth` arrays/objects at once;
-    stops at the first level too deep."""
-    depth = 0
-    for match in _JSON_STRING_OR_BRACKET.finditer(text):
-        token = match.group()
-        if token in ("[", "{"):
-            depth += 1
-            if depth > max_depth:
-                return True
-        elif token in ("]", "}"):
-            depth -= 1
-    return False
-
-
-async def _json(request: web.Request) -> Any:
-    """The body, parsed; `BadRequest` for anything that is not JSON within
-    `MAX_JSON_DEPTH` (the parsers check it is an object)."""
-    try:
-        text = await request.text()
-    except UnicodeDecodeError as exc:
-        raise BadRequest(f"the request body is not UTF-8 text: {exc}") from None
-    if _is_nested_deeper(text, MAX_JSON_DEPTH):
-        raise BadRequest(
-            f"the request body nests arrays/objects more than {MAX_JSON_DEPTH} "
-            "levels deep; no field of this API needs that"
-        )
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, too-long ints
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
-
-
-async def _run_unless_gone(request: web.Request, work: Awaitable[None]) -> bool:
-    """Run `work` (reading a non-streaming request's answer); False (it was
-    cancelled) when the client disconnected first.
-
-    aiohttp's handler cancellation alone is not enough: on Python 3.11 a
-    cancel that lands while redis-py is inside `asyncio.wait_for` can be
-    swallowed, leaving a non-streaming request generating for nobody. So the
-    transport is polled too, and the cancel repeated until the work ends.
-    """
-    task = asyncio.ensure_future(work)
-    is_gone = False
-    try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            transport = request.transport
-            if not task.done() and (transport is None or transport.is_closing()):
-                is_gone = True
-                break
-    finally:
-        while not task.done():
-            task.cancel()
-            await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-    if is_gone:
-        return False
-    task.result()  # its error, if it failed
-    return True
-
-
-async def _send(stream: web.StreamResponse, body: Json) -> None:
-    await stream.write(f"data: {json.dumps(body)}\n\n".encode())
-
-
-def _gone_reason(
-    builder: CompletionBuilder, is_shutting_down: Callable[[], bool]
-) -> Callable[[], str]:
-    """Why a choice's task is cancelled when its stream is closed early."""
-
-    def reason() -> str:
-        if builder.is_stopped_early:
-            return STOPPED_REASON
-        return SHUTDOWN_REASON if is_shutting_down() else HTTP_GONE_REASON
-
-    return reason
 
 
 class HttpApi:
@@ -318,34 +126,18 @@ class HttpApi:
         self._tasks = TaskReader(core.store)
         keys = config.api_keys
         self._key_check = ApiKeyCheck(keys) if keys else None
-        # One event per open SSE stream: set when the server stops past its
-        # drain grace, so the stream ends itself with an error event.
-        self._open_streams: set[asyncio.Event] = set()
-        self._is_shutting_down = False
-
-    def is_shutting_down(self) -> bool:
-        return self._is_shutting_down
-
-    async def _on_shutdown(self, app: web.Application) -> None:
-        """aiohttp's shutdown signal (before it cancels handlers): streams get
-        the drain grace to finish, then the rest are told and ended."""
-        give_up_s = time.monotonic() + max(self.config.shutdown_grace_s - _SHUTDOWN_WRITE_S, 0.0)
-        while self._open_streams and time.monotonic() < give_up_s:
-            await asyncio.sleep(0.05)
-        self._is_shutting_down = True
-        for stopping in list(self._open_streams):
-            stopping.set()
+        self._sse = SseStreams(config.shutdown_grace_s)
 
     def app(self) -> web.Application:
-        middlewares: list[Middleware] = [_common_headers]  # outermost: sees every answer
+        middlewares: list[Middleware] = [common_headers]  # outermost: sees every answer
         cors = Cors(parse_origins(self.config.cors_allowed_origins))
         if cors.origins:  # preflights are answered before the API key check
             middlewares.append(cors.middleware)
         if self._key_check is not None:
             middlewares.append(require_api_key(self._key_check))
-        middlewares.append(_openai_errors)
+        middlewares.append(openai_errors)
         app = web.Application(middlewares=middlewares, client_max_size=MAX_MESSAGE_BYTES)
-        app.on_shutdown.append(self._on_shutdown)
+        app.on_shutdown.append(self._sse.on_shutdown)
         if cors.origins:
             app.on_response_prepare.append(cors.on_response_prepare)
         app.add_routes(
@@ -388,7 +180,7 @@ class HttpApi:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """The ids a completion's prompt (or a chat's messages) becomes."""
-        parsed = parse_tokenize(await _json(request), self.config.served_model_name)
+        parsed = parse_tokenize(await read_json(request), self.config.served_model_name)
         tokenizer = self.core.tokenizer
         templated = templated_chat_ids(tokenizer, parsed.messages) if parsed.messages else None
         if templated is not None:  # as the chat endpoint prompts: the template's own BOS
@@ -402,7 +194,7 @@ class HttpApi:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """The text of token ids (400 for an id outside the model's vocabulary)."""
-        ids = parse_detokenize(await _json(request), self.config.served_model_name)
+        ids = parse_detokenize(await read_json(request), self.config.served_model_name)
         limits = await self.core.model_limits.get()
         check_token_ids(ids, limits.vocab_size, "tokens")
         return web.json_response({"prompt": self.core.tokenizer.decode(ids)})
@@ -414,7 +206,7 @@ class HttpApi:
 
     async def train(self, request: web.Request) -> web.Response:
         task_ids = await observe_training(
-            self._train(request), len, _http_code_of, model_name=self.config.served_model_name
+            self._train(request), len, http_code_of, model_name=self.config.served_model_name
         )
         return web.json_response({"object": "lemix.train", "task_ids": task_ids})
 
@@ -452,7 +244,7 @@ class HttpApi:
     async def _complete(self, request: web.Request, parse: Parse) -> web.StreamResponse:
         received_s = self.core.clock()
         async with GenerateObservation(
-            self._slo, _http_code_of, model_name=self.config.served_model_name
+            self._slo, http_code_of, model_name=self.config.served_model_name
         ) as observation:
             return await self._run(request, parse, received_s, observation)
 
@@ -463,7 +255,7 @@ class HttpApi:
         received_s: float,
         observation: GenerateObservation,
     ) -> web.StreamResponse:
-        parsed = parse(await _json(request), self.config.served_model_name)
+        parsed = parse(await read_json(request), self.config.served_model_name)
         use_chat_template(parsed, self.core.tokenizer)  # a chat: the checkpoint's template
         generate = parsed.generate
         if not generate.request_id:  # the body's request_id wins over the header
@@ -482,7 +274,7 @@ class HttpApi:
         ]
         for task, _ in admitted:
             observation.on_admitted(task.num_prompt_tokens)
-        request[_REQUEST_ID_KEY] = admitted[0][0].task_id  # echoed unless the client sent its own
+        request[REQUEST_ID_KEY] = admitted[0][0].task_id  # echoed unless the client sent its own
         created = int(time.time())
         choices = Choices(
             [
@@ -509,7 +301,7 @@ class HttpApi:
 
         # aclosing: a disconnect (the handler is cancelled), a failed write or
         # a stop sequence closes the core's streams now, so their tasks are
-        # cancelled at once (with the reason of `_gone_reason`).
+        # cancelled at once (with the reason of `gone_reason`).
         async with contextlib.AsyncExitStack() as exits:
             streams = [
                 await exits.enter_async_context(
@@ -519,7 +311,7 @@ class HttpApi:
                                 task,
                                 payload,
                                 received_s=received_s,
-                                gone_reason=_gone_reason(builder, self.is_shutting_down),
+                                gone_reason=gone_reason(builder, self._sse.is_shutting_down),
                             )
                         )
                     )
@@ -527,8 +319,8 @@ class HttpApi:
                 for (task, payload), builder in zip(admitted, choices.builders, strict=True)
             ]
             if parsed.is_stream:
-                return await self._stream(request, parsed, choices, streams, on_stop)
-            if not await _run_unless_gone(request, collect(streams, choices, on_stop)):
+                return await self._sse.stream(request, parsed, choices, streams, on_stop)
+            if not await run_unless_gone(request, collect(streams, choices, on_stop)):
                 # Recorded like aiohttp's own handler cancellation.
                 raise asyncio.CancelledError(HTTP_GONE_REASON)
             return web.json_response(choices.body())
@@ -543,85 +335,10 @@ class HttpApi:
         text = generate.prompt or self.core.tokenizer.decode(generate.prompt_token_ids)
         return text, payload.prompt_token_ids
 
-    async def _stream(
-        self,
-        request: web.Request,
-        parsed: CompletionRequest,
-        choices: Choices,
-        streams: Sequence[AsyncIterator[gateway_pb2.GenerateResponse]],
-        on_stop: Callable[[], None],
-    ) -> web.StreamResponse:
-        # The first responses come before any byte is sent, so a request refused
-        # (invalid, overload, no executor, rejected task) still gets its status.
-        first = await firsts(streams)
-        stream = web.StreamResponse(
-            headers={**_SSE_HEADERS, REQUEST_ID_HEADER: request_id_of(request)}
-        )
-        await stream.prepare(request)
-        stopping = asyncio.Event()
-        self._open_streams.add(stopping)
-        forward = asyncio.create_task(
-            self._forward(stream, parsed, choices, streams, first, on_stop)
-        )
-        stop_wait = asyncio.create_task(stopping.wait())
-        try:
-            await asyncio.wait({forward, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-            if not forward.done():  # the server stops past its drain grace
-                forward.cancel()
-                with contextlib.suppress(BaseException):
-                    await forward
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(_send_shutdown(stream), _SHUTDOWN_WRITE_S)
-                return stream
-            forward.result()  # its error, if it ended with one
-        except ConnectionError:  # the client went away: closing `streams` cancels the tasks
-            return stream
-        except Exception as exc:  # the status line is sent: the error goes as an event
-            await _send(stream, error_for(exc)[1])
-        finally:
-            self._open_streams.discard(stopping)
-            stop_wait.cancel()
-            if not forward.done():  # this handler was cancelled (the client left)
-                forward.cancel()
-                with contextlib.suppress(BaseException):
-                    await forward
-        # The client may go right after the last chunk: not an error of ours.
-        with contextlib.suppress(ConnectionError):
-            await stream.write(b"data: [DONE]\n\n")
-            await stream.write_eof()
-        return stream
-
-    async def _forward(
-        self,
-        stream: web.StreamResponse,
-        parsed: CompletionRequest,
-        choices: Choices,
-        streams: Sequence[AsyncIterator[gateway_pb2.GenerateResponse]],
-        first: Sequence[gateway_pb2.GenerateResponse],
-        on_stop: Callable[[], None],
-    ) -> None:
-        """Every chunk of the merged choices, then the usage chunk if asked."""
-        async with contextlib.aclosing(merged(streams, choices, first, on_stop)) as chunks:
-            async for chunk in chunks:
-                await _send(stream, chunk)
-        if parsed.include_usage:
-            await _send(stream, choices.usage_chunk())
-
     async def _train(self, request: web.Request) -> list[str]:
         return await self.core.train(
-            parse_train(await _json(request)), scope=scope_from_headers(request.headers)
+            parse_train(await read_json(request)), scope=scope_from_headers(request.headers)
         )
-
-
-_SHUTDOWN_WRITE_S = 1.0  # the most a stopping server spends telling one stream
-
-
-async def _send_shutdown(stream: web.StreamResponse) -> None:
-    """An error event (UNAVAILABLE: retry elsewhere or later), then [DONE]."""
-    error = Unavailable("the gateway is shutting down; retry the request")
-    await _send(stream, error_for(error)[1])
-    await stream.write(b"data: [DONE]\n\n")
-    await stream.write_eof()
 
 
 # ------------------------------------------------------------------ server

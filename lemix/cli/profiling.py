@@ -163,7 +163,7 @@ async def _profile_and_store(config: ProfileCommandConfig) -> ProfileRun:
 
     from lemix.infra.rpc.errors import Unavailable
     from lemix.infra.store.client import RedisClientConfig, connect
-    from lemix.infra.store.server import redact_url
+    from lemix.infra.store.redis_password import redact_url
     from lemix.infra.store.store import Store
     from lemix.profile import save_profile
     from profiler.convert import profile_json

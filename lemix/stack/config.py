@@ -14,7 +14,8 @@ from pathlib import Path
 from lemix.infra.config import SHARED_ENV
 from lemix.infra.engine_options import ENGINE_OPTIONS, EngineKnobs
 from lemix.infra.rpc.auth import parse_api_keys
-from lemix.infra.store.server import APPENDFSYNC_POLICIES, check_password
+from lemix.infra.store.redis_password import check_password
+from lemix.infra.store.server import APPENDFSYNC_POLICIES
 from lemix.stack.supervisor import RestartPolicy
 
 # The service-specific variables `lemix up` sets, by the config field that

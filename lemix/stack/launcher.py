@@ -48,7 +48,9 @@ from typing import IO
 from lemix.infra.config import EXECUTOR, GATEWAY, PROFILER, SCHEDULER, listener_options
 from lemix.infra.rpc import EXECUTOR_SERVICE, GATEWAY_SERVICE, PROFILER_SERVICE, SCHEDULER_SERVICE
 from lemix.infra.rpc.auth import API_KEY_ENV, SERVICE_TOKEN_ENV, generate_token
-from lemix.infra.store.server import EmbeddedRedis, RedisServerError, generate_password
+from lemix.infra.store.redis_binary import RedisServerError
+from lemix.infra.store.redis_password import generate_password
+from lemix.infra.store.server import EmbeddedRedis
 from lemix.stack.config import SERVICE_ENV, StackConfig, stack_env
 from lemix.stack.process import STOP_TIMEOUT_S, RedisProcess, ServiceProcess, pick_free_ports
 from lemix.stack.supervisor import RestartPolicy, supervise

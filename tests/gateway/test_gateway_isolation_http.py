@@ -17,7 +17,7 @@ import pytest
 from gateway_fakes import FakeScheduler, GatewayFactory, Script, flushed_stats
 from test_http_api import HttpStack, stack  # noqa: F401 - the real stack's fixture
 
-from gateway.http_api import MAX_JSON_DEPTH
+from gateway.http_body import MAX_JSON_DEPTH
 from gateway.service import GatewayService
 from lemix.infra.rpc.server import MAX_MESSAGE_BYTES
 from lemix.infra.store.store import Store

@@ -50,21 +50,21 @@ def test_early_exit_keeps_the_first_nodes_and_their_scores(overrides: dict) -> N
             make_request(f"q{step}", now_s, rng.randint(10, 400), rng.randint(5, 80)),
             make_training(f"p{step}", now_s, rng.randint(20, 200), rng.randint(1, 4)),
         ):
-            every = {v.node_id: planner._predict(v, task, now_s) for v in planner.views}
+            every = {v.node_id: planner.predictor.predict(v, task, now_s) for v in planner.views}
             full = policy.rank(task, planner.views, every, context)
             for view in planner.views:
                 costs = planner.estimator.costs(view, task, now_s)
                 bound = policy.score_upper_bound(
                     task,
                     view,
-                    planner._response_floor_s(view, task, now_s, costs),
+                    planner.predictor.response_floor_s(view, task, now_s, costs),
                     costs.time_between_tokens_s,
                     context,
                 )
                 assert bound is not None
                 assert policy.score(task, view, every[view.node_id], context) <= bound
             for k in (1, 3):
-                some = planner._candidates(task, now_s, planner.views, context, k)
+                some = planner.predictor.candidates(task, now_s, planner.views, context, k, False)
                 ranked = policy.rank(task, planner.views, some, context)
                 assert [(r.node_id, r.score) for r in ranked[:k]] == [
                     (r.node_id, r.score) for r in full[:k]
@@ -86,7 +86,7 @@ def test_paper_form_has_no_bound_and_predicts_every_node() -> None:
     planner = make_planner("lemix-paper", num_nodes=6)
     task = make_request("a", 0.0)
     context = planner.context(0.0)
-    assert len(planner._candidates(task, 0.0, planner.views, context, 1)) == 6
+    assert len(planner.predictor.candidates(task, 0.0, planner.views, context, 1, False)) == 6
 
 
 def _decisions(planner: Planner, seed: int) -> list[str]:
@@ -111,6 +111,7 @@ def test_cluster_admission_probe_memo_changes_no_decision(monkeypatch: pytest.Mo
     config = {"num_training_nodes": 2, "is_admission_cluster_wide": True, "slo_ttft_s": 0.3}
     memo = _decisions(make_planner("lemix", num_nodes=6, **config), seed=3)
     unmemoized = make_planner("lemix", num_nodes=6, **config)
-    monkeypatch.setattr(unmemoized, "_other_probe_misses", unmemoized._probe_misses)
+    admission = unmemoized.admission
+    monkeypatch.setattr(admission, "_other_probe_misses", admission._probe_misses)
     assert _decisions(unmemoized, seed=3) == memo
     assert any("Deferral" in d for d in memo)  # the admission check ran and said no

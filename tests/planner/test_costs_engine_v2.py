@@ -131,7 +131,7 @@ def test_with_slices_an_inference_waits_one_slice_not_the_queued_training() -> N
         assert any(isinstance(d, Placement) for d in planner.plan(0.0))
         request = make_request("r0", 0.0, 100, 10)
         view = planner.views[0]
-        return planner._predict(view, request, 0.0).response_s
+        return planner.predictor.predict(view, request, 0.0).response_s
 
     trace_s = response_after_training(None)
     sliced_s = response_after_training(0.01)

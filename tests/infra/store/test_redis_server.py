@@ -17,15 +17,13 @@ import pytest
 import redis
 from redis_pool import TEST_POOL_SIZE
 
-from lemix.infra.store.server import (
-    EmbeddedRedis,
+from lemix.infra.store.redis_binary import (
     RedisServerError,
-    check_password,
     find_redis_server,
-    generate_password,
-    redact_url,
     redis_server_version,
 )
+from lemix.infra.store.redis_password import check_password, generate_password, redact_url
+from lemix.infra.store.server import EmbeddedRedis
 
 
 def _is_alive(pid: int) -> bool:
