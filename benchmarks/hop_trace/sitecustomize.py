@@ -9,6 +9,7 @@ to ``$LEMIX_HOP_TRACE_DIR/<pid>.log``. One host, so one clock for every process.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.abc
 import importlib.machinery
@@ -31,7 +32,21 @@ def _tid(obj: Any) -> str:
     return ""
 
 
-def _detail(label: str, args: tuple[Any, ...]) -> str:
+def _detail(label: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    if label == "settle":  # the replay client's own times, in epoch s
+        record, t0 = args[0].record, kwargs["t0_epoch_s"]
+        first = "" if record.first_token_s is None else f"{t0 + record.first_token_s:.6f}"
+        return f"{record.task_id} {t0 + record.arrival_s:.6f} {first}"
+    if label == "_generate":  # the replay client starts a request's call
+        return str(args[2].record.task_id)
+    if label == "GatewayServicer.Generate":
+        return str(args[1].request_id)
+    if label.startswith("StreamLeases.take"):
+        return str(args[1])
+    if label == "OutputStream.__init__":
+        return str(args[1])
+    if label == "OutputStream.on_message":
+        return str(args[0].task_id)
     if label.endswith("_handle_intake"):
         return ",".join(f.get("task_id", "?") for _, f in args[1])
     if label.endswith("._run_stage"):
@@ -60,11 +75,21 @@ class _Log:
 
 
 def _wrap(label: str, fn: Any) -> Any:
+    if inspect.isasyncgenfunction(fn):
+
+        @functools.wraps(fn)
+        async def traced_gen(*args: Any, **kwargs: Any) -> Any:
+            _Log.line(label, _detail(label, args, kwargs))
+            async with contextlib.aclosing(fn(*args, **kwargs)) as gen:
+                async for item in gen:
+                    yield item
+
+        return traced_gen
     if inspect.iscoroutinefunction(fn):
 
         @functools.wraps(fn)
         async def traced_async(*args: Any, **kwargs: Any) -> Any:
-            detail = _detail(label, args)
+            detail = _detail(label, args, kwargs)
             _Log.line(label + ">", detail)
             try:
                 return await fn(*args, **kwargs)
@@ -75,15 +100,20 @@ def _wrap(label: str, fn: Any) -> Any:
 
     @functools.wraps(fn)
     def traced(*args: Any, **kwargs: Any) -> Any:
-        _Log.line(label, _detail(label, args))
+        _Log.line(label, _detail(label, args, kwargs))
         return fn(*args, **kwargs)
 
     return traced
 
 
-TARGETS = {
+TARGETS: dict[str, list[tuple[str | None, str]]] = {
     "gateway.core": [("GatewayCore", "_require_live_executor"), ("GatewayCore", "_submit")],
     "gateway.reader": [("Follower", "deliver")],
+    "gateway.convert": [("OutputStream", "__init__"), ("OutputStream", "on_message")],
+    "lemix.harness.task_watch": [(None, "settle")],
+    "lemix.harness.replay": [(None, "_generate")],
+    "gateway.servicer": [("GatewayServicer", "Generate")],
+    "gateway.upkeep": [("StreamLeases", "take")],
     "services.scheduler.service": [
         ("SchedulerService", "submit"),
         ("SchedulerService", "_handle_intake"),
@@ -108,9 +138,12 @@ class _Loader(importlib.abc.Loader):
 
     def exec_module(self, module: Any) -> None:
         self.inner.exec_module(module)
-        for cls_name, method in TARGETS[self.name]:
+        for cls_name, name in TARGETS[self.name]:
+            if cls_name is None:  # a module-level function
+                setattr(module, name, _wrap(name, getattr(module, name)))
+                continue
             cls = getattr(module, cls_name)
-            setattr(cls, method, _wrap(f"{cls_name}.{method}", cls.__dict__[method]))
+            setattr(cls, name, _wrap(f"{cls_name}.{name}", cls.__dict__[name]))
 
 
 class _Finder(importlib.abc.MetaPathFinder):
