@@ -134,6 +134,9 @@ class ExecutorService(Service):
         export_pool_metrics(redis)
         await redis.ping()
         self._store = Store(redis, RedisKeys(config.namespace))
+        # Cached before the first request: a fresh Redis would answer its
+        # first script call NOSCRIPT, a round trip more in that request's path.
+        await self._store.load_scripts()
         self._sink = RedisOutcomeSink(self._store, config.node_id, backend=backend)
         node = self.node = ExecutorNode(
             engine,

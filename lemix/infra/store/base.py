@@ -96,8 +96,7 @@ class StoreBase:
         replies = list(await pipe.execute(raise_on_error=False))
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
-            for script in self._scripts():
-                script.sha = await self.client.script_load(script.script)
+            await self.load_scripts()
             again = self.client.pipeline(transaction=False)
             for i in missing:
                 args, options = commands[i]
@@ -108,6 +107,17 @@ class StoreBase:
             if isinstance(reply, Exception):
                 raise reply
         return replies
+
+    async def load_scripts(self) -> None:
+        """Load every script into Redis's cache in one round trip: a fresh
+        Redis (a stack's first request) answers NOSCRIPT once, and a load per
+        script, awaited in turn, put ten round trips in that request's path."""
+        scripts = self._scripts()
+        pipe = self.client.pipeline(transaction=False)
+        for script in scripts:
+            pipe.script_load(script.script)
+        for script, sha in zip(scripts, await pipe.execute(), strict=True):
+            script.sha = sha
 
     def _scripts(self) -> list[AsyncScript]:
         return [

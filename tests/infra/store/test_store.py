@@ -464,6 +464,25 @@ async def test_pipelined_scripts_take_one_round_trip_and_survive_a_script_flush(
     assert 0 < await redis_client.pttl(store.keys.task("a")) <= 60_000
 
 
+async def test_loaded_scripts_spare_the_first_call_its_noscript(
+    store: Store, redis_client: aioredis.Redis
+) -> None:
+    # A fresh Redis has no scripts: `load_scripts` (the executor's start)
+    # caches them all, so the first scripted pipeline runs at once instead of
+    # answering NOSCRIPT and loading them in the request's path.
+    async def noscripts() -> int:
+        stats = await redis_client.info("commandstats")
+        return int(stats.get("cmdstat_evalsha", {}).get("failed_calls", 0))
+
+    await redis_client.script_flush()
+    await store.load_scripts()
+    loaded, refused = await _script_calls(redis_client), await noscripts()
+    assert await store.set_task_states([("a", {"status": "queued"})]) == [True]
+    assert await store.finish_tasks([("a", "completed", "")]) == [True]
+    assert await _script_calls(redis_client) == loaded  # no reload
+    assert await noscripts() == refused  # no NOSCRIPT reply
+
+
 async def test_accept_intake_checks_and_records_in_one_step(store: Store) -> None:
     await store.finish_task("done", "completed")
     await store.mark_cancelled("gone")
