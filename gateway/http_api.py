@@ -65,7 +65,7 @@ from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.config import GatewayConfig
-from gateway.core import NO_EXECUTOR_MESSAGE, GatewayCore
+from gateway.core import NO_EXECUTOR_MESSAGE, NO_SCHEDULER_MESSAGE, GatewayCore
 from gateway.http_body import read_json
 from gateway.http_cors import Cors, parse_origins
 from gateway.http_middleware import (
@@ -218,13 +218,15 @@ class HttpApi:
         if not self._is_serving():
             return web.json_response({"status": "stopping"}, status=503)
         try:
-            is_live = await self.core.has_live_executor()
+            liveness = await self.core.liveness()
         except ServiceError as exc:  # Redis unreachable
             return web.json_response({"status": "unavailable", "reason": str(exc)}, status=503)
-        if not is_live:
-            return web.json_response(
-                {"status": "unavailable", "reason": NO_EXECUTOR_MESSAGE}, status=503
-            )
+        for is_live, reason in (
+            (liveness.has_executor, NO_EXECUTOR_MESSAGE),
+            (liveness.has_scheduler, NO_SCHEDULER_MESSAGE),
+        ):
+            if not is_live:
+                return web.json_response({"status": "unavailable", "reason": reason}, status=503)
         return web.json_response({"status": "ok"})
 
     async def ping(self, request: web.Request) -> web.Response:

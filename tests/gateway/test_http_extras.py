@@ -17,6 +17,7 @@ from multidict import CIMultiDict
 
 import lemix
 from gateway.service import GatewayService
+from lemix.infra.store.store import Store
 
 MESSAGES: list[Any] = [{"role": "user", "content": "Say hello."}]
 
@@ -50,6 +51,19 @@ async def test_ping_and_version(make_gateway: GatewayFactory) -> None:
     assert (status, body) == (200, b"")
     status, _, body = await _get(gateway, "/version")
     assert status == 200 and body.decode() == f'{{"version": "{lemix.__version__}"}}'
+
+
+async def test_health_names_what_is_missing(
+    make_gateway: GatewayFactory, fake_scheduler: FakeScheduler, store: Store
+) -> None:
+    gateway = await make_gateway()  # node_check_s 0: every check reads Redis
+    status, _, body = await _get(gateway, "/health")
+    assert status == 503 and b"no live executor" in body
+    await store.put_node_state(7, {"address": "127.0.0.1:1"}, ttl_s=60.0)
+    assert (await _get(gateway, "/health"))[0] == 200
+    await store.drop_scheduler_alive()
+    status, _, body = await _get(gateway, "/health")
+    assert status == 503 and b"no live scheduler" in body
 
 
 async def test_request_id_is_echoed_on_every_response(
