@@ -248,6 +248,18 @@ COUNTER_FIELDS = (
 )
 
 
+def merge_responses(
+    first: gateway_pb2.GenerateResponse, then: gateway_pb2.GenerateResponse
+) -> gateway_pb2.GenerateResponse:
+    """One response for two consecutive ones of a stream (`first` updated):
+    tokens, logprobs and text appended; counts, the node and the end's
+    fields from `then`; `first`'s TTFT kept (a later message has none)."""
+    text = first.text + then.text
+    first.MergeFrom(then)  # repeated fields append; set scalars of `then` win
+    first.text = text
+    return first
+
+
 def stats_to_proto(
     counters: Mapping[str, int],
     nodes: Sequence[common_pb2.NodeState],

@@ -46,7 +46,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.config import GatewayConfig
-from gateway.convert import OutputStream, stats_to_proto
+from gateway.convert import OutputStream, TaskEnded, merge_responses, stats_to_proto
 from gateway.model_limits import ModelLimitsCache, context_tokens
 from gateway.reader import Follower, OutputReader
 from gateway.upkeep import StreamLeases, Upkeep
@@ -379,14 +379,29 @@ class GatewayCore:
     async def _follow(
         self, stream: OutputStream, follower: Follower
     ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
-        """Read the task's output stream to its end message, yielding responses."""
+        """Read the task's output stream to its end message, yielding responses.
+
+        The messages one read returns go out as one response (`merge_responses`):
+        a caller that fell behind, or a node that wrote several iterations
+        between two reads, costs one stream write, not one per message.
+        """
         while not stream.is_ended:
-            for _, fields in await self._next_output(follower):
-                response = stream.on_message(fields)
-                if response is not None:
-                    yield response
-                if stream.is_ended:
-                    break
+            pending: gateway_pb2.GenerateResponse | None = None
+            try:
+                for _, fields in await self._next_output(follower):
+                    response = stream.on_message(fields)
+                    if response is not None:
+                        pending = (
+                            response if pending is None else merge_responses(pending, response)
+                        )
+                    if stream.is_ended:
+                        break
+            except TaskEnded:
+                if pending is not None:  # what came before the failed end is still sent
+                    yield pending
+                raise
+            if pending is not None:
+                yield pending
 
     async def _submit(
         self, tasks: Sequence[tuple[Task, TaskPayload]], hold: GatewayHold | None = None

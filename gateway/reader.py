@@ -8,8 +8,8 @@ Redis.
 
 Adding a stream while the read blocks: the read would not see it until it
 returns. So whoever adds one while the loop is blocked (`is_waiting`) appends
-to this gateway's wake stream (`RedisKeys.reader_wake`, sent by
-`StreamLeases.take`, with the gateway's lease when that is written too); the read includes that
+to this gateway's wake stream (`RedisKeys.reader_wake`, sent in the round
+trip that writes the task to the intake, `GatewayHold.is_wake`); the read includes that
 stream from its last seen entry, so a wake written before the read arrives is
 not missed either. The loop then reads again with the new set. One wake per
 blocked read is enough (`claim_wake`): a burst of new streams costs one extra
@@ -113,7 +113,8 @@ class OutputReader:
 
     def claim_wake(self) -> bool:
         """True when the caller, having just added a stream, must wake the
-        read (`Store.wake_reader`, or `StreamLeases.take(wake=True)`): the
+        read (`Store.wake_reader`, or with its task's intake write,
+        `GatewayHold.is_wake`): the
         loop is blocked in a read without it and nobody has woken it yet."""
         if not self._is_waiting or self._is_wake_claimed:
             return False

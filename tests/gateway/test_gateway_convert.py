@@ -5,7 +5,14 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from gateway.convert import OutputStream, TaskEnded, stats_to_proto, status_for_reason
+from gateway.convert import (
+    OutputStream,
+    TaskEnded,
+    merge_responses,
+    stats_to_proto,
+    status_for_reason,
+)
+from lemix._proto.lemix.v1 import gateway_pb2
 from lemix.infra.store.heartbeat import node_state_from_heartbeat
 from lemix.model.tokenizer import BPETokenizer, corpus_fingerprint, train_bpe
 from lemix.outputs import format_token_ids, parse_token_ids
@@ -196,3 +203,31 @@ def test_missing_or_malformed_ids_end_the_stream(ids: str) -> None:
 def test_token_ids_field_round_trips() -> None:
     assert format_token_ids([15, 0, 2046]) == "15,0,2046"
     assert parse_token_ids("15,0,2046") == (15, 0, 2046) and parse_token_ids("") == ()
+
+
+def test_merged_responses_read_as_the_two_in_a_row() -> None:
+    first = gateway_pb2.GenerateResponse(
+        request_id="r",
+        token_ids=[5, 6],
+        text="ab",
+        ttft_s=0.2,
+        node_id=1,
+        num_output_tokens=2,
+        logprobs=[gateway_pb2.TokenLogprob(logprob=-0.5), gateway_pb2.TokenLogprob(logprob=-1)],
+    )
+    end = gateway_pb2.GenerateResponse(
+        request_id="r",
+        token_ids=[7],
+        text="c",
+        node_id=1,
+        num_output_tokens=3,
+        logprobs=[gateway_pb2.TokenLogprob(logprob=-2)],
+        is_finished=True,
+        finish_reason="length",
+        e2e_s=0.9,
+    )
+    merged = merge_responses(first, end)
+    assert list(merged.token_ids) == [5, 6, 7] and merged.text == "abc"
+    assert [lp.logprob for lp in merged.logprobs] == [-0.5, -1, -2]
+    assert (merged.ttft_s, merged.e2e_s, merged.num_output_tokens) == (0.2, 0.9, 3)
+    assert merged.is_finished and merged.finish_reason == "length"
