@@ -1,21 +1,29 @@
 """The engine v2 flags of `lemix sim` and `lemix compare` (issue 9), mapped onto
-`SimRunConfig`'s knobs. Every default is the v1 engine: one micro-batch in
-flight per node, whole prompts, whole training passes.
+`SimRunConfig`'s knobs. Every default is engine v2 (since 2026-12-02; the
+tables of docs/results.md measured before then ran v1):
 
 - ``--micro-batches N|auto``: inference micro-batches in flight per node;
-  auto = one per stage, so every stage of the pipeline can work at once.
+  auto (default) = one per stage, so every stage of the pipeline can work at
+  once.
 - ``--prefill-budget TOKENS|auto|off``: tokens one iteration may carry (each
-  decode step counts one; prefills are chunked into the rest); auto = the
-  profile-derived default of `lemix.engine_config.default_prefill_token_budget`.
+  decode step counts one; prefills are chunked into the rest); auto (default)
+  = the profile-derived `lemix.engine_config.default_prefill_token_budget`.
 - ``--train-slice-s SECONDS|auto|off``: the longest uninterrupted piece of a
-  training pass on one stage; auto = half the run's TBT SLO, so a decode step
-  that arrives behind a slice still has half its SLO left to run in. The SLO
-  depends on the workload (`lemix.slo.compute_slo`), so auto is resolved when
-  each run's SLO is known (`SimRunConfig.train_slice_tbt_fraction`).
+  training pass on one stage; auto (default) = half the run's TBT SLO, so a
+  decode step that arrives behind a slice still has half its SLO left to run
+  in. The SLO depends on the workload (`lemix.slo.compute_slo`), so auto is
+  resolved when each run's SLO is known (`SimRunConfig.train_slice_tbt_fraction`).
 - ``--batch-cap node|micro-batch``: what ``--max-batch-size`` C caps once there
-  are micro-batches: the node's running requests, split evenly (default), or
-  each micro-batch's iteration (the node holds up to M × C when KV memory
-  allows), as vLLM's pipeline-parallel virtual engines do.
+  are micro-batches: the node's running requests, split evenly, or each
+  micro-batch's iteration (default; the node holds up to M × C when KV memory
+  allows), as vLLM's pipeline-parallel virtual engines do. The default is the
+  one docs/results.md measured better (engine v2, table (a), 2026-12-01):
+  SEPARATE serving on every node sustains 18.5 req/s at >= 90% SLO attainment
+  with the cap per micro-batch against 17.5 with the cap per node, and MIX-RR
+  16.75 with either (KV memory binds before the cap).
+
+``--micro-batches 1 --prefill-budget off --train-slice-s off`` is the v1
+engine (the batch cap is then moot: with one micro-batch both are C).
 """
 
 from __future__ import annotations
@@ -24,39 +32,41 @@ import argparse
 import math
 from typing import Any
 
-from lemix.engine_config import default_prefill_token_budget
+from lemix.engine_config import AUTO_TRAIN_SLICE_TBT_FRACTION, default_prefill_token_budget
 from lemix.profile import Profile
 
 AUTO, OFF = "auto", "off"
 BATCH_CAP_NODE, BATCH_CAP_MICRO_BATCH = "node", "micro-batch"
-AUTO_TRAIN_SLICE_TBT_FRACTION = 0.5  # --train-slice-s auto: half the TBT SLO
+# The flags' values that select the v1 engine (tests and benchmarks pin it so).
+V1_ENGINE_FLAGS = ("--micro-batches", "1", "--prefill-budget", OFF, "--train-slice-s", OFF)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--micro-batches",
-        default="1",
+        default=AUTO,
         metavar="N|auto",
-        help="inference micro-batches in flight per node (auto: one per stage; default 1)",
+        help="inference micro-batches in flight per node (auto, default: one per stage; 1 = v1)",
     )
     p.add_argument(
         "--prefill-budget",
-        default=OFF,
+        default=AUTO,
         metavar="TOKENS|auto|off",
-        help="chunked prefill: tokens per iteration (auto: profile default; default off)",
+        help="chunked prefill: tokens per iteration (auto, default: the profile's; off = v1)",
     )
     p.add_argument(
         "--train-slice-s",
-        default=OFF,
+        default=AUTO,
         metavar="SECONDS|auto|off",
-        help="longest piece of a training pass on a stage (auto: half the TBT SLO; default off)",
+        help="longest piece of a training pass on a stage (auto, default: half the TBT SLO; "
+        "off = v1)",
     )
     p.add_argument(
         "--batch-cap",
-        default=BATCH_CAP_NODE,
+        default=BATCH_CAP_MICRO_BATCH,
         choices=(BATCH_CAP_NODE, BATCH_CAP_MICRO_BATCH),
         help="what --max-batch-size caps with micro-batches: the node's running requests "
-        "(default) or each micro-batch's iteration",
+        "or each micro-batch's iteration (default)",
     )
 
 
