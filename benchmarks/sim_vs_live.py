@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         latency_noise_cv=args.noise_cv,
         train_rate=args.train_rate,
-        **engine_knobs(args, profile),
+        **engine_knobs(args),
     )
     engine = sim_config.engine_config(slo, profile)  # resolved (an auto slice needs the SLO)
     args.engine = EngineKnobs(

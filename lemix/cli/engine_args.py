@@ -7,7 +7,8 @@ tables of docs/results.md measured before then ran v1):
   once.
 - ``--prefill-budget TOKENS|auto|off``: tokens one iteration may carry (each
   decode step counts one; prefills are chunked into the rest); auto (default)
-  = the profile-derived `lemix.engine_config.default_prefill_token_budget`.
+  = the profile-derived `lemix.engine_config.default_prefill_token_budget`,
+  resolved with the run's profile.
 - ``--train-slice-s SECONDS|auto|off``: the longest uninterrupted piece of a
   training pass on one stage; auto (default) = half the run's TBT SLO, so a
   decode step that arrives behind a slice still has half its SLO left to run
@@ -30,10 +31,9 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Any
+from typing import Any, Literal
 
-from lemix.engine_config import AUTO_TRAIN_SLICE_TBT_FRACTION, default_prefill_token_budget
-from lemix.profile import Profile
+from lemix.engine_config import AUTO_TRAIN_SLICE_TBT_FRACTION
 
 AUTO, OFF = "auto", "off"
 BATCH_CAP_NODE, BATCH_CAP_MICRO_BATCH = "node", "micro-batch"
@@ -70,11 +70,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def engine_knobs(args: argparse.Namespace, profile: Profile) -> dict[str, Any]:
-    """`SimRunConfig` keyword arguments for the engine flags (ValueError on bad values)."""
+def engine_flags(args: argparse.Namespace) -> str:
+    """The engine flags of `args` that differ from the defaults, as a command
+    line spells them ("" for engine v2's defaults)."""
+    given = (
+        ("--micro-batches", args.micro_batches, AUTO),
+        ("--prefill-budget", args.prefill_budget, AUTO),
+        ("--train-slice-s", args.train_slice_s, AUTO),
+        ("--batch-cap", args.batch_cap, BATCH_CAP_MICRO_BATCH),
+    )
+    return " ".join(f"{flag} {value}" for flag, value, default in given if value != default)
+
+
+def engine_knobs(args: argparse.Namespace) -> dict[str, Any]:
+    """`SimRunConfig` keyword arguments for the engine flags (ValueError on bad
+    values); auto ones stay auto, resolved by the run with its profile and SLO."""
     return {
         "num_micro_batches": parse_micro_batches(args.micro_batches),
-        "prefill_token_budget": parse_prefill_budget(args.prefill_budget, profile),
+        "prefill_token_budget": parse_prefill_budget(args.prefill_budget),
         **parse_train_slice(args.train_slice_s),
         "is_batch_cap_per_micro_batch": args.batch_cap == BATCH_CAP_MICRO_BATCH,
     }
@@ -90,13 +103,14 @@ def parse_micro_batches(text: str) -> int | None:
     return value
 
 
-def parse_prefill_budget(text: str, profile: Profile) -> int | None:
-    """TOKENS >= 1, off (None: whole prompts) or auto (the profile's default)."""
+def parse_prefill_budget(text: str) -> int | Literal["auto"] | None:
+    """TOKENS >= 1, off (None: whole prompts) or auto (the profile's default,
+    `SimRunConfig` resolves it)."""
     lowered = text.strip().lower()
     if lowered == OFF:
         return None
     if lowered == AUTO:
-        return default_prefill_token_budget(profile)
+        return "auto"
     value = _int("--prefill-budget", text, "TOKENS|auto|off")
     if value < 1:
         raise ValueError(f"--prefill-budget must be >= 1 tokens, auto or off, got {value}")

@@ -21,7 +21,6 @@ from lemix.sim.simulator import SimResult, Simulator
 from lemix.slo import Slo, SloConfig, compute_slo
 from lemix.types import Task
 
-
 AUTO: Literal["auto"] = "auto"
 
 
@@ -132,6 +131,20 @@ V1_ENGINE: Mapping[str, Any] = MappingProxyType(
         "is_batch_cap_per_micro_batch": False,
     }
 )
+
+
+ENGINE_KNOB_FIELDS = tuple(V1_ENGINE)
+
+
+def engine_name(config: SimRunConfig) -> str:
+    """What a page should call `config`'s engine: "engine v2" (the defaults),
+    "engine v1" (`V1_ENGINE`) or "a custom engine" (any other knobs)."""
+    knobs = {name: getattr(config, name) for name in ENGINE_KNOB_FIELDS}
+    if knobs["num_micro_batches"] == 1:  # one micro-batch: either cap is C per node
+        knobs["is_batch_cap_per_micro_batch"] = False
+    if knobs == {name: getattr(SimRunConfig(), name) for name in ENGINE_KNOB_FIELDS}:
+        return "engine v2"
+    return "engine v1" if knobs == dict(V1_ENGINE) else "a custom engine"
 
 
 def serving_only_profile(profile: Profile) -> Profile:

@@ -109,8 +109,7 @@ def test_bad_knobs_are_refused(kwargs: dict[str, float]) -> None:
 
 def test_cli_defaults_are_engine_v2() -> None:
     run = _setup(*SIM)
-    budget = default_prefill_token_budget(load_profile(default_profile_path()))
-    assert (run.num_micro_batches, run.prefill_token_budget) == (None, budget)
+    assert (run.num_micro_batches, run.prefill_token_budget) == (None, "auto")
     assert (run.train_slice_s, run.train_slice_tbt_fraction) == (None, 0.5)
     assert run.is_batch_cap_per_micro_batch
 
@@ -163,11 +162,15 @@ def test_compare_template_carries_the_knobs() -> None:
 
 
 def test_prefill_budget_auto_is_the_engines_profile_default() -> None:
-    expected = default_prefill_token_budget(load_profile(default_profile_path()))
-    assert _setup(*SIM, "--prefill-budget", "auto").prefill_token_budget == expected
+    profile = load_profile(default_profile_path())
+    run = _setup(*SIM, "--prefill-budget", "auto")
+    assert run.prefill_token_budget == "auto"  # resolved with the run's profile
+    resolved = run.engine_config(SLO, profile).prefill_token_budget
+    assert resolved == default_prefill_token_budget(profile) == 512
     four = _setup(*SIM, "--stages", "4", "--prefill-budget", "auto")
-    four_stage = default_profile_path().with_name("a100-llama2-7b-4stage.json")
-    assert four.prefill_token_budget == default_prefill_token_budget(load_profile(four_stage))
+    four_stage = load_profile(default_profile_path().with_name("a100-llama2-7b-4stage.json"))
+    resolved = four.engine_config(SLO, four_stage).prefill_token_budget
+    assert resolved == default_prefill_token_budget(four_stage)
 
 
 @pytest.mark.parametrize(
