@@ -2,13 +2,15 @@
 
 4 nodes x 2 stages, the A100 Llama-2-7B profile. Engines:
   v1        one inference iteration in flight per node, whole prompts, whole
-            training passes (EngineConfig's defaults);
+            training passes (`lemix.sim.run.V1_ENGINE`; the default before
+            2026-12-02);
   v2        micro-batches auto (one per stage) + chunked prefill with the
             profile's default token budget (`default_prefill_token_budget`);
   v2+mbcap  v2 with C capping each micro-batch instead of the node
             (`--batch-cap micro-batch`: up to M x C requests per node when KV
             memory allows, as vLLM's pipeline-parallel virtual engines);
-  v2+slices v2+mbcap + training in slices of at most half the TBT SLO (part c).
+  v2+slices v2+mbcap + training in slices of at most half the TBT SLO (part c);
+            `SimRunConfig`'s defaults since 2026-12-02.
 
 (a) Saturation on the Azure conversation trace, time-scaled: the highest
     request rate at which the mean SLO attainment over a fixed seed set stays
@@ -52,11 +54,10 @@ from dataclasses import replace as dc_replace
 from pathlib import Path
 from typing import Any
 
-from lemix.cli.engine_args import AUTO_TRAIN_SLICE_TBT_FRACTION
-from lemix.engine_config import default_prefill_token_budget
+from lemix.engine_config import AUTO_TRAIN_SLICE_TBT_FRACTION, default_prefill_token_budget
 from lemix.profile import Profile, load_profile
 from lemix.report.metrics import format_table
-from lemix.sim.run import SimRunConfig, run_simulation
+from lemix.sim.run import V1_ENGINE, SimRunConfig, run_simulation
 from lemix.slo import Slo, SloConfig, compute_slo
 from lemix.types import TaskKind, TaskStatus
 from lemix.workload import (
@@ -168,13 +169,16 @@ class Workloads:
 
 def engines(profile: Profile, prefill_budget: int | None) -> dict[str, dict[str, Any]]:
     budget = default_prefill_token_budget(profile) if prefill_budget is None else prefill_budget
-    v2 = {"num_micro_batches": None, "prefill_token_budget": budget}
+    # Each engine spelled out from v1's knobs, not from `SimRunConfig`'s
+    # defaults (v2+slices since 2026-12-02), so the rows keep their meaning.
+    v1 = dict(V1_ENGINE)
+    v2 = {**v1, "num_micro_batches": None, "prefill_token_budget": budget}
     mbcap = {**v2, "is_batch_cap_per_micro_batch": True}
     return {
-        "v1": {},
+        "v1": v1,
         "v2": v2,
         "v2+mbcap": mbcap,
-        "v2-nochunk": {"num_micro_batches": None},
+        "v2-nochunk": {**v1, "num_micro_batches": None},
         "v2+slices": {**mbcap, "train_slice_tbt_fraction": AUTO_TRAIN_SLICE_TBT_FRACTION},
     }
 

@@ -6,7 +6,10 @@ proportions (train rate 0.3). Then PLACEMENTS more tasks are submitted one per
 `plan()` call and each call is timed with perf_counter; after each timed call
 the oldest outstanding task of the node that got the new one is finished
 (untimed), so the load stays at QUEUED per node throughout. A no-op loop with
-the same timing code gives the measurement overhead.
+the same timing code gives the measurement overhead. The planner models the
+engine `lemix sim`'s engine flags give (engine v2 by default since
+2026-12-02; the measurements in docs/results.md dated earlier modelled v1:
+`--micro-batches 1 --prefill-budget off --train-slice-s off`).
 
     .venv/bin/python benchmarks/planner_latency.py --json runs/bench/planner_latency.json
 
@@ -27,12 +30,14 @@ from typing import Any
 
 import numpy as np
 
+from lemix.cli.engine_args import add_engine_args, engine_knobs
 from lemix.memory import MemoryConfig
 from lemix.planner.base import PlannerConfig
 from lemix.planner.planner import Planner
 from lemix.planner.registry import build_planner
 from lemix.profile import Profile, default_profile_path, load_profile
 from lemix.report.metrics import format_table
+from lemix.sim.run import SimRunConfig
 from lemix.slo import SloConfig, compute_slo
 from lemix.types import Deferral, Placement, Task
 from lemix.workload import WorkloadConfig, build_workload
@@ -56,14 +61,22 @@ def make_tasks(num_nodes: int, num_needed: int, rate_per_node: float, seed: int)
     return list(wl.tasks[:num_needed])
 
 
-def make_planner(policy: str, num_nodes: int, profile: Profile, tasks: list[Task]) -> Planner:
+def make_planner(
+    policy: str, num_nodes: int, profile: Profile, tasks: list[Task], run: SimRunConfig
+) -> Planner:
+    """`policy`'s planner, modelling `run`'s engine as the simulator's would."""
     slo = compute_slo(profile, tasks, SloConfig())
+    engine = run.engine_config(slo, profile)
     config = PlannerConfig(
         num_nodes=num_nodes,
         num_stages=profile.num_stages,
         slo_ttft_s=slo.ttft_s,
         slo_tbt_s=slo.tbt_s,
         train_rate=TRAIN_RATE,
+        num_micro_batches=engine.num_micro_batches or profile.num_stages,
+        is_batch_cap_per_micro_batch=engine.is_batch_cap_per_micro_batch,
+        prefill_token_budget=engine.prefill_token_budget,
+        max_training_slice_s=engine.max_training_slice_s,
     )
     return build_planner(policy, config, profile, MemoryConfig())
 
@@ -141,10 +154,11 @@ def bench_one(
     profile: Profile,
     rate_per_node: float,
     seed: int,
+    run: SimRunConfig,
 ) -> dict[str, Any]:
     num_fill = queued * num_nodes
     tasks = make_tasks(num_nodes, num_fill + placements, rate_per_node, seed)
-    planner = make_planner(policy, num_nodes, profile, tasks)
+    planner = make_planner(policy, num_nodes, profile, tasks, run)
     outstanding = Outstanding(num_nodes)
     fill(planner, tasks[:num_fill], outstanding)
     counts_before = outstanding.counts()
@@ -178,12 +192,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default=str(default_profile_path()))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH")
+    add_engine_args(parser)
     args = parser.parse_args(argv)
     profile = load_profile(args.profile)
+    run = SimRunConfig(**engine_knobs(args))  # only its engine knobs are read
     overhead = noop_overhead_us(args.placements)
     rows = [
         bench_one(
-            policy, int(n), args.queued, args.placements, profile, args.rate_per_node, args.seed
+            policy,
+            int(n),
+            args.queued,
+            args.placements,
+            profile,
+            args.rate_per_node,
+            args.seed,
+            run,
         )
         for n in args.nodes.split(",")
         for policy in args.policies.split(",")

@@ -338,9 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         latency_noise_cv=args.noise_cv,
         train_rate=args.train_rate,
-        **engine_knobs(args, profile),
+        **engine_knobs(args),
     )
-    engine = sim_config.engine_config(slo)  # knobs resolved (an auto slice needs the SLO)
+    engine = sim_config.engine_config(slo, profile)  # resolved (an auto slice needs the SLO)
     args.engine = EngineKnobs(
         engine.num_micro_batches or 0,
         engine.prefill_token_budget or 0,

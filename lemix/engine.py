@@ -10,7 +10,8 @@ Work on a stage is non-preemptive; the next item is picked by priority
 arrival order; or plain arrival order with `stage_order="fifo"`). Inference
 runs as continuous-batching iterations (`lemix.batching`) in M micro-batches,
 each with one iteration in flight because each decode step needs the previous
-token (M = 1 by default: one iteration in flight per node, the v1 engine);
+token (`EngineConfig`'s M = 1: one iteration in flight per node, the v1
+engine; every entry point passes engine v2's M = S, `lemix.engine_config`);
 training tasks are their own forward chain (stages 0→S−1) and backward chain
 (S−1→0), optionally in slices. Micro-batches, chunked prefill and training
 slices are described in `lemix.engine_groups`, which holds their rules.

@@ -1,9 +1,15 @@
-"""A node engine's shape (`EngineConfig`) and the profile-derived default
-prefill token budget; `lemix.engine.NodeEngine` runs with them.
+"""A node engine's shape (`EngineConfig`) and the profile-derived defaults of
+engine v2's knobs; `lemix.engine.NodeEngine` runs with them.
 
-The defaults reproduce the v1 engine exactly: one iteration in flight per
-node, whole-prompt prefill, each stage's training pass in one piece. Engine v2's
-knobs (micro-batches, chunked prefill, training slices) are described in
+`EngineConfig`'s own defaults are the plain mechanism, the v1 engine: one
+iteration in flight per node, whole-prompt prefill, each stage's training pass
+in one piece; its unit tests build on them. Every entry point (the simulator's
+`SimRunConfig`, `lemix sim`/`compare`/`report`/`demo`, the executors and the
+scheduler through `lemix.infra.engine_options`, `lemix up`) defaults to engine
+v2 instead, resolved with the functions below: one micro-batch per stage,
+`default_prefill_token_budget`, and training slices of
+`AUTO_TRAIN_SLICE_TBT_FRACTION` × the TBT SLO (`default_train_slice_s` where
+the workload, hence the SLO, is not known). Engine v2's knobs are described in
 `lemix.engine_groups`.
 """
 
@@ -14,10 +20,14 @@ from dataclasses import dataclass, field
 from lemix.batching import BatchingConfig
 from lemix.memory import MemoryConfig
 from lemix.profile import Profile
+from lemix.slo import SloConfig, compute_slo
 
 # `default_prefill_token_budget`: a prefill chunk may cost this many batch-32
 # decode steps at a 512-token context on the same stage.
 CHUNK_DECODE_STEP_MULTIPLE = 3.0
+# Auto training slices: this fraction of the TBT SLO, so a decode step queued
+# behind a slice still has the rest of its SLO to run in.
+AUTO_TRAIN_SLICE_TBT_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -32,7 +42,8 @@ class EngineConfig:
     # and holds no memory, so it can never crowd serving out of its KV cache.
     max_training_in_flight: int | None = None
     emit_tokens: bool = False  # streaming executors need every token; the simulator does not
-    # Engine v2 (issue 9). The defaults reproduce the v1 engine exactly.
+    # Engine v2 (issue 9). These defaults are the v1 engine; the entry points
+    # pass v2's (see the module docstring).
     # Inference micro-batches in flight per node (None: one per stage, so all
     # stages work at once); 1 = one iteration in flight per node (v1).
     num_micro_batches: int | None = 1
@@ -97,3 +108,14 @@ def default_prefill_token_budget(profile: Profile) -> int:
         else:
             break
     return budget
+
+
+def default_train_slice_s(profile: Profile) -> float:
+    """Auto training slices where the workload is not known (a live executor
+    and the scheduler's model of it): `AUTO_TRAIN_SLICE_TBT_FRACTION` × the TBT
+    SLO `compute_slo` derives from the profile alone (its 512-token reference
+    request, the default multiplier). That is the SLO the scheduler judges by
+    when no ``LEMIX_SLO_*`` is set, and both services compute it from the same
+    profile, so the executors slice as the planner predicts. The simulator
+    knows its workload and takes the fraction of the run's own SLO instead."""
+    return AUTO_TRAIN_SLICE_TBT_FRACTION * compute_slo(profile, (), SloConfig()).tbt_s

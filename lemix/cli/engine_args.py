@@ -1,70 +1,93 @@
 """The engine v2 flags of `lemix sim` and `lemix compare` (issue 9), mapped onto
-`SimRunConfig`'s knobs. Every default is the v1 engine: one micro-batch in
-flight per node, whole prompts, whole training passes.
+`SimRunConfig`'s knobs. Every default is engine v2 (since 2026-12-02; the
+tables of docs/results.md measured before then ran v1):
 
 - ``--micro-batches N|auto``: inference micro-batches in flight per node;
-  auto = one per stage, so every stage of the pipeline can work at once.
+  auto (default) = one per stage, so every stage of the pipeline can work at
+  once.
 - ``--prefill-budget TOKENS|auto|off``: tokens one iteration may carry (each
-  decode step counts one; prefills are chunked into the rest); auto = the
-  profile-derived default of `lemix.engine_config.default_prefill_token_budget`.
+  decode step counts one; prefills are chunked into the rest); auto (default)
+  = the profile-derived `lemix.engine_config.default_prefill_token_budget`,
+  resolved with the run's profile.
 - ``--train-slice-s SECONDS|auto|off``: the longest uninterrupted piece of a
-  training pass on one stage; auto = half the run's TBT SLO, so a decode step
-  that arrives behind a slice still has half its SLO left to run in. The SLO
-  depends on the workload (`lemix.slo.compute_slo`), so auto is resolved when
-  each run's SLO is known (`SimRunConfig.train_slice_tbt_fraction`).
+  training pass on one stage; auto (default) = half the run's TBT SLO, so a
+  decode step that arrives behind a slice still has half its SLO left to run
+  in. The SLO depends on the workload (`lemix.slo.compute_slo`), so auto is
+  resolved when each run's SLO is known (`SimRunConfig.train_slice_tbt_fraction`).
 - ``--batch-cap node|micro-batch``: what ``--max-batch-size`` C caps once there
-  are micro-batches: the node's running requests, split evenly (default), or
-  each micro-batch's iteration (the node holds up to M × C when KV memory
-  allows), as vLLM's pipeline-parallel virtual engines do.
+  are micro-batches: the node's running requests, split evenly, or each
+  micro-batch's iteration (default; the node holds up to M × C when KV memory
+  allows), as vLLM's pipeline-parallel virtual engines do. The default is the
+  one docs/results.md measured better (engine v2, table (a), 2026-12-01):
+  SEPARATE serving on every node sustains 18.5 req/s at >= 90% SLO attainment
+  with the cap per micro-batch against 17.5 with the cap per node, and MIX-RR
+  16.75 with either (KV memory binds before the cap).
+
+``--micro-batches 1 --prefill-budget off --train-slice-s off`` is the v1
+engine (the batch cap is then moot: with one micro-batch both are C).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-from typing import Any
+from typing import Any, Literal
 
-from lemix.engine_config import default_prefill_token_budget
-from lemix.profile import Profile
+from lemix.engine_config import AUTO_TRAIN_SLICE_TBT_FRACTION
 
 AUTO, OFF = "auto", "off"
 BATCH_CAP_NODE, BATCH_CAP_MICRO_BATCH = "node", "micro-batch"
-AUTO_TRAIN_SLICE_TBT_FRACTION = 0.5  # --train-slice-s auto: half the TBT SLO
+# The flags' values that select the v1 engine (tests and benchmarks pin it so).
+V1_ENGINE_FLAGS = ("--micro-batches", "1", "--prefill-budget", OFF, "--train-slice-s", OFF)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--micro-batches",
-        default="1",
+        default=AUTO,
         metavar="N|auto",
-        help="inference micro-batches in flight per node (auto: one per stage; default 1)",
+        help="inference micro-batches in flight per node (auto, default: one per stage; 1 = v1)",
     )
     p.add_argument(
         "--prefill-budget",
-        default=OFF,
+        default=AUTO,
         metavar="TOKENS|auto|off",
-        help="chunked prefill: tokens per iteration (auto: profile default; default off)",
+        help="chunked prefill: tokens per iteration (auto, default: the profile's; off = v1)",
     )
     p.add_argument(
         "--train-slice-s",
-        default=OFF,
+        default=AUTO,
         metavar="SECONDS|auto|off",
-        help="longest piece of a training pass on a stage (auto: half the TBT SLO; default off)",
+        help="longest piece of a training pass on a stage (auto, default: half the TBT SLO; "
+        "off = v1)",
     )
     p.add_argument(
         "--batch-cap",
-        default=BATCH_CAP_NODE,
+        default=BATCH_CAP_MICRO_BATCH,
         choices=(BATCH_CAP_NODE, BATCH_CAP_MICRO_BATCH),
         help="what --max-batch-size caps with micro-batches: the node's running requests "
-        "(default) or each micro-batch's iteration",
+        "or each micro-batch's iteration (default)",
     )
 
 
-def engine_knobs(args: argparse.Namespace, profile: Profile) -> dict[str, Any]:
-    """`SimRunConfig` keyword arguments for the engine flags (ValueError on bad values)."""
+def engine_flags(args: argparse.Namespace) -> str:
+    """The engine flags of `args` that differ from the defaults, as a command
+    line spells them ("" for engine v2's defaults)."""
+    given = (
+        ("--micro-batches", args.micro_batches, AUTO),
+        ("--prefill-budget", args.prefill_budget, AUTO),
+        ("--train-slice-s", args.train_slice_s, AUTO),
+        ("--batch-cap", args.batch_cap, BATCH_CAP_MICRO_BATCH),
+    )
+    return " ".join(f"{flag} {value}" for flag, value, default in given if value != default)
+
+
+def engine_knobs(args: argparse.Namespace) -> dict[str, Any]:
+    """`SimRunConfig` keyword arguments for the engine flags (ValueError on bad
+    values); auto ones stay auto, resolved by the run with its profile and SLO."""
     return {
         "num_micro_batches": parse_micro_batches(args.micro_batches),
-        "prefill_token_budget": parse_prefill_budget(args.prefill_budget, profile),
+        "prefill_token_budget": parse_prefill_budget(args.prefill_budget),
         **parse_train_slice(args.train_slice_s),
         "is_batch_cap_per_micro_batch": args.batch_cap == BATCH_CAP_MICRO_BATCH,
     }
@@ -80,13 +103,14 @@ def parse_micro_batches(text: str) -> int | None:
     return value
 
 
-def parse_prefill_budget(text: str, profile: Profile) -> int | None:
-    """TOKENS >= 1, off (None: whole prompts) or auto (the profile's default)."""
+def parse_prefill_budget(text: str) -> int | Literal["auto"] | None:
+    """TOKENS >= 1, off (None: whole prompts) or auto (the profile's default,
+    `SimRunConfig` resolves it)."""
     lowered = text.strip().lower()
     if lowered == OFF:
         return None
     if lowered == AUTO:
-        return default_prefill_token_budget(profile)
+        return "auto"
     value = _int("--prefill-budget", text, "TOKENS|auto|off")
     if value < 1:
         raise ValueError(f"--prefill-budget must be >= 1 tokens, auto or off, got {value}")

@@ -247,7 +247,7 @@ def configs_from_args(args: argparse.Namespace) -> CliSetup:
         )
     profile = _resolve_profile(args.profile, args.stages)
     batching = BatchingConfig(args.batch_size, args.join_window)
-    knobs = engine_knobs(args, profile)
+    knobs = engine_knobs(args)
     if args.command == "sim":
         workload = workload_config(args, args.poisson, args.train_rate, args.seed)
         run = SimRunConfig(

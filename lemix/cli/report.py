@@ -1,7 +1,8 @@
 """`lemix report`: regenerate the simulated figures and tables into one directory.
 
 The flags map to a `lemix.report.suite.ReportConfig` preset (full, or
-`--quick` for CI); this module adds what the pure report must not do itself:
+`--quick` for CI) on the engine `lemix sim`'s engine flags choose (default
+v2); this module adds what the pure report must not do itself:
 the clock (date and wall time on the page), finding the default trace, and
 printing progress.
 """
@@ -12,11 +13,13 @@ import argparse
 import shlex
 import sys
 import time
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+from lemix.cli.engine_args import add_engine_args, engine_flags, engine_knobs
 from lemix.profile import default_profile_path, load_profile
-from lemix.report.suite import full_config, quick_config, run_report
+from lemix.report.suite import ReportConfig, full_config, quick_config, run_report
 
 # Where the Azure conversation trace sits next to a checkout (never shipped):
 # used when present and no --trace is given.
@@ -38,6 +41,7 @@ def add_report_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "it exists; the section is skipped with a note otherwise)",
     )
     p.add_argument("--no-trace", action="store_true", help="skip the trace section")
+    add_engine_args(p)  # every run's engine (default v2; the v1 flags re-run v1 tables)
     p.add_argument("--workers", type=int, help="worker processes (default min(2, CPUs))")
     p.add_argument(
         "--loss-from",
@@ -67,10 +71,17 @@ def resolve_trace(args: argparse.Namespace) -> tuple[str | None, str | None]:
     return None, f"trace section skipped: no --trace given and no {DEFAULT_TRACE}"
 
 
-def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
-    trace, note = resolve_trace(args)
+def report_config(args: argparse.Namespace, trace: str | None) -> ReportConfig:
+    """The preset `args` picks, its runs on the engine the engine flags give."""
     preset = quick_config if args.quick else full_config
     config = preset(trace, args.workers)
+    template = replace(config.template, **engine_knobs(args))
+    return replace(config, template=template, engine_flags=engine_flags(args))
+
+
+def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
+    trace, note = resolve_trace(args)
+    config = report_config(args, trace)
     notes = [note] if note else []
     if args.from_runs:
         notes.append(f"Rendered from the runs.json files already in {args.out} (no simulation).")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from lemix import __version__
 from lemix.cli.service_args import DefaultsHelpFormatter, add_api_key_flag, api_key_arg
-from lemix.infra.engine_options import ENGINE_OPTIONS, EngineKnobs
+from lemix.infra.engine_options import ENGINE_OPTIONS, EngineKnobs, knob_text
 from lemix.infra.store.server import APPENDFSYNC_POLICIES
 from lemix.planner.registry import POLICIES
 from lemix.profile import default_profile_path, torch_cpu_profile_path
@@ -85,7 +85,8 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
             type=opt.parse,
             default=default,
             metavar=opt.metavar,
-            help=f"{opt.help} (default: v1, {default})",
+            help=f"{opt.help} (default: {knob_text(opt.field, default)}, engine v2; "
+            "v1: --micro-batches 1 --prefill-token-budget off --train-slice-s off)",
         )
     up.add_argument(
         "--model", default="tiny-llama", help="torch: model preset or local checkpoint directory"

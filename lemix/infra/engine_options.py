@@ -3,15 +3,28 @@
 An executor runs its node engine with them (`lemix.engine.EngineConfig`); the
 scheduler's planner must model the same engine (`PlannerConfig`'s engine
 knobs), so both read the same `LEMIX_*` variables and flags, declared once
-here. The defaults are the v1 engine. Values are sentinels, not None, because
-a flag parsed to None counts as not given (`lemix.infra.settings`):
+here, and resolve them with the same profile (`EngineKnobs.resolve`). The
+defaults are engine v2 (since 2026-12-02; v1 before). Values are sentinels,
+not None, because a flag parsed to None counts as not given
+(`lemix.infra.settings`):
 
-- ``num_micro_batches``: N >= 1, or 0 = auto (one per stage);
+- ``num_micro_batches``: N >= 1, or 0 = auto (one per stage; default);
 - ``prefill_token_budget``: TOKENS >= 1, 0 = off (whole prompts), -1 = auto
-  (`lemix.engine_config.default_prefill_token_budget` of the profile);
-- ``train_slice_s``: profile seconds > 0, or 0 = off (whole training passes);
+  (`lemix.engine_config.default_prefill_token_budget` of the profile; default);
+- ``train_slice_s``: profile seconds > 0, 0 = off (whole training passes), or
+  -1 = auto (default): half the TBT SLO. A live service knows no workload, so
+  auto takes the SLO the scheduler derives from the profile when no
+  ``LEMIX_SLO_*`` is set (`lemix.engine_config.default_train_slice_s`); with
+  an SLO of your own, give the slice in seconds to both services;
 - ``batch_cap``: what ``max_batch_size`` caps once there are micro-batches,
-  ``node`` (the node's running requests) or ``micro-batch`` (each iteration).
+  ``node`` (the node's running requests) or ``micro-batch`` (each iteration;
+  default). docs/results.md (engine v2, table (a), 2026-12-01) measured the cap
+  per micro-batch better for SEPARATE serving on every node (18.5 vs 17.5
+  req/s at >= 90% SLO attainment) and equal for MIX-RR (16.75, bound by KV
+  memory first), and it is what vLLM's pipeline-parallel virtual engines do.
+
+``--micro-batches 1 --prefill-token-budget off --train-slice-s off`` select v1
+(``--batch-cap`` is then moot: with one micro-batch both caps are C).
 """
 
 from __future__ import annotations
@@ -20,13 +33,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from lemix.engine_config import default_prefill_token_budget
+from lemix.engine_config import default_prefill_token_budget, default_train_slice_s
 from lemix.infra.settings import Option
 from lemix.profile import Profile
 
 AUTO_MICRO_BATCHES = 0
 OFF_PREFILL_TOKEN_BUDGET = 0
 AUTO_PREFILL_TOKEN_BUDGET = -1
+OFF_TRAIN_SLICE_S = 0.0
+AUTO_TRAIN_SLICE_S = -1.0
 BATCH_CAPS = ("node", "micro-batch")
 
 
@@ -44,8 +59,11 @@ def token_budget(text: str) -> int:
 
 
 def slice_seconds(text: str) -> float:
-    """Seconds, or "off" (0: whole training passes)."""
-    return 0.0 if text.strip().lower() == "off" else float(text)
+    """Seconds, "off" (0: whole training passes) or "auto" (-1: half the TBT SLO)."""
+    lowered = text.strip().lower()
+    if lowered == "off":
+        return OFF_TRAIN_SLICE_S
+    return AUTO_TRAIN_SLICE_S if lowered == "auto" else float(text)
 
 
 def batch_cap(text: str) -> str:
@@ -56,13 +74,22 @@ def batch_cap(text: str) -> str:
     return value
 
 
+def knob_text(field: str, value: float | str) -> str:
+    """One option's value as its flag spells it (auto, off, a number, a cap)."""
+    if field == "num_micro_batches" and value == AUTO_MICRO_BATCHES:
+        return "auto"
+    if field in ("prefill_token_budget", "train_slice_s") and value in (0, -1):
+        return "off" if value == 0 else "auto"
+    return str(value)
+
+
 ENGINE_OPTIONS: tuple[Option, ...] = (
     Option(
         "num_micro_batches",
         "--micro-batches",
         "LEMIX_NUM_MICRO_BATCHES",
         micro_batches,
-        "inference micro-batches in flight per node (auto or 0 = one per stage)",
+        "inference micro-batches in flight per node (auto or 0 = one per stage; 1 = v1)",
         "N|auto",
     ),
     Option(
@@ -80,8 +107,9 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
         "LEMIX_TRAIN_SLICE_S",
         slice_seconds,
         "longest piece of a training pass on a stage, profile s (off or 0 = whole passes; "
-        "on torch a slice clips its layer group's gradient norm)",
-        "S|off",
+        "auto or -1 = half the TBT SLO the profile gives; on torch a slice clips its layer "
+        "group's gradient norm)",
+        "S|auto|off",
     ),
     Option(
         "batch_cap",
@@ -98,12 +126,13 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
 @dataclass(frozen=True)
 class EngineKnobs:
     """The four options' values, checked; `resolve` maps them onto the
-    keyword arguments `EngineConfig` and `build_planner_config` take."""
+    keyword arguments `EngineConfig` and `build_planner_config` take. The
+    defaults are engine v2 (module docstring); `V1_ENGINE_KNOBS` is v1."""
 
-    num_micro_batches: int = 1
-    prefill_token_budget: int = OFF_PREFILL_TOKEN_BUDGET
-    train_slice_s: float = 0.0
-    batch_cap: str = "node"
+    num_micro_batches: int = AUTO_MICRO_BATCHES
+    prefill_token_budget: int = AUTO_PREFILL_TOKEN_BUDGET
+    train_slice_s: float = AUTO_TRAIN_SLICE_S
+    batch_cap: str = "micro-batch"
 
     def __post_init__(self) -> None:
         if self.num_micro_batches < 0:
@@ -116,20 +145,32 @@ class EngineKnobs:
                 f"prefill_token_budget must be >= 1 tokens, 0 (off) or -1 (auto), "
                 f"got {self.prefill_token_budget}"
             )
-        if not (math.isfinite(self.train_slice_s) and self.train_slice_s >= 0):
-            raise ValueError(f"train_slice_s must be >= 0 s (0 = off), got {self.train_slice_s}")
+        slice_s = self.train_slice_s
+        if not (math.isfinite(slice_s) and (slice_s >= 0 or slice_s == AUTO_TRAIN_SLICE_S)):
+            raise ValueError(
+                f"train_slice_s must be >= 0 s (0 = off) or -1 (auto), got {self.train_slice_s}"
+            )
         if self.batch_cap not in BATCH_CAPS:
             raise ValueError(f"batch_cap must be one of {BATCH_CAPS}, got {self.batch_cap!r}")
 
     def resolve(self, profile: Profile | None) -> dict[str, Any]:
         """`EngineConfig` keyword arguments; `profile` resolves an auto budget
-        (None: no profile yet, an auto budget stays unresolved as None)."""
+        and an auto slice (None: no profile yet, for range checks only: both
+        stay unresolved as None)."""
         budget: int | None = self.prefill_token_budget or None
         if self.prefill_token_budget == AUTO_PREFILL_TOKEN_BUDGET:
             budget = default_prefill_token_budget(profile) if profile is not None else None
+        slice_s: float | None = self.train_slice_s or None
+        if self.train_slice_s == AUTO_TRAIN_SLICE_S:
+            slice_s = default_train_slice_s(profile) if profile is not None else None
         return {
             "num_micro_batches": self.num_micro_batches or None,
             "prefill_token_budget": budget,
-            "max_training_slice_s": self.train_slice_s or None,
+            "max_training_slice_s": slice_s,
             "is_batch_cap_per_micro_batch": self.batch_cap == "micro-batch",
         }
+
+
+# The v1 engine (one iteration in flight per node, whole prompts, whole
+# training passes), for a run that must reproduce it.
+V1_ENGINE_KNOBS = EngineKnobs(1, OFF_PREFILL_TOKEN_BUDGET, OFF_TRAIN_SLICE_S, "node")

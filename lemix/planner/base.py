@@ -44,9 +44,10 @@ class PlannerConfig:
     replica_sync_every_tasks: int | None = None
     dynamic_full_rate_rps: float = 32.0  # SEPARATE-dynamic: rate at which serving gets N-1 nodes
     # The executors' engine shape (`lemix.engine.EngineConfig`, resolved), so
-    # the decode-aware costs model the engine the nodes run. The defaults are
-    # the v1 engine: one iteration in flight, C caps the node, whole prompts,
-    # whole training passes.
+    # the decode-aware costs model the engine the nodes run. These defaults
+    # are the v1 engine (one iteration in flight, C caps the node, whole
+    # prompts, whole training passes); the simulator and the scheduler pass
+    # engine v2's, resolved (`lemix.planner.configure.build_planner_config`).
     # Co-located policies: how many nodes train (the last ones; None = all).
     # The others only serve, keep no training state and get the trainers'
     # weights every K training tasks, as SEPARATE's serving nodes do, but

@@ -48,6 +48,14 @@ def _lemix(**kw: Any) -> Callable[[PlannerConfig], PlacementPolicy]:
     return lambda config: LemixPolicy(**kw)
 
 
+# lemix-paper is the prototype's placement (its score and prefill-only η
+# estimator), not its engine: like every policy it runs on the engine the
+# nodes run, engine v2 by default since 2026-12-02, so a comparison varies
+# the placement alone. Its estimator ignores micro-batches, chunks and slices,
+# as the prototype's did; nothing of the paper's mechanism needs v1 to run.
+# The prototype's own configuration is the v1 engine (one running batch per
+# node, whole prompts, whole training passes): `--micro-batches 1
+# --prefill-budget off --train-slice-s off` (`lemix.sim.run.V1_ENGINE`).
 def _paper_form(config: PlannerConfig) -> PlacementPolicy:
     return LemixPolicy(
         name="lemix-paper",

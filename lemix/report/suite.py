@@ -91,6 +91,9 @@ class ReportConfig:
     template: SimRunConfig = field(
         default_factory=lambda: SimRunConfig(measure_decision_latency=False)
     )
+    # The `lemix compare` flags that give `template`'s engine ("" = the default,
+    # engine v2), so the page's reproduce commands run the same engine.
+    engine_flags: str = ""
     num_workers: int | None = None
 
     def __post_init__(self) -> None:

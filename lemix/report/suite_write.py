@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lemix.report.pareto import ParetoPoint, format_points
+from lemix.sim.run import engine_name
 
 if TYPE_CHECKING:
     from lemix.report.suite import ParetoCell, ReportConfig, WorkloadSpec
@@ -85,7 +86,8 @@ def write_index(
         "",
         f"Generated {date} by `{command}`: profile `{profile_name}`, "
         f"{config.template.num_nodes} nodes, {len(seeds)} seeds ({seeds[0]}..{seeds[-1]}), "
-        f"{duration_s:g} s arrival windows, default engine. Every number is the mean ± 95% CI "
+        f"{duration_s:g} s arrival windows, {engine_name(config.template)}. Every number is "
+        "the mean ± 95% CI "
         "half width over seeds (Student t); one SLO per workload, shared by all policies.",
         "",
         *(f"> {note}" for note in notes),
@@ -174,8 +176,10 @@ def write_index(
         "",
         "## Not in this report",
         "",
-        "- Only the default (v1) engine and the shipped profile; memory never binds on it, "
-        "so `lemix-nomem` is expected to match `lemix`. The memory-bound workloads "
+        f"- Only one engine ({engine_name(config.template)}; the default since 2026-12-02, "
+        "v1 before: benchmarks/engine_v2.py compares them) and the shipped profile; "
+        "memory never binds on it, so `lemix-nomem` is expected to match `lemix`. "
+        "The memory-bound workloads "
         "(`--workload long-output`, `chat`) are measured with `lemix compare` in "
         "docs/results.md.",
         "",
@@ -281,5 +285,6 @@ def _compare(
         f"python -m lemix.cli compare --policies {','.join(policies)} --rates {rate_list} "
         f"--train-rates {train_rates} --grid --seeds {len(seeds)} --seed {seeds[0]} "
         f"--duration {config.workloads[0].base.duration_s:g} --deterministic "
-        f"{flags + ' ' if flags else ''}--out runs/compare/{out}"
+        f"{flags + ' ' if flags else ''}"
+        f"{config.engine_flags + ' ' if config.engine_flags else ''}--out runs/compare/{out}"
     )

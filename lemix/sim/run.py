@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Literal
 
 from lemix.batching import BatchingConfig
 from lemix.engine import EngineConfig, NodeEngine
+from lemix.engine_config import AUTO_TRAIN_SLICE_TBT_FRACTION, default_prefill_token_budget
 from lemix.memory import MemoryConfig
 from lemix.noise import NoisyLatency
 from lemix.planner.base import PlannerConfig
@@ -19,9 +21,16 @@ from lemix.sim.simulator import SimResult, Simulator
 from lemix.slo import Slo, SloConfig, compute_slo
 from lemix.types import Task
 
+AUTO: Literal["auto"] = "auto"
+
 
 @dataclass(frozen=True)
 class SimRunConfig:
+    """One simulation's settings. The engine knobs default to engine v2 (one
+    micro-batch per stage, the profile's prefill budget, training slices of
+    half the run's TBT SLO, C per micro-batch: `lemix.cli.engine_args` says
+    why); `V1_ENGINE` holds the knobs that select v1."""
+
     policy: str = "lemix"
     num_nodes: int = 4
     seed: int = 0
@@ -47,19 +56,20 @@ class SimRunConfig:
     drain_limit_s: float = 600.0
     measure_decision_latency: bool = True
     keep_decisions: bool = False
-    # Engine v2 knobs (`lemix.engine.EngineConfig`); the defaults are the v1 engine.
+    # Engine v2 knobs (`lemix.engine.EngineConfig`); the defaults are engine v2.
     # Inference micro-batches in flight per node; None = one per stage.
-    num_micro_batches: int | None = 1
-    # Tokens per iteration, prefill chunked to fit; None = whole prompts.
-    prefill_token_budget: int | None = None
-    # Longest piece of a stage's training pass (s); None = whole passes, unless
-    # `train_slice_tbt_fraction` derives it from the run's SLO.
+    num_micro_batches: int | None = None
+    # Tokens per iteration, prefill chunked to fit; None = whole prompts;
+    # "auto" = the profile's `default_prefill_token_budget`.
+    prefill_token_budget: int | Literal["auto"] | None = AUTO
+    # Longest piece of a stage's training pass (s). When set it wins over
+    # `train_slice_tbt_fraction`; both None = whole passes.
     train_slice_s: float | None = None
     # Slice = this fraction of the run's TBT SLO, which is only known once the
-    # workload is (`compute_slo`): the CLI's `--train-slice-s auto` sets 0.5.
-    train_slice_tbt_fraction: float | None = None
+    # workload is (`compute_slo`): `--train-slice-s auto`, the default.
+    train_slice_tbt_fraction: float | None = AUTO_TRAIN_SLICE_TBT_FRACTION
     # `EngineConfig.is_batch_cap_per_micro_batch`: C caps each micro-batch.
-    is_batch_cap_per_micro_batch: bool = False
+    is_batch_cap_per_micro_batch: bool = True
     # The control plane as fixed delays (`Simulator`): submit to planner, and
     # engine to client for an inference task's tokens. 0: not modelled.
     intake_delay_s: float = 0.0
@@ -74,28 +84,67 @@ class SimRunConfig:
         if not 0.0 < self.slo_headroom <= 1.0:
             raise ValueError(f"slo_headroom must be in (0, 1], got {self.slo_headroom}")
         resolve_training_nodes(self.training_nodes, self.num_nodes, self.train_rate)
-        if self.train_slice_s is not None and self.train_slice_tbt_fraction is not None:
-            raise ValueError("set train_slice_s or train_slice_tbt_fraction, not both")
         fraction = self.train_slice_tbt_fraction
         if fraction is not None and not 0 < fraction <= 1:
             raise ValueError(f"train_slice_tbt_fraction must be in (0, 1], got {fraction}")
-        self.engine_config(Slo(ttft_s=1.0, tbt_s=1.0))  # the knobs' own range checks
+        budget = self.prefill_token_budget
+        if isinstance(budget, str) and budget != AUTO:
+            raise ValueError(f"prefill_token_budget must be tokens, None or 'auto', got {budget!r}")
+        self._engine_config(Slo(ttft_s=1.0, tbt_s=1.0), None)  # the knobs' own range checks
 
-    def engine_config(self, slo: Slo) -> EngineConfig:
-        """The engine config of every node of this run (`slo`: the run's SLO)."""
+    def engine_config(self, slo: Slo, profile: Profile) -> EngineConfig:
+        """The engine config of every node of this run (`slo`: the run's SLO;
+        `profile` resolves an auto prefill budget)."""
+        return self._engine_config(slo, profile)
+
+    def _engine_config(self, slo: Slo, profile: Profile | None) -> EngineConfig:
         slice_s = self.train_slice_s
-        if self.train_slice_tbt_fraction is not None:
+        if slice_s is None and self.train_slice_tbt_fraction is not None:
             slice_s = self.train_slice_tbt_fraction * slo.tbt_s
+        budget: int | None
+        if isinstance(self.prefill_token_budget, str):  # AUTO (__post_init__ checked it);
+            # left unresolved (None) without a profile, for the range checks only
+            budget = default_prefill_token_budget(profile) if profile is not None else None
+        else:
+            budget = self.prefill_token_budget
         return EngineConfig(
             batching=self.batching,
             memory=self.memory,
             stage_order=self.stage_order,
             max_training_in_flight=self.max_training_in_flight,
             num_micro_batches=self.num_micro_batches,
-            prefill_token_budget=self.prefill_token_budget,
+            prefill_token_budget=budget,
             max_training_slice_s=slice_s,
             is_batch_cap_per_micro_batch=self.is_batch_cap_per_micro_batch,
         )
+
+
+# `SimRunConfig(**V1_ENGINE)`: the v1 engine (one iteration in flight per node,
+# whole prompts, whole training passes, C per node), the default before
+# 2026-12-02 and the prototype's.
+V1_ENGINE: Mapping[str, Any] = MappingProxyType(
+    {
+        "num_micro_batches": 1,
+        "prefill_token_budget": None,
+        "train_slice_s": None,
+        "train_slice_tbt_fraction": None,
+        "is_batch_cap_per_micro_batch": False,
+    }
+)
+
+
+ENGINE_KNOB_FIELDS = tuple(V1_ENGINE)
+
+
+def engine_name(config: SimRunConfig) -> str:
+    """What a page should call `config`'s engine: "engine v2" (the defaults),
+    "engine v1" (`V1_ENGINE`) or "a custom engine" (any other knobs)."""
+    knobs = {name: getattr(config, name) for name in ENGINE_KNOB_FIELDS}
+    if knobs["num_micro_batches"] == 1:  # one micro-batch: either cap is C per node
+        knobs["is_batch_cap_per_micro_batch"] = False
+    if knobs == {name: getattr(SimRunConfig(), name) for name in ENGINE_KNOB_FIELDS}:
+        return "engine v2"
+    return "engine v1" if knobs == dict(V1_ENGINE) else "a custom engine"
 
 
 def serving_only_profile(profile: Profile) -> Profile:
@@ -111,7 +160,7 @@ def build_simulator(
     config: SimRunConfig, profile: Profile, tasks: Sequence[Task], slo: Slo
 ) -> Simulator:
     spec = get_spec(config.policy)
-    engine_config = config.engine_config(slo)
+    engine_config = config.engine_config(slo, profile)
     planner_config = build_planner_config(
         num_nodes=config.num_nodes,
         profile=profile,

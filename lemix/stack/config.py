@@ -72,7 +72,9 @@ class StackConfig:
     time_scale: float = 1.0
     latency_noise_cv: float = 0.05
     max_batch_size: int = 64
-    # The executors' engine (and the scheduler's model of it); default v1.
+    # The executors' engine (and the scheduler's model of it): engine v2 by
+    # default. Both get the same LEMIX_* values and resolve the auto ones from
+    # the same profile (`EngineKnobs.resolve`), so they agree.
     engine: EngineKnobs = EngineKnobs()
     train_rate: float = 0.0  # SEPARATE's split
     log_dir: Path = Path("runs/stack-logs")

@@ -73,12 +73,14 @@ class ExecutorConfig(CommonServiceConfig):
     max_grad_norm: float = 1.0
     memory_budget_bytes: int = 0  # per stage on CPU; 0 = 4 GiB
     torch_threads: int = 0  # intra-op threads; 0 = torch's default
-    # Engine v2 (lemix.engine.EngineConfig; issue 9). The defaults are the v1
-    # engine; sentinels, not None, because a flag parsed to None counts as not
-    # given (lemix.infra.settings).
+    # Engine v2 (lemix.engine.EngineConfig; issue 9), the default; sentinels,
+    # not None, because a flag parsed to None counts as not given
+    # (lemix.infra.settings). The auto ones resolve from the profile exactly
+    # as the scheduler's (lemix.infra.engine_options).
     num_micro_batches: int = EngineKnobs().num_micro_batches  # 0 = one per stage
     prefill_token_budget: int = EngineKnobs().prefill_token_budget  # 0 = off, -1 = auto
-    train_slice_s: float = EngineKnobs().train_slice_s  # profile s; 0 = off
+    # profile s; 0 = off, -1 = auto (half the TBT SLO the profile gives)
+    train_slice_s: float = EngineKnobs().train_slice_s
     batch_cap: str = EngineKnobs().batch_cap  # node | micro-batch
 
     def __post_init__(self) -> None:

@@ -71,7 +71,10 @@ class SchedulerConfig(CommonServiceConfig):
     kappa: float = MemoryConfig().kappa  # usable GPU memory fraction (the executors' κ)
     max_batch_size: int = BatchingConfig().max_batch_size  # the executors' running-batch cap
     # The executors' engine v2 knobs (lemix.infra.engine_options), so the
-    # planner models the engine the nodes run; the defaults are the v1 engine.
+    # planner models the engine the nodes run; the defaults are engine v2, the
+    # auto ones resolved from the profile as the executors resolve them (an
+    # auto training slice from the profile's default SLO, not `slo()`: an
+    # executor knows no LEMIX_SLO_*).
     num_micro_batches: int = EngineKnobs().num_micro_batches
     prefill_token_budget: int = EngineKnobs().prefill_token_budget
     train_slice_s: float = EngineKnobs().train_slice_s

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from lemix.cli.engine_args import V1_ENGINE_FLAGS
 from lemix.cli.main import build_parser
-from lemix.cli.report import resolve_trace
+from lemix.cli.report import report_config, resolve_trace
 from lemix.profile import default_profile_path, load_profile
 from lemix.report.suite import (
     PARETO_POLICIES,
@@ -17,6 +18,8 @@ from lemix.report.suite import (
     quick_config,
     run_report,
 )
+from lemix.report.suite_write import pareto_commands
+from lemix.sim.run import engine_name
 
 
 def tiny_config() -> ReportConfig:
@@ -102,3 +105,18 @@ def test_slo_headroom_flag_reaches_the_run_config() -> None:
     assert default == 0.8  # PlannerConfig's
     with pytest.raises(ValueError, match="slo_headroom"):
         configs_from_args(build_parser().parse_args([*sim[:-1], "1.5"]))
+
+
+def test_report_runs_engine_v2_unless_the_engine_flags_say_otherwise() -> None:
+    args = build_parser().parse_args(["report", "--quick", "--no-trace"])
+    config = report_config(args, None)
+    assert engine_name(config.template) == "engine v2" and config.engine_flags == ""
+    assert not config.template.measure_decision_latency  # the preset's template kept
+    args = build_parser().parse_args(["report", "--quick", "--no-trace", *V1_ENGINE_FLAGS])
+    config = report_config(args, None)
+    assert engine_name(config.template) == "engine v1"
+    flags = "--micro-batches 1 --prefill-budget off --train-slice-s off"
+    assert config.engine_flags == flags
+    # The page's reproduce commands run the same engine.
+    commands = pareto_commands(config.workloads[0], config)
+    assert commands and all(flags in command for command in commands)

@@ -8,10 +8,11 @@ from dataclasses import fields
 import pytest
 from factories import make_profile
 
+from lemix.cli.engine_args import V1_ENGINE_FLAGS
 from lemix.cli.main import build_parser, configs_from_args
 from lemix.engine_config import EngineConfig, default_prefill_token_budget
 from lemix.profile import default_profile_path, load_profile
-from lemix.sim.run import SimRunConfig, build_simulator
+from lemix.sim.run import V1_ENGINE, SimRunConfig, build_simulator
 from lemix.slo import Slo
 from lemix.workload import LONG_PROMPT_MAX_TOTAL_TOKENS, WorkloadConfig, build_workload
 
@@ -38,9 +39,22 @@ def _setup(*argv: str) -> SimRunConfig:
 SIM = ("sim", "--policy", "mix-rr", "--poisson", "2")
 
 
-def test_default_run_config_is_the_v1_engine() -> None:
+def test_default_run_config_is_engine_v2() -> None:
+    expected = {
+        "num_micro_batches": None,  # one per stage
+        "prefill_token_budget": default_prefill_token_budget(make_profile()),
+        "max_training_slice_s": pytest.approx(0.5 * SLO.tbt_s),
+        "is_batch_cap_per_micro_batch": True,
+    }
+    configs = _engine_configs(SimRunConfig(num_nodes=2))
+    assert len(configs) == 2
+    for config in configs:
+        assert {k: getattr(config, k) for k in KNOBS} == expected
+
+
+def test_v1_engine_knobs_are_the_plain_engine() -> None:
     v1 = EngineConfig()
-    for config in _engine_configs(SimRunConfig(num_nodes=2)):
+    for config in _engine_configs(SimRunConfig(num_nodes=2, **V1_ENGINE)):
         assert {k: getattr(config, k) for k in KNOBS} == {k: getattr(v1, k) for k in KNOBS}
         assert config.batching == v1.batching and config.stage_order == v1.stage_order
 
@@ -65,9 +79,15 @@ def test_the_other_fields_still_pass_through() -> None:
 
 
 def test_train_slice_from_the_runs_tbt_slo() -> None:
-    run = SimRunConfig(train_slice_tbt_fraction=0.5)
-    assert run.engine_config(SLO).max_training_slice_s == pytest.approx(0.03)
-    assert _engine_configs(run)[0].max_training_slice_s == pytest.approx(0.03)
+    run = SimRunConfig(train_slice_tbt_fraction=0.25)
+    assert run.engine_config(SLO, make_profile()).max_training_slice_s == pytest.approx(0.015)
+    assert _engine_configs(run)[0].max_training_slice_s == pytest.approx(0.015)
+
+
+def test_train_slice_seconds_win_over_the_default_fraction() -> None:
+    run = SimRunConfig(train_slice_s=0.01)
+    assert run.train_slice_tbt_fraction == 0.5  # the default, not used
+    assert run.engine_config(SLO, make_profile()).max_training_slice_s == 0.01
 
 
 @pytest.mark.parametrize(
@@ -79,7 +99,7 @@ def test_train_slice_from_the_runs_tbt_slo() -> None:
         {"train_slice_s": -1.0},
         {"train_slice_tbt_fraction": 0.0},
         {"train_slice_tbt_fraction": 1.5},
-        {"train_slice_s": 0.01, "train_slice_tbt_fraction": 0.5},
+        {"prefill_token_budget": "lots"},
     ],
 )
 def test_bad_knobs_are_refused(kwargs: dict[str, float]) -> None:
@@ -87,10 +107,20 @@ def test_bad_knobs_are_refused(kwargs: dict[str, float]) -> None:
         SimRunConfig(**kwargs)  # type: ignore[arg-type]
 
 
-def test_cli_defaults_are_the_v1_engine() -> None:
+def test_cli_defaults_are_engine_v2() -> None:
     run = _setup(*SIM)
+    assert (run.num_micro_batches, run.prefill_token_budget) == (None, "auto")
+    assert (run.train_slice_s, run.train_slice_tbt_fraction) == (None, 0.5)
+    assert run.is_batch_cap_per_micro_batch
+
+
+def test_cli_v1_flags_select_the_v1_engine() -> None:
+    run = _setup(*SIM, *V1_ENGINE_FLAGS)
     assert (run.num_micro_batches, run.prefill_token_budget) == (1, None)
     assert (run.train_slice_s, run.train_slice_tbt_fraction) == (None, None)
+    # The cap stays per micro-batch, which with one micro-batch is the node's C.
+    sim = build_simulator(run, make_profile(), [], SLO)
+    assert sim.planner.config.max_running_per_node == run.batching.max_batch_size
 
 
 def test_cli_flags() -> None:
@@ -98,12 +128,12 @@ def test_cli_flags() -> None:
         *SIM, "--micro-batches", "auto", "--prefill-budget", "256", "--train-slice-s", "0.01"
     )
     assert (run.num_micro_batches, run.prefill_token_budget, run.train_slice_s) == (None, 256, 0.01)
+    assert run.train_slice_tbt_fraction is None  # seconds given: no fraction
     run = _setup(*SIM, "--micro-batches", "3", "--prefill-budget", "off", "--train-slice-s", "auto")
     assert (run.num_micro_batches, run.prefill_token_budget) == (3, None)
     assert run.train_slice_s is None and run.train_slice_tbt_fraction == 0.5
+    run = _setup(*SIM, "--micro-batches", "auto", "--batch-cap", "node")
     assert not run.is_batch_cap_per_micro_batch
-    run = _setup(*SIM, "--micro-batches", "auto", "--batch-cap", "micro-batch")
-    assert run.is_batch_cap_per_micro_batch
 
 
 def test_the_planner_models_the_engine_the_nodes_run() -> None:
@@ -132,11 +162,15 @@ def test_compare_template_carries_the_knobs() -> None:
 
 
 def test_prefill_budget_auto_is_the_engines_profile_default() -> None:
-    expected = default_prefill_token_budget(load_profile(default_profile_path()))
-    assert _setup(*SIM, "--prefill-budget", "auto").prefill_token_budget == expected
+    profile = load_profile(default_profile_path())
+    run = _setup(*SIM, "--prefill-budget", "auto")
+    assert run.prefill_token_budget == "auto"  # resolved with the run's profile
+    resolved = run.engine_config(SLO, profile).prefill_token_budget
+    assert resolved == default_prefill_token_budget(profile) == 512
     four = _setup(*SIM, "--stages", "4", "--prefill-budget", "auto")
-    four_stage = default_profile_path().with_name("a100-llama2-7b-4stage.json")
-    assert four.prefill_token_budget == default_prefill_token_budget(load_profile(four_stage))
+    four_stage = load_profile(default_profile_path().with_name("a100-llama2-7b-4stage.json"))
+    resolved = four.engine_config(SLO, four_stage).prefill_token_budget
+    assert resolved == default_prefill_token_budget(four_stage)
 
 
 @pytest.mark.parametrize(

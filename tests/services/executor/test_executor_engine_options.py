@@ -6,21 +6,49 @@ from __future__ import annotations
 import pytest
 from factories import make_profile
 
-from lemix.engine_config import EngineConfig, default_prefill_token_budget
+from lemix.engine_config import (
+    EngineConfig,
+    default_prefill_token_budget,
+    default_train_slice_s,
+)
+from lemix.infra.engine_options import V1_ENGINE_KNOBS
 from services.executor.config import ExecutorConfig
+from services.scheduler.config import SchedulerConfig
 
 
 def _config(argv: list[str] | None = None, **env: str) -> ExecutorConfig:
     return ExecutorConfig.from_env_and_args(argv or [], env=env)
 
 
-def test_defaults_are_the_v1_engine() -> None:
-    engine = _config().engine_config(make_profile())
+def test_defaults_are_engine_v2() -> None:
+    profile = make_profile()
+    engine = _config().engine_config(profile)
+    assert engine.num_micro_batches is None  # one per stage
+    assert engine.prefill_token_budget == default_prefill_token_budget(profile)
+    assert engine.max_training_slice_s == default_train_slice_s(profile) > 0
+    assert engine.is_batch_cap_per_micro_batch
+    assert engine.emit_tokens
+
+
+def test_default_engine_is_the_one_the_scheduler_plans_for() -> None:
+    profile = make_profile()
+    engine = _config().engine_config(profile)
+    planner = SchedulerConfig().planner_config(profile)
+    assert planner.num_micro_batches == profile.num_stages
+    assert planner.prefill_token_budget == engine.prefill_token_budget
+    assert planner.max_training_slice_s == engine.max_training_slice_s
+    assert planner.is_batch_cap_per_micro_batch == engine.is_batch_cap_per_micro_batch
+
+
+def test_v1_flags_select_the_v1_engine() -> None:
+    argv = ["--micro-batches", "1", "--prefill-token-budget", "off", "--train-slice-s", "off"]
+    engine = _config(argv).engine_config(make_profile())
     v1 = EngineConfig()
     assert engine.num_micro_batches == v1.num_micro_batches == 1
     assert engine.prefill_token_budget is v1.prefill_token_budget is None
     assert engine.max_training_slice_s is v1.max_training_slice_s is None
-    assert engine.emit_tokens
+    plain = V1_ENGINE_KNOBS.resolve(make_profile())
+    assert plain["max_training_slice_s"] is None and plain["num_micro_batches"] == 1
 
 
 def test_environment_variables() -> None:
@@ -47,9 +75,9 @@ def test_flags_beat_variables_and_auto_off_words() -> None:
 
 
 def test_batch_cap_variable_and_flag() -> None:
-    assert not _config().engine_config(make_profile()).is_batch_cap_per_micro_batch
-    config = _config(LEMIX_BATCH_CAP="micro-batch", LEMIX_NUM_MICRO_BATCHES="auto")
-    assert config.engine_config(make_profile()).is_batch_cap_per_micro_batch
+    assert _config().engine_config(make_profile()).is_batch_cap_per_micro_batch
+    config = _config(LEMIX_BATCH_CAP="node", LEMIX_NUM_MICRO_BATCHES="auto")
+    assert not config.engine_config(make_profile()).is_batch_cap_per_micro_batch
     assert _config(["--batch-cap", "node"], LEMIX_BATCH_CAP="micro-batch").batch_cap == "node"
     with pytest.raises(ValueError, match="LEMIX_BATCH_CAP"):
         _config(LEMIX_BATCH_CAP="each")
@@ -71,8 +99,9 @@ def test_prefill_budget_auto_is_the_engines_profile_default() -> None:
         ("LEMIX_PREFILL_TOKEN_BUDGET", "-2", "prefill_token_budget"),
         ("LEMIX_PREFILL_TOKEN_BUDGET", "big", "LEMIX_PREFILL_TOKEN_BUDGET"),
         ("LEMIX_TRAIN_SLICE_S", "-0.1", "train_slice_s"),
+        ("LEMIX_TRAIN_SLICE_S", "-2", "train_slice_s"),
         ("LEMIX_TRAIN_SLICE_S", "inf", "train_slice_s"),
-        ("LEMIX_TRAIN_SLICE_S", "auto", "LEMIX_TRAIN_SLICE_S"),  # the SLO is the scheduler's
+        ("LEMIX_TRAIN_SLICE_S", "soon", "LEMIX_TRAIN_SLICE_S"),
     ],
 )
 def test_bad_values_name_the_option(env: str, value: str, match: str) -> None:
@@ -111,6 +140,16 @@ def test_torch_backend_runs_micro_batches_and_chunked_prefill(
 def test_torch_backend_still_refuses_bad_values(env: str, value: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ExecutorConfig.from_env_and_args([], env={"LEMIX_EXECUTOR_BACKEND": "torch", env: value})
+
+
+def test_train_slice_auto_is_half_the_profiles_default_tbt_slo() -> None:
+    profile = make_profile()
+    config = _config(LEMIX_TRAIN_SLICE_S="off")
+    assert config.engine_config(profile).max_training_slice_s is None
+    config = _config(["--train-slice-s", "auto"], LEMIX_TRAIN_SLICE_S="off")
+    assert config.train_slice_s == -1.0  # resolved once the profile is known
+    tbt_s = SchedulerConfig().slo(profile).tbt_s  # no LEMIX_SLO_*: derived from the profile
+    assert config.engine_config(profile).max_training_slice_s == pytest.approx(0.5 * tbt_s)
 
 
 def test_torch_backend_runs_training_in_slices() -> None:

@@ -34,7 +34,7 @@ from lemix._proto.lemix.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from lemix.engine_config import default_prefill_token_budget
+from lemix.engine_config import default_prefill_token_budget, default_train_slice_s
 from lemix.infra.rpc import EXECUTOR_SERVICE
 from lemix.infra.rpc.client import channel
 from lemix.infra.rpc.convert import task_to_proto
@@ -275,12 +275,23 @@ def test_the_planner_models_the_executors_engine_from_the_shared_variables() -> 
     assert planner.prefill_token_budget == default_prefill_token_budget(PROFILE)
     assert planner.max_training_slice_s == 0.02
     assert planner.max_running_per_node == 16 * PROFILE.num_stages
-    v1 = SchedulerConfig().planner_config(PROFILE)
+    default = SchedulerConfig().planner_config(PROFILE)  # engine v2
+    assert default.num_micro_batches == PROFILE.num_stages
+    assert default.prefill_token_budget == default_prefill_token_budget(PROFILE)
+    assert default.max_training_slice_s == default_train_slice_s(PROFILE)
+    assert default.is_batch_cap_per_micro_batch
+    v1_env = {
+        "LEMIX_NUM_MICRO_BATCHES": "1",
+        "LEMIX_PREFILL_TOKEN_BUDGET": "off",
+        "LEMIX_TRAIN_SLICE_S": "off",
+    }
+    v1 = from_env_and_args([], v1_env).planner_config(PROFILE)
     assert (v1.num_micro_batches, v1.prefill_token_budget, v1.max_training_slice_s) == (
         1,
         None,
         None,
     )
+    assert v1.max_running_per_node == v1.max_batch_size
     with pytest.raises(ValueError, match="LEMIX_BATCH_CAP"):
         from_env_and_args([], {"LEMIX_BATCH_CAP": "sometimes"})
     with pytest.raises(ValueError, match="num_micro_batches"):
