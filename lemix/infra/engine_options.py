@@ -162,7 +162,8 @@ class EngineKnobs:
             budget = default_prefill_token_budget(profile) if profile is not None else None
         slice_s: float | None = self.train_slice_s or None
         if self.train_slice_s == AUTO_TRAIN_SLICE_S:
-            slice_s = default_train_slice_s(profile) if profile is not None else None
+            # A profile whose SLO is 0 (zero latency: nothing takes time) has nothing to slice.
+            slice_s = (default_train_slice_s(profile) or None) if profile is not None else None
         return {
             "num_micro_batches": self.num_micro_batches or None,
             "prefill_token_budget": budget,

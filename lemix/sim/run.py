@@ -100,7 +100,8 @@ class SimRunConfig:
     def _engine_config(self, slo: Slo, profile: Profile | None) -> EngineConfig:
         slice_s = self.train_slice_s
         if slice_s is None and self.train_slice_tbt_fraction is not None:
-            slice_s = self.train_slice_tbt_fraction * slo.tbt_s
+            # A zero TBT SLO (a zero-latency profile) leaves nothing to slice.
+            slice_s = self.train_slice_tbt_fraction * slo.tbt_s or None
         budget: int | None
         if isinstance(self.prefill_token_budget, str):  # AUTO (__post_init__ checked it);
             # left unresolved (None) without a profile, for the range checks only

@@ -155,3 +155,12 @@ def test_train_slice_auto_is_half_the_profiles_default_tbt_slo() -> None:
 def test_torch_backend_runs_training_in_slices() -> None:
     config = _config(LEMIX_EXECUTOR_BACKEND="torch", LEMIX_TRAIN_SLICE_S="0.01")
     assert config.engine_config(make_profile()).max_training_slice_s == 0.01
+
+
+def test_a_zero_latency_profile_has_nothing_to_slice() -> None:
+    # Its derived TBT SLO is 0 s: auto slices are off, not a 0 s slice.
+    profile = make_profile(forward_s_per_token=0.0, backward_s_per_token=0.0, decode_d0_s=0.0)
+    assert default_train_slice_s(profile) == 0.0
+    assert _config().engine_config(profile).max_training_slice_s is None
+    scheduler = SchedulerConfig(slo_ttft_s=1.0, slo_tbt_s=1.0)  # a derived SLO would be 0
+    assert scheduler.planner_config(profile).max_training_slice_s is None
