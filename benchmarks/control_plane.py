@@ -3,7 +3,7 @@
 A zero-latency copy of the shipped A100 profile (every latency coefficient and
 optimizer step 0, memory kept) makes compute free, so a Generate of one token,
 timed at the client from send to its final message, measures only the plumbing:
-two gRPC hops in, the intake stream, the planner, Dispatch, the executor's
+the gRPC hop in, the gateway's intake write, the planner, Dispatch, the executor's
 Redis sink and the gateway's output reader (one multiplexed blocking XREAD)
 back out. The stack runs as real processes (`lemix.stack.launcher.Stack`) with
 embedded Redis; the client is a lean open-loop Poisson loop, one channel per
@@ -12,8 +12,8 @@ objects per request).
 
 Each level also reads the tasks' state hashes back from Redis and splits E2E
 at the services' own epoch stamps (same host, so one clock):
-  gw_in  = submit_t - client send   (client + gateway + Scheduler.Submit RPC)
-  intake = queued_t - submit_t      (Lua XADD, intake loop's XREADGROUP wake)
+  gw_in  = submit_t - client send   (client + gateway; before 12-02 also the Submit RPC)
+  intake = queued_t - submit_t      (the intake script's XADD, the scheduler's XREADGROUP wake)
   exec   = finish_t - queued_t      (planner, Dispatch RPC, engine, sink writes)
   gw_out = client end - finish_t    (gateway XREAD wake, stream to the client)
 
