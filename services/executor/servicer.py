@@ -16,7 +16,7 @@ import structlog
 
 from lemix._proto.lemix.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from lemix.infra.rpc.convert import node_state_to_proto
-from lemix.infra.rpc.errors import InvalidArgument, handle_errors
+from lemix.infra.rpc.errors import InvalidArgument, Unavailable, handle_errors, status_for
 from services.executor.convert import (
     dispatch_from_proto,
     measure_from_proto,
@@ -39,6 +39,11 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def Dispatch(
         self, request: executor_pb2.DispatchRequest, context: grpc.aio.ServicerContext
     ) -> executor_pb2.DispatchResponse:
+        await self._dispatch(request)
+        # A duplicate is accepted too: the node already runs (or ran) it.
+        return executor_pb2.DispatchResponse(is_accepted=True)
+
+    async def _dispatch(self, request: executor_pb2.DispatchRequest) -> None:
         spec = dispatch_from_proto(request)
         is_new = await self._node.accept(spec.task, spec.payload, spec.attempt)
         log.debug(
@@ -48,8 +53,27 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             is_new=is_new,
             predicted_response_s=request.predicted_response_s,
         )
-        # A duplicate is accepted too: the node already runs (or ran) it.
-        return executor_pb2.DispatchResponse(is_accepted=True)
+
+    @handle_errors
+    async def DispatchMany(
+        self, request: executor_pb2.DispatchManyRequest, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.DispatchManyResponse:
+        if not request.dispatches:
+            raise InvalidArgument("DispatchManyRequest.dispatches is empty; send at least one")
+        if self._node.is_stopping:
+            raise Unavailable(f"executor node {self._node.node_id} is shutting down")
+        results = []
+        for dispatch in request.dispatches:
+            try:
+                await self._dispatch(dispatch)
+            except Exception as exc:  # this task's refusal, as its own Dispatch's status
+                code, message = status_for(exc, "ExecutorServicer.DispatchMany")
+                results.append(
+                    executor_pb2.DispatchResult(error_code=code.name, error_message=message)
+                )
+            else:
+                results.append(executor_pb2.DispatchResult(is_accepted=True))
+        return executor_pb2.DispatchManyResponse(results=results)
 
     @handle_errors
     async def Cancel(

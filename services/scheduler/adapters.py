@@ -1,7 +1,9 @@
 """The scheduler core's ports, implemented over gRPC (executors) and Redis.
 
 * `GrpcDispatcher` — the `Dispatcher` port: executor Dispatch/Cancel/SyncWeights
-  over one cached channel per node address, every call with a deadline.
+  over one cached channel per node address, every call with a deadline; the
+  Dispatches of one tick to one node go as one `DispatchMany`
+  (`services.scheduler.dispatch_batches`).
 * `RedisResultWriter` — the `ResultWriter` port: task states in batches (final
   ones with the client's end message, `Store.finish_tasks`), progress lookups;
   and the `AttemptLedger` port (attempt numbers: `Store.begin_attempts`,
@@ -44,6 +46,7 @@ from lemix.infra.store.task_hash import (
 from lemix.planner.recording import Event
 from lemix.types import Placement, ReplicaAverage, Task, TaskPayload, WeightSync
 from services.scheduler.codec import EVENT_FIELD, events_to_fields
+from services.scheduler.dispatch_batches import NodeDispatchBatcher
 from services.scheduler.ports import DispatchError, StateWrite, TaskProgress, TaskRefused
 from services.scheduler.recovery import SNAPSHOT_MARKER
 from services.scheduler.weight_syncs import WeightSyncQueue
@@ -109,6 +112,7 @@ class GrpcDispatcher:
         self._stubs: dict[str, executor_pb2_grpc.ExecutorStub] = {}
         # SEPARATE's weight syncs and replica averages, in the background.
         self.syncs = WeightSyncQueue(self._sync_call, weight_sync_dir)
+        self._batches = NodeDispatchBatcher(self._stub, dispatch_error, deadline_s)
 
     # ------------------------------------------------------------ addresses
 
@@ -145,6 +149,7 @@ class GrpcDispatcher:
         return stub
 
     async def close(self) -> None:
+        await self._batches.close()
         await self.syncs.close()
         channels, self._channels, self._stubs = self._channels, {}, {}
         for ch in channels.values():
@@ -153,8 +158,10 @@ class GrpcDispatcher:
     # ------------------------------------------------------------ Dispatcher
 
     async def dispatch(self, placement: Placement, task: Task) -> None:
-        """Executor Dispatch; raises `TaskRefused` when the executor refuses the
-        task, `DispatchError` when the node does not answer (`dispatch_error`)."""
+        """Executor Dispatch, sent with the node's other Dispatches of this
+        tick as one `DispatchMany` (`dispatch_batches`); raises `TaskRefused`
+        when the executor refuses the task, `DispatchError` when the node
+        does not answer (`dispatch_error`)."""
         try:
             message = task_to_proto(task, self._payload_of(task.task_id))
         except InvalidArgument as exc:  # Submit validated it: a bug, not a node fault
@@ -164,15 +171,7 @@ class GrpcDispatcher:
             predicted_response_s=placement.predicted_response_s,
             attempt=self._attempt_of(task.task_id),
         )
-        stub = self._stub(placement.node_id)
-        try:
-            reply = await stub.Dispatch(request, timeout=self.deadline_s)
-        except grpc.aio.AioRpcError as err:
-            raise dispatch_error(placement.node_id, err) from err
-        if not reply.is_accepted:
-            raise TaskRefused(
-                "FAILED_PRECONDITION", f"node {placement.node_id} did not accept the task"
-            )
+        await self._batches.dispatch(placement.node_id, request)
 
     async def cancel(self, node_id: int, task_id: str, reason: str) -> bool:
         """Executor Cancel; returns its is_found. Raises `Unavailable` (or the

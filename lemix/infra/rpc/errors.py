@@ -86,8 +86,9 @@ def error_from_rpc(err: grpc.aio.AioRpcError) -> Exception:
     return cls(details) if cls is not None else err
 
 
-async def abort_for(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
-    """Abort the call with the status for `exc` (always raises)."""
+def status_for(exc: Exception, method: str) -> tuple[grpc.StatusCode, str]:
+    """The status and message a servicer answers `exc` with (an unexpected
+    error is logged with an id the message names, its details withheld)."""
     code = status_code_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         error_id = uuid.uuid4().hex[:12]
@@ -98,10 +99,14 @@ async def abort_for(context: grpc.aio.ServicerContext, exc: Exception, method: s
             error=f"{type(exc).__name__}: {exc}",
             exc_info=exc,
         )
-        await context.abort(code, f"internal error {type(exc).__name__} (error_id={error_id})")
-    else:
-        log.info("rpc.error", method=method, code=code.name, message=str(exc))
-        await context.abort(code, str(exc) or code.name)
+        return code, f"internal error {type(exc).__name__} (error_id={error_id})"
+    log.info("rpc.error", method=method, code=code.name, message=str(exc))
+    return code, str(exc) or code.name
+
+
+async def abort_for(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+    """Abort the call with the status for `exc` (always raises)."""
+    await context.abort(*status_for(exc, method))
 
 
 @asynccontextmanager

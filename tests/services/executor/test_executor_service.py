@@ -306,6 +306,36 @@ async def test_task_that_can_never_fit_is_resource_exhausted(
     assert (await node_state(stub)).num_waiting == 0
 
 
+async def test_dispatch_many_takes_each_task_as_its_own_dispatch(
+    service: ExecutorService, stub: executor_pb2_grpc.ExecutorStub, store: Store
+) -> None:
+    bad = common_pb2.Task(
+        task_id="inf-bad", kind=common_pb2.TASK_KIND_INFERENCE, num_prompt_tokens=10
+    )
+    requests = [
+        executor_pb2.DispatchRequest(task=task_to_proto(make_request("inf-a", 0.0, 10, 2))),
+        executor_pb2.DispatchRequest(task=bad),  # max_output_tokens 0
+        executor_pb2.DispatchRequest(task=task_to_proto(make_request("inf-huge", 0.0, 10**9, 1))),
+        executor_pb2.DispatchRequest(task=task_to_proto(make_request("inf-b", 0.0, 10, 3))),
+    ]
+    reply = await stub.DispatchMany(
+        executor_pb2.DispatchManyRequest(dispatches=requests), timeout=DEFAULT_DEADLINE_S
+    )
+    results = [(r.is_accepted, r.error_code) for r in reply.results]
+    assert results == [
+        (True, ""),
+        (False, "INVALID_ARGUMENT"),
+        (False, "RESOURCE_EXHAUSTED"),
+        (True, ""),
+    ]
+    assert "max_output_tokens" in reply.results[1].error_message
+    for task_id in ("inf-a", "inf-b"):  # the refusals between them hurt neither
+        assert (await read_until_end(store, task_id))[-1]["status"] == "completed"
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.DispatchMany(executor_pb2.DispatchManyRequest(), timeout=DEFAULT_DEADLINE_S)
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+
 async def test_dispatch_while_stopping_is_unavailable(
     service: ExecutorService, stub: executor_pb2_grpc.ExecutorStub
 ) -> None:

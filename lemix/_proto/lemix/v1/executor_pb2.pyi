@@ -24,6 +24,28 @@ class DispatchResponse(_message.Message):
     is_accepted: bool
     def __init__(self, is_accepted: _Optional[bool] = ...) -> None: ...
 
+class DispatchManyRequest(_message.Message):
+    __slots__ = ("dispatches",)
+    DISPATCHES_FIELD_NUMBER: _ClassVar[int]
+    dispatches: _containers.RepeatedCompositeFieldContainer[DispatchRequest]
+    def __init__(self, dispatches: _Optional[_Iterable[_Union[DispatchRequest, _Mapping]]] = ...) -> None: ...
+
+class DispatchResult(_message.Message):
+    __slots__ = ("is_accepted", "error_code", "error_message")
+    IS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    is_accepted: bool
+    error_code: str
+    error_message: str
+    def __init__(self, is_accepted: _Optional[bool] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class DispatchManyResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[DispatchResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[DispatchResult, _Mapping]]] = ...) -> None: ...
+
 class GetNodeStateRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

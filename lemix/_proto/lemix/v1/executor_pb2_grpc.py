@@ -40,6 +40,11 @@ class ExecutorStub:
                 request_serializer=lemix_dot_v1_dot_executor__pb2.DispatchRequest.SerializeToString,
                 response_deserializer=lemix_dot_v1_dot_executor__pb2.DispatchResponse.FromString,
                 _registered_method=True)
+        self.DispatchMany = channel.unary_unary(
+                '/lemix.v1.Executor/DispatchMany',
+                request_serializer=lemix_dot_v1_dot_executor__pb2.DispatchManyRequest.SerializeToString,
+                response_deserializer=lemix_dot_v1_dot_executor__pb2.DispatchManyResponse.FromString,
+                _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/lemix.v1.Executor/Cancel',
                 request_serializer=lemix_dot_v1_dot_common__pb2.CancelRequest.SerializeToString,
@@ -72,6 +77,17 @@ class ExecutorServicer:
         Errors: INVALID_ARGUMENT (the task is malformed or does not fit this
         model), RESOURCE_EXHAUSTED (the task can never fit this node's memory),
         UNAVAILABLE (the node is shutting down).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DispatchMany(self, request, context):
+        """Several Dispatches to this node in one call, in order (the scheduler
+        sends the placements one planning round makes on a node together). Each
+        is handled as its own Dispatch: a refused task has its status in its
+        result and does not fail the others. Errors of the call itself:
+        INVALID_ARGUMENT (no dispatches), UNAVAILABLE (the node is shutting down).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -118,6 +134,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Dispatch,
                     request_deserializer=lemix_dot_v1_dot_executor__pb2.DispatchRequest.FromString,
                     response_serializer=lemix_dot_v1_dot_executor__pb2.DispatchResponse.SerializeToString,
+            ),
+            'DispatchMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.DispatchMany,
+                    request_deserializer=lemix_dot_v1_dot_executor__pb2.DispatchManyRequest.FromString,
+                    response_serializer=lemix_dot_v1_dot_executor__pb2.DispatchManyResponse.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
@@ -167,6 +188,33 @@ class Executor:
             '/lemix.v1.Executor/Dispatch',
             lemix_dot_v1_dot_executor__pb2.DispatchRequest.SerializeToString,
             lemix_dot_v1_dot_executor__pb2.DispatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DispatchMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lemix.v1.Executor/DispatchMany',
+            lemix_dot_v1_dot_executor__pb2.DispatchManyRequest.SerializeToString,
+            lemix_dot_v1_dot_executor__pb2.DispatchManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

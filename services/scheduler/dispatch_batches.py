@@ -1,0 +1,157 @@
+"""Dispatches to one node gathered per event-loop tick into one `DispatchMany`.
+
+The core sends a planning round's placements concurrently (one `dispatch`
+call per task, bounded by its dispatch slots), so the calls of one round
+reach `GrpcDispatcher` in the same tick. `NodeDispatchBatcher` queues each
+call's request and, on the next tick, sends everything queued for the node
+as one executor `DispatchMany` (at most `MAX_DISPATCHES_PER_CALL` per call;
+a lone request goes as a plain `Dispatch`), then settles each caller with
+its own outcome: a task the executor refused fails only that call
+(`TaskRefused`, or a node-fault `DispatchError` when its status says the
+node cannot take it), a failed call fails every task it carried
+(`dispatch_error`). An executor that does not know `DispatchMany` (an older
+version: UNIMPLEMENTED) is sent plain Dispatches from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import grpc
+import grpc.aio
+import structlog
+
+from lemix._proto.lemix.v1 import executor_pb2, executor_pb2_grpc
+from services.scheduler.ports import DispatchError, TaskRefused
+
+log = structlog.get_logger(__name__)
+
+# One DispatchMany carries at most this many tasks: a call's payload stays
+# small (gRPC's default limit is 4 MiB a message), and the executor answers
+# it within the same deadline as one Dispatch.
+MAX_DISPATCHES_PER_CALL = 64
+
+# Status names a task's result may carry that mean "this node cannot take
+# it now" (it is shutting down, or an earlier attempt still runs there): the
+# task goes elsewhere, as when its Dispatch fails UNAVAILABLE.
+_NODE_FAULT_NAMES = frozenset({grpc.StatusCode.UNAVAILABLE.name})
+
+Pending = tuple[executor_pb2.DispatchRequest, "asyncio.Future[None]"]
+
+
+class NodeDispatchBatcher:
+    """Per node: the Dispatch requests of one tick, sent together (module doc).
+
+    `stub_of(node_id)` gives the node's executor stub (raising
+    `DispatchError` when it has no address); `error_of(node_id, err)` maps a
+    failed call (`adapters.dispatch_error`).
+    """
+
+    def __init__(
+        self,
+        stub_of: Callable[[int], executor_pb2_grpc.ExecutorStub],
+        error_of: Callable[[int, grpc.aio.AioRpcError], DispatchError],
+        deadline_s: float,
+    ) -> None:
+        self._stub_of = stub_of
+        self._error_of = error_of
+        self.deadline_s = deadline_s
+        self._queued: dict[int, list[Pending]] = {}
+        self._sending: set[asyncio.Task[None]] = set()
+        self._is_many_unknown: set[int] = set()  # nodes that answered UNIMPLEMENTED
+
+    async def dispatch(self, node_id: int, request: executor_pb2.DispatchRequest) -> None:
+        """Send `request` to the node with the others of this tick; raises
+        `TaskRefused` or `DispatchError` as a Dispatch of its own would."""
+        stub = self._stub_of(node_id)  # no address: fails this call alone, at once
+        loop = asyncio.get_running_loop()
+        queued = self._queued.get(node_id)
+        if queued is None:
+            queued = self._queued[node_id] = []
+            loop.call_soon(self._send_queued, node_id, stub)
+        done: asyncio.Future[None] = loop.create_future()
+        queued.append((request, done))
+        await done
+
+    def _send_queued(self, node_id: int, stub: executor_pb2_grpc.ExecutorStub) -> None:
+        queued = self._queued.pop(node_id, [])
+        for start in range(0, len(queued), MAX_DISPATCHES_PER_CALL):
+            chunk = queued[start : start + MAX_DISPATCHES_PER_CALL]
+            task = asyncio.create_task(self._send(node_id, stub, chunk))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+
+    async def _send(
+        self, node_id: int, stub: executor_pb2_grpc.ExecutorStub, chunk: list[Pending]
+    ) -> None:
+        live = [(request, done) for request, done in chunk if not done.done()]
+        if not live:
+            return  # every caller went away (cancelled) before the send
+        try:
+            if len(live) == 1 or node_id in self._is_many_unknown:
+                outcomes = [await self._one(node_id, stub, request) for request, _ in live]
+            else:
+                outcomes = await self._many(node_id, stub, [request for request, _ in live])
+        except Exception as exc:  # not an RPC error: a bug here fails the calls, not the loop
+            outcomes = [exc] * len(live)
+        for (_, done), outcome in zip(live, outcomes, strict=True):
+            if done.done():
+                continue
+            if outcome is None:
+                done.set_result(None)
+            else:
+                done.set_exception(outcome)
+
+    async def _one(
+        self,
+        node_id: int,
+        stub: executor_pb2_grpc.ExecutorStub,
+        request: executor_pb2.DispatchRequest,
+    ) -> Exception | None:
+        try:
+            reply = await stub.Dispatch(request, timeout=self.deadline_s)
+        except grpc.aio.AioRpcError as err:
+            return self._error_of(node_id, err)
+        if not reply.is_accepted:
+            return TaskRefused("FAILED_PRECONDITION", f"node {node_id} did not accept the task")
+        return None
+
+    async def _many(
+        self,
+        node_id: int,
+        stub: executor_pb2_grpc.ExecutorStub,
+        requests: list[executor_pb2.DispatchRequest],
+    ) -> list[Exception | None]:
+        try:
+            reply = await stub.DispatchMany(
+                executor_pb2.DispatchManyRequest(dispatches=requests), timeout=self.deadline_s
+            )
+        except grpc.aio.AioRpcError as err:
+            if err.code() is not grpc.StatusCode.UNIMPLEMENTED:
+                return [self._error_of(node_id, err)] * len(requests)
+            log.info("dispatch_many_unknown", node_id=node_id)  # an older executor
+            self._is_many_unknown.add(node_id)
+            return [await self._one(node_id, stub, request) for request in requests]
+        if len(reply.results) != len(requests):
+            error = DispatchError(
+                f"node {node_id} answered {len(reply.results)} results "
+                f"for {len(requests)} dispatches"
+            )
+            return [error] * len(requests)
+        return [_outcome(node_id, result) for result in reply.results]
+
+    async def close(self) -> None:
+        """Wait for the calls on their way (their callers get their outcomes)."""
+        if self._sending:
+            await asyncio.gather(*self._sending, return_exceptions=True)
+
+
+def _outcome(node_id: int, result: executor_pb2.DispatchResult) -> Exception | None:
+    if result.is_accepted:
+        return None
+    code = result.error_code or "FAILED_PRECONDITION"
+    message = result.error_message or "did not accept the task"
+    if code in _NODE_FAULT_NAMES:  # the executor answered: it did not take it
+        return DispatchError(f"{code}: {message}")
+    return TaskRefused(code, f"node {node_id} refused the task: {message}")
