@@ -6,6 +6,7 @@ OpenAI-compatible HTTP API, one request path behind both.
 - `gateway.validate`         — requests -> domain tasks, or `InvalidArgument`.
 - `gateway.convert`          — output-stream messages and Redis state -> responses.
 - `gateway.core`             — `GatewayCore`: admission, Submit, output streams, cancel.
+- `gateway.admission`        — `GatewayCore`'s base: in-flight slots, liveness, counters.
 - `gateway.servicer`         — `GatewayServicer` (thin: gRPC -> core).
 - `gateway.openai_convert`   — OpenAI JSON -> requests (then `gateway.validate`).
 - `gateway.openai_responses` — responses -> OpenAI JSON; errors -> HTTP statuses.

@@ -23,6 +23,10 @@ in every case. A transient Redis error while reading does not end the stream:
 the read resumes from the last entry seen, with backoff, within the idle
 timeout.
 
+Admission's slots, liveness check and counters live in `gateway.admission`
+(`Admission`, this class's base); this module has the operations and the
+stream handling.
+
 Errors are domain errors (`lemix.infra.rpc.errors`), plus `TaskEnded` for a task that
 ended failed or rejected; each protocol maps them to its own status codes.
 """
@@ -35,16 +39,22 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from typing import NamedTuple, TypeVar
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 import grpc
 import grpc.aio
 import structlog
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from gateway.admission import (
+    NUM_INFERENCE,
+    NUM_TRAINING,
+    REQUESTS_CANCELLED,
+    REQUESTS_RECEIVED,
+    REQUESTS_REJECTED_INVALID,
+    TRAIN_REQUESTS_RECEIVED,
+    Admission,
+)
 from gateway.config import GatewayConfig
 from gateway.convert import OutputStream, TaskEnded, merge_responses, stats_to_proto
 from gateway.model_limits import ModelLimitsCache, context_tokens
@@ -54,10 +64,8 @@ from gateway.validate import ANONYMOUS_SCOPE, validate_generate, validate_train
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, scheduler_pb2_grpc
 from lemix.infra.rpc.errors import (
     InvalidArgument,
-    ResourceExhausted,
     Unavailable,
 )
-from lemix.infra.store.counters import BatchedCounters
 from lemix.infra.store.heartbeat import node_states_from_heartbeats
 from lemix.infra.store.intake import GatewayHold, SubmitOutcome, TaskIdConflict
 from lemix.infra.store.store import Store
@@ -68,19 +76,6 @@ from lemix.types import Task, TaskPayload
 
 log = structlog.get_logger(__name__)
 
-T = TypeVar("T")
-
-# Counters this gateway increments (batched: `lemix.infra.store.counters.BatchedCounters`;
-# GetStats reports the `gateway.convert.COUNTER_FIELDS` ones).
-REQUESTS_RECEIVED = "requests_received"
-TRAIN_REQUESTS_RECEIVED = "train_requests_received"
-REQUESTS_REJECTED_INVALID = "requests_rejected_invalid"
-REQUESTS_REJECTED_BUSY = "requests_rejected_busy"
-REQUESTS_REJECTED_UNAVAILABLE = "requests_rejected_unavailable"
-REQUESTS_CANCELLED = "requests_cancelled"
-NUM_INFERENCE = "num_inference"  # inference tasks the scheduler acknowledged (new ids)
-NUM_TRAINING = "num_training"  # training tasks the scheduler acknowledged (new ids)
-
 # Train writes its tasks to the intake this many per round trip.
 TRAIN_SUBMIT_CHUNK = 128
 # The output reader's blocking read returns after this long at most, so a
@@ -89,27 +84,9 @@ READ_BLOCK_CAP_S = 1.0
 # Why a task was cancelled when the gateway itself stopped streaming it.
 GATEWAY_STOPPED_REASON = "CANCELLED: the gateway stopped streaming this task"
 
-NO_EXECUTOR_MESSAGE = "no live executor: start one with `lemix up` or check the executors"
-NO_SCHEDULER_MESSAGE = "no live scheduler: start one with `lemix up` or check the scheduler"
-# What a busy gateway tells HTTP clients to wait before retrying (Retry-After).
-BUSY_RETRY_AFTER_S = 1
-
 
 class SubmitDeadlineExceeded(Unavailable):
     """The intake write got no answer in time; the task may or may not be stored."""
-
-
-class Liveness(NamedTuple):
-    """Whether the services that serve new work are running (`GatewayCore.liveness`)."""
-
-    has_executor: bool
-    has_scheduler: bool
-
-
-class Busy(ResourceExhausted):
-    """Every in-flight slot is taken; retry after `retry_after_s`."""
-
-    retry_after_s = BUSY_RETRY_AFTER_S
 
 
 def new_gateway_id() -> str:
@@ -117,7 +94,7 @@ def new_gateway_id() -> str:
     return f"gw-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-class GatewayCore:
+class GatewayCore(Admission):
     """Generate / Train / stats over a `Store` and a Scheduler stub.
 
     `clock` (monotonic seconds) measures TTFT/E2E, the live-executor cache and
@@ -135,12 +112,9 @@ class GatewayCore:
         clock: Callable[[], float] = time.monotonic,
         gateway_id: str | None = None,
     ) -> None:
-        self.config = config
-        self.store = store
+        super().__init__(config, store, clock)  # config, store, clock, counters, admission state
         self.scheduler = scheduler
         self.tokenizer = tokenizer
-        self.clock = clock
-        self.counters = BatchedCounters(store)
         self.leases = StreamLeases(store, gateway_id or new_gateway_id(), config.stream_lease_ttl_s)
         self._upkeep = Upkeep(self.counters, self.leases, flush_s=config.stats_flush_s)
         # One blocking XREAD for every stream served (within the Redis
@@ -150,12 +124,6 @@ class GatewayCore:
             self.leases.owner,
             block_s=min(config.stream_idle_timeout_s, READ_BLOCK_CAP_S),
         )
-        self._num_in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._live_checked_s: float | None = None
-        self._liveness = Liveness(has_executor=False, has_scheduler=False)
-        self._live_check: asyncio.Future[Liveness] | None = None  # the check in flight
         self.model_limits = ModelLimitsCache(store, clock)  # what executors publish
 
     def start(self) -> None:
@@ -172,19 +140,6 @@ class GatewayCore:
             await self.store.drop_reader_wake(self.leases.owner)
         except (RedisError, OSError) as exc:  # it lapses with its TTL
             log.warning("gateway.drop_wake_failed", error=str(exc))
-
-    @property
-    def num_in_flight(self) -> int:
-        """Generate streams holding a slot right now."""
-        return self._num_in_flight
-
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait up to `timeout_s` for every stream to release its slot; True if so."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
 
     # ============================================================ operations
 
@@ -311,69 +266,6 @@ class GatewayCore:
             log.warning("gateway.bad_node_state", node_id=node_id, error=error)
         return stats_to_proto(counters, nodes, self._num_in_flight)
 
-    async def has_live_executor(self) -> bool:
-        """True when some executor's heartbeat is live (`liveness`)."""
-        return (await self.liveness()).has_executor
-
-    async def liveness(self) -> Liveness:
-        """Whether an executor and the scheduler are live (their heartbeat
-        keys; cached `node_check_s`; callers that arrive while a check runs
-        share its answer).
-
-        Raises `Unavailable` when Redis cannot be reached.
-        """
-        now_s = self.clock()
-        if self._live_checked_s is not None and now_s - self._live_checked_s < (
-            self.config.node_check_s
-        ):
-            return self._liveness
-        if self._live_check is None:
-            self._live_check = asyncio.ensure_future(self._check_live(now_s))
-            # Read its error even if every caller went away (no "never retrieved").
-            self._live_check.add_done_callback(lambda f: f.cancelled() or f.exception())
-        check = self._live_check
-        # shield: one caller going away must not cancel the others' check
-        return await asyncio.shield(check)
-
-    async def _check_live(self, now_s: float) -> Liveness:
-        try:
-            states, is_scheduler_alive = await self._redis(self.store.get_liveness())
-            self._liveness = Liveness(bool(states), is_scheduler_alive)
-            self._live_checked_s = now_s
-            return self._liveness
-        finally:
-            self._live_check = None
-
-    # ============================================================= admission
-
-    async def _require_live_stack(self) -> None:
-        """Refuse new work (UNAVAILABLE) while no executor or no scheduler
-        runs: the intake would keep it, but nobody would serve it."""
-        liveness = await self.liveness()
-        if not liveness.has_executor:
-            self.counters.add(REQUESTS_REJECTED_UNAVAILABLE)
-            raise Unavailable(NO_EXECUTOR_MESSAGE)
-        if not liveness.has_scheduler:
-            self.counters.add(REQUESTS_REJECTED_UNAVAILABLE)
-            raise Unavailable(NO_SCHEDULER_MESSAGE)
-
-    def _acquire_slot(self) -> None:
-        """Take an in-flight slot or raise `Busy` (no I/O, no await)."""
-        if self._num_in_flight >= self.config.max_in_flight:
-            self.counters.add(REQUESTS_REJECTED_BUSY)
-            raise Busy(
-                f"server busy: {self._num_in_flight} requests in flight "
-                f"(limit {self.config.max_in_flight}); retry after "
-                f"{BUSY_RETRY_AFTER_S} s with backoff"
-            )
-        self._num_in_flight += 1
-        self._idle.clear()
-
-    def _release_slot(self) -> None:
-        self._num_in_flight -= 1
-        if self._num_in_flight == 0:
-            self._idle.set()
-
     # ============================================================ delegation
 
     async def _follow(
@@ -485,10 +377,3 @@ class GatewayCore:
             )
         else:
             log.info("gateway.cancelled", task_id=task_id, reason=reason)
-
-    async def _redis(self, awaitable: Awaitable[T]) -> T:
-        """Await a Store call; an unreachable Redis reads as `Unavailable`."""
-        try:
-            return await awaitable
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            raise Unavailable(f"state store (Redis) unavailable: {exc}; retry later") from exc

@@ -64,8 +64,9 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway.admission import NO_EXECUTOR_MESSAGE, NO_SCHEDULER_MESSAGE
 from gateway.config import GatewayConfig
-from gateway.core import NO_EXECUTOR_MESSAGE, NO_SCHEDULER_MESSAGE, GatewayCore
+from gateway.core import GatewayCore
 from gateway.http_body import read_json
 from gateway.http_cors import Cors, parse_origins
 from gateway.http_middleware import (

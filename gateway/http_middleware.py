@@ -24,7 +24,7 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from gateway.core import BUSY_RETRY_AFTER_S
+from gateway.admission import BUSY_RETRY_AFTER_S
 from gateway.observe import code_of
 from gateway.openai_responses import error_for, error_for_status, unauthorized_body
 from lemix.infra.rpc.auth import ApiKeyCheck

@@ -143,7 +143,9 @@ class _Loader(importlib.abc.Loader):
                 setattr(module, name, _wrap(name, getattr(module, name)))
                 continue
             cls = getattr(module, cls_name)
-            setattr(cls, name, _wrap(f"{cls_name}.{name}", cls.__dict__[name]))
+            # getattr, not the class's own dict: a method a mixin defines
+            # (`SchedulerService._handle_intake`) is wrapped on the class named.
+            setattr(cls, name, _wrap(f"{cls_name}.{name}", getattr(cls, name)))
 
 
 class _Finder(importlib.abc.MetaPathFinder):

@@ -4,8 +4,13 @@
 Redis, rebuilds the planner from the event log (restart recovery: the last
 snapshot plus the events after it; the log is compacted as it grows,
 services/scheduler/recovery.py), runs four loops and the gRPC server.
-Scheduling logic stays in the planner; sequencing in the core; this module
+Scheduling logic stays in the planner; sequencing in the core; the service
 only moves data between them and the outside.
+
+One class in four modules: `services.scheduler.service_base` (shared state,
+loop plumbing), `services.scheduler.intake` (the intake loop),
+`services.scheduler.completions` (the completions loop) and this one
+(lifecycle and wiring, the RPC-facing methods, the nodes and timer loops).
 
 Loops (each survives Redis blips: it logs, backs off and goes on):
 
@@ -30,13 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TypeVar
 
-import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
@@ -44,14 +46,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from lemix._proto.lemix.v1 import scheduler_pb2_grpc
 from lemix.infra import telemetry
-from lemix.infra.lifecycle import Service
 from lemix.infra.rpc import SCHEDULER_SERVICE
 from lemix.infra.rpc.errors import InvalidArgument, Unavailable
 from lemix.infra.rpc.server import start_server, stop_server
 from lemix.infra.store.client import RedisClientConfig, connect, export_pool_metrics
-from lemix.infra.store.codec import Entry, Fields, get_optional_int
-from lemix.infra.store.keys import SCHEDULER_ALIVE_TTL_S, RedisKeys
-from lemix.infra.store.messages import completion_from_fields
+from lemix.infra.store.codec import Fields, get_optional_int
+from lemix.infra.store.keys import RedisKeys
 from lemix.infra.store.store import Store
 from lemix.infra.store.task_fields import task_from_fields, task_to_fields
 from lemix.infra.store.task_hash import (
@@ -59,18 +59,18 @@ from lemix.infra.store.task_hash import (
     GATEWAY_ID_FIELD,
     IS_FINAL_FIELD,
     STATUS_FIELD,
-    TASK_ID_FIELD,
     StoredStatus,
     gateways_of,
 )
 from lemix.planner.recording import RecordingPlanner
 from lemix.planner.registry import build_planner
-from lemix.profile import Profile, load_profile
+from lemix.profile import load_profile
 from lemix.reasons import ReasonCode, format_reason
 from lemix.types import Task, TaskKind, TaskPayload
 from services.scheduler.adapters import GrpcDispatcher, RedisEventSink, RedisResultWriter
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import FinishReport, SchedulerCore
+from services.scheduler.completions import CompletionsLoop
+from services.scheduler.core import SchedulerCore
+from services.scheduler.intake import IntakeLoop
 from services.scheduler.recovery import (
     SnapshottingSink,
     check_config,
@@ -78,22 +78,16 @@ from services.scheduler.recovery import (
     recover,
     start_event,
 )
+from services.scheduler.service_base import describe_redis_error
 from services.scheduler.servicer import SchedulerServicer
 from services.scheduler.supervision import LeaseWatch, NodeSupervisor
 
 log = structlog.get_logger(__name__)
 
-T = TypeVar("T")
-
 MAX_TASK_ID_CHARS = 256
-CANCELLED_BEFORE_PLACEMENT = "CANCELLED: cancelled before it was scheduled"
 GATEWAY_GONE = "the gateway streaming this request is gone"
-_LOOP_BACKOFF_S = 0.5  # after an unexpected error in a loop iteration
 _MIN_TIMER_S = 0.001  # never spin on a wake-up that is (float-)due now
 _RECOVER_BATCH = 500  # task hashes read per round trip at restart
-# The completions cursor is stored at most this often (a SET and an XTRIM per
-# store): a restart re-applies at most this much, which is harmless.
-_CURSOR_STORE_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -105,19 +99,6 @@ class SchedulerSnapshot:
     num_deferred: int
     num_rejected: int
     nodes: dict[int, Fields]  # live nodes' heartbeat hashes, by node id
-
-
-def describe_redis_error(exc: BaseException) -> str:
-    """What went wrong talking to Redis, by its real cause.
-
-    The blocking pool's "No connection available." means every pooled
-    connection stayed busy past its wait: overload, not an unreachable Redis.
-    """
-    if isinstance(exc, RedisConnectionError) and "No connection available" in str(exc):
-        return "every pooled Redis connection stayed busy past the pool's wait (overloaded)"
-    if isinstance(exc, RedisTimeoutError):
-        return f"Redis did not answer in time ({exc})"
-    return f"Redis is unreachable ({type(exc).__name__}: {exc})"
 
 
 @contextlib.asynccontextmanager
@@ -140,7 +121,7 @@ def check_task_id(task_id: str) -> None:
         )
 
 
-class SchedulerService(Service):
+class SchedulerService(IntakeLoop, CompletionsLoop):
     """The scheduler process: `await start()`, serve, `await stop()`.
 
     `redis_client` and `profile` may be injected (tests); otherwise they come
@@ -148,43 +129,10 @@ class SchedulerService(Service):
     Stop (`lemix.infra.lifecycle`): NOT_SERVING, the loops end (up to the
     grace plus one blocking read), the events are stored, the server stops
     (RPCs in flight get the grace), the executor channels and Redis close.
+    The state and the constructor are `ServiceBase`'s.
     """
 
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        *,
-        redis_client: aioredis.Redis | None = None,
-        profile: Profile | None = None,
-    ) -> None:
-        super().__init__("scheduler", default_grace_s=config.shutdown_grace_s)
-        self.config = config
-        self._redis = redis_client
-        self._profile = profile
-        self._stopping = asyncio.Event()
-        self._loops: list[asyncio.Task[None]] = []
-        self._payloads: dict[str, TaskPayload] = {}
-        self._rpc_redis_slots = asyncio.Semaphore(config.max_rpc_redis_calls)
-        self._has_unacked_intake = False
-        self._completions_cursor: str | None = None
-        self._stored_cursor: str | None = None  # the cursor last stored in Redis
-        self._cursor_stored_s = -math.inf  # when (monotonic)
-        self.port = 0
-        self.epoch_s = 0.0
-        self.num_recovered_events = 0  # events replayed at start (after the snapshot)
-        self.is_recovered_from_snapshot = False
-        # Renewed every node poll; a few polls may fail (Redis blip) before it lapses.
-        self._alive_ttl_s = max(SCHEDULER_ALIVE_TTL_S, 4 * config.node_poll_s)
-
     # ================================================================ lifecycle
-
-    @property
-    def address(self) -> str:
-        return f"{self.config.host}:{self.port}"
-
-    def clock(self) -> float:
-        """Planner time: wall-clock seconds since the namespace's stored epoch."""
-        return time.time() - self.epoch_s
 
     async def _start(self) -> None:
         """Connect, recover, start the loops and the gRPC server."""
@@ -366,6 +314,13 @@ class SchedulerService(Service):
         except TimeoutError:
             log.error("events_flush_timeout", pending=self.events.num_pending)
 
+    def _attempt_of(self, task_id: str) -> int:
+        return self.core.attempt_of(task_id)
+
+    def _forget_task(self, task_id: str) -> None:
+        self._payloads.pop(task_id, None)
+        self.leases.forget(task_id)
+
     def _on_stopped(self) -> None:
         log.info("scheduler_stopped")
 
@@ -430,231 +385,7 @@ class SchedulerService(Service):
         )
 
     # ================================================================= loops
-
-    async def _run_loop(self, name: str, step: Callable[[], Awaitable[None]]) -> None:
-        while not self._stopping.is_set():
-            try:
-                await step()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self._log_loop_error(name, exc)
-                await self._sleep_or_stop(_LOOP_BACKOFF_S)
-
-    def _log_loop_error(self, name: str, exc: Exception) -> None:
-        if isinstance(exc, RedisConnectionError | RedisTimeoutError | OSError):
-            # An outage: expected, retried; a traceback per retry is noise. The
-            # error's own type and text say which (refused, timed out, pool
-            # exhausted).
-            self.nodes.on_redis_error()
-            log.warning("loop_redis_error", loop=name, error=describe_redis_error(exc))
-        else:
-            log.error("loop_error", loop=name, exc_info=exc)
-
-    async def _until_stop(self, aw: Awaitable[T]) -> T | None:
-        """`aw`'s result, or None once stop begins (then `aw` is cancelled).
-
-        Only waits are raced with stop, never the handling of what they
-        returned: an intake entry read but not handled stays pending and is
-        reclaimed by the next start.
-        """
-        work = asyncio.ensure_future(aw)
-        stop = asyncio.ensure_future(self._stopping.wait())
-        try:
-            await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            work.cancel()
-            raise
-        finally:
-            stop.cancel()
-        if work.done():
-            return work.result()
-        work.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await work
-        return None
-
-    async def _sleep_or_stop(self, delay_s: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stopping.wait(), delay_s)
-
-    @property
-    def _block_ms(self) -> int:
-        return max(1, round(self.config.read_block_s * 1000))
-
-    # ---------------------------------------------------------------- intake
-
-    async def _intake_step(self) -> None:
-        if self._has_unacked_intake:
-            # The last batch failed half-way (Redis blip): its entries are still
-            # pending for us and XREADGROUP ">" will not return them again.
-            stale = await self.store.claim_stale(self.config.consumer_name, 0)
-            if stale:
-                await self._handle_intake(stale)
-            self._has_unacked_intake = False
-        entries = await self._until_stop(
-            self.store.read_intake(
-                self.config.consumer_name, self.config.intake_batch, self._block_ms
-            )
-        )
-        if entries:
-            self._has_unacked_intake = True
-            await self._handle_intake(entries)
-            self._has_unacked_intake = False
-
-    async def _handle_intake(self, entries: list[Entry]) -> None:
-        taken = [t for t in [await self._parse(fields) for _, fields in entries] if t]
-        # One pipelined round trip checks every task and records those taken:
-        # per-task round trips made this loop the stack's bottleneck. The
-        # task's fields go to its state hash too: a restart finds the payload
-        # of deferred training there (the intake entry is deleted).
-        queued_t = time.time()
-        lookup = await self.store.accept_intake(
-            [
-                (
-                    task.task_id,
-                    {
-                        **fields,
-                        STATUS_FIELD: StoredStatus.QUEUED,
-                        "arrival_s": task.arrival_s,
-                        "queued_t": queued_t,
-                    },
-                )
-                for task, _, fields in taken
-            ]
-        )
-        accepted = []
-        attempts: dict[str, int] = {}
-        leased: list[tuple[str, str]] = []
-        for (task, payload, fields), check in zip(taken, lookup, strict=True):
-            if check.is_final:
-                continue  # finished before a restart; its result stands (not written)
-            if check.is_cancelled:  # not written either
-                await self.writer.end_task(
-                    task.task_id, StoredStatus.FAILED, CANCELLED_BEFORE_PLACEMENT
-                )
-                continue
-            self._payloads[task.task_id] = payload
-            accepted.append(task)
-            attempts[task.task_id] = check.attempt
-            if check.has_lease and not task.is_training:
-                leased.append((task.task_id, str(fields[GATEWAY_ID_FIELD])))
-        self.leases.note(leased)  # before the core: it may end them at once
-        await self.core.on_tasks(accepted, attempts)
-        # Write-ahead: the decisions these entries caused are stored before the
-        # entries go, so a crash in between replays them (and the redelivered
-        # entries are recognised as known).
-        await self.events.flush()
-        await self.store.ack_intake([entry_id for entry_id, _ in entries])
-
-    async def _parse(self, fields: Fields) -> tuple[Task, TaskPayload, Fields] | None:
-        """The entry's task, or None when it is malformed (ended) or already known."""
-        task_id = fields.get(TASK_ID_FIELD, "")
-        try:
-            task, payload = task_from_fields(fields, arrival_s=self.clock())
-        except (KeyError, ValueError) as exc:
-            log.error("intake_malformed", task_id=task_id, error=str(exc))
-            if task_id:
-                await self.writer.end_task(
-                    task_id,
-                    StoredStatus.REJECTED,
-                    f"INVALID_ARGUMENT: malformed task fields ({exc})",
-                )
-            return None
-        if self.core.knows(task_id):
-            return None  # redelivered; the planner has it
-        return task, payload, fields
-
-    def _attempt_of(self, task_id: str) -> int:
-        return self.core.attempt_of(task_id)
-
-    def _forget_task(self, task_id: str) -> None:
-        self._payloads.pop(task_id, None)
-        self.leases.forget(task_id)
-
-    # ----------------------------------------------------------- completions
-
-    async def _completions_loop(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                if self._completions_cursor is None:
-                    self._completions_cursor = await self.store.get_completions_cursor()
-                    self._stored_cursor = self._completions_cursor
-                entries = await self._until_stop(
-                    self.store.read_completions(self._completions_cursor, self._block_ms)
-                )
-                if entries:
-                    await self._handle_completions(entries)
-                elif self._completions_cursor != self._stored_cursor:
-                    await self._store_cursor()  # idle: the last cursor, now
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self._log_loop_error("completions", exc)
-                await self._sleep_or_stop(_LOOP_BACKOFF_S)
-
-    async def _handle_completions(self, entries: list[Entry]) -> None:
-        reports: list[FinishReport] = []
-        for entry_id, fields in entries:
-            if not fields.get(TASK_ID_FIELD):  # an entry without a task id is skipped
-                continue
-            try:
-                completion = completion_from_fields(fields)
-            except ValueError as exc:
-                # Malformed (a foreign or corrupted writer): it can never be
-                # applied, and retrying it would hold every later completion
-                # behind it. Skipped and logged; the task's own hash still
-                # has its end, which GetTask and the audit read.
-                log.error("bad_completion", entry_id=entry_id, fields=fields, error=str(exc))
-                continue
-            reports.append(
-                FinishReport(
-                    completion.task_id,
-                    is_success=completion.status == StoredStatus.COMPLETED,
-                    is_requeue=completion.status == StoredStatus.REQUEUED,
-                    node_id=completion.node_id,
-                    attempt=completion.attempt,
-                )
-            )
-        # The batch in one go (one plan). Applying a report twice is harmless:
-        # once applied, the task is no longer on that node, so a second
-        # application (after an error before the cursor moved) reads as stale.
-        applied = await self.core.on_finished_many(reports)
-        ended = [
-            report.task_id
-            for report, is_applied in zip(reports, applied, strict=True)
-            if is_applied and not report.is_requeue
-        ]
-        entry_id = entries[-1][0]
-        self._completions_cursor = entry_id
-        is_stored = time.monotonic() - self._cursor_stored_s >= _CURSOR_STORE_S
-        if is_stored:
-            await self.events.flush()  # the stored cursor never runs ahead of the log
-        # Entries before the cursor are applied and in the log: trimmed. An
-        # applied end is final in its hash (the executor wrote the end and its
-        # completion in one script), so its hash and output stream expire
-        # with the cursor's step; executors write ends without a TTL, and
-        # this is the stream's one expiry (a PEXPIRE is a command per task).
-        # The cursor itself is stored at most every `_CURSOR_STORE_S` (and
-        # when the stream goes idle): a restart re-applies what came since.
-        config = self.config
-        await self.store.advance_completions_cursor(
-            entry_id,
-            expire_ids=ended,
-            ttl_s=config.finished_task_ttl_s,
-            output_ttl_s=config.output_ttl_s,
-            is_stored=is_stored,
-        )
-        if is_stored:
-            self._stored_cursor, self._cursor_stored_s = entry_id, time.monotonic()
-
-    async def _store_cursor(self) -> None:
-        cursor = self._completions_cursor
-        if cursor is None:
-            return
-        await self.events.flush()  # the stored cursor never runs ahead of the log
-        await self.store.advance_completions_cursor(cursor)
-        self._stored_cursor, self._cursor_stored_s = cursor, time.monotonic()
+    # (intake and completions: services.scheduler.intake, .completions)
 
     # ----------------------------------------------------------------- nodes
 
