@@ -10,8 +10,9 @@ trace directory with the same workload and engine flags:
 
 Each inference request's first token, in epoch s on the one host clock:
 client send (the replay's scheduled arrival) -> client call starts ->
-gateway Generate -> admitted (`OutputStream`) -> lease taken -> Submit ->
-the scheduler's Submit -> intake loop -> Dispatch sent -> executor Dispatch
+gateway Generate -> admitted (`OutputStream`) -> the gateway's intake write
+(its lease and reader wake in the same round trip) -> intake loop -> Dispatch
+sent -> executor Dispatch (alone or in a DispatchMany)
 -> engine admit -> sink write of the first token -> gateway reader delivers
 -> response built -> client gets it. The simulator's queueing (arrival to
 placement) and engine time (placement to first token) are shown beside the
@@ -39,11 +40,9 @@ POINTS = {
     "_generate>": "client_call",
     "GatewayServicer.Generate": "gw_handler",
     "OutputStream.__init__": "gw_admitted",
-    "StreamLeases.take<": "gw_leased",
     "GatewayCore._submit>": "gw_submit",
-    "SchedulerService.submit>": "sched_submit",
     "Placing._dispatch>": "dispatch_sent",
-    "ExecutorServicer.Dispatch>": "exec_dispatch",
+    "ExecutorServicer._dispatch>": "exec_dispatch",
     "NodeDriver.add_task": "engine_admit",
     "Follower.deliver": "gw_delivered",
     "OutputStream.on_message": "gw_response",
@@ -53,9 +52,7 @@ ORDER = (
     "client_call",
     "gw_handler",
     "gw_admitted",
-    "gw_leased",
     "gw_submit",
-    "sched_submit",
     "intake",
     "dispatch_sent",
     "exec_dispatch",
@@ -114,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         latency_noise_cv=args.noise_cv,
         train_rate=args.train_rate,
-        **engine_knobs(args, profile),
+        **engine_knobs(args),
     )
     _, result = run_simulation(
         config, profile, wl.tasks, request_rate=args.rate, duration_s=wl.duration_s, slo=slo

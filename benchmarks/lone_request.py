@@ -11,12 +11,11 @@ With `--trace` the stack's processes load `benchmarks/hop_trace` (a
 `sitecustomize` that stamps a few functions on the request path, in epoch s:
 one host, one clock) and each request's TTFT is split into hops:
 
-  gw_in      client send -> the gateway's Generate begins (`_require_live_executor`)
-  gw_submit  -> the gateway calls Scheduler.Submit (lease taken)
-  submit     -> the scheduler's Submit handler begins
-  intake     -> the intake loop handles the entry (Submit's XADD, XREADGROUP wake)
+  gw_in      client send -> the gateway's Generate begins (`_require_live_stack`)
+  gw_submit  -> the gateway writes the task to the intake (with its lease and wake)
+  intake     -> the intake loop handles the entry (the XADD, XREADGROUP wake)
   plan       -> the scheduler sends Dispatch (accept_intake, planner)
-  dispatch   -> the executor's Dispatch handler begins (gRPC)
+  dispatch   -> the executor takes the task (Dispatch, or one of a DispatchMany)
   admit      -> the engine is given the task (`NodeDriver.add_task`)
   stage wait -> the first stage starts
   stages     -> the last prefill stage ends (sum of stage work and hand-offs)
@@ -57,7 +56,6 @@ TRACE_DIR = Path(__file__).resolve().parent / "hop_trace"
 HOPS = (
     "gw_in",
     "gw_submit",
-    "submit",
     "intake",
     "plan",
     "dispatch",
@@ -113,12 +111,11 @@ def hops_of(rec: dict[str, Any], trace: list[tuple[float, str, str]]) -> dict[st
     ]
     points = [
         rec["send_t"],
-        first("GatewayCore._require_live_executor>", lambda d: True),
+        first("GatewayCore._require_live_stack>", lambda d: True),
         first("GatewayCore._submit>"),
-        first("SchedulerService.submit>"),
         first("SchedulerService._handle_intake>"),
         first("Placing._dispatch>"),
-        first("ExecutorServicer.Dispatch>"),
+        first("ExecutorServicer._dispatch>"),
         first("NodeDriver.add_task"),
         next((t for t, lab, _ in stages if lab.endswith(">")), None),
         max(stage_ends) if stage_ends else None,
@@ -183,9 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         policy=args.policy,
         num_nodes=args.nodes,
         latency_noise_cv=0.0,
-        **engine_knobs(args, profile),
+        **engine_knobs(args),
     )
-    engine = sim_config.engine_config(slo)
+    engine = sim_config.engine_config(slo, profile)
     args.engine = EngineKnobs(
         engine.num_micro_batches or 0,
         engine.prefill_token_budget or 0,

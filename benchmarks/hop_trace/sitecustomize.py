@@ -56,8 +56,10 @@ def _detail(label: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         return ",".join(type(o).__name__ + ":" + _tid(o) for _, o in args[1])
     if label.endswith(".deliver"):
         return f"{args[0].task_id} n={len(args[1])}"
-    if label.endswith(".Dispatch"):
+    if label.endswith(".Dispatch") or label == "ExecutorServicer._dispatch":
         return args[1].task.task_id
+    if label == "GatewayCore._submit":  # its tasks: (task, payload) pairs
+        return ",".join(task.task_id for task, _ in args[1])
     for arg in args[1:]:
         if _tid(arg):
             return _tid(arg)
@@ -107,7 +109,7 @@ def _wrap(label: str, fn: Any) -> Any:
 
 
 TARGETS: dict[str, list[tuple[str | None, str]]] = {
-    "gateway.core": [("GatewayCore", "_require_live_executor"), ("GatewayCore", "_submit")],
+    "gateway.core": [("GatewayCore", "_require_live_stack"), ("GatewayCore", "_submit")],
     "gateway.reader": [("Follower", "deliver")],
     "gateway.convert": [("OutputStream", "__init__"), ("OutputStream", "on_message")],
     "lemix.harness.task_watch": [(None, "settle")],
@@ -123,7 +125,7 @@ TARGETS: dict[str, list[tuple[str | None, str]]] = {
     "services.scheduler.placing": [("Placing", "_dispatch"), ("Placing", "_begin_attempts")],
     "services.scheduler.adapters": [("GrpcDispatcher", "dispatch"), ("RedisEventSink", "flush")],
     "lemix.infra.store.intake": [("IntakeOps", "accept_intake"), ("IntakeOps", "ack_intake")],
-    "services.executor.servicer": [("ExecutorServicer", "Dispatch")],
+    "services.executor.servicer": [("ExecutorServicer", "_dispatch")],
     "services.executor.driver": [("NodeDriver", "add_task"), ("NodeDriver", "_run_stage")],
     "services.executor.sink": [("RedisOutcomeSink", "write")],
 }
