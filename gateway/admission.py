@@ -86,10 +86,6 @@ class Admission:
             return False
         return True
 
-    async def has_live_executor(self) -> bool:
-        """True when some executor's heartbeat is live (`liveness`)."""
-        return (await self.liveness()).has_executor
-
     async def liveness(self) -> Liveness:
         """Whether an executor and the scheduler are live (their heartbeat
         keys; cached `node_check_s`; callers that arrive while a check runs

@@ -16,7 +16,7 @@ import structlog
 
 from lemix._proto.lemix.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from lemix.infra.rpc.convert import node_state_to_proto
-from lemix.infra.rpc.errors import InvalidArgument, Unavailable, handle_errors, status_for
+from lemix.infra.rpc.errors import InvalidArgument, handle_errors, status_for
 from services.executor.convert import (
     dispatch_from_proto,
     measure_from_proto,
@@ -60,8 +60,6 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     ) -> executor_pb2.DispatchManyResponse:
         if not request.dispatches:
             raise InvalidArgument("DispatchManyRequest.dispatches is empty; send at least one")
-        if self._node.is_stopping:
-            raise Unavailable(f"executor node {self._node.node_id} is shutting down")
         results = []
         for dispatch in request.dispatches:
             try:

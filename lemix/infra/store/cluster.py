@@ -7,7 +7,7 @@ the fields of `heartbeat`. The scheduler is alive while its key lives.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from lemix.infra.store.base import StoreBase, as_fields, to_ms
 from lemix.infra.store.codec import Fields, FieldValue, encode_fields, get_float
@@ -26,9 +26,13 @@ class ClusterOps(StoreBase):
         await self.client.delete(self.keys.scheduler_alive)
 
     async def get_liveness(self) -> tuple[dict[int, Fields], bool]:
-        """The live nodes' states (`get_node_states`) and whether a scheduler is live."""
-        is_scheduler_alive = bool(await self.client.exists(self.keys.scheduler_alive))
-        return await self.get_node_states(), is_scheduler_alive
+        """The live nodes' states (`get_node_states`) and whether a scheduler
+        is live; the node set and the scheduler's key in one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.smembers(self.keys.nodes)
+        pipe.exists(self.keys.scheduler_alive)
+        members, is_scheduler_alive = await pipe.execute()
+        return await self._states_of(members), bool(is_scheduler_alive)
 
     async def put_node_state(
         self,
@@ -54,7 +58,11 @@ class ClusterOps(StoreBase):
 
     async def get_node_states(self) -> dict[int, Fields]:
         """State of every live node (heartbeat not expired), by node id."""
-        node_ids = sorted(int(n) for n in await self.client.smembers(self.keys.nodes))
+        return await self._states_of(await self.client.smembers(self.keys.nodes))
+
+    async def _states_of(self, members: Iterable[str | bytes]) -> dict[int, Fields]:
+        """`get_node_states` for the node set's `members` (one MULTI/EXEC)."""
+        node_ids = sorted(int(n) for n in members)
         if not node_ids:
             return {}
         async with self.client.pipeline(transaction=True) as pipe:

@@ -86,8 +86,8 @@ class ExecutorServicer:
         """Several Dispatches to this node in one call, in order (the scheduler
         sends the placements one planning round makes on a node together). Each
         is handled as its own Dispatch: a refused task has its status in its
-        result and does not fail the others. Errors of the call itself:
-        INVALID_ARGUMENT (no dispatches), UNAVAILABLE (the node is shutting down).
+        result and does not fail the others (a node shutting down answers each
+        one UNAVAILABLE). Errors of the call itself: INVALID_ARGUMENT (no dispatches).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
