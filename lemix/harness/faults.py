@@ -364,3 +364,21 @@ async def wait_until_held(
         if held or time.monotonic() > give_up_s:
             return held
         await asyncio.sleep(0.1)
+
+
+async def wait_until_placed(
+    stub: gateway_pb2_grpc.GatewayStub, task_ids: set[str], timeout_s: float = 30.0
+) -> set[str]:
+    """Until every id in `task_ids` is running on some node; the ids not yet placed.
+
+    A fault injected before that bites requests still inside the gateway,
+    which the stack never acknowledged (their clients see UNAVAILABLE and the
+    store never knew them): a different test from one about held work."""
+    give_up_s = time.monotonic() + timeout_s
+    while True:
+        reply = await stub.AuditTasks(gateway_pb2.AuditRequest(min_age_s=0.0), timeout=30)
+        placed = {t.task_id for t in reply.tasks if t.HasField("node_id")}
+        missing = task_ids - placed
+        if not missing or time.monotonic() > give_up_s:
+            return missing
+        await asyncio.sleep(0.1)

@@ -27,6 +27,7 @@ from lemix.harness.faults import (
     final_states,
     wait_ready,
     wait_until_held,
+    wait_until_placed,
 )
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
@@ -87,7 +88,9 @@ async def test_gateway_sigkill_cancels_its_orphaned_streams(tmp_path: Path) -> N
         # Long streams (~1,000 decode steps at full profile speed): still
         # running when the gateway that reads them dies.
         ids = [load.generate(max_tokens=1000) for _ in range(6)]
-        assert await wait_until_held(stub, 0) or await wait_until_held(stub, 1)
+        # Every stream acknowledged and running before the kill: a request
+        # still inside the gateway was never acknowledged (never written).
+        assert await wait_until_placed(stub, set(ids)) == set()
         stack.kill("gateway", signal.SIGKILL)
         killed_s = time.monotonic()
         await stack.wait_restarted("gateway", timeout_s=60)
