@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="info", help="the services' log level")
     parser.add_argument(
         "--event-loop",
-        default="asyncio",
+        default="uvloop",
         choices=("asyncio", "uvloop"),
         help="the services' event loop (LEMIX_EVENT_LOOP)",
     )

@@ -124,10 +124,10 @@ def loop_factory(event_loop: str) -> Callable[[], asyncio.AbstractEventLoop] | N
     if event_loop != "uvloop":
         return None
     try:
-        import uvloop  # optional: the `lemix[fast]` extra
+        import uvloop  # a dependency, except where it does not build (Windows)
     except ImportError as exc:
         raise ValueError(
-            "event_loop uvloop needs the uvloop package: pip install 'lemix[fast]' "
+            "event_loop uvloop needs the uvloop package: pip install uvloop "
             "(or set LEMIX_EVENT_LOOP=asyncio)"
         ) from exc
     return uvloop.new_event_loop
