@@ -5,6 +5,18 @@ redelivered task the core already holds, or one already final, is only
 acked; a malformed one is ended REJECTED; one cancelled before it was read is
 ended FAILED. The decisions a batch causes are made durable (events flushed)
 before its entries are acked, so a crash in between replays to the same state.
+
+The submitter's script wrote each task's hash (queued, attempt 1) with its
+entry and says in the entry whether that hash was the task's own
+(`INTAKE_STATE_FIELD`). Such a task, read fresh by this process, is taken
+as it is: no round trip before it is planned. The others are checked
+first in one round trip (`Store.accept_intake`: final? cancelled? its
+gateway's lease?): a hash that held something already, entries added before
+this scheduler read the stream (a predecessor may have marked them
+cancelled), redeliveries, and ids this process was told about meanwhile
+(cancelled or submitted here: `_check_at_intake`). A task taken as it is
+counts its gateway's lease as held; the lease watch finds out otherwise
+within its check period and cancels the task then.
 """
 
 from __future__ import annotations
@@ -14,6 +26,7 @@ import time
 import structlog
 
 from lemix.infra.store.codec import Entry, Fields
+from lemix.infra.store.intake import FIRST_ATTEMPT, INTAKE_STATE_FIELD, IntakeCheck
 from lemix.infra.store.task_fields import task_from_fields
 from lemix.infra.store.task_hash import GATEWAY_ID_FIELD, STATUS_FIELD, TASK_ID_FIELD, StoredStatus
 from lemix.types import Task, TaskPayload
@@ -22,6 +35,15 @@ from services.scheduler.service_base import ServiceBase
 log = structlog.get_logger(__name__)
 
 CANCELLED_BEFORE_PLACEMENT = "CANCELLED: cancelled before it was scheduled"
+# Ids remembered for a check at intake (`_check_at_intake`); past this the
+# oldest is forgotten (its entry, if still unread, is then taken unchecked).
+_CHECK_AT_INTAKE_MAX = 100_000
+
+
+def _entry_key(entry_id: str) -> tuple[int, int]:
+    """A stream entry id ("<ms>-<seq>") as a sortable pair."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 class IntakeLoop(ServiceBase):
@@ -33,7 +55,7 @@ class IntakeLoop(ServiceBase):
             # pending for us and XREADGROUP ">" will not return them again.
             stale = await self.store.claim_stale(self.config.consumer_name, 0)
             if stale:
-                await self._handle_intake(stale)
+                await self._handle_intake(stale, is_redelivery=True)
             self._has_unacked_intake = False
         entries = await self._until_stop(
             self.store.read_intake(
@@ -45,14 +67,38 @@ class IntakeLoop(ServiceBase):
             await self._handle_intake(entries)
             self._has_unacked_intake = False
 
-    async def _handle_intake(self, entries: list[Entry]) -> None:
-        taken = [t for t in [await self._parse(fields) for _, fields in entries] if t]
-        # One pipelined round trip checks every task and records those taken:
-        # per-task round trips made this loop the stack's bottleneck. The
-        # task's fields go to its state hash too: a restart finds the payload
-        # of deferred training there (the intake entry is deleted).
+    def _check_at_intake_add(self, task_id: str) -> None:
+        """Have the intake check `task_id` before taking it (module doc)."""
+        self._check_at_intake[task_id] = None
+        if len(self._check_at_intake) > _CHECK_AT_INTAKE_MAX:
+            del self._check_at_intake[next(iter(self._check_at_intake))]
+
+    def _is_taken_as_is(self, entry_id: str, fields: Fields, is_redelivery: bool) -> bool:
+        task_id = fields.get(TASK_ID_FIELD, "")
+        is_checked = self._check_at_intake.pop(task_id, 0) is None
+        return (
+            not is_redelivery
+            and not is_checked
+            and fields.get(INTAKE_STATE_FIELD) == "1"
+            and _entry_key(entry_id) > _entry_key(self._intake_fresh_after)
+        )
+
+    async def _handle_intake(self, entries: list[Entry], *, is_redelivery: bool = False) -> None:
+        taken: list[tuple[Task, TaskPayload, Fields, bool]] = []
+        for entry_id, fields in entries:
+            is_as_is = self._is_taken_as_is(entry_id, fields, is_redelivery)
+            fields = {k: v for k, v in fields.items() if k != INTAKE_STATE_FIELD}
+            parsed = await self._parse(fields)
+            if parsed is not None:
+                taken.append((*parsed, is_as_is))
+        # One pipelined round trip checks the tasks that need it and records
+        # them: per-task round trips made this loop the stack's bottleneck.
+        # The task's fields go to its state hash too (the submitter wrote
+        # them there already; a hash that held something else gets them
+        # merged): a restart finds the payload of deferred training there
+        # (the intake entry is deleted).
         queued_t = time.time()
-        lookup = await self.store.accept_intake(
+        checked = await self.store.accept_intake(
             [
                 (
                     task.task_id,
@@ -63,13 +109,21 @@ class IntakeLoop(ServiceBase):
                         "queued_t": queued_t,
                     },
                 )
-                for task, _, fields in taken
+                for task, _, fields, is_as_is in taken
+                if not is_as_is
             ]
         )
+        checks = iter(checked)
+        lookup = [
+            IntakeCheck(False, False, bool(fields.get(GATEWAY_ID_FIELD)), FIRST_ATTEMPT)
+            if is_as_is
+            else next(checks)
+            for _, _, fields, is_as_is in taken
+        ]
         accepted = []
         attempts: dict[str, int] = {}
         leased: list[tuple[str, str]] = []
-        for (task, payload, fields), check in zip(taken, lookup, strict=True):
+        for (task, payload, fields, _), check in zip(taken, lookup, strict=True):
             if check.is_final:
                 continue  # finished before a restart; its result stands (not written)
             if check.is_cancelled:  # not written either

@@ -155,6 +155,7 @@ class SchedulerService(IntakeLoop, CompletionsLoop):
         self.epoch_s = await self.store.scheduler_epoch(time.time())
         await self._build_core()
         await self.store.ensure_group()
+        self._intake_fresh_after = await self.store.intake_last_id()
         # Nodes are down until their first heartbeat (recorded without
         # planning, so deferred work is not rejected before the first poll).
         await self.core.mark_down(range(config.num_nodes))
@@ -164,7 +165,7 @@ class SchedulerService(IntakeLoop, CompletionsLoop):
         )
         if stale:
             log.info("intake_reclaimed", num_entries=len(stale))
-            await self._handle_intake(stale)
+            await self._handle_intake(stale, is_redelivery=True)
         self._loops = [
             asyncio.create_task(self._run_loop("intake", self._intake_step), name="intake"),
             asyncio.create_task(self._completions_loop(), name="completions"),
@@ -344,6 +345,9 @@ class SchedulerService(IntakeLoop, CompletionsLoop):
         fields = task_to_fields(task, payload)
         if gateway_id:
             fields[GATEWAY_ID_FIELD] = gateway_id
+        # A direct client may name a gateway that holds no lease: the intake
+        # checks (as it did for every task before gateways wrote their own).
+        self._check_at_intake_add(task.task_id)
         async with self._rpc_redis_slots, redis_unavailable("Submit"):
             is_new = await self.store.submit_task(fields)
         if not is_new and gateway_id:
@@ -360,6 +364,8 @@ class SchedulerService(IntakeLoop, CompletionsLoop):
         reason = reason or "cancelled by the client"
         node_id = self.core.node_of(task_id)
         if node_id is None:
+            # The intake finds the marker only if it looks: tell it to.
+            self._check_at_intake_add(task_id)
             async with self._rpc_redis_slots, redis_unavailable("Cancel"):
                 await self.store.mark_cancelled(task_id)  # the intake drops it if unread
                 if self.core.knows(task_id):

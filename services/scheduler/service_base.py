@@ -83,6 +83,15 @@ class ServiceBase(Service):
         self._payloads: dict[str, TaskPayload] = {}
         self._rpc_redis_slots = asyncio.Semaphore(config.max_rpc_redis_calls)
         self._has_unacked_intake = False
+        # Intake entries up to this id were added before this scheduler read
+        # the stream: a predecessor may hold cancel markers for them, so they
+        # are checked (`IntakeLoop`); later ones only if this process was told
+        # something about them (`_check_at_intake`).
+        self._intake_fresh_after = "0-0"
+        # Task ids to check at intake although their entry says the task is
+        # its hash's own: cancelled, or submitted here, before the intake read
+        # them. Insertion-ordered, bounded (`_CHECK_AT_INTAKE_MAX`).
+        self._check_at_intake: dict[str, None] = {}
         self._completions_cursor: str | None = None
         self._stored_cursor: str | None = None  # the cursor last stored in Redis
         self._cursor_stored_s = -math.inf  # when (monotonic)

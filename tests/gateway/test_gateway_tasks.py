@@ -75,6 +75,24 @@ async def _take(
     await store.ack_intake([entry_id for entry_id, f in entries if f["task_id"] == task_id])
 
 
+class _FirstAttempts:
+    """A node's ledger for tasks placed once: each runs its first attempt,
+    the number the submit writes (an unbound sink writes as attempt 0, which
+    the task's hash fences)."""
+
+    def attempt_of(self, task_id: str) -> int:
+        return 1
+
+    def on_fenced(self, task_id: str) -> None:
+        raise AssertionError(f"{task_id} fenced")
+
+
+def _first_attempt_sink(store: Store) -> RedisOutcomeSink:
+    sink = RedisOutcomeSink(store, NODE)
+    sink.bind(_FirstAttempts())
+    return sink
+
+
 async def _place(store: Store, task_id: str) -> None:
     await RedisResultWriter(store).write_states([StateWrite(task_id, "placed", node_id=NODE)])
 
@@ -101,14 +119,19 @@ async def _code_of(call: object) -> grpc.StatusCode:
 async def test_get_task_reads_each_state_as_the_services_write_it(
     store: Store, stub: gateway_pb2_grpc.GatewayStub
 ) -> None:
-    sink = RedisOutcomeSink(store, NODE)
+    sink = _first_attempt_sink(store)
     writer = RedisResultWriter(store)
     before_s = time.time()
 
     await _submit(store, "t-intake", TaskKind.TRAINING)
     info = await _get(stub, "t-intake")
+    # The submit wrote its hash, queued, with the intake entry.
     assert info.state == S.TASK_STATE_QUEUED and not info.is_final
-    assert info.reason == IN_INTAKE_REASON
+    assert info.kind == common_pb2.TASK_KIND_TRAINING and info.queued_at_s >= before_s
+    # A marker without a hash (an entry of an older writer) reads "in the intake".
+    await store.client.set(store.keys.dedupe("t-legacy"), "0-1")
+    info = await _get(stub, "t-legacy")
+    assert info.state == S.TASK_STATE_QUEUED and info.reason == IN_INTAKE_REASON
 
     await _take(store, "t-queued", TaskKind.TRAINING)
     info = await _get(stub, "t-queued")
@@ -185,7 +208,7 @@ async def test_watch_tasks_sends_changes_and_ends_when_all_are_final(
     watching = asyncio.create_task(watch())
     await asyncio.wait_for(first_round.wait(), 5)
     assert sorted(seen) == [("w-a", S.TASK_STATE_QUEUED), ("w-b", S.TASK_STATE_PLACED)]
-    sink = RedisOutcomeSink(store, NODE)
+    sink = _first_attempt_sink(store)
     await sink.write([(0.0, Finished("w-b", num_output_tokens=0))])
     await eventually(lambda: ("w-b", S.TASK_STATE_COMPLETED) in seen, what="w-b completed")
     assert not watching.done()  # w-a is not final yet
@@ -254,7 +277,7 @@ async def test_audit_lists_old_non_final_tasks_oldest_first(
         ("a-intake", S.TASK_STATE_QUEUED),
         ("a-placed", S.TASK_STATE_PLACED),
     ]
-    assert reply.tasks[0].reason == IN_INTAKE_REASON and reply.tasks[1].node_id == NODE
+    assert reply.tasks[0].kind == common_pb2.TASK_KIND_TRAINING and reply.tasks[1].node_id == NODE
     assert not reply.is_truncated and reply.num_scanned >= 4
 
     reply = await stub.AuditTasks(gateway_pb2.AuditRequest(min_age_s=0), timeout=10)
@@ -279,7 +302,7 @@ async def _http_get(gateway: GatewayService, path: str) -> tuple[int, dict]:
 async def test_http_task_route(store: Store, gateway: GatewayService) -> None:
     await _take(store, "h-1", TaskKind.TRAINING)
     await _place(store, "h-1")
-    await RedisOutcomeSink(store, NODE).write([(0.0, Finished("h-1", num_output_tokens=0))])
+    await _first_attempt_sink(store).write([(0.0, Finished("h-1", num_output_tokens=0))])
     status, body = await _http_get(gateway, "/v1/lemix/tasks/h-1")
     assert status == 200
     assert body["object"] == "lemix.task" and body["task_id"] == "h-1"

@@ -3,16 +3,21 @@ scheduler's consumer group on it (claim, then ack).
 
 `submit_task` is idempotent by task id: a dedupe key is set in the same Lua
 script as the XADD (`scripts.SUBMIT_LUA`), and a Submit that reuses an id for
-another request is refused (`TaskIdConflict`). `accept_task` records a task
-and acks its entry in one MULTI/EXEC; acked entries are deleted, so the
-stream stays bounded (the scheduler's event log is the record for replay).
-Cancel-before-placement markers live here too: the intake loop checks them.
+another request is refused (`TaskIdConflict`). The same script writes the
+task's hash, queued with its first placement's attempt number, and tells the
+scheduler in the entry (`INTAKE_STATE_FIELD`) whether that hash was the
+task's own; when it was not, or the scheduler has other reasons to look
+(`accept_intake`), the scheduler checks the task before taking it. Acked
+entries are deleted, so the stream stays bounded (the scheduler's event log
+is the record for replay). Cancel-before-placement markers live here too:
+the intake loop checks them.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
+import time
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -33,11 +38,22 @@ from lemix.infra.store.base import (
 from lemix.infra.store.codec import Entry, FieldValue, encode_fields
 from lemix.infra.store.task_hash import (
     ALSO_GATEWAY_PREFIX,
+    ATTEMPT_FIELD,
     CANCELLED_FIELD,
     GATEWAY_ID_FIELD,
+    STATUS_FIELD,
     SUBMIT_T_FIELD,
     TASK_ID_FIELD,
+    StoredStatus,
 )
+
+# An intake entry's field, added by `scripts.SUBMIT_LUA`: "1" when the task's
+# hash was written there whole (queued, attempt 1) into an empty key, so the
+# scheduler may take the task as it is; "0" (or absent: an entry of an older
+# writer) when the scheduler must check it first (`IntakeOps.accept_intake`).
+INTAKE_STATE_FIELD = "intake_state"
+# The attempt number of a task's first placement, written at intake.
+FIRST_ATTEMPT = 1
 
 # Task fields that differ between two Submits of one request (stamped by the
 # submitter or on intake), so they are not part of its hash: the scheduler's
@@ -130,12 +146,28 @@ class IntakeOps(StoreBase):
             self.queue_gateway_hold(
                 pipe, hold.owner, lease_ttl_s=hold.lease_ttl_s, wake=hold.is_wake
             )
+        state = flatten(
+            encode_fields(
+                {
+                    STATUS_FIELD: StoredStatus.QUEUED,
+                    ATTEMPT_FIELD: FIRST_ATTEMPT,
+                    "queued_t": time.time(),
+                }
+            )
+        )
         for fields in encoded:
+            task_id = fields[TASK_ID_FIELD]
             self.queue_script(
                 pipe,
                 self._submit,
-                keys=[self.keys.dedupe(fields[TASK_ID_FIELD]), self.keys.intake_stream],
-                args=[self._dedupe_ttl_ms, request_hash(fields), *flatten(fields)],
+                keys=[self.keys.dedupe(task_id), self.keys.intake_stream, self.keys.task(task_id)],
+                args=[
+                    self._dedupe_ttl_ms,
+                    request_hash(fields),
+                    len(state),
+                    *state,
+                    *flatten(fields),
+                ],
             )
         replies = await self.execute_scripted(pipe)
         return [SubmitOutcome(int(reply)) for reply in replies[len(replies) - len(encoded) :]]
@@ -248,6 +280,17 @@ class IntakeOps(StoreBase):
                 raise
             await self.ensure_group()
             return claimed
+
+    async def intake_last_id(self) -> str:
+        """The id of the newest entry ever added to the intake stream ("0-0":
+        none, or no stream yet); deleted entries count."""
+        try:
+            info = await self.client.xinfo_stream(self.keys.intake_stream)
+        except ResponseError as exc:
+            if "no such key" not in str(exc).lower():
+                raise
+            return "0-0"
+        return str(info["last-generated-id"])
 
     async def pending_count(self) -> int:
         """Intake entries delivered to some consumer and not yet acked."""

@@ -10,22 +10,41 @@ cluster): scripts touch several keys.
 
 from __future__ import annotations
 
-# KEYS[1] dedupe key, KEYS[2] intake stream.
+# KEYS[1] dedupe key, KEYS[2] intake stream, KEYS[3] the task's hash.
 # ARGV[1] dedupe TTL in ms; ARGV[2] the request's hash (`request_hash`);
-# ARGV[3..] the task's field/value items.
+# ARGV[3] k, the number of state items; ARGV[4 .. 3+k] the state items (what
+# the scheduler's intake step used to write: status, the first placement's
+# attempt number, queued_t); ARGV[4+k ..] the task's field/value items.
 # The dedupe key holds "- <request hash>" (markers written before this script
 # hold "<intake entry id> <request hash>", or, before hashes existed, the
 # entry id alone: its hash is unknown, so any payload counts as the same
 # request). It is taken first (SET NX: one command for a new id, where a
-# GET and a SET were two); if the XADD then fails, the marker is deleted
-# again, so a refused Submit never leaves a marker without its entry.
+# GET and a SET were two). Then the task's hash gets its fields and state
+# (the task exists, queued, from this step on), and the intake entry says
+# whether that hash was the task's own: `INTAKE_STATE_FIELD` "1" when every
+# field written was new (HSET's reply; no extra command), "0" when the hash
+# held some of them already (a finished task of an expired id): then the
+# scheduler checks the task as it did before (`ACCEPT_LUA`). A cancel
+# marker alone leaves it "1" (its field is not one of these): the scheduler
+# that wrote it remembers to check (`services.scheduler.intake`). If the
+# XADD fails, the marker is deleted again, and a hash this call made, so a
+# refused Submit leaves neither a marker nor a task without its entry.
 # Returns 1 (added), 0 (same id, same request: nothing written) or -1 (same id,
 # another request: nothing written).
 SUBMIT_LUA = """
 if redis.call('SET', KEYS[1], '- ' .. ARGV[2], 'NX', 'PX', ARGV[1]) then
-  local added = redis.pcall('XADD', KEYS[2], '*', unpack(ARGV, 3))
+  local k = tonumber(ARGV[3])
+  local num_new = redis.call('HSET', KEYS[3], unpack(ARGV, 4))
+  local is_own = num_new * 2 == #ARGV - 3
+  local items = {unpack(ARGV, 4 + k)}
+  items[#items + 1] = 'intake_state'
+  items[#items + 1] = is_own and '1' or '0'
+  local added = redis.pcall('XADD', KEYS[2], '*', unpack(items))
   if type(added) == 'table' and added.err then
     redis.call('DEL', KEYS[1])
+    if is_own then
+      redis.call('DEL', KEYS[3])
+    end
     return added
   end
   return 1

@@ -20,7 +20,7 @@ from lemix.infra.store.codec import (
     get_int,
     get_optional_int,
 )
-from lemix.infra.store.intake import TaskIdConflict
+from lemix.infra.store.intake import INTAKE_STATE_FIELD, TaskIdConflict
 from lemix.infra.store.keys import RedisKeys
 from lemix.infra.store.store import Store
 from lemix.infra.store.task_hash import IS_FINAL_FIELD
@@ -158,7 +158,30 @@ async def test_accept_task_records_state_and_acks_together(store: Store) -> None
     [(entry_id, fields)] = await store.read_intake("sched-a")
     await store.accept_task(entry_id, fields["task_id"], {"status": "queued", "node_id": None})
     assert await store.pending_count() == 0
-    assert await store.get_task_state("t1") == {"status": "queued", "node_id": ""}
+    state = await store.get_task_state("t1")
+    assert (state["status"], state["node_id"]) == ("queued", "")
+
+
+async def test_submit_writes_the_task_hash_and_says_whether_it_was_its_own(
+    store: Store,
+) -> None:
+    await store.ensure_group()
+    assert await store.submit_task(_task("fresh"))
+    # A hash already holding a field the submit writes (here: a finished
+    # task whose dedupe marker expired): the entry says "check it".
+    await store.set_task_state("old", {"status": "completed", "is_final": "1", "attempt": 3})
+    assert await store.submit_task(_task("old"))
+    entries = dict((f["task_id"], f) for _, f in await store.read_intake("sched-a"))
+    assert entries["fresh"][INTAKE_STATE_FIELD] == "1"
+    assert entries["old"][INTAKE_STATE_FIELD] == "0"
+    fresh = await store.get_task_state("fresh")
+    assert (fresh["status"], fresh["attempt"], fresh["task_id"]) == ("queued", "1", "fresh")
+    assert float(fresh["queued_t"]) > 0
+    # The same request again writes nothing: no second entry, the hash as it was.
+    await store.set_task_state("fresh", {"status": "placed"})
+    assert not await store.submit_task(_task("fresh"))
+    assert await store.read_intake("sched-a") == []
+    assert (await store.get_task_state("fresh"))["status"] == "placed"
 
 
 # ------------------------------------------------------------------ task state

@@ -27,7 +27,8 @@ async def test_get_task_states_reads_hash_marker_and_output(redis_client: aiored
     await store.append_output("b", {"type": "token", "n": 1})
     states = await store.get_task_states(["a", "b", "c"], ["status", "node_id", "reason"])
     assert states == [
-        StoredTask({}, is_submitted=True, has_output=False),
+        # The submit writes the task's hash, queued, with its intake entry.
+        StoredTask({"status": "queued"}, is_submitted=True, has_output=False),
         StoredTask({"status": "placed", "node_id": "2"}, is_submitted=False, has_output=True),
         StoredTask({}, is_submitted=False, has_output=False),
     ]

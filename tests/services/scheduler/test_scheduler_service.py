@@ -567,6 +567,69 @@ async def test_malformed_completion_is_skipped_and_later_ones_apply(stack: Stack
     assert service.core.knows("t1")
 
 
+# ------------------------------------------------- tasks a gateway writes itself
+
+
+async def _write_as_gateway(store: Store, task_id: str, gateway_id: str = "") -> None:
+    """Write a task to the intake as a gateway does (no Submit RPC)."""
+    fields = task_to_fields(Task(task_id, TaskKind.INFERENCE, 0.0, 40, 8), TaskPayload())
+    if gateway_id:
+        fields["gateway_id"] = gateway_id
+    assert await store.submit_task(fields)
+
+
+async def test_a_task_the_gateway_wrote_is_taken_as_it_is_and_older_ones_checked(
+    stack: Stack,
+) -> None:
+    fake = await stack.start_executor(0)
+    await _write_as_gateway(stack.store, "before")  # before this scheduler read the stream
+    service = await stack.start_service(num_nodes=1)
+    await _write_as_gateway(stack.store, "after")
+    await wait_until(lambda: sorted(fake.dispatched_ids) == ["after", "before"], what="dispatch")
+    attempts = {r.task.task_id: r.attempt for r in fake.dispatched}
+    # Taken as it is: the attempt number the submit wrote. Checked (a
+    # predecessor might have marked it cancelled): numbered again.
+    assert attempts == {"after": 1, "before": 2}
+    for task_id, attempt in attempts.items():
+        assert (await stack.store.get_task_state(task_id))["attempt"] == str(attempt)
+    await wait_until(lambda: _pending_is(stack.store, 0), what="both acked")
+    assert service.core.num_tasks == 2
+
+
+async def test_a_cancel_before_the_intake_read_a_gateway_written_task_is_honoured(
+    stack: Stack,
+) -> None:
+    fake = await stack.start_executor(0)
+    service = await stack.start_service(num_nodes=1)
+    stub = stack.stub(service)
+    reply = await stub.Cancel(
+        common_pb2.CancelRequest(task_id="gc1", reason="deadline"), timeout=TIMEOUT_S
+    )
+    assert not reply.is_found
+    await _write_as_gateway(stack.store, "gc1")
+    end = await end_message(stack.store, "gc1")
+    assert end["status"] == "failed" and end["reason"].startswith("CANCELLED")
+    await _write_as_gateway(stack.store, "gc2")
+    await wait_until(lambda: fake.dispatched_ids == ["gc2"], what="next task dispatched")
+
+
+async def test_a_task_taken_as_it_is_whose_gateway_holds_no_lease_is_cancelled(
+    stack: Stack,
+) -> None:
+    fake = await stack.start_executor(0)
+    await stack.start_service(num_nodes=1, lease_check_s=0.05)
+    await _write_as_gateway(stack.store, "orphan", gateway_id="gw-gone")
+    await wait_until(lambda: fake.dispatched_ids == ["orphan"], what="dispatch")
+    # Nobody reads its output: the lease watch finds that out and cancels it.
+    await wait_until(
+        lambda: (
+            [(c.task_id, c.reason) for c in fake.cancelled]
+            == [("orphan", "the gateway streaming this request is gone")]
+        ),
+        what="the orphan cancelled",
+    )
+
+
 # ------------------------------------------------------------------ cancel
 
 
