@@ -13,8 +13,10 @@ objects per request).
 Each level also reads the tasks' state hashes back from Redis and splits E2E
 at the services' own epoch stamps (same host, so one clock):
   gw_in  = submit_t - client send   (client + gateway; before 12-02 also the Submit RPC)
-  intake = queued_t - submit_t      (the intake script's XADD, the scheduler's XREADGROUP wake)
-  exec   = finish_t - queued_t      (planner, Dispatch RPC, engine, sink writes)
+  intake = taken - submit_t         (the intake script, the scheduler's XREADGROUP wake and
+                                     its check before 12-02 late; taken: the task's "submit"
+                                     input in the scheduler's event log)
+  exec   = finish_t - taken         (planner, Dispatch RPC, engine, sink writes)
   gw_out = client end - finish_t    (gateway XREAD wake, stream to the client)
 
 and counts, per request sent, the stack's CPU (`cpu_ms_per_req`: every
@@ -147,6 +149,21 @@ async def _fire(
     return records, send_window_s
 
 
+async def _taken_epochs(client: Any, keys: RedisKeys) -> dict[str, float]:
+    """Per task id, when the scheduler's core took it (epoch s): its
+    ``submit`` input in the scheduler's event log, at planner time (seconds
+    since the namespace's stored epoch)."""
+    epoch_s = float(await client.get(keys.scheduler_epoch) or "nan")
+    taken: dict[str, float] = {}
+    for _, fields in await client.xrange(keys.events_stream):
+        for line in fields.get("jsonl", fields.get("json", "")).splitlines():
+            if '"input":"submit"' not in line:
+                continue
+            event = json.loads(line)
+            taken.setdefault(event["task"]["task_id"], epoch_s + float(event["now_s"]))
+    return taken
+
+
 async def _hops(redis_url: str, records: list[dict[str, Any]]) -> dict[str, list[float]]:
     keys = RedisKeys(NAMESPACE)
     client = connect(RedisClientConfig(redis_url, max_connections=1, socket_timeout_s=30.0))
@@ -155,6 +172,7 @@ async def _hops(redis_url: str, records: list[dict[str, Any]]) -> dict[str, list
             for rec in records:
                 pipe.hgetall(keys.task(rec["id"]))
             states = await pipe.execute()
+        taken = await _taken_epochs(client, keys)
     finally:
         await client.aclose()
     hops: dict[str, list[float]] = {h: [] for h in HOPS}
@@ -163,7 +181,7 @@ async def _hops(redis_url: str, records: list[dict[str, Any]]) -> dict[str, list
             t = [
                 rec["send_epoch"],
                 float(state["submit_t"]),
-                float(state["queued_t"]),
+                taken[rec["id"]],
                 float(state["finish_t"]),
                 rec["end_epoch"],
             ]
