@@ -5,10 +5,12 @@ Who writes what (docs/protocol.md, "Task states"; `gateway.tasks` reads it):
 =====================  =========================================================
 writer                 fields
 =====================  =========================================================
-scheduler intake       the task (`lemix.infra.store.task_fields.task_to_fields`),
-                       ``status=queued``, `SUBMIT_T_FIELD`, ``queued_t``,
-                       `GATEWAY_ID_FIELD` (from Submit's metadata),
-                       `ATTEMPT_FIELD` + 1 (the first placement's number)
+intake write           the task (`lemix.infra.store.task_fields.task_to_fields`),
+(gateway / Submit)     ``status=queued``, `SUBMIT_T_FIELD`, ``queued_t``,
+                       `GATEWAY_ID_FIELD`, `ATTEMPT_FIELD` 1 (the first
+                       placement's number; `scripts.SUBMIT_LUA`)
+scheduler intake       for a task it checks: the same again, `ATTEMPT_FIELD` + 1
+check                  (`scripts.ACCEPT_LUA`)
 scheduler dispatch     ``status=placed``, `NODE_ID_FIELD`, ``placed_t``;
                        `ATTEMPT_FIELD` + 1 before a later placement's Dispatch
 scheduler, taken back  ``status=queued``, `NODE_ID_FIELD` "", ``requeued_t``
