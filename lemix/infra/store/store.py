@@ -13,8 +13,8 @@ Rules it keeps (STYLE.md, "Redis hygiene", arq as the model):
   second call is a no-op), and `set_task_state` cannot overwrite a final state,
   so a redelivered task cannot publish two results.
 - A result and the state that records it are written in one Lua script
-  (`finish_task`); recording a task and acking its intake entry is one
-  MULTI/EXEC (`accept_task`). Readers never see one half.
+  (`finish_task`); a task's dedupe marker, its hash and its intake entry too
+  (`submit_tasks`). Readers never see one half.
 - Hot paths take one round trip: `append_outputs_batch` pipelines a whole
   executor iteration's tokens (`append_outputs_fenced`, the executor's, does
   it in one script call, fenced by attempt).
