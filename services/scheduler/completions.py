@@ -15,6 +15,7 @@ import time
 import structlog
 
 from lemix.infra.store.codec import Entry
+from lemix.infra.store.events import CursorAdvance
 from lemix.infra.store.messages import completion_from_fields
 from lemix.infra.store.task_hash import TASK_ID_FIELD, StoredStatus
 from services.scheduler.core import FinishReport
@@ -36,9 +37,16 @@ class CompletionsLoop(ServiceBase):
                 if self._completions_cursor is None:
                     self._completions_cursor = await self.store.get_completions_cursor()
                     self._stored_cursor = self._completions_cursor
+                # The last batch's cursor step rides on this read (one round
+                # trip, not two); it stays queued until such a read returned.
+                advance = self._cursor_advance
                 entries = await self._until_stop(
-                    self.store.read_completions(self._completions_cursor, self._block_ms)
+                    self.store.read_completions(
+                        self._completions_cursor, self._block_ms, advance_first=advance
+                    )
                 )
+                if entries is not None and advance is not None:
+                    self._on_advanced(advance)
                 if entries:
                     await self._handle_completions(entries)
                 elif self._completions_cursor != self._stored_cursor:
@@ -93,8 +101,9 @@ class CompletionsLoop(ServiceBase):
         # this is the stream's one expiry (a PEXPIRE is a command per task).
         # The cursor itself is stored at most every `_CURSOR_STORE_S` (and
         # when the stream goes idle): a restart re-applies what came since.
+        # Sent with the next read (`_completions_loop`), or at stop.
         config = self.config
-        await self.store.advance_completions_cursor(
+        self._cursor_advance = CursorAdvance.of(
             entry_id,
             expire_ids=ended,
             ttl_s=config.finished_task_ttl_s,
@@ -102,7 +111,14 @@ class CompletionsLoop(ServiceBase):
             is_stored=is_stored,
         )
         if is_stored:
-            self._stored_cursor, self._cursor_stored_s = entry_id, time.monotonic()
+            # Not again before this one is sent: the time counts from now.
+            self._cursor_stored_s = time.monotonic()
+
+    def _on_advanced(self, advance: CursorAdvance) -> None:
+        if self._cursor_advance is advance:
+            self._cursor_advance = None
+        if advance.is_stored:
+            self._stored_cursor = advance.entry_id
 
     async def _store_cursor(self) -> None:
         cursor = self._completions_cursor
@@ -111,3 +127,17 @@ class CompletionsLoop(ServiceBase):
         await self.events.flush()  # the stored cursor never runs ahead of the log
         await self.store.advance_completions_cursor(cursor)
         self._stored_cursor, self._cursor_stored_s = cursor, time.monotonic()
+
+    async def _send_cursor_advance(self) -> None:
+        """At stop: the last batch's cursor step, if no read carried it."""
+        advance = self._cursor_advance
+        if advance is None:
+            return
+        await self.store.advance_completions_cursor(
+            advance.entry_id,
+            expire_ids=advance.expire_ids,
+            ttl_s=advance.ttl_ms / 1000,
+            output_ttl_s=advance.output_ttl_ms / 1000,
+            is_stored=advance.is_stored,
+        )
+        self._on_advanced(advance)

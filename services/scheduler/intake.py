@@ -57,11 +57,19 @@ class IntakeLoop(ServiceBase):
             if stale:
                 await self._handle_intake(stale, is_redelivery=True)
             self._has_unacked_intake = False
+        # The last batch's acks ride on this read (one round trip, not two);
+        # they stay queued until a read that carried them returned.
+        acks = list(self._intake_acks)
         entries = await self._until_stop(
             self.store.read_intake(
-                self.config.consumer_name, self.config.intake_batch, self._block_ms
+                self.config.consumer_name,
+                self.config.intake_batch,
+                self._block_ms,
+                ack_first=acks,
             )
         )
+        if entries is not None:
+            del self._intake_acks[: len(acks)]
         if entries:
             self._has_unacked_intake = True
             await self._handle_intake(entries)
@@ -140,9 +148,9 @@ class IntakeLoop(ServiceBase):
         await self.core.on_tasks(accepted, attempts)
         # Write-ahead: the decisions these entries caused are stored before the
         # entries go, so a crash in between replays them (and the redelivered
-        # entries are recognised as known).
+        # entries are recognised as known). The acks go with the next read.
         await self.events.flush()
-        await self.store.ack_intake([entry_id for entry_id, _ in entries])
+        self._intake_acks.extend(entry_id for entry_id, _ in entries)
 
     async def _parse(self, fields: Fields) -> tuple[Task, TaskPayload, Fields] | None:
         """The entry's task, or None when it is malformed (ended) or already known."""

@@ -317,6 +317,16 @@ class SchedulerService(IntakeLoop, CompletionsLoop):
         for task in loops:  # retrieved, so none is reported "never retrieved"
             if task.done() and not task.cancelled():
                 task.exception()
+        # What was to ride on the loops' next reads: handled intake entries'
+        # acks (left pending, the next start reclaims them, known) and the
+        # last completions batch's expiries and cursor (re-applied at start).
+        try:
+            if self._intake_acks:
+                await self.store.ack_intake(self._intake_acks)
+                self._intake_acks.clear()
+            await self._send_cursor_advance()
+        except (RedisError, OSError) as exc:
+            log.warning("stop_writes_left", num_acks=len(self._intake_acks), error=str(exc))
 
     async def _stop_events(self, grace_s: float) -> None:
         """Store the events recorded so far (at least 1 s to try), then stop the sink."""

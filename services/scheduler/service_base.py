@@ -26,6 +26,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from lemix.infra.lifecycle import Service
+from lemix.infra.store.events import CursorAdvance
 from lemix.infra.store.keys import SCHEDULER_ALIVE_TTL_S
 from lemix.infra.store.store import Store
 from lemix.profile import Profile
@@ -83,6 +84,12 @@ class ServiceBase(Service):
         self._payloads: dict[str, TaskPayload] = {}
         self._rpc_redis_slots = asyncio.Semaphore(config.max_rpc_redis_calls)
         self._has_unacked_intake = False
+        # Intake entries handled (their decisions stored) whose acks go with
+        # the next intake read (`IntakeLoop`), or at stop.
+        self._intake_acks: list[str] = []
+        # The last completions batch's cursor step (expiries, stored cursor),
+        # sent with the next completions read (`CompletionsLoop`), or at stop.
+        self._cursor_advance: CursorAdvance | None = None
         # Intake entries up to this id were added before this scheduler read
         # the stream: a predecessor may hold cancel markers for them, so they
         # are checked (`IntakeLoop`); later ones only if this process was told

@@ -12,10 +12,42 @@ stores a cursor and trims what it applied (`advance_completions_cursor`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from lemix.infra.store.base import StoreBase, range_entries, to_ms
 from lemix.infra.store.codec import Entry, FieldValue, encode_fields
+
+
+@dataclass(frozen=True)
+class CursorAdvance:
+    """What `EventOps.advance_completions_cursor` writes, to send now or ahead
+    of the next completions read (`read_completions`'s `advance_first`)."""
+
+    entry_id: str
+    expire_ids: tuple[str, ...]
+    ttl_ms: int  # 0: the task hashes keep their TTL
+    output_ttl_ms: int  # 0: the output streams keep theirs
+    is_stored: bool  # store the cursor and trim the stream before it
+
+    @classmethod
+    def of(
+        cls,
+        entry_id: str,
+        *,
+        expire_ids: Sequence[str] = (),
+        ttl_s: float = 0.0,
+        output_ttl_s: float | None = None,
+        is_stored: bool = True,
+    ) -> CursorAdvance | None:
+        """The writes for these arguments (`advance_completions_cursor`);
+        None when there are none."""
+        ttl_ms = to_ms(ttl_s, "ttl_s") if ttl_s > 0 else 0
+        output_ttl = ttl_s if output_ttl_s is None else output_ttl_s
+        output_ttl_ms = to_ms(output_ttl, "output_ttl_s") if output_ttl > 0 else 0
+        if not is_stored and not (expire_ids and (ttl_ms or output_ttl_ms)):
+            return None
+        return cls(entry_id, tuple(expire_ids), ttl_ms, output_ttl_ms, is_stored)
 
 
 class EventOps(StoreBase):
@@ -66,12 +98,26 @@ class EventOps(StoreBase):
         return str(entry_id)
 
     async def read_completions(
-        self, last_id: str, block_ms: int | None = None, count: int = 500
+        self,
+        last_id: str,
+        block_ms: int | None = None,
+        count: int = 500,
+        *,
+        advance_first: CursorAdvance | None = None,
     ) -> list[Entry]:
-        """Completions after `last_id` (XREAD; one reader, the scheduler)."""
-        reply = await self.client.xread(
-            {self.keys.completions_stream: last_id}, count=count, block=block_ms
-        )
+        """Completions after `last_id` (XREAD; one reader, the scheduler).
+
+        `advance_first`: `advance_completions_cursor`'s writes, sent ahead of
+        the read in the same pipelined round trip (Redis runs them in order):
+        once this returns they are done."""
+        stream = self.keys.completions_stream
+        if advance_first is None:
+            reply = await self.client.xread({stream: last_id}, count=count, block=block_ms)
+        else:
+            async with self.client.pipeline(transaction=False) as pipe:
+                self._queue_advance(pipe, advance_first)
+                pipe.xread({stream: last_id}, count=count, block=block_ms)
+                *_, reply = await pipe.execute()
         streams: list[Any] = list(reply or [])  # type: ignore[arg-type]
         entries: list[Entry] = []
         for _stream, items in streams:
@@ -112,19 +158,26 @@ class EventOps(StoreBase):
         not stored were applied and logged, and a read from an older cursor
         returns the entries after it that remain.
         """
-        ttl_ms = to_ms(ttl_s, "ttl_s") if ttl_s > 0 else 0
-        output_ttl = ttl_s if output_ttl_s is None else output_ttl_s
-        output_ttl_ms = to_ms(output_ttl, "output_ttl_s") if output_ttl > 0 else 0
-        if not is_stored and not (expire_ids and (ttl_ms or output_ttl_ms)):
+        advance = CursorAdvance.of(
+            entry_id,
+            expire_ids=expire_ids,
+            ttl_s=ttl_s,
+            output_ttl_s=output_ttl_s,
+            is_stored=is_stored,
+        )
+        if advance is None:
             return
         async with self.client.pipeline(transaction=False) as pipe:
-            for task_id in expire_ids:
-                if ttl_ms:
-                    pipe.pexpire(self.keys.task(task_id), ttl_ms)
-                if output_ttl_ms:
-                    pipe.pexpire(self.keys.output(task_id), output_ttl_ms)
-            if is_stored:
-                pipe.set(self.keys.completions_cursor, entry_id)
-                # Exact: "~" trims whole macro nodes only, i.e. nothing on a short stream.
-                pipe.xtrim(self.keys.completions_stream, minid=entry_id, approximate=False)
+            self._queue_advance(pipe, advance)
             await pipe.execute()
+
+    def _queue_advance(self, pipe: Any, advance: CursorAdvance) -> None:
+        for task_id in advance.expire_ids:
+            if advance.ttl_ms:
+                pipe.pexpire(self.keys.task(task_id), advance.ttl_ms)
+            if advance.output_ttl_ms:
+                pipe.pexpire(self.keys.output(task_id), advance.output_ttl_ms)
+        if advance.is_stored:
+            pipe.set(self.keys.completions_cursor, advance.entry_id)
+            # Exact: "~" trims whole macro nodes only, i.e. nothing on a short stream.
+            pipe.xtrim(self.keys.completions_stream, minid=advance.entry_id, approximate=False)

@@ -187,25 +187,37 @@ class IntakeOps(StoreBase):
                 raise
 
     async def read_intake(
-        self, consumer: str, count: int = 100, block_ms: int | None = None
+        self,
+        consumer: str,
+        count: int = 100,
+        block_ms: int | None = None,
+        *,
+        ack_first: Sequence[str] = (),
     ) -> list[Entry]:
         """New intake entries for `consumer` (XREADGROUP ``>``).
 
         ``block_ms=None`` returns at once; a positive value waits up to that long
         for the first entry (``0`` waits forever). The client's socket timeout
         must exceed `block_ms`. Entries stay pending for `consumer` until
-        `ack_intake`/`accept_task`; a missing group (e.g. Redis restarted
-        without AOF) is re-created.
+        `ack_intake`/`accept_task`, or until a read that acks them first
+        (`ack_first`: `ack_intake` in the same pipelined round trip, ahead of
+        the read; Redis runs them in order, so once this returns they are
+        acked and deleted); a missing group (e.g. Redis restarted without
+        AOF) is re-created.
         """
+        stream, group = self.keys.intake_stream, self.keys.intake_group
         for attempt in range(2):
             try:
-                response = await self.client.xreadgroup(
-                    self.keys.intake_group,
-                    consumer,
-                    {self.keys.intake_stream: ">"},
-                    count=count,
-                    block=block_ms,
-                )
+                if not ack_first:
+                    response = await self.client.xreadgroup(
+                        group, consumer, {stream: ">"}, count=count, block=block_ms
+                    )
+                    return stream_entries(response)
+                async with self.client.pipeline(transaction=False) as pipe:
+                    pipe.xack(stream, group, *ack_first)
+                    pipe.xdel(stream, *ack_first)
+                    pipe.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
+                    *_, response = await pipe.execute()
                 return stream_entries(response)
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc) or attempt:

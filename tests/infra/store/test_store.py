@@ -20,6 +20,7 @@ from lemix.infra.store.codec import (
     get_int,
     get_optional_int,
 )
+from lemix.infra.store.events import CursorAdvance
 from lemix.infra.store.intake import INTAKE_STATE_FIELD, TaskIdConflict
 from lemix.infra.store.keys import RedisKeys
 from lemix.infra.store.store import Store
@@ -110,6 +111,20 @@ async def test_read_and_ack_intake(store: Store) -> None:
     assert await store.pending_count() == 0
     assert await store.client.xlen(store.keys.intake_stream) == 0  # acked entries deleted
     assert await store.ack_intake([]) == 0
+
+
+async def test_a_read_acks_the_last_batch_first_in_the_same_round_trip(store: Store) -> None:
+    await store.ensure_group()
+    await store.submit_task(_task("one"))
+    [(first_id, _)] = await store.read_intake("sched-a")
+    await store.submit_task(_task("two"))
+    entries = await store.read_intake("sched-a", ack_first=[first_id])
+    assert [f["task_id"] for _, f in entries] == ["two"]
+    assert await store.pending_count() == 1  # "one" acked, "two" delivered
+    assert [f["task_id"] for _, f in await store.read_intake_entries()] == ["two"]
+    # Acking again (a read that failed after its acks landed is retried) is harmless.
+    assert await store.read_intake("sched-a", ack_first=[first_id, entries[0][0]]) == []
+    assert await store.pending_count() == 0
 
 
 async def test_read_intake_blocks_until_a_task_arrives(store: Store) -> None:
@@ -341,6 +356,17 @@ async def test_finished_outputs_expire_apart_from_their_state(
     assert 0 < await redis_client.pttl(store.keys.task("t3")) <= 60_000
     assert await store.get_completions_cursor() == cursor
     assert await redis_client.xlen(store.keys.completions_stream) == 2
+    # The same step sent ahead of the next read, in its round trip.
+    await store.finish_task("t4", "completed", "", {"n": 1})
+    last = await store.append_completion({"task_id": "t4", "status": "completed"})
+    advance = CursorAdvance.of(last, expire_ids=["t4"], ttl_s=60, output_ttl_s=10)
+    assert advance is not None
+    assert await store.read_completions(last, advance_first=advance) == []
+    assert 10_000 < await redis_client.pttl(store.keys.task("t4")) <= 60_000
+    assert 0 < await redis_client.pttl(store.keys.output("t4")) <= 10_000
+    assert await store.get_completions_cursor() == last
+    assert await redis_client.xlen(store.keys.completions_stream) == 1  # trimmed before it
+    assert CursorAdvance.of(last, is_stored=False) is None  # nothing to write
 
 
 # ------------------------------------------------------------------ node state
