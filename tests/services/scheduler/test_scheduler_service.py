@@ -596,23 +596,6 @@ async def test_a_task_the_gateway_wrote_is_taken_as_it_is_and_older_ones_checked
     assert service.core.num_tasks == 2
 
 
-async def test_a_cancel_before_the_intake_read_a_gateway_written_task_is_honoured(
-    stack: Stack,
-) -> None:
-    fake = await stack.start_executor(0)
-    service = await stack.start_service(num_nodes=1)
-    stub = stack.stub(service)
-    reply = await stub.Cancel(
-        common_pb2.CancelRequest(task_id="gc1", reason="deadline"), timeout=TIMEOUT_S
-    )
-    assert not reply.is_found
-    await _write_as_gateway(stack.store, "gc1")
-    end = await end_message(stack.store, "gc1")
-    assert end["status"] == "failed" and end["reason"].startswith("CANCELLED")
-    await _write_as_gateway(stack.store, "gc2")
-    await wait_until(lambda: fake.dispatched_ids == ["gc2"], what="next task dispatched")
-
-
 async def test_a_task_taken_as_it_is_whose_gateway_holds_no_lease_is_cancelled(
     stack: Stack,
 ) -> None:
@@ -633,19 +616,31 @@ async def test_a_task_taken_as_it_is_whose_gateway_holds_no_lease_is_cancelled(
 # ------------------------------------------------------------------ cancel
 
 
-async def test_cancel_before_placement_ends_cancelled_without_dispatch(stack: Stack) -> None:
+@pytest.mark.parametrize("is_written_by_gateway", [False, True])
+async def test_cancel_before_placement_ends_cancelled_without_dispatch(
+    stack: Stack, is_written_by_gateway: bool
+) -> None:
+    """Submitted through the scheduler's RPC, or written to the intake by a
+    gateway (taken as it is unless the scheduler was told to check it)."""
     fake = await stack.start_executor(0)
     service = await stack.start_service(num_nodes=1)
     stub = stack.stub(service)
+
+    async def write(task_id: str) -> None:
+        if is_written_by_gateway:
+            await _write_as_gateway(stack.store, task_id)
+        else:
+            await submit(stub, inference(task_id))
+
     # The gateway's deadline fired before the task reached the intake loop.
     reply = await stub.Cancel(
         common_pb2.CancelRequest(task_id="c1", reason="deadline"), timeout=TIMEOUT_S
     )
     assert not reply.is_found
-    await submit(stub, inference("c1"))
+    await write("c1")
     end = await end_message(stack.store, "c1")
     assert end["status"] == "failed" and end["reason"].startswith("CANCELLED")
-    await submit(stub, inference("c2"))
+    await write("c2")
     await wait_until(lambda: fake.dispatched_ids == ["c2"], what="next task dispatched")
     assert "c1" not in fake.dispatched_ids
 
