@@ -64,15 +64,21 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     gateway_ids: list[str] = field(default_factory=list)  # per task read, the gateway it names
     _runs: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     _intake: asyncio.Task[None] | None = None
+    _is_reading: bool = False
 
     async def start(self) -> None:
         """Be live (the key gateways check) and read the intake as the scheduler does."""
         await self.store.ensure_group()
         await self.store.mark_scheduler_alive(ttl_s=600.0)
+        self._is_reading = True
         self._intake = asyncio.create_task(self._read_intake())
 
     async def stop_reading(self) -> None:
         """Leave the intake alone (a test plays the scheduler itself)."""
+        # First: a read whose cancellation redis-py swallows comes back, and
+        # what it returns must stay in the stream (CI, 2026-12-02: a test
+        # found its entries taken after this returned).
+        self._is_reading = False
         if self._intake is not None:
             self._intake.cancel()
             # Bounded: a read cancelled mid-reply has been seen to never
@@ -85,8 +91,11 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         await self._take(await self.store.read_intake(FAKE_CONSUMER, count=10_000))
 
     async def _read_intake(self) -> None:
-        while True:
-            await self._take(await self.store.read_intake(FAKE_CONSUMER, block_ms=20))
+        while self._is_reading:
+            entries = await self.store.read_intake(FAKE_CONSUMER, block_ms=20)
+            if not self._is_reading:
+                return  # stopped while this read was out: left in the stream
+            await self._take(entries)
 
     async def _take(self, entries: list[Entry]) -> None:
         for _, fields in entries:
