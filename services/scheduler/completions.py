@@ -133,11 +133,5 @@ class CompletionsLoop(ServiceBase):
         advance = self._cursor_advance
         if advance is None:
             return
-        await self.store.advance_completions_cursor(
-            advance.entry_id,
-            expire_ids=advance.expire_ids,
-            ttl_s=advance.ttl_ms / 1000,
-            output_ttl_s=advance.output_ttl_ms / 1000,
-            is_stored=advance.is_stored,
-        )
+        await self.store.apply_cursor_advance(advance)
         self._on_advanced(advance)

@@ -95,7 +95,7 @@ class IntakeLoop(ServiceBase):
         taken: list[tuple[Task, TaskPayload, Fields, bool]] = []
         for entry_id, fields in entries:
             is_as_is = self._is_taken_as_is(entry_id, fields, is_redelivery)
-            fields = {k: v for k, v in fields.items() if k != INTAKE_STATE_FIELD}
+            fields.pop(INTAKE_STATE_FIELD, None)  # the entry's, not the task's (its hash's)
             parsed = await self._parse(fields)
             if parsed is not None:
                 taken.append((*parsed, is_as_is))

@@ -165,8 +165,12 @@ class EventOps(StoreBase):
             output_ttl_s=output_ttl_s,
             is_stored=is_stored,
         )
-        if advance is None:
-            return
+        if advance is not None:
+            await self.apply_cursor_advance(advance)
+
+    async def apply_cursor_advance(self, advance: CursorAdvance) -> None:
+        """`advance`'s writes now, in one pipelined round trip (what a
+        completions read with `advance_first` would have sent)."""
         async with self.client.pipeline(transaction=False) as pipe:
             self._queue_advance(pipe, advance)
             await pipe.execute()
