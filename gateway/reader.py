@@ -33,6 +33,7 @@ from redis.exceptions import RedisError
 
 from lemix.infra.store.codec import Entry
 from lemix.infra.store.store import Store
+from lemix.infra.store.task_hash import IS_FINAL_FIELD
 
 log = structlog.get_logger(__name__)
 
@@ -55,6 +56,9 @@ class Follower:
     def __init__(self, task_id: str) -> None:
         self.task_id = task_id
         self.last_id = "0-0"  # the newest entry handed to this follower
+        # The stream's final message (`IS_FINAL_FIELD`) was handed over:
+        # nothing follows it, so the reader stops reading the stream for it.
+        self.is_ended = False
         self._entries: list[Entry] = []
         self._ready = asyncio.Event()
 
@@ -65,6 +69,7 @@ class Follower:
         if new:
             self._entries.extend(new)
             self.last_id = new[-1][0]
+            self.is_ended = self.is_ended or any(f.get(IS_FINAL_FIELD) == "1" for _, f in new)
             self._ready.set()
 
     async def next(self, timeout_s: float) -> list[Entry]:
@@ -164,16 +169,20 @@ class OutputReader:
     async def _run(self) -> None:
         retry_s = RETRY_BASE_S
         while not self._is_stopping:
-            if not self._followers:
+            # One synchronous step from here to the read: a follower added
+            # after it sees `is_waiting` and wakes the read. Ended followers
+            # are left out before their requests unfollow: a read blocked on
+            # finished streams alone would make the next request wake it
+            # (a command and a read more per request).
+            last_ids = {
+                task_id: min((f.last_id for f in live), key=_entry_key)
+                for task_id, followers in self._followers.items()
+                if (live := [f for f in followers if not f.is_ended])
+            }
+            if not last_ids:
                 self._changed.clear()
                 await self._changed.wait()
                 continue
-            # One synchronous step from here to the read: a follower added
-            # after it sees `is_waiting` and wakes the read.
-            last_ids = {
-                task_id: min((f.last_id for f in followers), key=_entry_key)
-                for task_id, followers in self._followers.items()
-            }
             self._is_waiting = True
             self._is_wake_claimed = False
             try:

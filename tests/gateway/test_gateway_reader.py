@@ -130,3 +130,34 @@ async def test_two_gateways_serve_one_stack_side_by_side(
     readers = [g.servicer.core.reader for g in gateways]
     assert readers[0].owner != readers[1].owner
     assert all(r.num_reads > 0 and r.num_streams == 0 for r in readers)
+
+
+async def test_an_ended_stream_leaves_the_read_before_its_request_unfollows(
+    own_store: Store,
+) -> None:
+    # A read blocked on finished streams alone would cost the next request a
+    # wake and a read more: the reader stops reading a stream once its final
+    # message was handed over, and idles without a read when nothing is left.
+    store = own_store
+    reader = OutputReader(store, "gw-4", block_s=30.0)
+    reader.start()
+    try:
+        a = reader.follow("a")
+        await _wait_blocked(reader)
+        await store.append_output("a", {"n": 1, "is_final": 1})
+        assert [f["n"] for _, f in await a.next(2.0)] == ["1"]
+        assert a.is_ended
+        async with asyncio.timeout(5.0):
+            while reader.is_waiting:
+                await asyncio.sleep(0.005)
+        b = reader.follow("b")  # "a" is still followed (its request has not unfollowed)
+        assert not reader.claim_wake()
+        await store.append_output("b", {"n": 1})
+        assert [f["n"] for _, f in await b.next(2.0)] == ["1"]
+        # A second reader of the ended stream (an idempotent retry) reads it from the start.
+        again = reader.follow("a")
+        await store.wake_reader("gw-4")
+        assert [f["n"] for _, f in await again.next(2.0)] == ["1"]
+    finally:
+        await reader.stop()
+    assert reader.last_error is None
