@@ -1,23 +1,25 @@
-"""`OutputReader`: ONE blocking XREAD for every output stream a gateway serves.
+"""`OutputReader`: a few blocking XREADs for every output stream a gateway serves.
 
 A request's stream used to be read by its own blocking XREAD, so every open
 stream held a pooled Redis connection and cost a round trip per wake. Here
-one loop reads all of them at once (`Store.read_outputs`) and hands each
-request's entries to its `Follower`; requests wait on the follower, not on
-Redis.
+at most `MAX_LANES` loops ("lanes") read them, each with one XREAD over many
+streams at once (`Store.read_outputs`), and hand each request's entries to
+its `Follower`; requests wait on the follower, not on Redis.
 
-Adding a stream while the read blocks: the read would not see it until it
-returns. So whoever adds one while the loop is blocked (`is_waiting`) appends
-to this gateway's wake stream (`RedisKeys.reader_wake`, sent in the round
-trip that writes the task to the intake, `GatewayHold.is_wake`); the read includes that
-stream from its last seen entry, so a wake written before the read arrives is
-not missed either. The loop then reads again with the new set. One wake per
-blocked read is enough (`claim_wake`): a burst of new streams costs one extra
-read, not one each. A read blocks at most `block_s` (callers cap it near a
-second), so even a wake lost with a failed round trip delays the
-streams added meanwhile by at most that long.
+Adding a stream while every lane blocks: a blocked read would not see it until
+it returns. A new lane reads it (one command) while there are fewer than
+`MAX_LANES`; past that the stream joins lane 0, and whoever adds it appends to
+this gateway's wake stream (`RedisKeys.reader_wake`, sent in the round trip
+that writes the task to the intake, `GatewayHold.is_wake`). Lane 0's read
+includes that stream from its last seen entry, so a wake written before the
+read arrives is not missed either; the lane then reads again with the new
+set. One wake per blocked read is enough (`claim_wake`): a burst of new
+streams costs one extra read, not one each. A read blocks at most `block_s`
+(callers cap it near a second), so even a wake lost with a failed round trip
+delays the streams added meanwhile by at most that long. A stream leaves the
+reads once its final message was handed over.
 
-A Redis error in the loop is logged and the read retried with backoff, from
+A Redis error in a lane is logged and its read retried with backoff, from
 each follower's last entry (nothing skipped or repeated); a follower waits
 up to its idle timeout and then learns whether Redis was failing
 (`last_error`).
@@ -40,8 +42,10 @@ log = structlog.get_logger(__name__)
 # After a Redis error the read is retried after this long, doubling up to the cap.
 RETRY_BASE_S = 0.05
 RETRY_CAP_S = 1.0
-# `OutputReader.stop` cancels its loop again this often until it ends.
+# `OutputReader.stop` cancels its loops again this often until they end.
 STOP_POLL_S = 0.1
+# Reads in flight at once (pooled connections held by blocking XREADs).
+MAX_LANES = 4
 
 
 def _entry_key(entry_id: str) -> tuple[int, int]:
@@ -83,10 +87,44 @@ class Follower:
         return entries
 
 
+class _Lane:
+    """One blocking XREAD at a time over its followers' streams (lane 0 with
+    the wake stream too)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.followers: list[Follower] = []
+        self.is_waiting = False  # blocked in a read
+        self.changed = asyncio.Event()  # a follower was added while it did not read
+        self.task: asyncio.Task[None] | None = None
+
+    def last_ids(self) -> dict[str, str]:
+        """{task id: the oldest last entry id among its live followers here}.
+        Ended followers are left out before their requests unfollow: a read
+        blocked on finished streams alone would make the next request wake it
+        (a command and a read more per request)."""
+        last_ids: dict[str, str] = {}
+        for follower in self.followers:
+            if follower.is_ended:
+                continue
+            seen = last_ids.get(follower.task_id)
+            if seen is None or _entry_key(follower.last_id) < _entry_key(seen):
+                last_ids[follower.task_id] = follower.last_id
+        return last_ids
+
+
 class OutputReader:
-    """Reads the streams of this gateway's (`owner`'s) followers, one XREAD
-    blocking up to `block_s` at a time. `start()` runs its loop; `stop()`
-    ends it."""
+    """Reads the streams of this gateway's (`owner`'s) followers. `start()`
+    runs its loops; `stop()` ends them.
+
+    Each follower is read by one of at most `max_lanes` lanes, each one
+    blocking XREAD (up to `block_s`) at a time. A follower added while every
+    lane blocks goes to a new lane (a read of its own, one command) rather than
+    waking a blocked one (a wake and a read again, two); a lane other than the
+    first ends when its streams have ended. With `max_lanes` lanes blocked the
+    follower joins lane 0, which an adder wakes (`claim_wake`). So a gateway's
+    reads hold at most `max_lanes` pooled connections.
+    """
 
     def __init__(
         self,
@@ -94,34 +132,49 @@ class OutputReader:
         owner: str,
         *,
         block_s: float,
+        max_lanes: int = MAX_LANES,
     ) -> None:
         if block_s <= 0:
             raise ValueError(f"block_s must be > 0, got {block_s}")
+        if max_lanes < 1:
+            raise ValueError(f"max_lanes must be >= 1, got {max_lanes}")
         self._store = store
         self.owner = owner
         self.block_ms = max(1, round(block_s * 1000))
+        self.max_lanes = max_lanes
         self._followers: dict[str, list[Follower]] = {}
-        self._changed = asyncio.Event()  # a follower was added while none were read
-        self._is_waiting = False
-        self._is_wake_claimed = False  # an adder is waking the read in flight
+        self._lane_of: dict[int, _Lane] = {}  # id(follower) -> its lane
+        self._lanes: list[_Lane] = []  # lane 0 first; the others while they read
+        self._next_lane_index = 1
+        self._is_wake_needed = False  # a follower joined lane 0 while it blocked
+        self._is_wake_claimed = False  # an adder is waking lane 0's read in flight
         self._wake_id = "0-0"  # the newest wake entry seen
-        self._task: asyncio.Task[None] | None = None
+        self._is_started = False
         self._is_stopping = False
         self.last_error: str | None = None  # the failing read's error, until one succeeds
         self.num_reads = 0
 
     @property
     def is_waiting(self) -> bool:
-        """The loop is blocked in a read that does not include streams added
-        now: an adder must wake it (`Store.wake_reader`)."""
-        return self._is_waiting
+        """Lane 0 is blocked in a read."""
+        return bool(self._lanes) and self._lanes[0].is_waiting
+
+    @property
+    def num_reading(self) -> int:
+        """Lanes blocked in a read now."""
+        return sum(lane.is_waiting for lane in self._lanes)
+
+    @property
+    def num_lanes(self) -> int:
+        """Lanes running now (lane 0 included once started)."""
+        return len(self._lanes)
 
     def claim_wake(self) -> bool:
         """True when the caller, having just added a stream, must wake the
         read (`Store.wake_reader`, or with its task's intake write,
-        `GatewayHold.is_wake`): the
-        loop is blocked in a read without it and nobody has woken it yet."""
-        if not self._is_waiting or self._is_wake_claimed:
+        `GatewayHold.is_wake`): the stream joined lane 0 while it blocked in a
+        read without it (every lane was reading), and nobody has woken it yet."""
+        if not (self.is_waiting and self._is_wake_needed) or self._is_wake_claimed:
             return False
         self._is_wake_claimed = True
         return True
@@ -132,10 +185,15 @@ class OutputReader:
 
     def follow(self, task_id: str) -> Follower:
         """Start reading `task_id`'s stream from its first entry (no I/O; see
-        `is_waiting`)."""
+        `claim_wake`)."""
         follower = Follower(task_id)
         self._followers.setdefault(task_id, []).append(follower)
-        self._changed.set()
+        lane = self._pick_lane()
+        lane.followers.append(follower)
+        self._lane_of[id(follower)] = lane
+        if lane.is_waiting:
+            self._is_wake_needed = True  # only lane 0 is ever picked while reading
+        lane.changed.set()
         return follower
 
     def unfollow(self, follower: Follower) -> None:
@@ -145,49 +203,79 @@ class OutputReader:
             followers.remove(follower)
         if not followers:
             self._followers.pop(follower.task_id, None)
+        lane = self._lane_of.pop(id(follower), None)
+        if lane is not None and follower in lane.followers:
+            lane.followers.remove(follower)
+
+    def _pick_lane(self) -> _Lane:
+        if not self._lanes:  # not started (or stopped): lane 0 reads once started
+            self._lanes.append(_Lane(0))
+        for lane in self._lanes:
+            if not lane.is_waiting:  # it reads again (or goes idle) with the follower
+                return lane
+        if len(self._lanes) < self.max_lanes and self._is_started and not self._is_stopping:
+            lane = _Lane(self._next_lane_index)
+            self._next_lane_index += 1
+            self._lanes.append(lane)
+            lane.task = asyncio.create_task(
+                self._run(lane), name=f"gateway-output-reader-{lane.index}"
+            )
+            return lane
+        return self._lanes[0]
 
     def start(self) -> None:
-        if self._task is not None:
+        if self._is_started:
             raise RuntimeError("OutputReader is already started")
+        self._is_started = True
         self._is_stopping = False
-        self._task = asyncio.create_task(self._run(), name="gateway-output-reader")
+        if not self._lanes:
+            self._lanes.append(_Lane(0))
+        lane = self._lanes[0]
+        lane.task = asyncio.create_task(self._run(lane), name="gateway-output-reader")
 
     async def stop(self) -> None:
-        """End the loop (a read in flight is cancelled)."""
-        task, self._task = self._task, None
+        """End the loops (reads in flight are cancelled)."""
         self._is_stopping = True
-        self._changed.set()
-        if task is None:
-            return
+        tasks = [lane.task for lane in self._lanes if lane.task is not None]
+        for lane in self._lanes:
+            lane.task = None
+            lane.changed.set()
+        self._is_started = False
+        # A later start reads every stream on lane 0.
+        for lane in self._lanes[1:]:
+            for follower in lane.followers:
+                self._lane_of[id(follower)] = self._lanes[0]
+            self._lanes[0].followers += lane.followers
+        del self._lanes[1:]
         # A cancel can be lost while redis-py reads (see gateway.upkeep.Upkeep.stop).
-        while not task.done():
-            task.cancel()
-            await asyncio.wait({task}, timeout=STOP_POLL_S)
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        while not all(task.done() for task in tasks):
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks, timeout=STOP_POLL_S)
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
-    async def _run(self) -> None:
+    async def _run(self, lane: _Lane) -> None:
         retry_s = RETRY_BASE_S
         while not self._is_stopping:
             # One synchronous step from here to the read: a follower added
-            # after it sees `is_waiting` and wakes the read. Ended followers
-            # are left out before their requests unfollow: a read blocked on
-            # finished streams alone would make the next request wake it
-            # (a command and a read more per request).
-            last_ids = {
-                task_id: min((f.last_id for f in live), key=_entry_key)
-                for task_id, followers in self._followers.items()
-                if (live := [f for f in followers if not f.is_ended])
-            }
+            # after it sees the lane reading and goes elsewhere (or wakes it).
+            last_ids = lane.last_ids()
             if not last_ids:
-                self._changed.clear()
-                await self._changed.wait()
+                if lane.index:  # an extra lane ends with its streams
+                    self._lanes.remove(lane)
+                    return
+                lane.changed.clear()
+                await lane.changed.wait()
                 continue
-            self._is_waiting = True
-            self._is_wake_claimed = False
+            lane.is_waiting = True
+            if not lane.index:
+                self._is_wake_needed = self._is_wake_claimed = False
+            wake = None if lane.index else (self.owner, self._wake_id)
             try:
                 found, woken = await self._store.read_outputs(
-                    last_ids, block_ms=self.block_ms, wake=(self.owner, self._wake_id)
+                    last_ids, block_ms=self.block_ms, wake=wake
                 )
             except (RedisError, OSError) as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
@@ -195,10 +283,11 @@ class OutputReader:
             else:
                 self.last_error = None
             finally:
-                self._is_waiting = False
+                lane.is_waiting = False
             if self.last_error is not None:
                 log.warning(
                     "gateway.stream_read_retry",
+                    lane=lane.index,
                     num_streams=len(last_ids),
                     retry_s=retry_s,
                     error=self.last_error,
@@ -210,6 +299,8 @@ class OutputReader:
             retry_s = RETRY_BASE_S
             if woken is not None:
                 self._wake_id = woken
+            # Every follower of a stream, on any lane (each keeps its own
+            # last entry, so none gets an entry twice).
             for task_id, entries in found.items():
                 for follower in self._followers.get(task_id, ()):
                     follower.deliver(entries)

@@ -42,8 +42,8 @@ log = structlog.get_logger(__name__)
 
 # Redis must answer the start-up PING within this long.
 REDIS_CONNECT_TIMEOUT_S = 5.0
-# The pool: one connection for the output reader's blocking XREAD (streams do
-# not hold one: `gateway.reader`), the rest for short calls (a reader's wake
+# The pool: up to `gateway.reader.MAX_LANES` connections for the output reader's
+# blocking XREADs (streams do not hold one each), the rest for short calls (a reader's wake
 # or lease write, lease and counter upkeep, live-executor checks, stats, the SLO, task
 # lookups). Past the bound a call waits for a connection (back-pressure, up
 # to the pool timeout) instead of opening one per concurrent request.

@@ -1,5 +1,5 @@
-"""`gateway.reader.OutputReader`: one blocking XREAD for every followed
-stream, woken when a stream is added, against a real Redis."""
+"""`gateway.reader.OutputReader`: a few blocking XREADs for every followed
+stream, a new one or a wake when a stream is added, against a real Redis."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ async def _wait_blocked(reader: OutputReader) -> None:
 
 async def test_one_read_serves_every_stream_and_a_wake_adds_one(own_store: Store) -> None:
     store = own_store
-    reader = OutputReader(store, "gw-1", block_s=30.0)
+    reader = OutputReader(store, "gw-1", block_s=30.0, max_lanes=1)
     reader.start()
     try:
         a = reader.follow("a")
@@ -161,3 +161,49 @@ async def test_an_ended_stream_leaves_the_read_before_its_request_unfollows(
     finally:
         await reader.stop()
     assert reader.last_error is None
+
+
+async def _wait_reading(reader: OutputReader, num_lanes: int) -> None:
+    async with asyncio.timeout(5.0):
+        while reader.num_reading < num_lanes:
+            await asyncio.sleep(0.005)
+
+
+async def test_a_stream_added_while_every_lane_reads_gets_a_lane_until_none_is_left(
+    own_store: Store,
+) -> None:
+    # A new lane (one read) instead of a wake and a read again; lanes other
+    # than the first end with their streams; past max_lanes, lane 0 is woken.
+    store = own_store
+    reader = OutputReader(store, "gw-5", block_s=30.0, max_lanes=2)
+    reader.start()
+    try:
+        a = reader.follow("a")
+        await _wait_reading(reader, 1)
+        b = reader.follow("b")
+        assert not reader.claim_wake()
+        assert reader.num_lanes == 2
+        await _wait_reading(reader, 2)
+        await store.append_output("b", {"n": 1, "is_final": 1})
+        assert [f["n"] for _, f in await b.next(2.0)] == ["1"]
+        async with asyncio.timeout(5.0):
+            while reader.num_lanes > 1:  # lane 1's only stream ended
+                await asyncio.sleep(0.005)
+        c = reader.follow("c")
+        assert not reader.claim_wake() and reader.num_lanes == 2
+        await _wait_reading(reader, 2)
+        d = reader.follow("d")  # both lanes read: "d" joins lane 0, woken
+        assert reader.claim_wake()
+        assert not reader.claim_wake()  # one wake per blocked read
+        assert reader.num_lanes == 2
+        await store.wake_reader("gw-5")
+        await store.append_outputs_batch([("d", {"n": 1}), ("c", {"n": 2}), ("a", {"n": 3})])
+        assert [f["n"] for _, f in await d.next(2.0)] == ["1"]
+        assert [f["n"] for _, f in await c.next(2.0)] == ["2"]
+        assert [f["n"] for _, f in await a.next(2.0)] == ["3"]
+        for follower in (a, b, c, d):
+            reader.unfollow(follower)
+        assert reader.num_streams == 0
+    finally:
+        await reader.stop()
+    assert reader.last_error is None and reader.num_lanes == 1
