@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import faulthandler
+import gc
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -27,6 +28,11 @@ from lemix.infra.logs import configure_logging
 from lemix.infra.metrics_http import MetricsServer
 
 log = structlog.get_logger(__name__)
+
+# Young-generation collections run this many times less often than Python's
+# default (700 allocations): a request allocates hundreds of short-lived
+# objects, so the default collects several times per request.
+GC_GEN0_FACTOR = 10
 
 
 class _ServiceConfig(Protocol):
@@ -66,6 +72,7 @@ async def serve(
         return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    tune_gc()
     log.info("event_loop", service=label, loop=f"{type(loop).__module__}.{type(loop).__name__}")
     signals = (signal.SIGINT, signal.SIGTERM)
     for sig in signals:
@@ -85,6 +92,16 @@ async def serve(
         if metrics is not None:
             await metrics.stop()
     return 0
+
+
+def tune_gc() -> None:
+    """Once started: the objects built so far (modules, servers, config) move
+    to the collector's permanent generation, so its full passes stop walking
+    them, and young collections run 1 in GC_GEN0_FACTOR as often."""
+    gc.collect()
+    gc.freeze()
+    gen0, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(gen0 * GC_GEN0_FACTOR, gen1, gen2)
 
 
 def run_service(

@@ -4,6 +4,7 @@ declared and checked once, and deprecated aliases of renamed flags/variables."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import sys
 from dataclasses import dataclass
 from types import ModuleType
@@ -22,7 +23,7 @@ from lemix.infra.config import (
     common_options,
     listener_options,
 )
-from lemix.infra.service_main import loop_factory
+from lemix.infra.service_main import GC_GEN0_FACTOR, loop_factory, tune_gc
 from lemix.infra.settings import Option
 
 # module, config class, LEMIX_<SERVICE>_ prefix
@@ -191,3 +192,15 @@ def test_the_event_loop_factory_names_what_to_install(monkeypatch: pytest.Monkey
     monkeypatch.setitem(sys.modules, "uvloop", None)  # not installed: import fails
     with pytest.raises(ValueError, match="pip install uvloop"):
         loop_factory("uvloop")
+
+
+def test_a_started_service_freezes_its_start_up_objects_and_collects_less_often() -> None:
+    threshold = gc.get_threshold()
+    try:
+        tune_gc()
+        assert gc.get_freeze_count() > 0
+        assert gc.get_threshold() == (threshold[0] * GC_GEN0_FACTOR, *threshold[1:])
+        assert gc.isenabled()
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
