@@ -9,6 +9,10 @@ scores below that too, strictly, so the policy's first `num_needed` (ties to
 the lower node id included) are the same as with every node predicted: an
 exact early exit, not a heuristic.
 
+`best_candidates_by_bounds` is the same walk over bounds computed for every
+node at once (`lemix.planner.bounds`), running the estimator only on the
+nodes it predicts.
+
 Pure and synchronous, like the planner that calls it.
 """
 
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
+
+import numpy as np
 
 from lemix.planner.base import PolicyContext, ScoreBoundedPolicy
 from lemix.planner.trace import NodeView, Prediction, TaskCosts
@@ -57,9 +63,38 @@ def best_candidates(
             break  # this node and every one after it score below the cut
         prediction = predict_with(view, costs)
         predictions[node_id] = prediction
-        score = policy.score(task, view, prediction, context)
-        if len(best) < num_needed:
-            heapq.heappush(best, score)
-        elif score > best[0]:
-            heapq.heapreplace(best, score)
+        _keep_best(best, num_needed, policy.score(task, view, prediction, context))
     return predictions
+
+
+def best_candidates_by_bounds(
+    policy: ScoreBoundedPolicy,
+    task: Task,
+    views: Sequence[NodeView],
+    context: PolicyContext,
+    num_needed: int,
+    bounds: np.ndarray,
+    predict: Callable[[NodeView], Prediction],
+) -> dict[int, Prediction]:
+    """`best_candidates` with every view's score bound given (`bounds[i]` for
+    `views[i]`, no smaller than its score); `predict(view)` is Algorithm 1."""
+    node_ids = np.fromiter((view.node_id for view in views), dtype=np.int64, count=len(views))
+    order = np.lexsort((node_ids, -bounds))  # best bound first, ties to the lower node id
+    predictions: dict[int, Prediction] = {}
+    best: list[float] = []
+    for i in order.tolist():
+        if len(best) == num_needed and bounds[i] < best[0]:
+            break  # this node and every one after it score below the cut
+        view = views[i]
+        prediction = predict(view)
+        predictions[view.node_id] = prediction
+        _keep_best(best, num_needed, policy.score(task, view, prediction, context))
+    return predictions
+
+
+def _keep_best(best: list[float], num_needed: int, score: float) -> None:
+    """Keep the `num_needed` highest scores in the min-heap `best`."""
+    if len(best) < num_needed:
+        heapq.heappush(best, score)
+    elif score > best[0]:
+        heapq.heapreplace(best, score)

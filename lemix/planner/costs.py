@@ -268,6 +268,20 @@ class DecodeAwareCostEstimator:
         self._shapes[key] = shape
         return shape
 
+    def batch_facts(self, view: NodeView) -> _BatchFacts:
+        """The node's running-batch facts (cached per view; `lemix.planner.bounds`)."""
+        return self._batch(view)
+
+    def training_load_facts(self, view: NodeView, now_s: float) -> _TrainingLoad:
+        """The node's recent training load at `now_s` (cached per view)."""
+        return self._training_load(view, now_s)
+
+    def task_shape_s(
+        self, task: Task, num_stages: int
+    ) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """`task`'s own per-stage forward and backward (+ optimizer step) times."""
+        return self._shape_s(task, num_stages)
+
     def iteration_s(self, view: NodeView) -> tuple[float, ...]:
         """Per-stage time of one decode iteration of the node's running batch."""
         return self._batch(view).step_s

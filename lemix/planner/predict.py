@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from lemix.planner.base import PlacementPolicy, PlannerConfig, PolicyContext, ScoreBoundedPolicy
-from lemix.planner.candidates import best_candidates
+from lemix.planner.bounds import VectorBounds
+from lemix.planner.candidates import best_candidates, best_candidates_by_bounds
 from lemix.planner.costs import CostEstimator
 from lemix.planner.trace import (
     NodeView,
@@ -25,6 +26,11 @@ from lemix.planner.trace import (
     response_lower_bound_s,
 )
 from lemix.types import Task
+
+# From this many nodes up the bounds are computed for all nodes at once
+# (`lemix.planner.bounds`): below it numpy's per-call overhead costs more
+# than the Python loop it replaces.
+VECTOR_MIN_NODES = 20
 
 
 class Predictor:
@@ -38,6 +44,7 @@ class Predictor:
         # Policies that can bound their score let `candidates` skip nodes.
         self._bounded = policy if isinstance(policy, ScoreBoundedPolicy) else None
         self.estimator = estimator
+        self._vector = VectorBounds.supported(config, policy, estimator)
 
     def candidates(
         self,
@@ -54,6 +61,18 @@ class Predictor:
         if not self.policy.needs_prediction:
             return {}
         if self._bounded is not None and not is_any_node_down and len(views) > num_needed:
+            if self._vector is not None and len(views) >= VECTOR_MIN_NODES:
+                bounds = self._vector.bounds(task, views, now_s, context)
+                if bounds is not None:
+                    return best_candidates_by_bounds(
+                        self._bounded,
+                        task,
+                        views,
+                        context,
+                        num_needed,
+                        bounds,
+                        lambda view: self.predict(view, task, now_s),
+                    )
             predictions = best_candidates(
                 self._bounded,
                 task,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 _SQRT_2PI = math.sqrt(2.0 * math.pi)
 _MIN_RESPONSE_S = 1e-9  # guards the paper form's division
 
@@ -35,6 +37,16 @@ def length_consistency_normalized(length: float, mean: float, std: float) -> flo
         return 0.0
     z = (length - mean) / std
     return math.exp(-0.5 * z * z)
+
+
+def length_consistency_normalized_array(
+    length: float, mean: np.ndarray, std: np.ndarray
+) -> np.ndarray:
+    """`length_consistency_normalized` per element (numpy's `exp`, which may
+    differ from `math.exp` in the last bit)."""
+    safe_std = np.where(std > 0.0, std, 1.0)
+    z = (length - mean) / safe_std
+    return np.where(std > 0.0, np.exp(-0.5 * z * z), 0.0)
 
 
 def paper_score(

@@ -6,11 +6,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from lemix.planner.base import PolicyContext, Ranked
 from lemix.planner.score import (
     idleness_profit,
     length_consistency,
     length_consistency_normalized,
+    length_consistency_normalized_array,
     normalized_score,
     paper_score,
 )
@@ -90,6 +93,39 @@ class LemixPolicy:
             config.slo_tbt_s,
             self.lambda_tbt,
         )
+
+    def score_upper_bounds(
+        self,
+        task: Task,
+        length_mean: np.ndarray,
+        length_std: np.ndarray,
+        response_lower_s: np.ndarray,
+        time_between_tokens_s: np.ndarray,
+        context: PolicyContext,
+    ) -> np.ndarray | None:
+        """`score_upper_bound` for many nodes at once (their length statistics,
+        response floors and TBTs as arrays; `lemix.planner.bounds`): the same
+        float operations per element, except `exp`'s last bit."""
+        config = context.config
+        if self.form != "normalized" or not config.tau_idle_s > 0 or self.lambda_response < 0:
+            return None
+        lam_length = self.lambda_length if self.is_length_consistency_enabled else 0.0
+        lc_norm = length_consistency_normalized_array(
+            float(task.num_prompt_tokens), length_mean, length_std
+        )
+        bounds: np.ndarray = normalized_score(  # type: ignore[assignment]
+            -config.tau_idle_s,
+            lc_norm,  # type: ignore[arg-type]
+            response_lower_s,  # type: ignore[arg-type]
+            config.tau_idle_s,
+            config.slo_ttft_s,
+            self.lambda_response,
+            lam_length,
+            time_between_tokens_s,  # type: ignore[arg-type]
+            config.slo_tbt_s,
+            self.lambda_tbt,
+        )
+        return bounds
 
     def rank(
         self,
