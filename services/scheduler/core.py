@@ -157,10 +157,15 @@ class SchedulerCore(Placing):
         """
         async with self._lock:
             now_s = self.clock()
-            is_new = False
+            is_new = is_ended = False
             for task in tasks:
                 if task.task_id in self._tasks:
                     continue  # redelivered; the planner has it
+                reason = self._cancel_on_take.pop(task.task_id, None)
+                if reason is not None:  # cancelled after the intake read it
+                    self._note(StateWrite(task.task_id, StoredStatus.FAILED, reason=reason))
+                    is_ended = True
+                    continue
                 self._tasks[task.task_id] = task
                 attempt = (attempts or {}).get(task.task_id, 0)
                 if attempt > 0:
@@ -168,6 +173,8 @@ class SchedulerCore(Placing):
                 self.planner.submit(task, now_s)
                 is_new = True
             if not is_new:
+                if is_ended:
+                    await self._flush_writes()
                 return
             batch = await self._decide(self._plan(now_s))
         await self._carry_out(batch)

@@ -30,6 +30,9 @@ DEFAULT_MAX_TASK_MOVES = 3
 # Revoked ids remembered per node (oldest dropped): a node gone for good must
 # not grow the scheduler's memory without bound.
 _MAX_REVOKED_PER_NODE = 100_000
+# Cancels of tasks not held yet, kept for the intake (oldest dropped past it:
+# their cancel markers in Redis remain, for a restart's intake check).
+_MAX_CANCEL_ON_TAKE = 100_000
 
 
 class CoreBase:
@@ -75,6 +78,9 @@ class CoreBase:
         self._numbered: dict[str, int] = {}
         self._is_replan_due = False  # placements rolled back for want of Redis
         self._unwritten: dict[str, StateWrite] = {}  # latest state per task, not yet stored
+        # Cancelled while the core did not hold them (`cancel_on_take`): the
+        # reason each ends with when an intake batch hands it over after all.
+        self._cancel_on_take: dict[str, str] = {}
         self.num_placed = 0
         self.num_rejected = 0
         self.num_dispatch_failures = 0
@@ -135,6 +141,17 @@ class CoreBase:
         return self.planner.next_wakeup_s()
 
     # ------------------------------------------------------------ internals
+
+    def cancel_on_take(self, task_id: str, reason: str) -> None:
+        """End `task_id` with `reason` instead of planning it if an intake
+        batch hands it over later. For a Cancel of a task the core does not
+        hold: the intake may have read its entry before the cancel marker was
+        written and be about to hand it over (no I/O)."""
+        if task_id in self._tasks:
+            return
+        self._cancel_on_take[task_id] = reason
+        if len(self._cancel_on_take) > _MAX_CANCEL_ON_TAKE:
+            del self._cancel_on_take[next(iter(self._cancel_on_take))]
 
     def _forget(self, task_id: str) -> None:
         self._num_moves.pop(task_id, None)

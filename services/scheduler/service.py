@@ -374,16 +374,19 @@ class SchedulerService(IntakeLoop, CompletionsLoop):
         reason = reason or "cancelled by the client"
         node_id = self.core.node_of(task_id)
         if node_id is None:
-            # The intake finds the marker only if it looks: tell it to.
+            # The gateway's reasons may already carry the code (a stop
+            # sequence's); the engine strips it the same way.
+            detail = reason.removeprefix(f"{ReasonCode.CANCELLED.value}: ").strip()
+            ended = format_reason(ReasonCode.CANCELLED, detail)
+            # The intake finds the marker only if it looks: tell it to. It may
+            # have read the entry already and be about to hand the task over:
+            # the core ends it then instead of planning it.
             self._check_at_intake_add(task_id)
+            self.core.cancel_on_take(task_id, ended)
             async with self._rpc_redis_slots, redis_unavailable("Cancel"):
                 await self.store.mark_cancelled(task_id)  # the intake drops it if unread
                 if self.core.knows(task_id):
                     # Deferred: end it now; the core drops it when it would place it.
-                    # The gateway's reasons may already carry the code (a stop
-                    # sequence's); the engine strips it the same way.
-                    detail = reason.removeprefix(f"{ReasonCode.CANCELLED.value}: ").strip()
-                    ended = format_reason(ReasonCode.CANCELLED, detail)
                     await self.writer.end_task(task_id, StoredStatus.FAILED, ended)
                     return True
                 state = await self.store.get_task_state(task_id)

@@ -122,3 +122,22 @@ async def test_a_placement_records_how_long_the_task_queued() -> None:
     count, total = observed()
     assert count == count_before + 1
     assert total - sum_before == 3.0
+
+
+async def test_a_task_cancelled_before_the_core_took_it_is_ended_not_planned() -> None:
+    # A Cancel can land after the intake read the task's entry (before its
+    # cancel marker was written) and before the batch reaches the core.
+    core, ports, _ = make_core()
+    core.cancel_on_take("a", "CANCELLED: client went away")
+    await core.on_tasks([make_request("a"), make_request("b")])
+    assert ports.dispatched == [("b", 0)]
+    assert ports.ended["a"] == ("failed", "CANCELLED: client went away")
+    assert not core.knows("a")
+    # Alone in its batch: ended (and written) as well.
+    core.cancel_on_take("c", "CANCELLED: by the client")
+    await core.on_tasks([make_request("c")])
+    assert ports.ended["c"] == ("failed", "CANCELLED: by the client")
+    # A task the core holds already is cancelled on its node, not here.
+    core.cancel_on_take("b", "CANCELLED: late")
+    await core.on_tasks([make_request("b")])
+    assert "b" not in ports.ended and ports.dispatched == [("b", 0)]

@@ -645,6 +645,27 @@ async def test_cancel_before_placement_ends_cancelled_without_dispatch(
     assert "c1" not in fake.dispatched_ids
 
 
+async def test_cancel_between_the_intake_read_and_the_core_ends_the_task(stack: Stack) -> None:
+    """The intake read the entry (no cancel marker yet) and waits for the
+    core (busy: its lock held, as by a Dispatch round); the Cancel lands
+    then. The task is ended cancelled when the core takes it, never placed."""
+    fake = await stack.start_executor(0)
+    service = await stack.start_service(num_nodes=1)
+    stub = stack.stub(service)
+    async with service.core._lock:
+        await _write_as_gateway(stack.store, "c3")
+        await wait_until(lambda: service._has_unacked_intake, what="intake read the entry")
+        reply = await stub.Cancel(
+            common_pb2.CancelRequest(task_id="c3", reason="client left"), timeout=TIMEOUT_S
+        )
+        assert reply.is_found
+    end = await end_message(stack.store, "c3")
+    assert end["status"] == "failed" and end["reason"] == "CANCELLED: client left"
+    await _write_as_gateway(stack.store, "c4")
+    await wait_until(lambda: fake.dispatched_ids == ["c4"], what="next task dispatched")
+    assert not service.core.knows("c3")
+
+
 async def test_cancel_after_placement_goes_to_the_executor(stack: Stack) -> None:
     fake = await stack.start_executor(0)
     service = await stack.start_service(num_nodes=1)
