@@ -11,6 +11,7 @@ dynamic owners, 1 B per token) so a handful of requests fills a node.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 from lemix.latency import AffineQuadraticLatencyModel, DecodeCoeffs, PaperLatencyModel, QuadCoeffs
@@ -19,7 +20,7 @@ from lemix.planner.base import PlannerConfig
 from lemix.planner.planner import Planner
 from lemix.planner.registry import build_planner
 from lemix.profile import MemoryProfile, Profile, TransferProfile
-from lemix.types import Task, TaskKind
+from lemix.types import Placement, Task, TaskKind
 
 PerStage = float | Sequence[float]
 
@@ -170,3 +171,32 @@ def make_planner(
     profile = profile or make_profile()
     config = make_planner_config(num_nodes, profile.num_stages, **config_overrides)
     return build_planner(policy, config, profile, memory or MemoryConfig())
+
+
+def drive_planner(
+    planner: Planner,
+    seed: int,
+    num_tasks: int = 200,
+    *,
+    rate_rps: float = 60.0,
+    training_share: float = 0.4,
+    finish_share: float = 0.3,
+) -> tuple[list[str], float]:
+    """Feed `planner` a seeded stream of requests and training, finishing a
+    random held task after some; returns every decision's `repr` and the
+    last time."""
+    rng = random.Random(seed)
+    now_s, held, out = 0.0, [], []
+    for i in range(num_tasks):
+        now_s += rng.expovariate(rate_rps)
+        if rng.random() < training_share:
+            task = make_training(f"t{i}", now_s, rng.randint(50, 300), rng.randint(1, 4))
+        else:
+            task = make_request(f"r{i}", now_s, rng.randint(10, 400), rng.randint(5, 80))
+        planner.submit(task, now_s)
+        decisions = planner.plan(now_s)
+        out += [repr(d) for d in decisions]
+        held += [d.task_id for d in decisions if isinstance(d, Placement)]
+        if held and rng.random() < finish_share:
+            planner.on_task_finished(held.pop(rng.randrange(len(held))), now_s)
+    return out, now_s

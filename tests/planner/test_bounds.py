@@ -13,7 +13,7 @@ import random
 
 import numpy as np
 import pytest
-from factories import make_planner, make_profile, make_request, make_training
+from factories import drive_planner, make_planner, make_profile, make_request, make_training
 
 import lemix.planner.predict as predict_module
 from lemix.planner.bounds import BOUND_MARGIN, VectorBounds
@@ -36,22 +36,9 @@ def _planner(**overrides: object) -> Planner:
 
 
 def _drive(planner: Planner, seed: int, num_tasks: int) -> tuple[list[str], float]:
-    """Feed a seeded stream; returns the decisions (repr) and the last time."""
-    rng = random.Random(seed)
-    now_s, held, out = 0.0, [], []
-    for i in range(num_tasks):
-        now_s += rng.expovariate(80.0)
-        if rng.random() < 0.35:
-            task = make_training(f"t{i}", now_s, rng.randint(20, 300), rng.randint(1, 4))
-        else:
-            task = make_request(f"r{i}", now_s, rng.randint(10, 400), rng.randint(5, 80))
-        planner.submit(task, now_s)
-        decisions = planner.plan(now_s)
-        out += [repr(d) for d in decisions]
-        held += [d.task_id for d in decisions if isinstance(d, Placement)]
-        if held and rng.random() < 0.4:
-            planner.on_task_finished(held.pop(rng.randrange(len(held))), now_s)
-    return out, now_s
+    return drive_planner(
+        planner, seed, num_tasks, rate_rps=80.0, training_share=0.35, finish_share=0.4
+    )
 
 
 @pytest.mark.parametrize("overrides", ENGINES)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from factories import make_planner, make_request, make_training
+from factories import drive_planner, make_planner, make_request, make_training
 
 from lemix.planner.base import ScoreBoundedPolicy
 from lemix.planner.planner import Planner
@@ -90,21 +90,7 @@ def test_paper_form_has_no_bound_and_predicts_every_node() -> None:
 
 
 def _decisions(planner: Planner, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    now_s, held, out = 0.0, [], []
-    for i in range(200):
-        now_s += rng.expovariate(60.0)
-        if rng.random() < 0.4:
-            task = make_training(f"t{i}", now_s, rng.randint(50, 300), rng.randint(1, 4))
-        else:
-            task = make_request(f"r{i}", now_s, rng.randint(10, 400), rng.randint(5, 80))
-        planner.submit(task, now_s)
-        decisions = planner.plan(now_s)
-        out += [repr(d) for d in decisions]
-        held += [d.task_id for d in decisions if isinstance(d, Placement)]
-        if held and rng.random() < 0.3:
-            planner.on_task_finished(held.pop(rng.randrange(len(held))), now_s)
-    return out
+    return drive_planner(planner, seed)[0]
 
 
 def test_cluster_admission_probe_memo_changes_no_decision(monkeypatch: pytest.MonkeyPatch) -> None:
