@@ -15,7 +15,8 @@ array operations:
 
 Each element goes through the same IEEE operations in the same order as the
 per-node path, except `exp` (numpy's may differ from `math.exp` in the last
-bit), so the bounds are raised by `BOUND_MARGIN`: still an upper bound on every
+bit) and the per-node path's `sum()` over stages (compensated summation from
+Python 3.12 on), so the bounds are raised by `BOUND_MARGIN`: still an upper bound on every
 node's score, which is all the early exit needs to stay exact (a looser bound
 only predicts a node more). A parity test checks both paths on random states.
 
