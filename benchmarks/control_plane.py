@@ -4,7 +4,7 @@ A zero-latency copy of the shipped A100 profile (every latency coefficient and
 optimizer step 0, memory kept) makes compute free, so a Generate of one token,
 timed at the client from send to its final message, measures only the plumbing:
 the gRPC hop in, the gateway's intake write, the planner, Dispatch, the executor's
-Redis sink and the gateway's output reader (one multiplexed blocking XREAD)
+Redis sink and the gateway's output reader (a few multiplexed blocking XREADs)
 back out. The stack runs as real processes (`lemix.stack.launcher.Stack`) with
 embedded Redis; the client is a lean open-loop Poisson loop, one channel per
 gateway (`--gateways N`: requests go round robin over them; no metrics
