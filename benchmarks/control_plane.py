@@ -53,6 +53,8 @@ from typing import Any
 import grpc
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.host_load import describe, host_load  # noqa: E402
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from lemix.infra.rpc.client import channel
 from lemix.infra.store.client import RedisClientConfig, connect
@@ -443,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=12, help="hotspots listed per service")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
+    host = host_load()  # before the stack starts
+    print(describe(host))
     result = asyncio.run(run(args))
     rows = result["rows"]
     print(
@@ -543,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps(
                 {
                     "benchmark": "control_plane",
+                    "host_at_start": host,
                     "python": sys.version.split()[0],
                     "machine": platform.machine(),
                     "num_nodes": args.nodes,

@@ -59,6 +59,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.host_load import describe, host_load  # noqa: E402
 from benchmarks.staggered_batching import bench_staggered, print_staggered  # noqa: E402
 from lemix.model.presets import ModelSpec, build_model  # noqa: E402
 from lemix.model.runner import GenRequest, InferenceRunner  # noqa: E402
@@ -368,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         "step against the floor of reading every weight once (0 = skip)",
     )
     args = parser.parse_args(argv)
+    host = host_load()
+    print(describe(host))
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     if not batch_sizes or min(batch_sizes) < 1:
         parser.error("--batch-sizes needs integers >= 1")
@@ -480,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "hbm_floor": floor,
         "machine": machine_info(device),
+        "host_at_start": host,
         "rows": rows,
         "staggered": staggered,
         "targets": targets,

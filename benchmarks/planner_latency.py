@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.host_load import describe, host_load  # noqa: E402
 from lemix.cli.engine_args import add_engine_args, engine_knobs
 from lemix.memory import MemoryConfig
 from lemix.planner.base import PlannerConfig
@@ -194,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH")
     add_engine_args(parser)
     args = parser.parse_args(argv)
+    host = host_load()
+    print(describe(host))
     profile = load_profile(args.profile)
     run = SimRunConfig(**engine_knobs(args))  # only its engine knobs are read
     overhead = noop_overhead_us(args.placements)
@@ -245,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         report = {
             "benchmark": "planner_latency",
+            "host_at_start": host,
             "python": sys.version.split()[0],
             "machine": platform.machine(),
             "profile": profile.name,
