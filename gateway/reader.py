@@ -143,7 +143,6 @@ class OutputReader:
         self.block_ms = max(1, round(block_s * 1000))
         self.max_lanes = max_lanes
         self._followers: dict[str, list[Follower]] = {}
-        self._lane_of: dict[int, _Lane] = {}  # id(follower) -> its lane
         self._lanes: list[_Lane] = []  # lane 0 first; the others while they read
         self._next_lane_index = 1
         self._is_wake_needed = False  # a follower joined lane 0 while it blocked
@@ -190,7 +189,6 @@ class OutputReader:
         self._followers.setdefault(task_id, []).append(follower)
         lane = self._pick_lane()
         lane.followers.append(follower)
-        self._lane_of[id(follower)] = lane
         if lane.is_waiting:
             self._is_wake_needed = True  # only lane 0 is ever picked while reading
         lane.changed.set()
@@ -203,9 +201,11 @@ class OutputReader:
             followers.remove(follower)
         if not followers:
             self._followers.pop(follower.task_id, None)
-        lane = self._lane_of.pop(id(follower), None)
-        if lane is not None and follower in lane.followers:
-            lane.followers.remove(follower)
+        # (A lane that ended has left `_lanes`: its list goes with it.)
+        for lane in self._lanes:
+            if follower in lane.followers:
+                lane.followers.remove(follower)
+                break
 
     def _pick_lane(self) -> _Lane:
         if not self._lanes:  # not started (or stopped): lane 0 reads once started
@@ -243,8 +243,6 @@ class OutputReader:
         self._is_started = False
         # A later start reads every stream on lane 0.
         for lane in self._lanes[1:]:
-            for follower in lane.followers:
-                self._lane_of[id(follower)] = self._lanes[0]
             self._lanes[0].followers += lane.followers
         del self._lanes[1:]
         # A cancel can be lost while redis-py reads (see gateway.upkeep.Upkeep.stop).
