@@ -375,14 +375,15 @@ async def test_a_lapsed_gateway_lease_cancels_its_requests_and_only_them(stack: 
         await wait_until(
             lambda: [c.task_id for c in fake.cancelled] == ["orphan", "late"], what="late cancelled"
         )
+        # "kept" and "retried" (gw-b reads it too) stay watched; "direct" never
+        # was; a cancelled task leaves the watch once its cancel has gone
+        # through (asynchronously). gw-b's lease is still being renewed here:
+        # once it lapses (0.4 s) those two are orphans too.
+        await wait_until(lambda: service.leases.num_watched == 2, what="'kept', 'retried' watched")
     finally:
         renewer.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await renewer
-    # "kept" and "retried" (gw-b reads it too) stay watched; "direct" never
-    # was; a cancelled task leaves the watch once its cancel has gone through
-    # (asynchronously).
-    await wait_until(lambda: service.leases.num_watched == 2, what="'kept', 'retried' watched")
     assert (await store.get_task_state("orphan"))["gateway_id"] == "gw-a"
     # A restarted scheduler knows both gateways of "retried" (from its hash):
     # gw-a's lease lapsed, gw-b's is renewed, so it stays watched.
