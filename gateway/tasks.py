@@ -12,9 +12,9 @@ scheduler intake     taken from the intake                           task fields
                                                                      ``status=queued``,
                                                                      ``submit_t``,
                                                                      ``queued_t``
-scheduler dispatch   the executor took it                            ``status=placed``,
-                                                                     ``node_id``,
-                                                                     ``placed_t``
+executor sink        its first write after taking it (the            ``status=placed``,
+                     scheduler's, for an executor that does not      ``node_id``,
+                     record it)                                      ``placed_t``
 executor sink        first output                                    none: the output
                                                                      stream appears
 executor sink /      final (`Store.finish_task`)                     ``status``,

@@ -185,7 +185,7 @@ EXECUTOR_TASKS = Counter(
 EXECUTOR_FENCED_WRITES = Counter(
     "lemix_executor_fenced_writes_total",
     "Writes dropped because their task was placed again since (a stale attempt; "
-    "docs/protocol.md, Fencing), by what (token|end)",
+    "docs/protocol.md, Fencing), by what (place|token|end)",
     ["node", "what"],
 )
 EXECUTOR_TRAINING_SAMPLES = Counter(

@@ -18,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
 
-from lemix.engine import NodeEngine, Outcome, StageStart
+from lemix.engine import BlockingDone, NodeEngine, Outcome, StageStart, TokensEmitted
 from lemix.types import Task
 from services.executor.backends.base import ExecutorBackend, RequestsFailed
 
@@ -30,12 +31,38 @@ log = structlog.get_logger(__name__)
 
 # How long stop() waits for the outcome writer beyond the drain timeout.
 _WRITER_STOP_S = 2.0
+# A placement (`note_placed`) waits this long at most for a write carrying
+# an outcome of its task; a write of its own goes out after that. Usually the
+# task's first outcome (its first token, one iteration later) takes it
+# along: no round trip, and no read of the task's hash, of its own.
+PLACED_WRITE_DELAY_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """The node took a task (`NodeDriver.note_placed`): a sink that records
+    placements writes its placed state with its next write."""
+
+    task_id: str
+    t: float  # epoch seconds it was taken
+
+
+SinkItem = Outcome | Placed
+
+
+def _task_ids_of(outcome: Outcome) -> tuple[str, ...]:
+    if isinstance(outcome, TokensEmitted):
+        return outcome.task_ids
+    if isinstance(outcome, BlockingDone):
+        return ()
+    return (outcome.task_id,)
 
 
 class OutcomeSink(Protocol):
-    """Receives outcomes in engine order; one call may carry many."""
+    """Receives outcomes in engine order, and the placements noted (`Placed`)
+    before the task's first outcome; one call may carry many."""
 
-    async def write(self, batch: list[tuple[float, Outcome]]) -> None: ...
+    async def write(self, batch: list[tuple[float, SinkItem]]) -> None: ...
 
 
 class NodeDriver:
@@ -57,7 +84,8 @@ class NodeDriver:
         self.time_scale = time_scale
         self._clock = clock
         self._t0 = clock()
-        self._pending: list[tuple[float, Outcome]] = []
+        self._pending: list[tuple[float, SinkItem]] = []
+        self._placed_flush: asyncio.TimerHandle | None = None  # `note_placed`'s write
         self._wake = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
         self._stage_tasks: set[asyncio.Task[None]] = set()
@@ -111,6 +139,16 @@ class NodeDriver:
         now_s = self._tick()
         starts, outcomes = self.engine.add_task(task, now_s)
         self._after(starts, outcomes, now_s)
+
+    def note_placed(self, task_id: str, t: float) -> None:
+        """Have the sink record that this node took `task_id` (at epoch `t`),
+        with the next write of outcomes, or on its own after
+        `PLACED_WRITE_DELAY_S`. Call before `add_task`: the placement then
+        precedes the task's outcomes."""
+        self._pending.append((self.now_s(), Placed(task_id, t)))
+        if self._placed_flush is None and not self._is_stopping:
+            loop = asyncio.get_running_loop()
+            self._placed_flush = loop.call_later(PLACED_WRITE_DELAY_S, self._wake.set)
 
     def cancel(self, task_id: str, reason: str = "") -> bool:
         now_s = self._tick()
@@ -194,6 +232,39 @@ class NodeDriver:
         starts, outcomes = self.engine.on_timer(now_s)
         self._after(starts, outcomes, now_s)
 
+    def _held_placements(
+        self, pending: list[tuple[float, SinkItem]]
+    ) -> tuple[list[tuple[float, SinkItem]], list[tuple[float, SinkItem]]]:
+        """Split `pending` into what this write takes and the placements it
+        holds back: those whose task has no outcome in it yet, noted less than
+        `PLACED_WRITE_DELAY_S` ago (the timer is armed for the first of them)."""
+        if self._is_stopping or not any(isinstance(item, Placed) for _, item in pending):
+            return pending, []
+        with_outcomes = {
+            task_id
+            for _, item in pending
+            if not isinstance(item, Placed)
+            for task_id in _task_ids_of(item)
+        }
+        now_s = self.now_s()
+        due_after_s = PLACED_WRITE_DELAY_S / self.time_scale  # engine seconds
+        taken: list[tuple[float, SinkItem]] = []
+        held: list[tuple[float, SinkItem]] = []
+        for noted_s, item in pending:
+            if (
+                isinstance(item, Placed)
+                and item.task_id not in with_outcomes
+                and now_s - noted_s < due_after_s
+            ):
+                held.append((noted_s, item))
+            else:
+                taken.append((noted_s, item))
+        if held:
+            wait_s = (held[0][0] + due_after_s - now_s) * self.time_scale
+            loop = asyncio.get_running_loop()
+            self._placed_flush = loop.call_later(max(wait_s, 0.0), self._wake.set)
+        return taken, held
+
     async def _write_loop(self) -> None:
         while not (self._is_stopping and not self._pending):
             await self._wake.wait()
@@ -201,9 +272,12 @@ class NodeDriver:
             await self._flush()
 
     async def _flush(self) -> None:
-        if not self._pending:
+        if self._placed_flush is not None:
+            self._placed_flush.cancel()
+            self._placed_flush = None
+        batch, self._pending = self._held_placements(self._pending)
+        if not batch:
             return
-        batch, self._pending = self._pending, []
         try:
             await self.sink.write(batch)
         except Exception:

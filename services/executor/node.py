@@ -10,6 +10,9 @@ little the service needs around it, none of it scheduling:
 * fencing (docs/protocol.md): the attempt each held task was dispatched
   with, for the sink (`attempt_of`); a task the sink found fenced is
   cancelled here (`on_fenced`), which frees its KV;
+* the placed state: a fencing sink records each task this node takes
+  (`NodeDriver.note_placed`) with its next write, so the scheduler need
+  not write it after the Dispatch (`records_placement`);
 * a refusal up front of work that could never fit the node's memory, which
   would otherwise wait forever;
 * waiting for a weight save/load (`BlockingDone`) before answering;
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 
@@ -38,7 +42,6 @@ from lemix.engine import (
     Finished,
     FirstToken,
     NodeEngine,
-    Outcome,
     Requeued,
     TokensEmitted,
 )
@@ -55,7 +58,7 @@ from services.executor.convert import (
     WeightSyncResult,
     WeightSyncSpec,
 )
-from services.executor.driver import NodeDriver, OutcomeSink
+from services.executor.driver import NodeDriver, OutcomeSink, SinkItem
 from services.executor.sink import LedgerSink
 
 log = structlog.get_logger(__name__)
@@ -101,7 +104,7 @@ class _ObservedSink:
         self._inner = inner
         self._num_tokens: dict[str, int] = {}  # tokens counted so far, by live task id
 
-    async def write(self, batch: list[tuple[float, Outcome]]) -> None:
+    async def write(self, batch: list[tuple[float, SinkItem]]) -> None:
         # A weight sync waits on the stages, not on Redis: resolve it first.
         self._node.on_blocking_done(o.tag for _, o in batch if isinstance(o, BlockingDone))
         await self._inner.write(batch)
@@ -112,7 +115,7 @@ class _ObservedSink:
             (o.task_id for _, o in batch if isinstance(o, Requeued)), is_final=False
         )
 
-    def _observe(self, batch: list[tuple[float, Outcome]]) -> None:
+    def _observe(self, batch: list[tuple[float, SinkItem]]) -> None:
         node_id = self._node.node_id
         for _, outcome in batch:
             if isinstance(outcome, FirstToken):
@@ -180,6 +183,9 @@ class ExecutorNode:
         self._blocking: dict[str, asyncio.Future[None]] = {}
         self._sync_seq = itertools.count(1)
         self._busy = BusyMeter()
+        # A fencing sink also records each task's placed state (the
+        # Dispatch's reply says so: the scheduler then writes none).
+        self.records_placement = isinstance(sink, LedgerSink)
         if isinstance(sink, LedgerSink):
             sink.bind(self)  # attempts to the sink, fenced tasks back to us
 
@@ -217,6 +223,8 @@ class ExecutorNode:
         self._held[task_id] = task
         self._attempts[task_id] = attempt
         self.payloads[task_id] = payload
+        if self.records_placement:
+            self.driver.note_placed(task_id, time.time())
         self.driver.add_task(task)
         return True
 
@@ -395,7 +403,7 @@ class ExecutorNode:
                 )
         now_s = self.driver.now_s()
         reason = f"UNAVAILABLE: executor node {self.node_id} shut down"
-        leftovers: list[tuple[float, Outcome]] = [
+        leftovers: list[tuple[float, SinkItem]] = [
             (now_s, Requeued(task_id, reason) if task.is_training else Failed(task_id, reason))
             for task_id, task in self._held.items()
         ]

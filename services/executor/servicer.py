@@ -41,7 +41,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     ) -> executor_pb2.DispatchResponse:
         await self._dispatch(request)
         # A duplicate is accepted too: the node already runs (or ran) it.
-        return executor_pb2.DispatchResponse(is_accepted=True)
+        return executor_pb2.DispatchResponse(
+            is_accepted=True, is_placement_recorded=self._node.records_placement
+        )
 
     async def _dispatch(self, request: executor_pb2.DispatchRequest) -> None:
         spec = dispatch_from_proto(request)
@@ -70,7 +72,11 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                     executor_pb2.DispatchResult(error_code=code.name, error_message=message)
                 )
             else:
-                results.append(executor_pb2.DispatchResult(is_accepted=True))
+                results.append(
+                    executor_pb2.DispatchResult(
+                        is_accepted=True, is_placement_recorded=self._node.records_placement
+                    )
+                )
         return executor_pb2.DispatchManyResponse(results=results)
 
     @handle_errors

@@ -3,8 +3,11 @@
 Per `write` (one driver flush, usually one iteration) ONE script call
 (`Store.write_node_batch`), which runs atomically, in this order:
 
-1. every token message of the batch, so per-stream order follows engine order;
-2. then, per task that ended, its final state and ``end`` message
+1. the placed state (``status=placed``, node, time taken) of each task the
+   node took since the last write (`Placed`), unless the task ends in this
+   write: then its end carries the time taken (one write, not two);
+2. every token message of the batch, so per-stream order follows engine order;
+3. then, per task that ended, its final state and ``end`` message
    (fenced, once per task) and its completion entry for the scheduler.
 
 The counters (tokens written, each end by its outcome) are summed in memory
@@ -44,14 +47,13 @@ from lemix.engine import (
     Failed,
     Finished,
     FirstToken,
-    Outcome,
     Requeued,
     TokensEmitted,
 )
 from lemix.infra import telemetry
 from lemix.infra.store.codec import FieldValue
 from lemix.infra.store.counters import BatchedCounters
-from lemix.infra.store.fencing import FinishOutcome, NodeEnd, NodeEndKind
+from lemix.infra.store.fencing import FinishOutcome, NodeEnd, NodeEndKind, PlaceOutcome
 from lemix.infra.store.messages import (
     TYPE_FIELD,
     completion_fields,
@@ -64,6 +66,8 @@ from lemix.infra.store.task_hash import (
     FINISH_T_FIELD,
     NODE_ID_FIELD,
     NUM_OUTPUT_TOKENS_FIELD,
+    PLACED_T_FIELD,
+    STATUS_FIELD,
     WEIGHT_VERSION_FIELD,
     StoredStatus,
 )
@@ -76,6 +80,7 @@ from lemix.outputs import (
 )
 from services.executor.backends.base import ExecutorBackend
 from services.executor.backends.emulated import EmulatedBackend
+from services.executor.driver import Placed, SinkItem
 
 log = structlog.get_logger(__name__)
 
@@ -96,7 +101,8 @@ class TaskLedger(Protocol):
 
 @runtime_checkable
 class LedgerSink(Protocol):
-    """A sink that fences: the node binds itself as its `TaskLedger`."""
+    """A sink that fences, and records the placements noted (`Placed`): the
+    node binds itself as its `TaskLedger`."""
 
     def bind(self, ledger: TaskLedger) -> None: ...
 
@@ -135,12 +141,15 @@ class RedisOutcomeSink:
         """Take attempts from `ledger` and tell it of fenced tasks."""
         self._ledger = ledger
 
-    async def write(self, batch: list[tuple[float, Outcome]]) -> None:
+    async def write(self, batch: list[tuple[float, SinkItem]]) -> None:
         t = self._clock()
+        placed: dict[str, float] = {}
         tokens: list[tuple[str, int, dict[str, FieldValue]]] = []
         ends: list[Finished | Failed | Requeued] = []
         for _, outcome in batch:
-            if isinstance(outcome, FirstToken):
+            if isinstance(outcome, Placed):
+                placed[outcome.task_id] = outcome.t
+            elif isinstance(outcome, FirstToken):
                 self._num_tokens[outcome.task_id] = 1
                 self._weight_versions[outcome.task_id] = outcome.weight_updates
                 fields = first_token_message(self.node_id, outcome.weight_updates, t)
@@ -158,7 +167,34 @@ class RedisOutcomeSink:
             elif isinstance(outcome, BlockingDone):
                 log.info("executor.blocking_done", node=self.node_id, tag=outcome.tag)
         tokens, node_ends = _carry_last_tokens(tokens, [self._end_of(end, t) for end in ends])
-        await self._write_batch(tokens, node_ends)
+        places, node_ends = self._places(placed, node_ends)
+        await self._write_batch(tokens, node_ends, places)
+
+    def _places(
+        self, placed: dict[str, float], ends: list[NodeEnd]
+    ) -> tuple[list[TokenMessage], list[NodeEnd]]:
+        """The placed state of each task taken since the last write: on its
+        own, or on the task's end in this write (its time taken added to the
+        end's state; a requeued or fenced end needs none)."""
+        if not placed:
+            return [], ends
+        ended: list[NodeEnd] = []
+        for end in ends:
+            t = placed.pop(end.task_id, None)
+            if t is not None and end.kind is NodeEndKind.FINISH:
+                end = dataclasses.replace(end, state_fields={**end.state_fields, PLACED_T_FIELD: t})
+            ended.append(end)
+        places: list[TokenMessage] = []
+        for task_id, t in placed.items():
+            attempt = self._attempt(task_id)
+            if not self._is_fenced(task_id, attempt):
+                fields: dict[str, FieldValue] = {
+                    STATUS_FIELD: StoredStatus.PLACED,
+                    NODE_ID_FIELD: self.node_id,
+                    PLACED_T_FIELD: t,
+                }
+                places.append((task_id, attempt, fields))
+        return places, ended
 
     def _attempt(self, task_id: str) -> int:
         return self._ledger.attempt_of(task_id) if self._ledger is not None else 0
@@ -167,13 +203,19 @@ class RedisOutcomeSink:
         return self._fenced.get(task_id) == attempt
 
     async def _write_batch(
-        self, tokens: list[tuple[str, int, dict[str, FieldValue]]], ends: list[NodeEnd]
+        self,
+        tokens: list[TokenMessage],
+        ends: list[NodeEnd],
+        places: list[TokenMessage],
     ) -> None:
         """One script call for the whole batch (`Store.write_node_batch`), then
         the bookkeeping of what it found fenced and of the tasks that ended."""
         live = [item for item in tokens if not self._is_fenced(item[0], item[1])]
         telemetry.observe_fenced_writes(self.node_id, "token", len(tokens) - len(live))
-        written, outcomes = await self.store.write_node_batch(live, ends)
+        place_outcomes, written, outcomes = await self.store.write_node_batch(live, ends, places)
+        for (task_id, attempt, _), place in zip(places, place_outcomes, strict=True):
+            if place is PlaceOutcome.FENCED:
+                self._fence(task_id, attempt, "place")
         num_tokens = sum(written)
         for (task_id, attempt, _), is_written in zip(live, written, strict=True):
             if not is_written:

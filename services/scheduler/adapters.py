@@ -157,9 +157,10 @@ class GrpcDispatcher:
 
     # ------------------------------------------------------------ Dispatcher
 
-    async def dispatch(self, placement: Placement, task: Task) -> None:
+    async def dispatch(self, placement: Placement, task: Task) -> bool:
         """Executor Dispatch, sent with the node's other Dispatches of this
-        tick as one `DispatchMany` (`dispatch_batches`); raises `TaskRefused`
+        tick as one `DispatchMany` (`dispatch_batches`); True when the
+        executor records the placed state itself. Raises `TaskRefused`
         when the executor refuses the task, `DispatchError` when the node
         does not answer (`dispatch_error`)."""
         try:
@@ -171,7 +172,7 @@ class GrpcDispatcher:
             predicted_response_s=placement.predicted_response_s,
             attempt=self._attempt_of(task.task_id),
         )
-        await self._batches.dispatch(placement.node_id, request)
+        return await self._batches.dispatch(placement.node_id, request)
 
     async def cancel(self, node_id: int, task_id: str, reason: str) -> bool:
         """Executor Cancel; returns its is_found. Raises `Unavailable` (or the

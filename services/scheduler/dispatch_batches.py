@@ -6,7 +6,8 @@ reach `GrpcDispatcher` in the same tick. `NodeDispatchBatcher` queues each
 call's request and, on the next tick, sends everything queued for the node
 as one executor `DispatchMany` (at most `MAX_DISPATCHES_PER_CALL` per call;
 a lone request goes as a plain `Dispatch`), then settles each caller with
-its own outcome: a task the executor refused fails only that call
+its own outcome (whether the executor records the task's placed state
+itself, `DispatchResponse.is_placement_recorded`): a task the executor refused fails only that call
 (`TaskRefused`, or a node-fault `DispatchError` when its status says the
 node cannot take it), a failed call fails every task it carried
 (`dispatch_error`). An executor that does not know `DispatchMany` (an older
@@ -37,7 +38,9 @@ MAX_DISPATCHES_PER_CALL = 64
 # task goes elsewhere, as when its Dispatch fails UNAVAILABLE.
 _NODE_FAULT_NAMES = frozenset({grpc.StatusCode.UNAVAILABLE.name})
 
-Pending = tuple[executor_pb2.DispatchRequest, "asyncio.Future[None]"]
+Pending = tuple[executor_pb2.DispatchRequest, "asyncio.Future[bool]"]
+# A Dispatch's outcome: whether the executor records the placement, or why it failed.
+Outcome = bool | Exception
 
 
 class NodeDispatchBatcher:
@@ -61,8 +64,9 @@ class NodeDispatchBatcher:
         self._sending: set[asyncio.Task[None]] = set()
         self._is_many_unknown: set[int] = set()  # nodes that answered UNIMPLEMENTED
 
-    async def dispatch(self, node_id: int, request: executor_pb2.DispatchRequest) -> None:
-        """Send `request` to the node with the others of this tick; raises
+    async def dispatch(self, node_id: int, request: executor_pb2.DispatchRequest) -> bool:
+        """Send `request` to the node with the others of this tick; True when
+        the executor records the task's placed state itself. Raises
         `TaskRefused` or `DispatchError` as a Dispatch of its own would."""
         stub = self._stub_of(node_id)  # no address: fails this call alone, at once
         loop = asyncio.get_running_loop()
@@ -70,9 +74,9 @@ class NodeDispatchBatcher:
         if queued is None:
             queued = self._queued[node_id] = []
             loop.call_soon(self._send_queued, node_id, stub)
-        done: asyncio.Future[None] = loop.create_future()
+        done: asyncio.Future[bool] = loop.create_future()
         queued.append((request, done))
-        await done
+        return await done
 
     def _send_queued(self, node_id: int, stub: executor_pb2_grpc.ExecutorStub) -> None:
         queued = self._queued.pop(node_id, [])
@@ -98,31 +102,31 @@ class NodeDispatchBatcher:
         for (_, done), outcome in zip(live, outcomes, strict=True):
             if done.done():
                 continue
-            if outcome is None:
-                done.set_result(None)
-            else:
+            if isinstance(outcome, Exception):
                 done.set_exception(outcome)
+            else:
+                done.set_result(outcome)
 
     async def _one(
         self,
         node_id: int,
         stub: executor_pb2_grpc.ExecutorStub,
         request: executor_pb2.DispatchRequest,
-    ) -> Exception | None:
+    ) -> Outcome:
         try:
             reply = await stub.Dispatch(request, timeout=self.deadline_s)
         except grpc.aio.AioRpcError as err:
             return self._error_of(node_id, err)
         if not reply.is_accepted:
             return TaskRefused("FAILED_PRECONDITION", f"node {node_id} did not accept the task")
-        return None
+        return reply.is_placement_recorded
 
     async def _many(
         self,
         node_id: int,
         stub: executor_pb2_grpc.ExecutorStub,
         requests: list[executor_pb2.DispatchRequest],
-    ) -> list[Exception | None]:
+    ) -> list[Outcome]:
         try:
             reply = await stub.DispatchMany(
                 executor_pb2.DispatchManyRequest(dispatches=requests), timeout=self.deadline_s
@@ -147,9 +151,9 @@ class NodeDispatchBatcher:
             await asyncio.gather(*self._sending, return_exceptions=True)
 
 
-def _outcome(node_id: int, result: executor_pb2.DispatchResult) -> Exception | None:
+def _outcome(node_id: int, result: executor_pb2.DispatchResult) -> Outcome:
     if result.is_accepted:
-        return None
+        return result.is_placement_recorded
     code = result.error_code or "FAILED_PRECONDITION"
     message = result.error_message or "did not accept the task"
     if code in _NODE_FAULT_NAMES:  # the executor answered: it did not take it

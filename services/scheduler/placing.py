@@ -93,12 +93,13 @@ class Placing(CoreBase):
         """
         while batch:
             sent, failed_nodes = batch, set[int]()
-            errors = await asyncio.gather(*(self._dispatch(s, failed_nodes) for s in sent))
+            results = await asyncio.gather(*(self._dispatch(s, failed_nodes) for s in sent))
+            errors = [r if isinstance(r, BaseException) else None for r in results]
             async with self._lock:
                 now_s = self.clock()
                 is_moved = False
-                for sending, error in zip(sent, errors, strict=True):
-                    is_moved |= self._resolve(sending, error, now_s)
+                for sending, error, result in zip(sent, errors, results, strict=True):
+                    is_moved |= self._resolve(sending, error, now_s, is_recorded=result is True)
                 self._num_batches_out -= 1
             # A Dispatch that may have reached its node: that attempt is fenced
             # now, before the task is numbered again, not only once it is.
@@ -192,8 +193,9 @@ class Placing(CoreBase):
                 "fence_deferred", num_tasks=len(taken), error=f"{type(exc).__name__}: {exc}"
             )
 
-    async def _dispatch(self, sending: Sending, failed_nodes: set[int]) -> BaseException | None:
-        """One Dispatch under the concurrency bound; its error, or None if taken.
+    async def _dispatch(self, sending: Sending, failed_nodes: set[int]) -> BaseException | bool:
+        """One Dispatch under the concurrency bound; its error, or, when taken,
+        whether the executor records the placed state itself.
 
         Once a node failed one Dispatch of this batch, the batch's calls still
         waiting for a slot skip it: a hung node costs one deadline per wave of
@@ -206,12 +208,11 @@ class Placing(CoreBase):
                     f"skipped: node {placement.node_id} failed another dispatch of this batch"
                 )
             try:
-                await self.dispatcher.dispatch(placement, sending.task)
+                return bool(await self.dispatcher.dispatch(placement, sending.task))
             except Exception as exc:
                 if isinstance(exc, DispatchError) and not isinstance(exc, TaskRefused):
                     failed_nodes.add(placement.node_id)
                 return exc
-        return None
 
     def _is_in_flight(self, sending: Sending) -> bool:
         """Whether the planner still has the task on the node of this Dispatch,
@@ -223,15 +224,24 @@ class Placing(CoreBase):
             and self._attempts.get(task_id, 0) == sending.attempt
         )
 
-    def _resolve(self, sending: Sending, error: BaseException | None, now_s: float) -> bool:
-        """Settle one dispatched placement; True when the task went back to the planner."""
+    def _resolve(
+        self,
+        sending: Sending,
+        error: BaseException | None,
+        now_s: float,
+        *,
+        is_recorded: bool = False,
+    ) -> bool:
+        """Settle one dispatched placement; True when the task went back to the
+        planner. `is_recorded`: the executor writes the placed state itself
+        (its reply said so); otherwise it is written here."""
         placement, task = sending.placement, sending.task
         node_id, task_id = placement.node_id, placement.task_id
         if error is None:
             self.num_placed += 1
             # The intake stamps arrival_s with this clock (task_fields.task_from_fields).
             telemetry.observe_placed(self.policy, task.kind.value, now_s - task.arrival_s)
-            if self._is_in_flight(sending):
+            if not is_recorded and self._is_in_flight(sending):
                 self._note(StateWrite(task_id, StoredStatus.PLACED, node_id=node_id))
             return False
         if not self._is_in_flight(sending):

@@ -82,8 +82,9 @@ class TaskProgress:
 
 
 class Dispatcher(Protocol):
-    async def dispatch(self, placement: Placement, task: Task) -> None:
-        """Hand `task` to its node's executor.
+    async def dispatch(self, placement: Placement, task: Task) -> bool | None:
+        """Hand `task` to its node's executor; True when the executor records
+        the task's placed state itself (else the core has it written).
 
         Raises `TaskRefused` when the executor refuses the task, `DispatchError`
         when the node cannot be reached; any other exception is treated as

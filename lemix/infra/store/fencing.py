@@ -70,6 +70,26 @@ class NodeEnd:
         return self.duplicate_stat if outcome is FinishOutcome.ALREADY_FINAL else self.fenced_stat
 
 
+class PlaceOutcome(StrEnum):
+    """What `Store.write_node_batch` did with one placement it records."""
+
+    WRITTEN = "written"  # the placed state is stored
+    SKIPPED = "skipped"  # the task is final (or has no hash): nothing written
+    FENCED = "fenced"  # the task was placed again since: nothing written
+
+
+_PLACE_OUTCOMES = {1: PlaceOutcome.WRITTEN, 0: PlaceOutcome.SKIPPED, -1: PlaceOutcome.FENCED}
+_END_OUTCOMES = {1: FinishOutcome.ENDED, 0: FinishOutcome.ALREADY_FINAL, -1: FinishOutcome.FENCED}
+
+
+class NodeBatchResult(NamedTuple):
+    """`Store.write_node_batch`'s outcome, item by item in the order given."""
+
+    places: list[PlaceOutcome]
+    written: list[bool]  # per token message: appended (False: fenced)
+    ends: list[FinishOutcome]  # per end (a REPORT end is ENDED)
+
+
 class FencingOps(StoreBase):
     """Number placements, fence taken-away ones, write output and ends fenced."""
 
@@ -135,21 +155,25 @@ class FencingOps(StoreBase):
         self,
         tokens: Sequence[tuple[str, int, Mapping[str, FieldValue]]],
         ends: Sequence[NodeEnd],
-    ) -> tuple[list[bool], list[FinishOutcome]]:
+        places: Sequence[tuple[str, int, Mapping[str, FieldValue]]] = (),
+    ) -> NodeBatchResult:
         """An executor's whole flush in ONE script call (`scripts.WRITE_NODE_BATCH_LUA`):
-        the token messages (task_id, attempt, fields) fenced as in
-        `append_outputs_fenced`, then each end fenced as in `finish_task_fenced`
-        and each end's completion entry, all atomically: a crash never leaves
-        an end without its completion. Counting is the caller's
-        (`NodeEnd.counted_stat` of each outcome).
-
-        Returns per token message whether it was written, and per end its
-        outcome (a REPORT end is ENDED).
+        the placements it records (task_id, attempt, placed-state fields),
+        each written only while the task's attempt is `attempt` and it is not
+        final; the token messages (task_id, attempt, fields) fenced as in
+        `append_outputs_fenced`; then each end fenced as in
+        `finish_task_fenced` and each end's completion entry, all atomically:
+        a crash never leaves an end without its completion. Counting is the
+        caller's (`NodeEnd.counted_stat` of each outcome).
         """
-        if not tokens and not ends:
-            return [], []
+        if not tokens and not ends and not places:
+            return NodeBatchResult([], [], [])
         keys: list[str] = [self.keys.completions_stream]
-        args: list[str | int] = [self.output_maxlen, len(tokens)]
+        args: list[str | int] = [self.output_maxlen, len(places), len(tokens)]
+        for task_id, attempt, fields in places:
+            keys.append(self.keys.task(task_id))
+            flat = flatten(encode_fields(fields))
+            args += [int(attempt), len(flat), *flat]
         for task_id, attempt, fields in tokens:
             keys += [self.keys.task(task_id), self.keys.output(task_id)]
             flat = flatten(encode_fields(fields))
@@ -165,14 +189,12 @@ class FencingOps(StoreBase):
             args += [len(state_items), *state_items, len(message_items), *message_items]
             args += [len(completion), *completion]
         replies = [int(n) for n in await self._write_node_batch(keys=keys, args=args)]
-        outcomes = {
-            1: FinishOutcome.ENDED,
-            0: FinishOutcome.ALREADY_FINAL,
-            -1: FinishOutcome.FENCED,
-        }
-        return [n == 1 for n in replies[: len(tokens)]], [
-            outcomes[n] for n in replies[len(tokens) :]
-        ]
+        num_places, num_tokens = len(places), len(tokens)
+        return NodeBatchResult(
+            [_PLACE_OUTCOMES[n] for n in replies[:num_places]],
+            [n == 1 for n in replies[num_places : num_places + num_tokens]],
+            [_END_OUTCOMES[n] for n in replies[num_places + num_tokens :]],
+        )
 
     async def finish_task_fenced(
         self,

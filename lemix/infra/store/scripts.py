@@ -196,19 +196,24 @@ return {redis.call('HGET', KEYS[1], 'is_final') or '',
         redis.call('EXISTS', KEYS[2])}
 """
 
-# One executor flush (`FencingOps.write_node_batch`) in one step: its token
-# messages, then its task ends and each end's completion entry. KEYS[1]
-# completions stream; then per token message i KEYS[2i] its task hash,
-# KEYS[2i+1] its output stream; then the same pair per end.
-# ARGV[1] output MAXLEN (approximate), ARGV[2] number of token messages;
-# then per token message: the writer's attempt, n, n field/value items (as
-# APPEND_FENCED_LUA); then per end: kind ("finish": FINISH_FENCED_LUA's end;
-# "report": the completion alone, e.g. requeued training; "fenced": known
-# fenced, nothing but the completion), the writer's attempt, TTL in ms (0:
-# none), ns + ns state items, nm + nm end-message items, nc + nc completion
-# items. Counters are the writer's to keep (the outcomes say what to count).
-# Returns per token message 1 (written) or 0 (fenced), then per end 1
-# (ended, or reported), 0 (already final) or -1 (fenced).
+# One executor flush (`FencingOps.write_node_batch`) in one step: the
+# placements it records, its token messages, then its task ends and each
+# end's completion entry. KEYS[1] completions stream; then per placement its
+# task hash; then per token message its task hash and output stream; then
+# the same pair per end. ARGV[1] output MAXLEN (approximate), ARGV[2] number
+# of placements, ARGV[3] number of token messages; then per placement: the
+# writer's attempt, n, n field/value items (the placed state), written only
+# while the hash's attempt equals the writer's and the task is not final (a
+# missing hash is not created); per token message: the writer's attempt, n,
+# n field/value items (as APPEND_FENCED_LUA); then per end: kind ("finish":
+# FINISH_FENCED_LUA's end; "report": the completion alone, e.g. requeued
+# training; "fenced": known fenced, nothing but the completion), the
+# writer's attempt, TTL in ms (0: none), ns + ns state items, nm + nm
+# end-message items, nc + nc completion items. Counters are the writer's to
+# keep (the outcomes say what to count). Returns per placement 1 (written),
+# 0 (final, or no hash) or -1 (fenced); per token message 1 (written) or 0
+# (fenced); then per end 1 (ended, or reported), 0 (already final) or -1
+# (fenced).
 WRITE_NODE_BATCH_LUA = """
 local out = {}
 -- Per task hash, {attempt, is_final} read once (one HMGET): tokens change
@@ -225,25 +230,38 @@ end
 local function attempt(hash)
   return state(hash)[1]
 end
-local num_tokens = tonumber(ARGV[2])
-local at = 3
-for i = 1, num_tokens do
-  local held = attempt(KEYS[2 * i])
+local num_places = tonumber(ARGV[2])
+local num_tokens = tonumber(ARGV[3])
+local at = 4
+local k = 2
+for i = 1, num_places do
+  local held = state(KEYS[k])
   local n = tonumber(ARGV[at + 1])
-  if held == false or held == ARGV[at] then
-    redis.call('XADD', KEYS[2 * i + 1], 'MAXLEN', '~', ARGV[1], '*',
-               unpack(ARGV, at + 2, at + 1 + n))
-    out[i] = 1
+  if held[1] == false or held[2] == '1' then
+    out[#out + 1] = 0
+  elseif held[1] ~= ARGV[at] then
+    out[#out + 1] = -1
   else
-    out[i] = 0
+    redis.call('HSET', KEYS[k], unpack(ARGV, at + 2, at + 1 + n))
+    out[#out + 1] = 1
   end
   at = at + 2 + n
+  k = k + 1
 end
-local k = 1 + 2 * num_tokens
-local i = num_tokens
-while at <= #ARGV do
-  i = i + 1
+for i = 1, num_tokens do
+  local held = attempt(KEYS[k])
+  local n = tonumber(ARGV[at + 1])
+  if held == false or held == ARGV[at] then
+    redis.call('XADD', KEYS[k + 1], 'MAXLEN', '~', ARGV[1], '*',
+               unpack(ARGV, at + 2, at + 1 + n))
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+  at = at + 2 + n
   k = k + 2
+end
+while at <= #ARGV do
   local kind, writer, ttl = ARGV[at], ARGV[at + 1], tonumber(ARGV[at + 2])
   local ns = tonumber(ARGV[at + 3])
   local state_at = at + 4
@@ -255,25 +273,26 @@ while at <= #ARGV do
   if kind == 'fenced' then
     outcome = -1
   elseif kind == 'finish' then
-    local held = attempt(KEYS[k - 1])
+    local held = attempt(KEYS[k])
     if held and held ~= writer then
       outcome = -1
-    elseif state(KEYS[k - 1])[2] == '1' then
+    elseif state(KEYS[k])[2] == '1' then
       outcome = 0
     else
-      redis.call('HSET', KEYS[k - 1], unpack(ARGV, state_at, state_at + ns - 1))
-      state(KEYS[k - 1])[2] = '1'
-      redis.call('XADD', KEYS[k], 'MAXLEN', '~', ARGV[1], '*',
+      redis.call('HSET', KEYS[k], unpack(ARGV, state_at, state_at + ns - 1))
+      state(KEYS[k])[2] = '1'
+      redis.call('XADD', KEYS[k + 1], 'MAXLEN', '~', ARGV[1], '*',
                  unpack(ARGV, message_at, message_at + nm - 1))
       if ttl > 0 then
-        redis.call('PEXPIRE', KEYS[k - 1], ttl)
         redis.call('PEXPIRE', KEYS[k], ttl)
+        redis.call('PEXPIRE', KEYS[k + 1], ttl)
       end
     end
   end
   redis.call('XADD', KEYS[1], '*', unpack(ARGV, completion_at, completion_at + nc - 1))
-  out[i] = outcome
+  out[#out + 1] = outcome
   at = completion_at + nc
+  k = k + 2
 end
 return out
 """

@@ -11,8 +11,12 @@ intake write           the task (`lemix.infra.store.task_fields.task_to_fields`)
                        placement's number; `scripts.SUBMIT_LUA`)
 scheduler intake       for a task it checks: the same again, `ATTEMPT_FIELD` + 1
 check                  (`scripts.ACCEPT_LUA`)
-scheduler dispatch     ``status=placed``, `NODE_ID_FIELD`, ``placed_t``;
-                       `ATTEMPT_FIELD` + 1 before a later placement's Dispatch
+executor sink          ``status=placed``, `NODE_ID_FIELD`, `PLACED_T_FIELD` with
+(or the scheduler's    its first write after taking the task, fenced by attempt
+dispatch, for an       (folded into the end when the task ends in that write);
+executor that does     the scheduler writes them after the Dispatch only when
+not record it)         the executor's reply does not say it records them
+scheduler dispatch     `ATTEMPT_FIELD` + 1 before a later placement's Dispatch
 scheduler, taken back  ``status=queued``, `NODE_ID_FIELD` "", ``requeued_t``
 executor sink / sched  `final_fields` (status, reason, ``is_final=1``),
 (`Store.finish_task`)  `FINISH_T_FIELD`, `NODE_ID_FIELD`,
@@ -54,6 +58,7 @@ GATEWAY_ID_FIELD = "gateway_id"
 ALSO_GATEWAY_PREFIX = "also_gateway:"
 # gRPC metadata key by which a gateway names itself on Submit (no proto change).
 GATEWAY_ID_METADATA = "lemix-gateway-id"
+PLACED_T_FIELD = "placed_t"  # epoch s when an executor took it
 FINISH_T_FIELD = "finish_t"  # epoch s when it ended
 NUM_OUTPUT_TOKENS_FIELD = "num_output_tokens"
 WEIGHT_VERSION_FIELD = "weight_version"  # training updates in the weights that served it

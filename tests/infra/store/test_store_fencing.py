@@ -7,7 +7,13 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from lemix.infra.store.fencing import FencedProgress, FinishOutcome, NodeEnd, NodeEndKind
+from lemix.infra.store.fencing import (
+    FencedProgress,
+    FinishOutcome,
+    NodeEnd,
+    NodeEndKind,
+    PlaceOutcome,
+)
 from lemix.infra.store.keys import RedisKeys
 from lemix.infra.store.store import Store
 from lemix.infra.store.task_hash import ATTEMPT_FIELD
@@ -156,7 +162,7 @@ async def test_write_node_batch_writes_tokens_ends_and_completions_in_one_call(
         return await real(*args, **kwargs)
 
     monkeypatch.setattr(store.client, "evalsha", counted)
-    written, outcomes = await store.write_node_batch(
+    places, written, outcomes = await store.write_node_batch(
         [("ok", 1, {"n": 1}), ("moved", 1, {"n": 1})],
         [
             end("ok", NodeEndKind.FINISH),
@@ -168,7 +174,7 @@ async def test_write_node_batch_writes_tokens_ends_and_completions_in_one_call(
         ],
     )
     assert calls == 1
-    assert written == [True, False]
+    assert places == [] and written == [True, False]
     assert outcomes == [
         FinishOutcome.ENDED,
         FinishOutcome.FENCED,
@@ -194,3 +200,37 @@ async def test_write_node_batch_writes_tokens_ends_and_completions_in_one_call(
     ok = end("ok", NodeEndKind.FINISH)
     assert [ok.counted_stat(o) for o in FinishOutcome] == ["ended_finish", "dup", "fenced"]
     assert await store.get_stats() == {}  # the script counts nothing
+
+
+async def test_write_node_batch_records_placements_fenced_and_never_over_a_final_state(
+    store: Store,
+) -> None:
+    await store.set_task_state("p", {"status": "queued", ATTEMPT_FIELD: 1})
+    await store.set_task_state("moved", {"status": "queued", ATTEMPT_FIELD: 2})
+    await store.set_task_state("ended", {"status": "queued", ATTEMPT_FIELD: 1})
+    placed = {"status": "placed", "node_id": 3, "placed_t": 12.5}
+    end = NodeEnd(
+        "ended",
+        1,
+        NodeEndKind.FINISH,
+        {"task_id": "ended", "attempt": 1},
+        stat="s",
+        duplicate_stat="d",
+        fenced_stat="f",
+        status="completed",
+    )
+    result = await store.write_node_batch(
+        [("p", 1, {"n": 1})],
+        [end],
+        places=[("p", 1, placed), ("moved", 1, placed), ("gone", 1, placed)],
+    )
+    assert result.places == [PlaceOutcome.WRITTEN, PlaceOutcome.FENCED, PlaceOutcome.SKIPPED]
+    assert result.written == [True] and result.ends == [FinishOutcome.ENDED]
+    state = await store.get_task_state("p")
+    assert (state["status"], state["node_id"], state["placed_t"]) == ("placed", "3", "12.5")
+    assert (await store.get_task_state("moved"))["status"] == "queued"
+    assert not await store.client.exists(store.keys.task("gone"))  # not created
+    # A placement recorded after the task's end never overwrites it.
+    again = await store.write_node_batch([], [], places=[("ended", 1, placed)])
+    assert again.places == [PlaceOutcome.SKIPPED]
+    assert (await store.get_task_state("ended"))["status"] == "completed"

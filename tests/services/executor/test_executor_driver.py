@@ -8,7 +8,7 @@ from factories import make_profile, make_request, make_training
 
 from lemix.engine import EngineConfig, Failed, Finished, FirstToken, NodeEngine, TokensEmitted
 from services.executor.backends import EmulatedBackend
-from services.executor.driver import NodeDriver
+from services.executor.driver import PLACED_WRITE_DELAY_S, NodeDriver, Placed
 
 TIME_SCALE = 0.01  # 100x faster than the profile: the test stays short
 
@@ -82,3 +82,28 @@ async def test_cancel_frees_the_request_and_reports_it() -> None:
     assert failed[0].reason.startswith("CANCELLED")
     assert not driver.engine.memory.holds("long")
     assert not driver.cancel("long")  # unknown now
+
+
+async def test_a_placement_rides_on_the_tasks_first_write_or_goes_alone_after_a_delay() -> None:
+    sink = ListSink()
+    sink.expect = {"r"}
+    driver = make_driver(sink)
+    await driver.start()
+    driver.note_placed("r", 1.5)
+    driver.add_task(make_request("r", 0.0, 50, 2))
+    await asyncio.wait_for(sink.done.wait(), timeout=10)
+    first = sink.batches[0]
+    # The placement went with the task's first outcomes, ahead of them.
+    assert first[0][1] == Placed("r", 1.5) and isinstance(first[1][1], FirstToken)
+    # A node with nothing else to write writes a placement on its own, once
+    # PLACED_WRITE_DELAY_S passed: never held until some later outcome.
+    num_batches = len(sink.batches)
+    driver.note_placed("stuck", 2.5)
+    await asyncio.sleep(PLACED_WRITE_DELAY_S / 2)
+    assert len(sink.batches) == num_batches
+    for _ in range(100):
+        if len(sink.batches) > num_batches:
+            break
+        await asyncio.sleep(PLACED_WRITE_DELAY_S / 5)
+    assert [item for _, item in sink.batches[num_batches]] == [Placed("stuck", 2.5)]
+    await driver.stop()

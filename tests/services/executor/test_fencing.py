@@ -281,3 +281,31 @@ async def test_a_dispatch_without_an_attempt_still_runs(nodes: tuple[Node, Node,
         await wait_until(functools.partial(_completed_by, store, task_id, OLD), what="completion")
         [completion] = await completions_of(store, task_id)
         assert completion[ATTEMPT_FIELD] == "0"
+
+
+async def test_the_executor_records_each_placement_itself_and_says_so(
+    nodes: tuple[Node, Node, Store],
+) -> None:
+    old, _, store = nodes
+    long_running = make_request("long", 0.0, 50, 100_000)
+    reply = await old.stub.Dispatch(
+        executor_pb2.DispatchRequest(
+            task=task_to_proto(long_running), attempt=await place(store, "long")
+        ),
+        timeout=DEFAULT_DEADLINE_S,
+    )
+    assert reply.is_accepted and reply.is_placement_recorded  # the scheduler writes none
+
+    async def placed() -> bool:
+        return (await store.get_task_state("long")).get("status") == "placed"
+
+    await wait_until(placed, what="long's placed state")
+    state = await store.get_task_state("long")
+    assert state["node_id"] == str(OLD) and float(state["placed_t"]) > 0
+    # A task that ends in the node's first write for it gets the time it was
+    # taken on its final state (one write).
+    await old.dispatch(make_request("short", 0.0, 50, 1), await place(store, "short"))
+    await read_until_end(store, "short")
+    final = await store.get_task_state("short")
+    assert (final["status"], final["node_id"]) == ("completed", str(OLD))
+    assert 0 < float(final["placed_t"]) <= float(final["finish_t"])

@@ -45,6 +45,7 @@ class RecordingExecutor(executor_pb2_grpc.ExecutorServicer):
     def __init__(self, *, knows_many: bool = True) -> None:
         self.calls: list[tuple[str, list[str]]] = []
         self.refuse: dict[str, str] = {}
+        self.records: set[str] = set()  # tasks whose placed state it says it writes
         self.knows_many = knows_many
 
     async def Dispatch(
@@ -53,7 +54,9 @@ class RecordingExecutor(executor_pb2_grpc.ExecutorServicer):
         self.calls.append(("Dispatch", [request.task.task_id]))
         if request.task.task_id in self.refuse:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.refuse[request.task.task_id])
-        return executor_pb2.DispatchResponse(is_accepted=True)
+        return executor_pb2.DispatchResponse(
+            is_accepted=True, is_placement_recorded=request.task.task_id in self.records
+        )
 
     async def DispatchMany(
         self, request: executor_pb2.DispatchManyRequest, context: grpc.aio.ServicerContext
@@ -66,7 +69,9 @@ class RecordingExecutor(executor_pb2_grpc.ExecutorServicer):
                 error_code="INVALID_ARGUMENT", error_message=self.refuse[d.task.task_id]
             )
             if d.task.task_id in self.refuse
-            else executor_pb2.DispatchResult(is_accepted=True)
+            else executor_pb2.DispatchResult(
+                is_accepted=True, is_placement_recorded=d.task.task_id in self.records
+            )
             for d in request.dispatches
         ]
         return executor_pb2.DispatchManyResponse(results=results)
@@ -74,7 +79,7 @@ class RecordingExecutor(executor_pb2_grpc.ExecutorServicer):
 
 async def _dispatch_all(
     executor: RecordingExecutor, tmp_path: Path, task_ids: list[str]
-) -> list[BaseException | None]:
+) -> list[BaseException | bool]:
     """Dispatch every task to node 0 at once, as the core sends a round."""
     server = grpc.aio.server()
     executor_pb2_grpc.add_ExecutorServicer_to_server(executor, server)
@@ -86,13 +91,12 @@ async def _dispatch_all(
     try:
         await dispatcher.set_address(0, f"127.0.0.1:{port}")
 
-        async def one(task_id: str) -> BaseException | None:
+        async def one(task_id: str) -> BaseException | bool:
             task = Task(task_id, TaskKind.INFERENCE, 0.0, 4, 2)
             try:
-                await dispatcher.dispatch(Placement(task_id, 0, 0.1, 0.0), task)
+                return await dispatcher.dispatch(Placement(task_id, 0, 0.1, 0.0), task)
             except DispatchError as exc:
                 return exc
-            return None
 
         return list(await asyncio.gather(*(one(t) for t in task_ids)))
     finally:
@@ -103,15 +107,17 @@ async def _dispatch_all(
 async def test_one_ticks_dispatches_to_a_node_go_as_one_call(tmp_path: Path) -> None:
     executor = RecordingExecutor()
     executor.refuse["b"] = "max_output_tokens must be > 0"
+    executor.records = {"c", "d"}
     outcomes = await _dispatch_all(executor, tmp_path, ["a", "b", "c"])
     assert executor.calls == [("DispatchMany", ["a", "b", "c"])]
-    assert outcomes[0] is None and outcomes[2] is None
+    # Each caller learns whether the executor records its placement.
+    assert outcomes[0] is False and outcomes[2] is True
     refused = outcomes[1]
     assert isinstance(refused, TaskRefused) and refused.status == "INVALID_ARGUMENT"
     assert "max_output_tokens must be > 0" in refused.reason
     # A lone dispatch is a plain Dispatch.
     executor.calls.clear()
-    assert await _dispatch_all(executor, tmp_path, ["d"]) == [None]
+    assert await _dispatch_all(executor, tmp_path, ["d"]) == [True]
     assert executor.calls == [("Dispatch", ["d"])]
 
 
@@ -120,4 +126,4 @@ async def test_an_executor_without_dispatch_many_gets_one_dispatch_each(tmp_path
     executor.refuse["y"] = "no"
     outcomes = await _dispatch_all(executor, tmp_path, ["x", "y"])
     assert executor.calls == [("Dispatch", ["x"]), ("Dispatch", ["y"])]
-    assert outcomes[0] is None and isinstance(outcomes[1], TaskRefused)
+    assert outcomes[0] is False and isinstance(outcomes[1], TaskRefused)

@@ -18,11 +18,13 @@ class Ports:
         self.states: dict[str, StateWrite] = {}
         self.syncs: list[WeightSync] = []
         self.down = down or set()
+        self.is_placement_recorded = False  # what the executors' replies say
 
-    async def dispatch(self, placement: Placement, task: Task) -> None:
+    async def dispatch(self, placement: Placement, task: Task) -> bool:
         if placement.node_id in self.down:
             raise DispatchError("connection refused")
         self.dispatched.append((task.task_id, placement.node_id))
+        return self.is_placement_recorded
 
     async def sync_weights(self, sync: WeightSync) -> None:
         self.syncs.append(sync)
@@ -67,6 +69,16 @@ async def test_unreachable_executor_moves_the_task_to_another_node() -> None:
     assert ("t", 1) in ports.dispatched
     await core.on_task(make_request("b"))
     assert ("b", 1) in ports.dispatched
+
+
+async def test_the_placed_state_is_written_only_for_executors_that_do_not_record_it() -> None:
+    core, ports, _ = make_core()
+    await core.on_task(make_request("older"))  # an executor that does not record it
+    assert ports.states["older"] == StateWrite("older", "placed", node_id=0)
+    ports.is_placement_recorded = True
+    await core.on_task(make_request("newer"))
+    assert ports.dispatched[-1] == ("newer", 1) and "newer" not in ports.states
+    assert core.num_unwritten == 0
 
 
 async def test_training_given_back_is_placed_again_not_lost() -> None:

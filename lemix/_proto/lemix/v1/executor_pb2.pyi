@@ -19,10 +19,12 @@ class DispatchRequest(_message.Message):
     def __init__(self, task: _Optional[_Union[_common_pb2.Task, _Mapping]] = ..., predicted_response_s: _Optional[float] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class DispatchResponse(_message.Message):
-    __slots__ = ("is_accepted",)
+    __slots__ = ("is_accepted", "is_placement_recorded")
     IS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    IS_PLACEMENT_RECORDED_FIELD_NUMBER: _ClassVar[int]
     is_accepted: bool
-    def __init__(self, is_accepted: _Optional[bool] = ...) -> None: ...
+    is_placement_recorded: bool
+    def __init__(self, is_accepted: _Optional[bool] = ..., is_placement_recorded: _Optional[bool] = ...) -> None: ...
 
 class DispatchManyRequest(_message.Message):
     __slots__ = ("dispatches",)
@@ -31,14 +33,16 @@ class DispatchManyRequest(_message.Message):
     def __init__(self, dispatches: _Optional[_Iterable[_Union[DispatchRequest, _Mapping]]] = ...) -> None: ...
 
 class DispatchResult(_message.Message):
-    __slots__ = ("is_accepted", "error_code", "error_message")
+    __slots__ = ("is_accepted", "error_code", "error_message", "is_placement_recorded")
     IS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    IS_PLACEMENT_RECORDED_FIELD_NUMBER: _ClassVar[int]
     is_accepted: bool
     error_code: str
     error_message: str
-    def __init__(self, is_accepted: _Optional[bool] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ...) -> None: ...
+    is_placement_recorded: bool
+    def __init__(self, is_accepted: _Optional[bool] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., is_placement_recorded: _Optional[bool] = ...) -> None: ...
 
 class DispatchManyResponse(_message.Message):
     __slots__ = ("results",)
