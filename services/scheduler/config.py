@@ -98,6 +98,12 @@ class SchedulerConfig(CommonServiceConfig):
     node_poll_s: float = 0.5  # how often node heartbeats are read
     read_block_s: float = 1.0  # longest blocking XREAD(GROUP); also bounds stop latency
     intake_batch: int = 100  # intake entries read per call
+    # Handled intake entries are acked and deleted with the first intake read
+    # once the oldest waited this long (or a read's worth is waiting): one
+    # XACK + XDEL for several requests under load, where every batch of one
+    # paid both. An ack waits for a read, so up to `read_block_s` when idle;
+    # an unacked entry is redelivered after a crash and recognised then.
+    intake_ack_delay_s: float = 0.02
     # A restarted scheduler takes over intake entries a dead consumer left
     # pending this long. One scheduler runs per namespace, so at start every
     # pending entry is a dead predecessor's: 0 takes them all at once.
@@ -173,6 +179,7 @@ class SchedulerConfig(CommonServiceConfig):
                 raise ValueError(f"{name} must be > 0, got {value}")
         non_negative = {
             "claim_min_idle_s": self.claim_min_idle_s,
+            "intake_ack_delay_s": self.intake_ack_delay_s,
             "max_task_moves": self.max_task_moves,
             "redis_outage_grace_s": self.redis_outage_grace_s,
             "node_lost_after_s": self.node_lost_after_s,
@@ -328,6 +335,12 @@ _OPTIONS: tuple[Option, ...] = (
     option("node_poll_s", "LEMIX_NODE_POLL_S", float, "node heartbeat poll period"),
     option("read_block_s", "LEMIX_READ_BLOCK_S", float, "longest blocking Redis read"),
     option("intake_batch", "LEMIX_INTAKE_BATCH", int, "intake entries per read"),
+    option(
+        "intake_ack_delay_s",
+        "LEMIX_INTAKE_ACK_DELAY_S",
+        float,
+        "longest wait of a handled intake entry's ack for others to share it",
+    ),
     option(
         "claim_min_idle_s",
         "LEMIX_CLAIM_MIN_IDLE_S",

@@ -57,9 +57,10 @@ class IntakeLoop(ServiceBase):
             if stale:
                 await self._handle_intake(stale, is_redelivery=True)
             self._has_unacked_intake = False
-        # The last batch's acks ride on this read (one round trip, not two);
-        # they stay queued until a read that carried them returned.
-        acks = list(self._intake_acks)
+        # Handled entries' acks ride on this read (one round trip, not two)
+        # once due (`intake_ack_delay_s`); they stay queued until a read that
+        # carried them returned.
+        acks = self._due_intake_acks()
         entries = await self._until_stop(
             self.store.read_intake(
                 self.config.consumer_name,
@@ -74,6 +75,18 @@ class IntakeLoop(ServiceBase):
             self._has_unacked_intake = True
             await self._handle_intake(entries)
             self._has_unacked_intake = False
+
+    def _due_intake_acks(self) -> list[str]:
+        """The acks to send with the next read: all of them once the oldest
+        waited `intake_ack_delay_s` or a read's worth waits, else none (they
+        are shared by the entries handled meanwhile)."""
+        acks = self._intake_acks
+        if not acks:
+            return []
+        waited_s = time.monotonic() - self._intake_acks_since_s
+        if waited_s < self.config.intake_ack_delay_s and len(acks) < self.config.intake_batch:
+            return []
+        return list(acks)
 
     def _check_at_intake_add(self, task_id: str) -> None:
         """Have the intake check `task_id` before taking it (module doc)."""
@@ -150,6 +163,8 @@ class IntakeLoop(ServiceBase):
         # entries go, so a crash in between replays them (and the redelivered
         # entries are recognised as known). The acks go with the next read.
         await self.events.flush()
+        if not self._intake_acks:
+            self._intake_acks_since_s = time.monotonic()
         self._intake_acks.extend(entry_id for entry_id, _ in entries)
 
     async def _parse(self, fields: Fields) -> tuple[Task, TaskPayload, Fields] | None:

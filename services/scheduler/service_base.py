@@ -85,8 +85,10 @@ class ServiceBase(Service):
         self._rpc_redis_slots = asyncio.Semaphore(config.max_rpc_redis_calls)
         self._has_unacked_intake = False
         # Intake entries handled (their decisions stored) whose acks go with
-        # the next intake read (`IntakeLoop`), or at stop.
+        # an intake read once due (`IntakeLoop`), or at stop; and since when
+        # (monotonic s) the oldest of them waits.
         self._intake_acks: list[str] = []
+        self._intake_acks_since_s = 0.0
         # The last completions batch's cursor step (expiries, stored cursor),
         # sent with the next completions read (`CompletionsLoop`), or at stop.
         self._cursor_advance: CursorAdvance | None = None

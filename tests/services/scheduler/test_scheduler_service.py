@@ -357,7 +357,7 @@ async def test_submit_dispatches_the_task_to_the_live_executor(stack: Stack) -> 
     state = await stub.GetState(scheduler_pb2.GetStateRequest(), timeout=TIMEOUT_S)
     assert (state.policy, state.num_placed, state.num_rejected) == ("lemix", 1, 0)
     assert [n.node_id for n in state.nodes] == [0] and state.nodes[0].address
-    assert await stack.store.pending_count() == 0  # acked
+    await wait_until(lambda: _pending_is(stack.store, 0), what="acked")
 
 
 async def test_get_state_leaves_out_a_node_whose_heartbeat_is_malformed(stack: Stack) -> None:
@@ -856,6 +856,20 @@ async def test_entries_left_pending_by_a_dead_scheduler_are_reclaimed(stack: Sta
 
 async def _pending_is(store: Store, n: int) -> bool:
     return await store.pending_count() == n
+
+
+async def test_intake_acks_wait_to_be_shared_and_go_once_due(stack: Stack) -> None:
+    fake = await stack.start_executor(0)
+    service = await stack.start_service(num_nodes=1, intake_ack_delay_s=0.5)
+    stub = stack.stub(service)
+    await submit(stub, inference("a1"))
+    await wait_until(lambda: fake.dispatched_ids == ["a1"], what="a1 dispatched")
+    await submit(stub, inference("a2"))
+    await wait_until(lambda: fake.dispatched_ids == ["a1", "a2"], what="a2 dispatched")
+    # Both handled, neither acked yet: their acks wait to go together.
+    assert await stack.store.pending_count() == 2
+    # Once due they ride on a read (every 0.1 s here, with nothing to read).
+    await wait_until(lambda: _pending_is(stack.store, 0), timeout_s=3.0, what="acked")
 
 
 # ------------------------------------------------------------------ Redis down
