@@ -281,10 +281,20 @@ class TaskReader:
         # are Redis's clock, submit times the scheduler's: judge by the latter.
         entries = await self._redis(self.store.read_intake_entries(count=limit + 1))
         num_scanned += len(entries)
+        candidates: list[tuple[str, float, Fields]] = []
         for entry_id, fields in entries:
             task_id = fields.get("task_id", "")
             at_s = get_optional_float(fields, SUBMIT_T_FIELD) or _entry_time_s(entry_id)
             if task_id and task_id not in oldest.task_ids and at_s <= cutoff_s:
+                candidates.append((task_id, at_s, fields))
+        # An entry outlives its task's end until the scheduler's ack deletes
+        # it (acks wait to be shared: `intake_ack_delay_s`): a final task is
+        # not "in the intake" (one pipelined read, at most `limit` + 1 ids).
+        states = await self._redis(
+            self.store.get_task_states([c[0] for c in candidates], [IS_FINAL_FIELD])
+        )
+        for (task_id, at_s, fields), state in zip(candidates, states, strict=True):
+            if state.fields.get(IS_FINAL_FIELD) != "1":
                 oldest.add(
                     at_s,
                     gateway_pb2.TaskInfo(

@@ -271,6 +271,9 @@ async def test_audit_lists_old_non_final_tasks_oldest_first(
     await _take(store, "a-young", submit_t=now_s)
     await _take(store, "a-done", submit_t=now_s - 900)
     await RedisResultWriter(store).end_task("a-done", "rejected", "UNAVAILABLE: no node")
+    # Ended while its intake entry waits for the scheduler's (shared) ack.
+    await _submit(store, "a-ended", submit_t=now_s - 700)
+    await RedisResultWriter(store).end_task("a-ended", "failed", "CANCELLED: by the client")
 
     reply = await stub.AuditTasks(gateway_pb2.AuditRequest(min_age_s=60), timeout=10)
     assert [(t.task_id, t.state) for t in reply.tasks] == [
