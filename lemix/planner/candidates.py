@@ -11,7 +11,10 @@ exact early exit, not a heuristic.
 
 `best_candidates_by_bounds` is the same walk over bounds computed for every
 node at once (`lemix.planner.bounds`), running the estimator only on the
-nodes it predicts.
+nodes it predicts. `iter_ranked_by_bounds` walks them lazily: it hands out
+the ranking one node at a time, each as soon as no node left can beat it, so
+a caller that stops at the first node it accepts (a training task whose
+best node admits it) runs Algorithm 1 only as far as that node needed.
 
 Pure and synchronous, like the planner that calls it.
 """
@@ -19,7 +22,7 @@ Pure and synchronous, like the planner that calls it.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -90,6 +93,41 @@ def best_candidates_by_bounds(
         predictions[view.node_id] = prediction
         _keep_best(best, num_needed, policy.score(task, view, prediction, context))
     return predictions
+
+
+def iter_ranked_by_bounds(
+    policy: ScoreBoundedPolicy,
+    task: Task,
+    views: Sequence[NodeView],
+    context: PolicyContext,
+    bounds: np.ndarray,
+    predict: Callable[[NodeView], Prediction],
+) -> Iterator[tuple[int, float, Prediction]]:
+    """The policy's ranking of `views` as (node id, score, prediction), best
+    first (ties to the lower node id), computed lazily: each node is yielded
+    once every node not yet predicted has a bound strictly below its score,
+    so the first k yielded are `rank`'s first k with every node predicted.
+    `bounds` and `predict` as for `best_candidates_by_bounds`."""
+    node_ids = np.fromiter((view.node_id for view in views), dtype=np.int64, count=len(views))
+    order = np.lexsort((node_ids, -bounds)).tolist()  # best bound first, ties to the lower id
+    bound_of = bounds.tolist()
+    pending: list[tuple[float, int, Prediction]] = []  # min-heap of (-score, node id, ...)
+    num_walked = 0
+    while True:
+        # A bound equal to the best score so far may hide an equal score on a
+        # lower node id: predict it before handing that best out.
+        while num_walked < len(order) and (
+            not pending or bound_of[order[num_walked]] >= -pending[0][0]
+        ):
+            view = views[order[num_walked]]
+            num_walked += 1
+            prediction = predict(view)
+            score = policy.score(task, view, prediction, context)
+            heapq.heappush(pending, (-score, view.node_id, prediction))
+        if not pending:
+            return
+        neg_score, node_id, prediction = heapq.heappop(pending)
+        yield node_id, -neg_score, prediction
 
 
 def _keep_best(best: list[float], num_needed: int, score: float) -> None:

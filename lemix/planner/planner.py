@@ -18,8 +18,9 @@ SEPARATE's weight syncs and the replica averages of
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -286,15 +287,7 @@ class Planner:
     ) -> list[Ranked]:
         """Eligible live nodes for `task`, best first; the first `num_needed`
         are exact, the rest may be left out (nodes that cannot be among them)."""
-        views: list[NodeView] = self.views
-        # SEPARATE ranks its own training nodes (the config's are inert for it).
-        if (
-            task.is_training
-            and self.config.num_training_nodes is not None
-            and self.policy.training_nodes(self.config.num_nodes, context) is None
-        ):
-            homes = set(self.config.training_node_ids)
-            views = [v for v in self.views if v.node_id in homes]
+        views = self._eligible_views(task, context)
         predictions = self.predictor.candidates(
             task, now_s, views, context, num_needed, bool(self._down_nodes)
         )
@@ -303,6 +296,35 @@ class Planner:
         if self._down_nodes:
             ranked = [r for r in ranked if r.node_id not in self._down_nodes]
         return ranked
+
+    def _rank_lazily(
+        self, task: Task, now_s: float, context: PolicyContext, num_needed: int
+    ) -> Iterator[Ranked]:
+        """`_rank`'s nodes one at a time, best first: where the predictor can
+        (`Predictor.ranked_lazily`: every node up, a bounded policy, many
+        nodes), each is computed only when asked for, so a caller that stops
+        early skips the Algorithm 1 runs the later ones would need. Else
+        `_rank(..., num_needed)`'s list, of which the first `num_needed` are
+        exact."""
+        views = self._eligible_views(task, context)
+        lazy = None
+        if not self._down_nodes:
+            lazy = self.predictor.ranked_lazily(task, now_s, views, context)
+        if lazy is None:
+            return iter(self._rank(task, now_s, context, num_needed))
+        self._is_rank_empty_by_policy = not views
+        return (Ranked(node_id, score, prediction) for node_id, score, prediction in lazy)
+
+    def _eligible_views(self, task: Task, context: PolicyContext) -> list[NodeView]:
+        # SEPARATE ranks its own training nodes (the config's are inert for it).
+        if (
+            task.is_training
+            and self.config.num_training_nodes is not None
+            and self.policy.training_nodes(self.config.num_nodes, context) is None
+        ):
+            homes = set(self.config.training_node_ids)
+            return [v for v in self.views if v.node_id in homes]
+        return self.views
 
     def training_nodes(self, context: PolicyContext) -> tuple[int, ...]:
         """Nodes that train: the policy's own split (SEPARATE), else the
@@ -342,21 +364,25 @@ class Planner:
         if reason is not None:
             return Rejection(task.task_id, reason)
         is_checked = self.config.is_deprioritization_enabled and self.policy.needs_prediction
-        ranked = self._rank(task, now_s, context, _MAX_DEFER_CANDIDATES if is_checked else 1)
-        if not ranked:
+        num_needed = _MAX_DEFER_CANDIDATES if is_checked else 1
+        # Lazily: the best node usually admits the task, and then the next
+        # ones' Algorithm 1 runs are not needed.
+        ranked = self._rank_lazily(task, now_s, context, num_needed)
+        best = next(ranked, None)
+        if best is None:
             return Rejection(task.task_id, self._no_node_reason(task))
         if not is_checked:
-            return self._commit(task, ranked[0], now_s)
+            return self._commit(task, best, now_s)
         # The best few nodes only: the score already ranks nodes by the decode
         # slowdown this task would cause, so if those would miss, the rest would.
-        for choice in ranked[:_MAX_DEFER_CANDIDATES]:
+        for choice in itertools.chain((best,), itertools.islice(ranked, num_needed - 1)):
             if choice.prediction is not None and not self.admission.hurts_inference(
                 task, choice, now_s, self.views, self._down_nodes
             ):
                 return self._commit(task, choice, now_s)
         if self._is_aged(item, now_s) and self._aged_release.take(now_s):
             self.num_aged_releases += 1
-            return self._commit(task, ranked[0], now_s)
+            return self._commit(task, best, now_s)
         self.num_deferrals += 1
         return Deferral(task.task_id, "placing it now would make the next inference miss its SLO")
 

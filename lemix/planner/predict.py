@@ -12,11 +12,16 @@ passes them in. Pure and synchronous, like the planner.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 
 from lemix.planner.base import PlacementPolicy, PlannerConfig, PolicyContext, ScoreBoundedPolicy
 from lemix.planner.bounds import VectorBounds
-from lemix.planner.candidates import best_candidates, best_candidates_by_bounds
+from lemix.planner.candidates import (
+    best_candidates,
+    best_candidates_by_bounds,
+    iter_ranked_by_bounds,
+)
 from lemix.planner.costs import CostEstimator
 from lemix.planner.trace import (
     NodeView,
@@ -86,6 +91,28 @@ class Predictor:
             if predictions is not None:
                 return predictions
         return {view.node_id: self.predict(view, task, now_s) for view in views}
+
+    def ranked_lazily(
+        self, task: Task, now_s: float, views: list[NodeView], context: PolicyContext
+    ) -> Iterator[tuple[int, float, Prediction]] | None:
+        """The policy's ranking of `views` for `task`, lazily, as (node id,
+        score, prediction) best first (`iter_ranked_by_bounds`); None where
+        `candidates` would not walk vector bounds (the caller ranks eagerly).
+        Only for every node up: the views are all live."""
+        bounded = self._bounded
+        if (
+            bounded is None
+            or self._vector is None
+            or not self.policy.needs_prediction
+            or len(views) < VECTOR_MIN_NODES
+        ):
+            return None
+        bounds = self._vector.bounds(task, views, now_s, context)
+        if bounds is None:
+            return None
+        return iter_ranked_by_bounds(
+            bounded, task, views, context, bounds, lambda view: self.predict(view, task, now_s)
+        )
 
     def response_floor_s(self, view: NodeView, task: Task, now_s: float, costs: TaskCosts) -> float:
         """A floor under `predict_with(...).response_s` (Algorithm 1's, or the

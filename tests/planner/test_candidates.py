@@ -16,11 +16,14 @@ from factories import drive_planner, make_planner, make_request, make_training
 
 from lemix.planner.base import ScoreBoundedPolicy
 from lemix.planner.planner import Planner
+from lemix.planner.trace import Prediction
 from lemix.types import Placement
 
 
-def loaded_planner(seed: int, **overrides: object) -> tuple[Planner, random.Random, float]:
-    planner = make_planner("lemix", num_nodes=12, **overrides)
+def loaded_planner(
+    seed: int, num_nodes: int = 12, **overrides: object
+) -> tuple[Planner, random.Random, float]:
+    planner = make_planner("lemix", num_nodes=num_nodes, **overrides)
     rng = random.Random(seed)
     now_s = 0.0
     held: list[str] = []
@@ -101,3 +104,51 @@ def test_cluster_admission_probe_memo_changes_no_decision(monkeypatch: pytest.Mo
     monkeypatch.setattr(admission, "_other_probe_misses", admission._probe_misses)
     assert _decisions(unmemoized, seed=3) == memo
     assert any("Deferral" in d for d in memo)  # the admission check ran and said no
+
+
+def test_the_lazy_ranking_yields_the_full_ranking_and_stops_early(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    planner, rng, now_s = loaded_planner(seed=11, num_nodes=24)
+    policy = planner.policy
+    predictor = planner.predictor
+    num_predicted = [0]
+    predict = predictor.predict
+
+    def counted_predict(*args: object) -> Prediction:
+        num_predicted[0] += 1
+        return predict(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(predictor, "predict", counted_predict)
+    num_for_first = num_possible = 0
+    for step in range(20):
+        now_s += 0.01
+        context = planner.context(now_s)
+        for task in (
+            make_request(f"q{step}", now_s, rng.randint(10, 400), rng.randint(5, 80)),
+            make_training(f"p{step}", now_s, rng.randint(20, 200), rng.randint(1, 4)),
+        ):
+            every = {v.node_id: predict(v, task, now_s) for v in planner.views}
+            full = [(r.node_id, r.score) for r in policy.rank(task, planner.views, every, context)]
+            lazy = predictor.ranked_lazily(task, now_s, planner.views, context)
+            assert lazy is not None  # 24 nodes: the vector bounds' path
+            assert [(node_id, score) for node_id, score, _ in lazy] == full
+            first = predictor.ranked_lazily(task, now_s, planner.views, context)
+            assert first is not None
+            num_predicted[0] = 0
+            assert next(first)[:2] == full[0]
+            num_for_first += num_predicted[0]
+            num_possible += len(planner.views)
+    assert num_for_first < num_possible / 2  # the first node costs far fewer than all
+
+
+@pytest.mark.parametrize("num_nodes", [20, 24])
+def test_training_placed_through_the_lazy_ranking_makes_the_same_decisions(
+    num_nodes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = {"slo_ttft_s": 0.3, "max_training_slice_s": None}
+    lazy = _decisions(make_planner("lemix", num_nodes=num_nodes, **config), seed=5)
+    eager = make_planner("lemix", num_nodes=num_nodes, **config)
+    monkeypatch.setattr(eager.predictor, "ranked_lazily", lambda *a: None)
+    assert _decisions(eager, seed=5) == lazy
+    assert any("Deferral" in d for d in lazy)  # admission said no, and the next nodes were tried
