@@ -3,9 +3,11 @@
 State: N nodes × S stages (from the profile), QUEUED outstanding tasks per
 node (placed, never finished), inference and training in the workload's
 proportions (train rate 0.3). Then PLACEMENTS more tasks are submitted one per
-`plan()` call and each call is timed with perf_counter; after each timed call
-the oldest outstanding task of the node that got the new one is finished
-(untimed), so the load stays at QUEUED per node throughout. A no-op loop with
+`plan()` call and each call is timed with perf_counter (a call that stopped at
+its training cap is followed at once by more, as the scheduler makes them,
+each timed too: `num_calls`); after each timed call the oldest outstanding
+task of the node that got a new one is finished (untimed), so the load stays
+at QUEUED per node throughout. A no-op loop with
 the same timing code gives the measurement overhead. The planner models the
 engine `lemix sim`'s engine flags give (engine v2 by default since
 2026-12-02; the measurements in docs/results.md dated earlier modelled v1:
@@ -13,7 +15,8 @@ engine `lemix sim`'s engine flags give (engine v2 by default since
 
     .venv/bin/python benchmarks/planner_latency.py --json runs/bench/planner_latency.json
 
-Targets (4 nodes × 2 stages): p50 <= 100 µs, p99 <= 1 ms.
+Targets: p50 <= 100 µs and p99 <= 1 ms at 4 nodes × 2 stages; p99 <= 1 ms
+at 64 nodes (issue 15).
 """
 
 from __future__ import annotations
@@ -105,32 +108,39 @@ def fill(planner: Planner, tasks: list[Task], outstanding: Outstanding) -> None:
     for task in tasks:
         planner.submit(task, task.arrival_s)
         outstanding.record(planner.plan(task.arrival_s))
+        while planner.is_release_pending:
+            outstanding.record(planner.plan(task.arrival_s))
 
 
 def timed_placements(
     planner: Planner, tasks: list[Task], outstanding: Outstanding
 ) -> tuple[np.ndarray, dict[str, int]]:
-    """Per-call plan() latency in µs, and counts of decision kinds."""
-    latencies = np.empty(len(tasks))
+    """Per-call plan() latency in µs, and counts of decision kinds. A call
+    that stops at its training cap (`Planner.is_release_pending`) is followed
+    by more at the same time, as the scheduler makes them; each is timed."""
+    latencies: list[float] = []
     kinds = {"placed": 0, "deferred": 0, "other": 0}
     perf = time.perf_counter
-    for i, task in enumerate(tasks):
+    for task in tasks:
         now_s = task.arrival_s
         planner.submit(task, now_s)
-        t0 = perf()
-        decisions = planner.plan(now_s)
-        latencies[i] = (perf() - t0) * 1e6
-        for d in decisions:
-            key = (
-                "placed"
-                if isinstance(d, Placement)
-                else ("deferred" if isinstance(d, Deferral) else "other")
-            )
-            kinds[key] += 1
-        for node_id in outstanding.record(decisions):  # keep the load steady, untimed
-            oldest = outstanding.by_node[node_id].popleft()
-            planner.on_task_finished(oldest, now_s)
-    return latencies, kinds
+        is_first = True
+        while is_first or planner.is_release_pending:
+            is_first = False
+            t0 = perf()
+            decisions = planner.plan(now_s)
+            latencies.append((perf() - t0) * 1e6)
+            for d in decisions:
+                key = (
+                    "placed"
+                    if isinstance(d, Placement)
+                    else ("deferred" if isinstance(d, Deferral) else "other")
+                )
+                kinds[key] += 1
+            for node_id in outstanding.record(decisions):  # keep the load steady, untimed
+                oldest = outstanding.by_node[node_id].popleft()
+                planner.on_task_finished(oldest, now_s)
+    return np.array(latencies), kinds
 
 
 def noop_overhead_us(n: int) -> np.ndarray:
@@ -218,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         if row["num_nodes"] == 4 and row["num_stages"] == 2:
             row["meets_target"] = row["p50_us"] <= TARGET_P50_US and row["p99_us"] <= TARGET_P99_US
+        elif row["num_nodes"] == 64:
+            row["meets_target"] = row["p99_us"] <= TARGET_P99_US
     print(
         format_table(
             rows,
@@ -227,12 +239,13 @@ def main(argv: list[str] | None = None) -> int:
                 ("num_stages", "stages"),
                 ("queued_per_node_min", "queued min"),
                 ("queued_per_node_max", "queued max"),
+                ("num_calls", "calls"),
                 ("placed", "placed"),
                 ("deferred", "deferred"),
                 ("p50_us", "p50 µs"),
                 ("p99_us", "p99 µs"),
                 ("max_us", "max µs"),
-                ("meets_target", "target (4x2)"),
+                ("meets_target", "target"),
             ],
         )
     )
@@ -242,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(
         f"timing overhead (no-op call): p50 {noop['p50_us']:.2f} µs, p99 {noop['p99_us']:.2f} µs"
-        f"; targets at 4x2: p50 <= {TARGET_P50_US:g} µs, p99 <= {TARGET_P99_US:g} µs"
+        f"; targets: at 4x2 p50 <= {TARGET_P50_US:g} µs and p99 <= {TARGET_P99_US:g} µs,"
+        f" at 64 nodes p99 <= {TARGET_P99_US:g} µs"
     )
     if args.json:
         path = Path(args.json)

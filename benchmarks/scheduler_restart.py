@@ -74,6 +74,15 @@ def _config(redis_url: str, namespace: str, every: int, num_nodes: int) -> Sched
     )
 
 
+def _plan(live: RecordingPlanner, now_s: float) -> list[str]:
+    """The ids `live` places now, planning again while a call stops at its
+    training cap, as the scheduler does."""
+    placed = [d.task_id for d in live.plan(now_s) if isinstance(d, Placement)]
+    while live.is_release_pending:
+        placed += [d.task_id for d in live.plan(now_s) if isinstance(d, Placement)]
+    return placed
+
+
 async def write_log(
     store: Store,
     config: SchedulerConfig,
@@ -108,14 +117,14 @@ async def write_log(
     for i, task in enumerate(tasks):
         now_s = task.arrival_s
         live.submit(task, now_s)
-        placed += [d.task_id for d in live.plan(now_s) if isinstance(d, Placement)]
+        placed += _plan(live, now_s)
         while len(placed) > num_held:
             placed += [
                 d.task_id
                 for d in live.on_task_finished(placed.pop(0), now_s)
                 if isinstance(d, Placement)
             ]
-            placed += [d.task_id for d in live.plan(now_s) if isinstance(d, Placement)]
+            placed += _plan(live, now_s)
         if i % _FLUSH_EVERY_TASKS == 0:
             await sink.flush()
     await sink.stop()

@@ -195,6 +195,8 @@ def drive_planner(
             task = make_request(f"r{i}", now_s, rng.randint(10, 400), rng.randint(5, 80))
         planner.submit(task, now_s)
         decisions = planner.plan(now_s)
+        while planner.is_release_pending:  # as the scheduler and the simulator do
+            decisions += planner.plan(now_s)
         out += [repr(d) for d in decisions]
         held += [d.task_id for d in decisions if isinstance(d, Placement)]
         if held and rng.random() < finish_share:

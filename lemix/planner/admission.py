@@ -123,12 +123,18 @@ class TrainingAdmission:
         self.config = config
         self.predictor = predictor
         self.traffic = traffic
-        # (node, version, now_s, probe lengths) -> misses, for one `plan` call
+        # (node, version, now_s, probe lengths) -> misses, for the `plan`
+        # calls at one time (a call that stops at its training cap is
+        # followed by another at the same time: the memo still holds then).
         self._probe_memo: dict[tuple[int, int, float, int, int], bool] = {}
+        self._memo_now_s: float | None = None
 
-    def on_plan_start(self) -> None:
-        """Forget the probes of the last `plan` call (views have changed since)."""
-        self._probe_memo.clear()
+    def on_plan_start(self, now_s: float) -> None:
+        """Forget the probes of earlier times (views have changed since; at
+        the same time a view that changed has a new version, its own key)."""
+        if now_s != self._memo_now_s:
+            self._probe_memo.clear()
+            self._memo_now_s = now_s
 
     def hurts_inference(
         self,

@@ -33,6 +33,16 @@ class PlannerConfig:
     # Aged training is forced out at most this fast (per node): under sustained
     # overload training keeps a guaranteed trickle instead of flooding serving.
     aged_release_rps_per_node: float = 1.0
+    # Algorithm 1 runs one `plan` call spends on placing training, after
+    # which it places no more (it places one at least); the rest is due at
+    # once, in the next call (`Planner.is_release_pending`). A call runs
+    # synchronously in the scheduler's event loop and returns its decisions
+    # together: a burst of released training (dozens of tasks when a finish
+    # frees a loaded cluster) would hold the inference placed in the same
+    # call, and every other coroutine, for the whole burst (16 ms at 64
+    # nodes). Counted in runs, not tasks, so small clusters, where a
+    # placement costs a few runs, still place several per call.
+    max_training_runs_per_plan: int = 32
     request_rate_window_s: float = 10.0  # the arrival-rate estimate looks this far back
     # Deprioritization defers training once predictions pass this share of an
     # SLO: predictions are means, and half the requests sit above the mean.
@@ -81,6 +91,8 @@ class PlannerConfig:
             raise ValueError("aged_release_rps_per_node must be > 0")
         if self.defer_recheck_s <= 0:
             raise ValueError("defer_recheck_s must be > 0")
+        if self.max_training_runs_per_plan < 1:
+            raise ValueError("max_training_runs_per_plan must be >= 1")
         if not 0.0 <= self.train_rate < 1.0:
             raise ValueError("train_rate must be in [0, 1)")
         if self.sync_every_tasks < 1:

@@ -30,6 +30,7 @@ def build_planner_config(
     prefill_token_budget: int | None = None,
     max_training_slice_s: float | None = None,
     replica_sync_every_tasks: int | None = None,
+    max_training_runs_per_plan: int = PlannerConfig.max_training_runs_per_plan,
 ) -> PlannerConfig:
     """The planner's config for `num_nodes` nodes running `profile`'s stages
     under `slo`; the other knobs keep `PlannerConfig`'s defaults. The engine
@@ -53,6 +54,7 @@ def build_planner_config(
         is_batch_cap_per_micro_batch=is_batch_cap_per_micro_batch,
         prefill_token_budget=prefill_token_budget,
         max_training_slice_s=max_training_slice_s,
+        max_training_runs_per_plan=max_training_runs_per_plan,
         replica_sync_every_tasks=replica_sync_every_tasks or None,
     )
 

@@ -95,6 +95,7 @@ class Planner:
         self._train_done_since_sync = 0
         self._replica_sync = ReplicaSyncClock(config.replica_sync_every_tasks)
         self._is_deferred_dirty = False
+        self._is_release_pending = False  # the last plan() stopped at its training cap
         self._down_nodes: set[int] = set()
         self._is_rank_empty_by_policy = False  # the last rank(): the policy offered no node
         self._deferred_eval_s = 0.0
@@ -144,9 +145,13 @@ class Planner:
 
     def next_wakeup_s(self) -> float | None:
         """When deferred training must be looked at again (callers set a timer):
-        the periodic recheck or the head's aging deadline, whichever is first."""
+        the periodic recheck or the head's aging deadline, whichever is first;
+        the last `plan` call's time when it stopped at its training cap (due
+        now: `is_release_pending`)."""
         if not self._deferred:
             return None
+        if self._is_release_pending:
+            return self._deferred_eval_s
         # An aged head also needs a release token; wake when one has accrued.
         token_ready_s = self._aged_release.ready_s()
         aged_s = max(self._deferred[0].since_s + self.config.max_defer_s, token_ready_s)
@@ -155,6 +160,14 @@ class Planner:
     @property
     def num_deferred(self) -> int:
         return len(self._deferred)
+
+    @property
+    def is_release_pending(self) -> bool:
+        """The last `plan` spent the training work one call may
+        (`PlannerConfig.max_training_runs_per_plan`) and more training may be
+        placeable now: call `plan` again, at once (after letting other work
+        run), with the same or a later time."""
+        return self._is_release_pending and bool(self._deferred)
 
     def node_of(self, task_id: str) -> int | None:
         return self._task_node.get(task_id)
@@ -194,6 +207,7 @@ class Planner:
             "train_done_since_sync": self._train_done_since_sync,
             "replica_sync": self._replica_sync.snapshot_state(),
             "is_deferred_dirty": self._is_deferred_dirty,
+            "is_release_pending": self._is_release_pending,
             "down_nodes": sorted(self._down_nodes),
             "deferred_eval_s": self._deferred_eval_s,
             "aged_tokens": self._aged_release.tokens,
@@ -226,6 +240,7 @@ class Planner:
         self._train_done_since_sync = int(snapshot["train_done_since_sync"])
         self._replica_sync.restore_state(snapshot.get("replica_sync"))
         self._is_deferred_dirty = bool(snapshot["is_deferred_dirty"])
+        self._is_release_pending = bool(snapshot["is_release_pending"])
         self._down_nodes = {int(n) for n in snapshot["down_nodes"]}
         self._deferred_eval_s = float(snapshot["deferred_eval_s"])
         self._aged_release.tokens = float(snapshot["aged_tokens"])
@@ -249,13 +264,15 @@ class Planner:
         # work slides into the past) do.
         is_blocked = bool(self._deferred) and not (
             self._is_deferred_dirty
+            or self._is_release_pending
             or self._is_aged(self._deferred[0], now_s)
             or now_s >= self._deferred_eval_s + self.config.defer_recheck_s
         )
         if not is_blocked:
             self._deferred_eval_s = now_s
         self._is_deferred_dirty = False
-        self.admission.on_plan_start()
+        self._is_release_pending = False
+        self.admission.on_plan_start(now_s)
         while self._intake:
             task = self._intake.popleft()
             if task.is_training:
@@ -267,7 +284,15 @@ class Planner:
             return decisions
         # Place from the head; the first task that must wait blocks the rest
         # (the head is the oldest, so it also ages first).
+        num_placed = 0
+        first_run = self.predictor.num_runs
         while self._deferred:
+            if (
+                num_placed
+                and self.predictor.num_runs - first_run >= self.config.max_training_runs_per_plan
+            ):
+                self._is_release_pending = True  # the next call goes on from here
+                break
             item = self._deferred[0]
             decision = self._place_training(item, now_s, context)
             if isinstance(decision, Deferral):
@@ -276,6 +301,7 @@ class Planner:
                 break
             self._deferred.popleft()
             decisions.append(decision)
+            num_placed += isinstance(decision, Placement)
         return decisions
 
     def _is_aged(self, item: _Deferred, now_s: float) -> bool:

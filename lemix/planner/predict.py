@@ -50,6 +50,9 @@ class Predictor:
         self._bounded = policy if isinstance(policy, ScoreBoundedPolicy) else None
         self.estimator = estimator
         self._vector = VectorBounds.supported(config, policy, estimator)
+        # Algorithm 1 runs so far (`idleness`): the planner bounds a call's
+        # training work by them (`PlannerConfig.max_training_runs_per_plan`).
+        self.num_runs = 0
 
     def candidates(
         self,
@@ -142,6 +145,7 @@ class Predictor:
     def idleness(self, view: NodeView, task: Task, now_s: float, costs: TaskCosts) -> Prediction:
         """Algorithm 1 alone (no slice-aware response): the trace a placement
         commits for a policy that ranks without predictions."""
+        self.num_runs += 1
         return compute_idleness(view, task, now_s, costs, self.estimator.decode_load(view, now_s))
 
     def sliced_response_s(self, view: NodeView, costs: TaskCosts) -> float:

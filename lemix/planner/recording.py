@@ -118,6 +118,10 @@ class RecordingPlanner:
     def num_deferred(self) -> int:
         return self.planner.num_deferred
 
+    @property
+    def is_release_pending(self) -> bool:
+        return self.planner.is_release_pending
+
     def _record(self, decisions: list[Decision]) -> None:
         for decision in decisions:
             self._sink({"output": decision_to_event(decision)})

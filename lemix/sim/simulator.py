@@ -151,20 +151,29 @@ class Simulator:
         self.run_planner(now_s)
 
     def run_planner(self, now_s: float) -> None:
-        if self.measure:
-            t0 = time.perf_counter()
-            decisions = self.planner.plan(now_s)
-            elapsed_us = (time.perf_counter() - t0) * 1e6
-            num_placed = sum(isinstance(d, Placement) for d in decisions)
-            if num_placed:
-                self.decision_latency_us.extend([elapsed_us / num_placed] * num_placed)
-        else:
-            decisions = self.planner.plan(now_s)
+        decisions = self._plan(now_s)
+        # A call places a bounded amount of training (`is_release_pending`);
+        # the scheduler calls again at once, letting other coroutines run in
+        # between. Here nothing else happens in between: the same decisions
+        # as one unbounded call.
+        while self.planner.is_release_pending:
+            decisions += self._plan(now_s)
         self.apply(decisions, now_s)
         wake = self.planner.next_wakeup_s()
         if wake is not None and wake > now_s and wake != self._wake_at:
             self._wake_at = wake
             self.schedule(wake, PlannerWake())
+
+    def _plan(self, now_s: float) -> list[Decision]:
+        if not self.measure:
+            return self.planner.plan(now_s)
+        t0 = time.perf_counter()
+        decisions = self.planner.plan(now_s)
+        elapsed_us = (time.perf_counter() - t0) * 1e6
+        num_placed = sum(isinstance(d, Placement) for d in decisions)
+        if num_placed:
+            self.decision_latency_us.extend([elapsed_us / num_placed] * num_placed)
+        return decisions
 
     def apply(self, decisions: Sequence[Decision], now_s: float) -> None:
         for decision in decisions:

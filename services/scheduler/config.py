@@ -88,6 +88,7 @@ class SchedulerConfig(CommonServiceConfig):
     replica_sync_every_tasks: int = 0  # M: average the trainers' replicas; 0 = off
     max_defer_s: float = _DEFAULT_PLANNER.max_defer_s
     defer_recheck_s: float = _DEFAULT_PLANNER.defer_recheck_s
+    max_training_runs_per_plan: int = _DEFAULT_PLANNER.max_training_runs_per_plan
     dispatch_deadline_s: float = 5.0  # executor Dispatch/Cancel; they answer from memory
     # A node that failed a Dispatch gets no work for this long, then again if
     # it still heartbeats (its heartbeat key may outlive a crashed executor).
@@ -243,6 +244,7 @@ class SchedulerConfig(CommonServiceConfig):
             max_batch_size=self.max_batch_size,
             max_defer_s=self.max_defer_s,
             defer_recheck_s=self.defer_recheck_s,
+            max_training_runs_per_plan=self.max_training_runs_per_plan,
             train_rate=self.train_rate,
             sync_every_tasks=self.sync_every_tasks,
             training_nodes=self.training_nodes,
@@ -316,6 +318,12 @@ _OPTIONS: tuple[Option, ...] = (
     option("max_defer_s", "LEMIX_MAX_DEFER_S", float, "longest a training task is deferred"),
     option(
         "defer_recheck_s", "LEMIX_DEFER_RECHECK_S", float, "re-evaluate deferred training every"
+    ),
+    option(
+        "max_training_runs_per_plan",
+        "LEMIX_MAX_TRAINING_RUNS_PER_PLAN",
+        int,
+        "Algorithm 1 runs one plan call spends placing training before it yields to the event loop",
     ),
     option("dispatch_deadline_s", "LEMIX_DISPATCH_DEADLINE_S", float, "deadline of executor calls"),
     option(

@@ -140,6 +140,11 @@ class CoreBase:
         """When (planner time) deferred work must be looked at again, or None."""
         return self.planner.next_wakeup_s()
 
+    @property
+    def is_release_pending(self) -> bool:
+        """The last plan stopped at its training cap: plan again at once."""
+        return self.planner.is_release_pending
+
     # ------------------------------------------------------------ internals
 
     def cancel_on_take(self, task_id: str, reason: str) -> None:

@@ -89,8 +89,23 @@ class Placing(CoreBase):
         fenced); a result about an attempt that is no longer current is then
         only counted (`_is_in_flight`). Terminates: each round either places
         everything, or a task moved (bounded by `max_task_moves`) or a node
-        went down.
+        went down; each plan after a training cap placed a training task.
         """
+        while True:
+            await self._send(batch)
+            if not self.is_release_pending:
+                break
+            # The plan stopped at its training cap (`Planner.is_release_pending`):
+            # what is ready (intake, completions) runs first, then plan again.
+            await asyncio.sleep(0)
+            async with self._lock:
+                batch = await self._decide(self._plan(self.clock()))
+        await self._flush_writes()
+        self.wakeup.set()
+
+    async def _send(self, batch: list[Sending]) -> None:
+        """`_carry_out`'s Dispatches: send, settle, and plan again while
+        rolled-back tasks went back to the planner."""
         while batch:
             sent, failed_nodes = batch, set[int]()
             results = await asyncio.gather(*(self._dispatch(s, failed_nodes) for s in sent))
@@ -115,8 +130,6 @@ class Placing(CoreBase):
                 async with self._lock:
                     self._is_plan_due = False
                     batch = await self._decide(self._plan(self.clock()))
-        await self._flush_writes()
-        self.wakeup.set()
 
     async def _apply_decisions(self, decisions: list[Decision]) -> list[Placement]:
         placements: list[Placement] = []

@@ -363,6 +363,8 @@ def _replay(policy: str, steps: list[Step]) -> list:
             planner.submit(step.task, step.now_s)
         elif step.op == "plan":
             out.append(("plan", step.now_s, planner.plan(step.now_s), planner.next_wakeup_s()))
+            while planner.is_release_pending:  # as the scheduler and the simulator do
+                out.append(("plan", step.now_s, planner.plan(step.now_s), planner.next_wakeup_s()))
         else:
             out.append(
                 (
@@ -435,3 +437,22 @@ def test_mix_rr_capped_keeps_round_robins_order() -> None:
         nodes["capped"] += placed_nodes(submit_and_plan(capped, make_request(f"r{i}", 0.1 * i)))
         nodes["plain"] += placed_nodes(submit_and_plan(plain, make_request(f"r{i}", 0.1 * i)))
     assert nodes["capped"] == nodes["plain"] == [0, 1, 2, 3, 0, 1]
+
+
+def test_a_plan_call_stops_placing_training_at_its_budget_and_the_next_goes_on() -> None:
+    bounded = make_planner("lemix", num_nodes=4, max_training_runs_per_plan=1)
+    unbounded = make_planner("lemix", num_nodes=4, max_training_runs_per_plan=10**9)
+    for i in range(6):
+        task = make_training(f"t{i}", 0.0, 50, seq=i)
+        bounded.submit(task, 0.0)
+        unbounded.submit(task, 0.0)
+    at_once = unbounded.plan(0.0)
+    assert len(placed_nodes(at_once)) == 6 and not unbounded.is_release_pending
+    calls = [bounded.plan(0.0)]
+    while bounded.is_release_pending:
+        assert bounded.next_wakeup_s() == 0.0  # due now
+        calls.append(bounded.plan(0.0))
+    # One placement per call (each took a run or more), the same ones in order.
+    assert [len(placed_nodes(decisions)) for decisions in calls] == [1] * 6
+    assert [d for decisions in calls for d in decisions] == at_once
+    assert bounded.next_wakeup_s() is None

@@ -48,7 +48,7 @@ _CONSTRUCTION = {
     "config",
     "estimator",
     "predictor",
-    "admission",  # holds `_traffic` (compared on its own) and a cache for one `plan`
+    "admission",  # holds `_traffic` (compared on its own) and a cache for one time
     "_memory",
     "_threshold_bytes",
     "_kv_bytes_per_token",
@@ -59,7 +59,9 @@ _CONSTRUCTION = {
 
 def _planner(policy: str) -> Planner:
     # Tight SLOs and short aging so deferral, aged release and the request
-    # window all come into play; K = 3 so SEPARATE syncs, M = 2 so replicas average.
+    # window all come into play; K = 3 so SEPARATE syncs, M = 2 so replicas
+    # average; one Algorithm 1 run per plan call for training, so a call that
+    # places training stops there when more is queued (`is_release_pending`).
     return make_planner(
         policy,
         num_nodes=NUM_NODES,
@@ -73,6 +75,7 @@ def _planner(policy: str) -> Planner:
         train_rate=0.34,
         aged_release_rps_per_node=0.5,
         dynamic_full_rate_rps=4.0,
+        max_training_runs_per_plan=1,
     )
 
 
