@@ -59,8 +59,14 @@ class IntakeLoop(ServiceBase):
             self._has_unacked_intake = False
         # Handled entries' acks ride on this read (one round trip, not two)
         # once due (`intake_ack_delay_s`); they stay queued until a read that
-        # carried them returned.
+        # carried them returned. Write-ahead: the decisions those entries
+        # caused are stored before the entries go, so a crash in between
+        # replays them (and the redelivered entries are recognised as
+        # known). Flushed here, once per ack, not after every batch: the
+        # event log's own coalescing then gathers several batches per XADD.
         acks = self._due_intake_acks()
+        if acks:
+            await self.events.flush()
         entries = await self._until_stop(
             self.store.read_intake(
                 self.config.consumer_name,
@@ -159,10 +165,7 @@ class IntakeLoop(ServiceBase):
                 leased.append((task.task_id, str(fields[GATEWAY_ID_FIELD])))
         self.leases.note(leased)  # before the core: it may end them at once
         await self.core.on_tasks(accepted, attempts)
-        # Write-ahead: the decisions these entries caused are stored before the
-        # entries go, so a crash in between replays them (and the redelivered
-        # entries are recognised as known). The acks go with the next read.
-        await self.events.flush()
+        # The acks go with a later read, after the events are stored (there).
         if not self._intake_acks:
             self._intake_acks_since_s = time.monotonic()
         self._intake_acks.extend(entry_id for entry_id, _ in entries)

@@ -320,12 +320,15 @@ class SchedulerService(IntakeLoop, CompletionsLoop):
         # What was to ride on the loops' next reads: handled intake entries'
         # acks (left pending, the next start reclaims them, known) and the
         # last completions batch's expiries and cursor (re-applied at start).
+        # The acks only after the events they caused are stored (write-ahead,
+        # `IntakeLoop._intake_step`): if that fails, they stay pending.
         try:
             if self._intake_acks:
+                await self.events.flush(timeout_s=max(grace_s, 1.0))
                 await self.store.ack_intake(self._intake_acks)
                 self._intake_acks.clear()
             await self._send_cursor_advance()
-        except (RedisError, OSError) as exc:
+        except (RedisError, OSError, TimeoutError) as exc:
             log.warning("stop_writes_left", num_acks=len(self._intake_acks), error=str(exc))
 
     async def _stop_events(self, grace_s: float) -> None:

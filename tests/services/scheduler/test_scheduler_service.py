@@ -872,6 +872,26 @@ async def test_intake_acks_wait_to_be_shared_and_go_once_due(stack: Stack) -> No
     await wait_until(lambda: _pending_is(stack.store, 0), timeout_s=3.0, what="acked")
 
 
+async def test_intake_entries_are_acked_only_after_the_events_they_caused_are_stored(
+    stack: Stack,
+) -> None:
+    """Write-ahead: an acked entry's submit and placement are in the event
+    log, so a restart never meets a task that is gone from the intake and
+    unknown to the log. The log's coalescing is made long here, so only the
+    flush before the acks can have stored them."""
+    fake = await stack.start_executor(0)
+    service = await stack.start_service(num_nodes=1, intake_ack_delay_s=0.05)
+    service.events.coalesce_s = 60.0
+    await asyncio.sleep(0.1)  # the start's events went out with the old coalescing
+    stub = stack.stub(service)
+    await submit(stub, inference("w1"))
+    await wait_until(lambda: fake.dispatched_ids == ["w1"], what="w1 dispatched")
+    await wait_until(lambda: _pending_is(stack.store, 0), timeout_s=3.0, what="acked")
+    logged = await read_events(stack.store)
+    assert any(e.get("input") == "submit" and e["task"]["task_id"] == "w1" for e in logged)
+    assert any(e.get("output", {}).get("task_id") == "w1" for e in logged)
+
+
 # ------------------------------------------------------------------ Redis down
 
 
