@@ -10,14 +10,15 @@ bound must hold on every node.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import pytest
 from factories import drive_planner, make_planner, make_request, make_training
 
-from lemix.planner.base import ScoreBoundedPolicy
+from lemix.planner.base import PolicyContext, ScoreBoundedPolicy
 from lemix.planner.planner import Planner
 from lemix.planner.trace import Prediction
-from lemix.types import Placement
+from lemix.types import Placement, Task
 
 
 def loaded_planner(
@@ -40,40 +41,54 @@ def loaded_planner(
     return planner, rng, now_s
 
 
+def fresh_tasks(
+    planner: Planner, rng: random.Random, now_s: float, num_steps: int
+) -> Iterator[tuple[float, PolicyContext, Task]]:
+    """Per step, 10 ms apart: a fresh inference and a fresh training task,
+    each with the time and the planner's context then."""
+    for step in range(num_steps):
+        now_s += 0.01
+        context = planner.context(now_s)
+        yield (
+            now_s,
+            context,
+            make_request(f"q{step}", now_s, rng.randint(10, 400), rng.randint(5, 80)),
+        )
+        yield (
+            now_s,
+            context,
+            make_training(f"p{step}", now_s, rng.randint(20, 200), rng.randint(1, 4)),
+        )
+
+
 @pytest.mark.parametrize("overrides", [{}, {"max_training_slice_s": 0.05}])
 def test_early_exit_keeps_the_first_nodes_and_their_scores(overrides: dict) -> None:
-    planner, rng, now_s = loaded_planner(seed=7, **overrides)
+    planner, rng, start_s = loaded_planner(seed=7, **overrides)
     policy = planner.policy
     assert isinstance(policy, ScoreBoundedPolicy)
     num_predicted = num_possible = 0
-    for step in range(40):
-        now_s += 0.01
-        context = planner.context(now_s)
-        for task in (
-            make_request(f"q{step}", now_s, rng.randint(10, 400), rng.randint(5, 80)),
-            make_training(f"p{step}", now_s, rng.randint(20, 200), rng.randint(1, 4)),
-        ):
-            every = {v.node_id: planner.predictor.predict(v, task, now_s) for v in planner.views}
-            full = policy.rank(task, planner.views, every, context)
-            for view in planner.views:
-                costs = planner.estimator.costs(view, task, now_s)
-                bound = policy.score_upper_bound(
-                    task,
-                    view,
-                    planner.predictor.response_floor_s(view, task, now_s, costs),
-                    costs.time_between_tokens_s,
-                    context,
-                )
-                assert bound is not None
-                assert policy.score(task, view, every[view.node_id], context) <= bound
-            for k in (1, 3):
-                some = planner.predictor.candidates(task, now_s, planner.views, context, k, False)
-                ranked = policy.rank(task, planner.views, some, context)
-                assert [(r.node_id, r.score) for r in ranked[:k]] == [
-                    (r.node_id, r.score) for r in full[:k]
-                ]
-                num_predicted += len(some)
-                num_possible += len(planner.views)
+    for now_s, context, task in fresh_tasks(planner, rng, start_s, num_steps=40):
+        every = {v.node_id: planner.predictor.predict(v, task, now_s) for v in planner.views}
+        full = policy.rank(task, planner.views, every, context)
+        for view in planner.views:
+            costs = planner.estimator.costs(view, task, now_s)
+            bound = policy.score_upper_bound(
+                task,
+                view,
+                planner.predictor.response_floor_s(view, task, now_s, costs),
+                costs.time_between_tokens_s,
+                context,
+            )
+            assert bound is not None
+            assert policy.score(task, view, every[view.node_id], context) <= bound
+        for k in (1, 3):
+            some = planner.predictor.candidates(task, now_s, planner.views, context, k, False)
+            ranked = policy.rank(task, planner.views, some, context)
+            assert [(r.node_id, r.score) for r in ranked[:k]] == [
+                (r.node_id, r.score) for r in full[:k]
+            ]
+            num_predicted += len(some)
+            num_possible += len(planner.views)
     # The exit is taken (else this test would not test it).
     assert num_predicted < num_possible / 2
 
@@ -109,7 +124,7 @@ def test_cluster_admission_probe_memo_changes_no_decision(monkeypatch: pytest.Mo
 def test_the_lazy_ranking_yields_the_full_ranking_and_stops_early(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    planner, rng, now_s = loaded_planner(seed=11, num_nodes=24)
+    planner, rng, start_s = loaded_planner(seed=11, num_nodes=24)
     policy = planner.policy
     predictor = planner.predictor
     num_predicted = [0]
@@ -121,24 +136,18 @@ def test_the_lazy_ranking_yields_the_full_ranking_and_stops_early(
 
     monkeypatch.setattr(predictor, "predict", counted_predict)
     num_for_first = num_possible = 0
-    for step in range(20):
-        now_s += 0.01
-        context = planner.context(now_s)
-        for task in (
-            make_request(f"q{step}", now_s, rng.randint(10, 400), rng.randint(5, 80)),
-            make_training(f"p{step}", now_s, rng.randint(20, 200), rng.randint(1, 4)),
-        ):
-            every = {v.node_id: predict(v, task, now_s) for v in planner.views}
-            full = [(r.node_id, r.score) for r in policy.rank(task, planner.views, every, context)]
-            lazy = predictor.ranked_lazily(task, now_s, planner.views, context)
-            assert lazy is not None  # 24 nodes: the vector bounds' path
-            assert [(node_id, score) for node_id, score, _ in lazy] == full
-            first = predictor.ranked_lazily(task, now_s, planner.views, context)
-            assert first is not None
-            num_predicted[0] = 0
-            assert next(first)[:2] == full[0]
-            num_for_first += num_predicted[0]
-            num_possible += len(planner.views)
+    for now_s, context, task in fresh_tasks(planner, rng, start_s, num_steps=20):
+        every = {v.node_id: predict(v, task, now_s) for v in planner.views}
+        full = [(r.node_id, r.score) for r in policy.rank(task, planner.views, every, context)]
+        lazy = predictor.ranked_lazily(task, now_s, planner.views, context)
+        assert lazy is not None  # 24 nodes: the vector bounds' path
+        assert [(node_id, score) for node_id, score, _ in lazy] == full
+        first = predictor.ranked_lazily(task, now_s, planner.views, context)
+        assert first is not None
+        num_predicted[0] = 0
+        assert next(first)[:2] == full[0]
+        num_for_first += num_predicted[0]
+        num_possible += len(planner.views)
     assert num_for_first < num_possible / 2  # the first node costs far fewer than all
 
 
