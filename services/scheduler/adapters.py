@@ -360,6 +360,16 @@ class RedisEventSink:
     def num_pending(self) -> int:
         return self._num_recorded - self._num_stored
 
+    @property
+    def num_recorded(self) -> int:
+        """Events recorded so far (`sink(event)` calls)."""
+        return self._num_recorded
+
+    @property
+    def num_stored(self) -> int:
+        """Of those, the first this many are in Redis."""
+        return self._num_stored
+
     def start(self) -> None:
         if self._task is None:
             self._is_stopping = False

@@ -58,12 +58,12 @@ class IntakeLoop(ServiceBase):
                 await self._handle_intake(stale, is_redelivery=True)
             self._has_unacked_intake = False
         # Handled entries' acks ride on this read (one round trip, not two)
-        # once due (`intake_ack_delay_s`); they stay queued until a read that
+        # once due (`_due_intake_acks`); they stay queued until a read that
         # carried them returned. Write-ahead: the decisions those entries
         # caused are stored before the entries go, so a crash in between
         # replays them (and the redelivered entries are recognised as
-        # known). Flushed here, once per ack, not after every batch: the
-        # event log's own coalescing then gathers several batches per XADD.
+        # known). Usually the event log's own coalescing has stored them by
+        # then; the flush is for a read's worth of acks that cannot wait.
         acks = self._due_intake_acks()
         if acks:
             await self.events.flush()
@@ -83,14 +83,20 @@ class IntakeLoop(ServiceBase):
             self._has_unacked_intake = False
 
     def _due_intake_acks(self) -> list[str]:
-        """The acks to send with the next read: all of them once the oldest
-        waited `intake_ack_delay_s` or a read's worth waits, else none (they
-        are shared by the entries handled meanwhile)."""
+        """The acks to send with the next read: all of them once a read's
+        worth waits, or once the oldest waited `intake_ack_delay_s` and the
+        event log has stored what they caused; else none (they are shared by
+        the entries handled meanwhile). Waiting for the log's own store,
+        rather than flushing it, keeps it at one XADD per coalescing window."""
         acks = self._intake_acks
         if not acks:
             return []
+        if len(acks) >= self.config.intake_batch:
+            return list(acks)
         waited_s = time.monotonic() - self._intake_acks_since_s
-        if waited_s < self.config.intake_ack_delay_s and len(acks) < self.config.intake_batch:
+        if waited_s < self.config.intake_ack_delay_s:
+            return []
+        if self.events.num_stored < self._intake_acks_num_events:
             return []
         return list(acks)
 
@@ -166,6 +172,7 @@ class IntakeLoop(ServiceBase):
         self.leases.note(leased)  # before the core: it may end them at once
         await self.core.on_tasks(accepted, attempts)
         # The acks go with a later read, after the events are stored (there).
+        self._intake_acks_num_events = self.events.num_recorded
         if not self._intake_acks:
             self._intake_acks_since_s = time.monotonic()
         self._intake_acks.extend(entry_id for entry_id, _ in entries)

@@ -89,6 +89,8 @@ class ServiceBase(Service):
         # (monotonic s) the oldest of them waits.
         self._intake_acks: list[str] = []
         self._intake_acks_since_s = 0.0
+        # Events recorded when the last of them was handled: stored first.
+        self._intake_acks_num_events = 0
         # The last completions batch's cursor step (expiries, stored cursor),
         # sent with the next completions read (`CompletionsLoop`), or at stop.
         self._cursor_advance: CursorAdvance | None = None

@@ -877,8 +877,8 @@ async def test_intake_entries_are_acked_only_after_the_events_they_caused_are_st
 ) -> None:
     """Write-ahead: an acked entry's submit and placement are in the event
     log, so a restart never meets a task that is gone from the intake and
-    unknown to the log. The log's coalescing is made long here, so only the
-    flush before the acks can have stored them."""
+    unknown to the log. The acks wait for the log's own store (its
+    coalescing, made long here) rather than forcing one."""
     fake = await stack.start_executor(0)
     service = await stack.start_service(num_nodes=1, intake_ack_delay_s=0.05)
     service.events.coalesce_s = 60.0
@@ -886,9 +886,17 @@ async def test_intake_entries_are_acked_only_after_the_events_they_caused_are_st
     stub = stack.stub(service)
     await submit(stub, inference("w1"))
     await wait_until(lambda: fake.dispatched_ids == ["w1"], what="w1 dispatched")
+
+    def logged_w1(events: list[dict[str, Any]]) -> bool:
+        return any(e.get("input") == "submit" and e["task"]["task_id"] == "w1" for e in events)
+
+    await asyncio.sleep(0.5)  # the ack delay and several reads
+    assert await stack.store.pending_count() == 1  # not acked: its events are not stored
+    assert not logged_w1(await read_events(stack.store))
+    await service.events.flush()
     await wait_until(lambda: _pending_is(stack.store, 0), timeout_s=3.0, what="acked")
     logged = await read_events(stack.store)
-    assert any(e.get("input") == "submit" and e["task"]["task_id"] == "w1" for e in logged)
+    assert logged_w1(logged)
     assert any(e.get("output", {}).get("task_id") == "w1" for e in logged)
 
 
