@@ -102,8 +102,10 @@ class SchedulerConfig(CommonServiceConfig):
     # Handled intake entries are acked and deleted with the first intake read
     # once the oldest waited this long (or a read's worth is waiting): one
     # XACK + XDEL for several requests under load, where every batch of one
-    # paid both. An ack waits for a read, so up to `read_block_s` when idle;
-    # an unacked entry is redelivered after a crash and recognised then.
+    # paid both, and once the event log has stored what they caused (its
+    # own 20 ms coalescing: write-ahead). An ack waits for a read, so up to
+    # `read_block_s` when idle; an unacked entry is redelivered after a
+    # crash and recognised then.
     intake_ack_delay_s: float = 0.02
     # A restarted scheduler takes over intake entries a dead consumer left
     # pending this long. One scheduler runs per namespace, so at start every
@@ -347,7 +349,7 @@ _OPTIONS: tuple[Option, ...] = (
         "intake_ack_delay_s",
         "LEMIX_INTAKE_ACK_DELAY_S",
         float,
-        "longest wait of a handled intake entry's ack for others to share it",
+        "how long a handled intake entry's ack waits at least, for others to share it",
     ),
     option(
         "claim_min_idle_s",
