@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
+import pytest
 from factories import make_planner, make_request, make_training
 
 from lemix.planner.recording import RecordingPlanner, decision_key, recorded_decision_keys, replay
@@ -153,3 +155,22 @@ async def test_a_task_cancelled_before_the_core_took_it_is_ended_not_planned() -
     core.cancel_on_take("b", "CANCELLED: late")
     await core.on_tasks([make_request("b")])
     assert "b" not in ports.ended and ports.dispatched == [("b", 0)]
+
+
+@pytest.mark.parametrize("max_runs", [1, 10**9])
+async def test_training_past_a_plans_cap_lets_a_waiting_request_go_first(max_runs: int) -> None:
+    """A plan that stops at its training cap (`Planner.is_release_pending`)
+    is followed by another once the core's lock has served what waited for
+    it: a request submitted meanwhile is placed before the rest of the burst.
+    Without a cap (10**9 runs) the burst goes out first, in one plan."""
+    core, ports, _ = make_core("lemix", max_training_runs_per_plan=max_runs)
+    burst = [make_training(f"t{i}", 0.0, 20, seq=i) for i in range(6)]
+    flood = asyncio.ensure_future(core.on_tasks(burst))
+    request = asyncio.ensure_future(core.on_task(make_request("r")))
+    await asyncio.gather(flood, request)
+    order = [task_id for task_id, _ in ports.dispatched]
+    assert sorted(order) == sorted(["r", *(t.task_id for t in burst)])  # all of it placed
+    if max_runs == 1:
+        assert order.index("r") < len(burst)
+    else:
+        assert order.index("r") == len(burst)
