@@ -9,12 +9,13 @@ scores below that too, strictly, so the policy's first `num_needed` (ties to
 the lower node id included) are the same as with every node predicted: an
 exact early exit, not a heuristic.
 
-`best_candidates_by_bounds` is the same walk over bounds computed for every
+`iter_ranked_by_bounds` is the same walk over bounds computed for every
 node at once (`lemix.planner.bounds`), running the estimator only on the
-nodes it predicts. `iter_ranked_by_bounds` walks them lazily: it hands out
-the ranking one node at a time, each as soon as no node left can beat it, so
-a caller that stops at the first node it accepts (a training task whose
-best node admits it) runs Algorithm 1 only as far as that node needed.
+nodes it predicts, and lazily: it hands out the ranking one node at a time,
+each as soon as no node left can beat it. The first `num_needed` it hands
+out cost the Algorithm 1 runs `best_candidates` would spend on them, and a
+caller that stops at the first node it accepts (a training task whose best
+node admits it) runs Algorithm 1 only as far as that node needed.
 
 Pure and synchronous, like the planner that calls it.
 """
@@ -70,31 +71,6 @@ def best_candidates(
     return predictions
 
 
-def best_candidates_by_bounds(
-    policy: ScoreBoundedPolicy,
-    task: Task,
-    views: Sequence[NodeView],
-    context: PolicyContext,
-    num_needed: int,
-    bounds: np.ndarray,
-    predict: Callable[[NodeView], Prediction],
-) -> dict[int, Prediction]:
-    """`best_candidates` with every view's score bound given (`bounds[i]` for
-    `views[i]`, no smaller than its score); `predict(view)` is Algorithm 1."""
-    node_ids = np.fromiter((view.node_id for view in views), dtype=np.int64, count=len(views))
-    order = np.lexsort((node_ids, -bounds))  # best bound first, ties to the lower node id
-    predictions: dict[int, Prediction] = {}
-    best: list[float] = []
-    for i in order.tolist():
-        if len(best) == num_needed and bounds[i] < best[0]:
-            break  # this node and every one after it score below the cut
-        view = views[i]
-        prediction = predict(view)
-        predictions[view.node_id] = prediction
-        _keep_best(best, num_needed, policy.score(task, view, prediction, context))
-    return predictions
-
-
 def iter_ranked_by_bounds(
     policy: ScoreBoundedPolicy,
     task: Task,
@@ -107,7 +83,8 @@ def iter_ranked_by_bounds(
     first (ties to the lower node id), computed lazily: each node is yielded
     once every node not yet predicted has a bound strictly below its score,
     so the first k yielded are `rank`'s first k with every node predicted.
-    `bounds` and `predict` as for `best_candidates_by_bounds`."""
+    `bounds[i]` is no smaller than the score of `views[i]`; `predict(view)`
+    is Algorithm 1."""
     node_ids = np.fromiter((view.node_id for view in views), dtype=np.int64, count=len(views))
     order = np.lexsort((node_ids, -bounds)).tolist()  # best bound first, ties to the lower id
     bound_of = bounds.tolist()

@@ -14,14 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
+from itertools import islice
 
 from lemix.planner.base import PlacementPolicy, PlannerConfig, PolicyContext, ScoreBoundedPolicy
 from lemix.planner.bounds import VectorBounds
-from lemix.planner.candidates import (
-    best_candidates,
-    best_candidates_by_bounds,
-    iter_ranked_by_bounds,
-)
+from lemix.planner.candidates import best_candidates, iter_ranked_by_bounds
 from lemix.planner.costs import CostEstimator
 from lemix.planner.trace import (
     NodeView,
@@ -69,18 +66,9 @@ class Predictor:
         if not self.policy.needs_prediction:
             return {}
         if self._bounded is not None and not is_any_node_down and len(views) > num_needed:
-            if self._vector is not None and len(views) >= VECTOR_MIN_NODES:
-                bounds = self._vector.bounds(task, views, now_s, context)
-                if bounds is not None:
-                    return best_candidates_by_bounds(
-                        self._bounded,
-                        task,
-                        views,
-                        context,
-                        num_needed,
-                        bounds,
-                        lambda view: self.predict(view, task, now_s),
-                    )
+            lazy = self.ranked_lazily(task, now_s, views, context)
+            if lazy is not None:
+                return {node_id: p for node_id, _, p in islice(lazy, num_needed)}
             predictions = best_candidates(
                 self._bounded,
                 task,
