@@ -149,6 +149,7 @@ class ExecutorService(Service):
         await node.start()
         self.lifecycle.add_work("node", self._stop_node)
         servicer = ExecutorServicer(node, weight_sync_dir=config.weight_sync_dir)
+        self.lifecycle.on_stopping(servicer.end_streams)
         server, self._bound_port, health = await start_server(
             [(executor_pb2_grpc.add_ExecutorServicer_to_server, servicer)],
             config.host,

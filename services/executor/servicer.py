@@ -8,7 +8,9 @@ here, before the node sees them: they must lie under the weight-sync directory.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc.aio
@@ -34,6 +36,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     def __init__(self, node: ExecutorNode, *, weight_sync_dir: str | Path) -> None:
         self._node = node
         self._weight_sync_dir = weight_sync_dir  # SyncWeights' locations must be under it
+        # Set once the node stops: open DispatchStreams answer what they read
+        # and end, so the server's stop does not wait out its grace for them.
+        self._is_ending_streams = asyncio.Event()
 
     @handle_errors
     async def Dispatch(
@@ -60,6 +65,11 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def DispatchMany(
         self, request: executor_pb2.DispatchManyRequest, context: grpc.aio.ServicerContext
     ) -> executor_pb2.DispatchManyResponse:
+        return await self._dispatch_many(request)
+
+    async def _dispatch_many(
+        self, request: executor_pb2.DispatchManyRequest
+    ) -> executor_pb2.DispatchManyResponse:
         if not request.dispatches:
             raise InvalidArgument("DispatchManyRequest.dispatches is empty; send at least one")
         results = []
@@ -78,6 +88,62 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                     )
                 )
         return executor_pb2.DispatchManyResponse(results=results)
+
+    @handle_errors
+    async def DispatchStream(
+        self,
+        requests: AsyncIterator[executor_pb2.DispatchStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        """Each request a DispatchMany, answered as it finishes (they run
+        concurrently: one waiting for a stale attempt to leave holds up no
+        other). Ends when the caller closes its side or the node stops, once
+        what was read is answered."""
+        writing = asyncio.Lock()  # one write at a time on the stream
+        calls: set[asyncio.Task[None]] = set()
+
+        async def answer(request: executor_pb2.DispatchStreamRequest) -> None:
+            reply = await self._stream_call(request)
+            async with writing:
+                await context.write(reply)
+
+        async def read() -> None:
+            async for request in requests:
+                call = asyncio.create_task(answer(request))
+                calls.add(call)
+                call.add_done_callback(calls.discard)
+
+        reading = asyncio.create_task(read())
+        ending = asyncio.create_task(self._is_ending_streams.wait())
+        try:
+            await asyncio.wait((reading, ending), return_when=asyncio.FIRST_COMPLETED)
+            if reading.done():
+                reading.result()  # a malformed request: the stream's error
+            else:  # the node stops: read no more
+                reading.cancel()
+            while calls:
+                await asyncio.gather(*calls)
+        finally:
+            for task in (reading, ending, *calls):
+                task.cancel()
+
+    async def _stream_call(
+        self, request: executor_pb2.DispatchStreamRequest
+    ) -> executor_pb2.DispatchStreamResponse:
+        try:
+            if not request.call_id:
+                raise InvalidArgument("DispatchStreamRequest.call_id is 0; number calls from 1")
+            reply = await self._dispatch_many(request.call)
+        except Exception as exc:  # the call's own status; the stream goes on
+            code, message = status_for(exc, "ExecutorServicer.DispatchStream")
+            return executor_pb2.DispatchStreamResponse(
+                call_id=request.call_id, error_code=code.name, error_message=message
+            )
+        return executor_pb2.DispatchStreamResponse(call_id=request.call_id, reply=reply)
+
+    def end_streams(self) -> None:
+        """The node stops: every open DispatchStream answers what it read and ends."""
+        self._is_ending_streams.set()
 
     @handle_errors
     async def Cancel(

@@ -336,6 +336,61 @@ async def test_dispatch_many_takes_each_task_as_its_own_dispatch(
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
 
 
+def _stream_call(call_id: int, *tasks: common_pb2.Task) -> executor_pb2.DispatchStreamRequest:
+    dispatches = [executor_pb2.DispatchRequest(task=t) for t in tasks]
+    return executor_pb2.DispatchStreamRequest(
+        call_id=call_id, call=executor_pb2.DispatchManyRequest(dispatches=dispatches)
+    )
+
+
+async def test_dispatch_stream_answers_each_call_by_its_id_and_a_bad_call_ends_nothing(
+    service: ExecutorService, stub: executor_pb2_grpc.ExecutorStub, store: Store
+) -> None:
+    bad = common_pb2.Task(
+        task_id="inf-bad", kind=common_pb2.TASK_KIND_INFERENCE, num_prompt_tokens=10
+    )
+    call = stub.DispatchStream()
+    await call.write(_stream_call(7, task_to_proto(make_request("inf-s1", 0.0, 10, 2)), bad))
+    await call.write(_stream_call(8))  # no dispatches
+    await call.write(_stream_call(0, task_to_proto(make_request("inf-s2", 0.0, 10, 2))))  # no id
+    await call.write(_stream_call(9, task_to_proto(make_request("inf-s3", 0.0, 10, 2))))
+    async with asyncio.timeout(WAIT_S):
+        replies = {r.call_id: r for r in [await call.read() for _ in range(4)]}
+    assert sorted(replies) == [0, 7, 8, 9]
+    assert [(r.is_accepted, r.error_code) for r in replies[7].reply.results] == [
+        (True, ""),
+        (False, "INVALID_ARGUMENT"),
+    ]
+    assert replies[8].error_code == "INVALID_ARGUMENT" and "empty" in replies[8].error_message
+    assert replies[0].error_code == "INVALID_ARGUMENT" and "call_id" in replies[0].error_message
+    assert [r.is_accepted for r in replies[9].reply.results] == [True]
+    for task_id in ("inf-s1", "inf-s3"):
+        assert (await read_until_end(store, task_id))[-1]["status"] == "completed"
+    assert await store.read_output("inf-s2", "0-0", block_ms=None) == []  # never taken
+    await call.done_writing()  # the caller closes its side: the stream ends cleanly
+    async with asyncio.timeout(WAIT_S):
+        assert await call.read() is grpc.aio.EOF
+    assert await call.code() is grpc.StatusCode.OK
+
+
+async def test_open_dispatch_streams_end_when_the_node_stops(
+    make_config: Callable[..., ExecutorConfig],
+) -> None:
+    # A held-open stream would otherwise be cut (CANCELLED) only once the
+    # server's stop grace ran out; the node ends it itself, answered.
+    svc = ExecutorService(make_config())
+    await svc.start()
+    async with channel(svc.address) as ch:
+        call = executor_pb2_grpc.ExecutorStub(ch).DispatchStream()
+        await call.write(_stream_call(1, task_to_proto(make_request("inf-o", 0.0, 10, 2))))
+        async with asyncio.timeout(WAIT_S):
+            assert (await call.read()).reply.results[0].is_accepted
+        await svc.stop(grace_s=0.5)
+        async with asyncio.timeout(WAIT_S):
+            assert await call.read() is grpc.aio.EOF
+        assert await call.code() is grpc.StatusCode.OK
+
+
 async def test_dispatch_while_stopping_is_unavailable(
     service: ExecutorService, stub: executor_pb2_grpc.ExecutorStub
 ) -> None:

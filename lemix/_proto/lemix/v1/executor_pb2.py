@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from lemix._proto.lemix.v1 import common_pb2 as lemix_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17lemix/v1/executor.proto\x12\x08lemix.v1\x1a\x15lemix/v1/common.proto\"^\n\x0f\x44ispatchRequest\x12\x1c\n\x04task\x18\x01 \x01(\x0b\x32\x0e.lemix.v1.Task\x12\x1c\n\x14predicted_response_s\x18\x02 \x01(\x01\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x04\"F\n\x10\x44ispatchResponse\x12\x13\n\x0bis_accepted\x18\x01 \x01(\x08\x12\x1d\n\x15is_placement_recorded\x18\x02 \x01(\x08\"D\n\x13\x44ispatchManyRequest\x12-\n\ndispatches\x18\x01 \x03(\x0b\x32\x19.lemix.v1.DispatchRequest\"o\n\x0e\x44ispatchResult\x12\x13\n\x0bis_accepted\x18\x01 \x01(\x08\x12\x12\n\nerror_code\x18\x02 \x01(\t\x12\x15\n\rerror_message\x18\x03 \x01(\t\x12\x1d\n\x15is_placement_recorded\x18\x04 \x01(\x08\"A\n\x14\x44ispatchManyResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.lemix.v1.DispatchResult\"\x15\n\x13GetNodeStateRequest\"\xf1\x01\n\x12SyncWeightsRequest\x12\x39\n\tdirection\x18\x01 \x01(\x0e\x32&.lemix.v1.SyncWeightsRequest.Direction\x12\x10\n\x08location\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x04\x12\x0f\n\x07sources\x18\x04 \x03(\t\"e\n\tDirection\x12\x19\n\x15\x44IRECTION_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44IRECTION_SAVE\x10\x01\x12\x12\n\x0e\x44IRECTION_LOAD\x10\x02\x12\x15\n\x11\x44IRECTION_AVERAGE\x10\x03\"<\n\x13SyncWeightsResponse\x12\x12\n\nduration_s\x18\x01 \x01(\x01\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\"\x80\x02\n\x0eMeasureRequest\x12-\n\x05phase\x18\x01 \x01(\x0e\x32\x1e.lemix.v1.MeasureRequest.Phase\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x1a\n\x12sum_context_tokens\x18\x05 \x01(\x04\x12\x13\n\x0bnum_repeats\x18\x06 \x01(\r\"W\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x11\n\rPHASE_FORWARD\x10\x01\x12\x12\n\x0ePHASE_BACKWARD\x10\x02\x12\x10\n\x0cPHASE_DECODE\x10\x03\"?\n\x0fMeasureResponse\x12\x11\n\tlatency_s\x18\x01 \x03(\x01\x12\x19\n\x11peak_memory_bytes\x18\x02 \x01(\x04\x32\xa9\x03\n\x08\x45xecutor\x12\x41\n\x08\x44ispatch\x12\x19.lemix.v1.DispatchRequest\x1a\x1a.lemix.v1.DispatchResponse\x12M\n\x0c\x44ispatchMany\x12\x1d.lemix.v1.DispatchManyRequest\x1a\x1e.lemix.v1.DispatchManyResponse\x12;\n\x06\x43\x61ncel\x12\x17.lemix.v1.CancelRequest\x1a\x18.lemix.v1.CancelResponse\x12\x42\n\x0cGetNodeState\x12\x1d.lemix.v1.GetNodeStateRequest\x1a\x13.lemix.v1.NodeState\x12J\n\x0bSyncWeights\x12\x1c.lemix.v1.SyncWeightsRequest\x1a\x1d.lemix.v1.SyncWeightsResponse\x12>\n\x07Measure\x12\x18.lemix.v1.MeasureRequest\x1a\x19.lemix.v1.MeasureResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17lemix/v1/executor.proto\x12\x08lemix.v1\x1a\x15lemix/v1/common.proto\"^\n\x0f\x44ispatchRequest\x12\x1c\n\x04task\x18\x01 \x01(\x0b\x32\x0e.lemix.v1.Task\x12\x1c\n\x14predicted_response_s\x18\x02 \x01(\x01\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x04\"F\n\x10\x44ispatchResponse\x12\x13\n\x0bis_accepted\x18\x01 \x01(\x08\x12\x1d\n\x15is_placement_recorded\x18\x02 \x01(\x08\"D\n\x13\x44ispatchManyRequest\x12-\n\ndispatches\x18\x01 \x03(\x0b\x32\x19.lemix.v1.DispatchRequest\"o\n\x0e\x44ispatchResult\x12\x13\n\x0bis_accepted\x18\x01 \x01(\x08\x12\x12\n\nerror_code\x18\x02 \x01(\t\x12\x15\n\rerror_message\x18\x03 \x01(\t\x12\x1d\n\x15is_placement_recorded\x18\x04 \x01(\x08\"A\n\x14\x44ispatchManyResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.lemix.v1.DispatchResult\"U\n\x15\x44ispatchStreamRequest\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12+\n\x04\x63\x61ll\x18\x02 \x01(\x0b\x32\x1d.lemix.v1.DispatchManyRequest\"\x83\x01\n\x16\x44ispatchStreamResponse\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12-\n\x05reply\x18\x02 \x01(\x0b\x32\x1e.lemix.v1.DispatchManyResponse\x12\x12\n\nerror_code\x18\x03 \x01(\t\x12\x15\n\rerror_message\x18\x04 \x01(\t\"\x15\n\x13GetNodeStateRequest\"\xf1\x01\n\x12SyncWeightsRequest\x12\x39\n\tdirection\x18\x01 \x01(\x0e\x32&.lemix.v1.SyncWeightsRequest.Direction\x12\x10\n\x08location\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x04\x12\x0f\n\x07sources\x18\x04 \x03(\t\"e\n\tDirection\x12\x19\n\x15\x44IRECTION_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44IRECTION_SAVE\x10\x01\x12\x12\n\x0e\x44IRECTION_LOAD\x10\x02\x12\x15\n\x11\x44IRECTION_AVERAGE\x10\x03\"<\n\x13SyncWeightsResponse\x12\x12\n\nduration_s\x18\x01 \x01(\x01\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\"\x80\x02\n\x0eMeasureRequest\x12-\n\x05phase\x18\x01 \x01(\x0e\x32\x1e.lemix.v1.MeasureRequest.Phase\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x1a\n\x12sum_context_tokens\x18\x05 \x01(\x04\x12\x13\n\x0bnum_repeats\x18\x06 \x01(\r\"W\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x11\n\rPHASE_FORWARD\x10\x01\x12\x12\n\x0ePHASE_BACKWARD\x10\x02\x12\x10\n\x0cPHASE_DECODE\x10\x03\"?\n\x0fMeasureResponse\x12\x11\n\tlatency_s\x18\x01 \x03(\x01\x12\x19\n\x11peak_memory_bytes\x18\x02 \x01(\x04\x32\x82\x04\n\x08\x45xecutor\x12\x41\n\x08\x44ispatch\x12\x19.lemix.v1.DispatchRequest\x1a\x1a.lemix.v1.DispatchResponse\x12M\n\x0c\x44ispatchMany\x12\x1d.lemix.v1.DispatchManyRequest\x1a\x1e.lemix.v1.DispatchManyResponse\x12W\n\x0e\x44ispatchStream\x12\x1f.lemix.v1.DispatchStreamRequest\x1a .lemix.v1.DispatchStreamResponse(\x01\x30\x01\x12;\n\x06\x43\x61ncel\x12\x17.lemix.v1.CancelRequest\x1a\x18.lemix.v1.CancelResponse\x12\x42\n\x0cGetNodeState\x12\x1d.lemix.v1.GetNodeStateRequest\x1a\x13.lemix.v1.NodeState\x12J\n\x0bSyncWeights\x12\x1c.lemix.v1.SyncWeightsRequest\x1a\x1d.lemix.v1.SyncWeightsResponse\x12>\n\x07Measure\x12\x18.lemix.v1.MeasureRequest\x1a\x19.lemix.v1.MeasureResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,20 +42,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DISPATCHRESULT']._serialized_end=409
   _globals['_DISPATCHMANYRESPONSE']._serialized_start=411
   _globals['_DISPATCHMANYRESPONSE']._serialized_end=476
-  _globals['_GETNODESTATEREQUEST']._serialized_start=478
-  _globals['_GETNODESTATEREQUEST']._serialized_end=499
-  _globals['_SYNCWEIGHTSREQUEST']._serialized_start=502
-  _globals['_SYNCWEIGHTSREQUEST']._serialized_end=743
-  _globals['_SYNCWEIGHTSREQUEST_DIRECTION']._serialized_start=642
-  _globals['_SYNCWEIGHTSREQUEST_DIRECTION']._serialized_end=743
-  _globals['_SYNCWEIGHTSRESPONSE']._serialized_start=745
-  _globals['_SYNCWEIGHTSRESPONSE']._serialized_end=805
-  _globals['_MEASUREREQUEST']._serialized_start=808
-  _globals['_MEASUREREQUEST']._serialized_end=1064
-  _globals['_MEASUREREQUEST_PHASE']._serialized_start=977
-  _globals['_MEASUREREQUEST_PHASE']._serialized_end=1064
-  _globals['_MEASURERESPONSE']._serialized_start=1066
-  _globals['_MEASURERESPONSE']._serialized_end=1129
-  _globals['_EXECUTOR']._serialized_start=1132
-  _globals['_EXECUTOR']._serialized_end=1557
+  _globals['_DISPATCHSTREAMREQUEST']._serialized_start=478
+  _globals['_DISPATCHSTREAMREQUEST']._serialized_end=563
+  _globals['_DISPATCHSTREAMRESPONSE']._serialized_start=566
+  _globals['_DISPATCHSTREAMRESPONSE']._serialized_end=697
+  _globals['_GETNODESTATEREQUEST']._serialized_start=699
+  _globals['_GETNODESTATEREQUEST']._serialized_end=720
+  _globals['_SYNCWEIGHTSREQUEST']._serialized_start=723
+  _globals['_SYNCWEIGHTSREQUEST']._serialized_end=964
+  _globals['_SYNCWEIGHTSREQUEST_DIRECTION']._serialized_start=863
+  _globals['_SYNCWEIGHTSREQUEST_DIRECTION']._serialized_end=964
+  _globals['_SYNCWEIGHTSRESPONSE']._serialized_start=966
+  _globals['_SYNCWEIGHTSRESPONSE']._serialized_end=1026
+  _globals['_MEASUREREQUEST']._serialized_start=1029
+  _globals['_MEASUREREQUEST']._serialized_end=1285
+  _globals['_MEASUREREQUEST_PHASE']._serialized_start=1198
+  _globals['_MEASUREREQUEST_PHASE']._serialized_end=1285
+  _globals['_MEASURERESPONSE']._serialized_start=1287
+  _globals['_MEASURERESPONSE']._serialized_end=1350
+  _globals['_EXECUTOR']._serialized_start=1353
+  _globals['_EXECUTOR']._serialized_end=1867
 # @@protoc_insertion_point(module_scope)

@@ -50,6 +50,26 @@ class DispatchManyResponse(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[DispatchResult]
     def __init__(self, results: _Optional[_Iterable[_Union[DispatchResult, _Mapping]]] = ...) -> None: ...
 
+class DispatchStreamRequest(_message.Message):
+    __slots__ = ("call_id", "call")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    call: DispatchManyRequest
+    def __init__(self, call_id: _Optional[int] = ..., call: _Optional[_Union[DispatchManyRequest, _Mapping]] = ...) -> None: ...
+
+class DispatchStreamResponse(_message.Message):
+    __slots__ = ("call_id", "reply", "error_code", "error_message")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    reply: DispatchManyResponse
+    error_code: str
+    error_message: str
+    def __init__(self, call_id: _Optional[int] = ..., reply: _Optional[_Union[DispatchManyResponse, _Mapping]] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ...) -> None: ...
+
 class GetNodeStateRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -45,6 +45,11 @@ class ExecutorStub:
                 request_serializer=lemix_dot_v1_dot_executor__pb2.DispatchManyRequest.SerializeToString,
                 response_deserializer=lemix_dot_v1_dot_executor__pb2.DispatchManyResponse.FromString,
                 _registered_method=True)
+        self.DispatchStream = channel.stream_stream(
+                '/lemix.v1.Executor/DispatchStream',
+                request_serializer=lemix_dot_v1_dot_executor__pb2.DispatchStreamRequest.SerializeToString,
+                response_deserializer=lemix_dot_v1_dot_executor__pb2.DispatchStreamResponse.FromString,
+                _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/lemix.v1.Executor/Cancel',
                 request_serializer=lemix_dot_v1_dot_common__pb2.CancelRequest.SerializeToString,
@@ -88,6 +93,21 @@ class ExecutorServicer:
         is handled as its own Dispatch: a refused task has its status in its
         result and does not fail the others (a node shutting down answers each
         one UNAVAILABLE). Errors of the call itself: INVALID_ARGUMENT (no dispatches).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DispatchStream(self, request_iterator, context):
+        """DispatchMany calls over one long-lived stream (the scheduler keeps one
+        per node: a message on an open stream costs the two ends about half the
+        CPU of a call of its own, docs/control-plane.md). Each request is one
+        DispatchMany, answered by one response carrying its call_id; calls are
+        handled as they arrive, concurrently, and answered as each finishes (not
+        necessarily in order). A call's own error (INVALID_ARGUMENT: no call_id
+        or no dispatches) is in its response and does not end the stream; the
+        stream ends when the caller closes it, the node stops or the connection
+        fails, and a call unanswered by then may or may not have been taken.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -139,6 +159,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.DispatchMany,
                     request_deserializer=lemix_dot_v1_dot_executor__pb2.DispatchManyRequest.FromString,
                     response_serializer=lemix_dot_v1_dot_executor__pb2.DispatchManyResponse.SerializeToString,
+            ),
+            'DispatchStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DispatchStream,
+                    request_deserializer=lemix_dot_v1_dot_executor__pb2.DispatchStreamRequest.FromString,
+                    response_serializer=lemix_dot_v1_dot_executor__pb2.DispatchStreamResponse.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
@@ -215,6 +240,33 @@ class Executor:
             '/lemix.v1.Executor/DispatchMany',
             lemix_dot_v1_dot_executor__pb2.DispatchManyRequest.SerializeToString,
             lemix_dot_v1_dot_executor__pb2.DispatchManyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DispatchStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/lemix.v1.Executor/DispatchStream',
+            lemix_dot_v1_dot_executor__pb2.DispatchStreamRequest.SerializeToString,
+            lemix_dot_v1_dot_executor__pb2.DispatchStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
