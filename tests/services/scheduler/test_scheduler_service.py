@@ -68,7 +68,13 @@ TIMEOUT_S = 5.0
 
 
 class FakeExecutor(executor_pb2_grpc.ExecutorServicer):
-    """Records Dispatch/Cancel/SyncWeights; accepts everything."""
+    """Records Dispatch/Cancel/SyncWeights; accepts everything.
+
+    It knows neither DispatchStream nor DispatchMany, like an executor older
+    than both: the scheduler falls back to one Dispatch per task, so the
+    variants below need to override `Dispatch` alone. The stream itself is
+    tested in test_dispatcher.py and, with real executors, by tests/faults
+    and tests/e2e."""
 
     def __init__(self) -> None:
         self.dispatched: list[executor_pb2.DispatchRequest] = []
