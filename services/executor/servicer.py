@@ -104,8 +104,13 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
         async def answer(request: executor_pb2.DispatchStreamRequest) -> None:
             reply = await self._stream_call(request)
-            async with writing:
-                await context.write(reply)
+            try:
+                async with writing:
+                    await context.write(reply)
+            except Exception as exc:  # the stream is gone: its caller counts the call unanswered
+                log.info(
+                    "executor.dispatch_stream_write_failed", error=f"{type(exc).__name__}: {exc}"
+                )
 
         async def read() -> None:
             async for request in requests:
