@@ -186,8 +186,9 @@ class NodeEngine:
     ) -> tuple[bool, list[StageStart], list[Outcome]]:
         """Cancel an inference request (client gone); frees its memory.
 
-        A request of a micro-batch whose iteration is in flight is dropped when
-        that iteration ends (its stage work cannot be taken back). Training
+        A request of a micro-batch whose iteration is in flight, or with a
+        prefill chunk in another group's iteration, is dropped when that
+        iteration ends (its stage work cannot be taken back). Training
         already running cannot be cancelled (False); training still waiting can.
         """
         outcomes: list[Outcome] = []
@@ -206,7 +207,7 @@ class NodeEngine:
         for batch in self.micro_batches:
             for req in batch.running:
                 if req.task.task_id == task_id:
-                    if batch.is_in_flight:
+                    if batch.is_in_flight or req.has_chunk_in_flight:
                         req.is_cancelled = True
                         req.cancel_reason = reason
                         return True, [], outcomes

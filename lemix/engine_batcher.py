@@ -102,12 +102,16 @@ class RequestBatcher:
         )
         budget = self.config.prefill_token_budget
         decode = [r for r in batch.running if r.is_prefilled]
-        partial = [r for r in batch.running if not r.is_prefilled]
+        # (A cancelled or failed prompt stays only while a chunk of it is in
+        # another group's iteration: it gets no more chunks.)
+        partial = [r for r in batch.running if not (r.is_prefilled or r.is_cancelled or r.failure)]
         prefill_budget = None if budget is None else max(budget - len(decode), 0)
         fit = None
         if budget is not None:
             fit = functools.partial(fit_prefill_chunk, self.profile.ours, self.num_stages)
-        chunks, num_used = take_chunks(partial, prefill_budget, fit)
+        # Its own prompts first, then the next chunks of the other groups'
+        # (pipelined chunks, `lemix.engine_groups`).
+        chunks, num_used = take_chunks(partial + self._others_prompts(batch), prefill_budget, fit)
         if prefill_budget is not None:
             prefill_budget -= num_used
         if self.swapped:
@@ -138,6 +142,19 @@ class RequestBatcher:
             tuple((c.start, c.num_tokens) for c in chunks),
         )
         return iteration, durations
+
+    def _others_prompts(self, batch: MicroBatch) -> list[Request]:
+        """The other groups' requests with prompt chunks still to run, in
+        group order (each group's in the order they joined)."""
+        return [
+            req
+            for other in self.micro_batches
+            if other is not batch
+            for req in other.running
+            if not req.is_prefilled
+            and req.has_chunks_to_issue
+            and not (req.is_cancelled or req.failure)
+        ]
 
     def _join_candidates(
         self, batch: MicroBatch, now_s: float, prefill_budget: int | None
@@ -214,21 +231,31 @@ class RequestBatcher:
                     tuple(r.task.task_id for r in emitted), tuple(r.num_generated for r in emitted)
                 )
             )
-        still = []
-        for req in batch.running:
-            if req.is_cancelled or req.failure:
-                self.memory.release(req.task.task_id)
-                reason = (
-                    req.failure
-                    or req.cancel_reason
-                    or format_reason(ReasonCode.CANCELLED, "cancelled by the client")
-                )
-                outcomes.append(Failed(req.task.task_id, reason))
-            elif req.is_prefilled and (
-                req.is_stopped or req.num_generated >= req.task.max_output_tokens
-            ):
-                self.memory.release(req.task.task_id)
-                outcomes.append(Finished(req.task.task_id, req.num_generated))
-            else:
-                still.append(req)
-        batch.running = still
+        batch.running = [req for req in batch.running if not self._end_if_done(req, outcomes)]
+        # Another group's request whose chunk this iteration carried: it ends
+        # here if it is done and its own group is between iterations (else
+        # that group's iteration ends it when it comes back).
+        for req in iteration.prefill:
+            home = self.micro_batches[req.micro_batch]
+            if home is not batch and not home.is_in_flight and self._end_if_done(req, outcomes):
+                home.running.remove(req)
+
+    def _end_if_done(self, req: Request, outcomes: list[Outcome]) -> bool:
+        """End `req` if it is cancelled, failed or finished and no chunk of it
+        is still in flight: release its KV, note its outcome; True if it ended."""
+        if req.has_chunk_in_flight:
+            return False
+        if req.is_cancelled or req.failure:
+            self.memory.release(req.task.task_id)
+            reason = (
+                req.failure
+                or req.cancel_reason
+                or format_reason(ReasonCode.CANCELLED, "cancelled by the client")
+            )
+            outcomes.append(Failed(req.task.task_id, reason))
+            return True
+        if req.is_prefilled and (req.is_stopped or req.num_generated >= req.task.max_output_tokens):
+            self.memory.release(req.task.task_id)
+            outcomes.append(Finished(req.task.task_id, req.num_generated))
+            return True
+        return False

@@ -148,12 +148,15 @@ class MemoryWaits:
         until `need` fits; whether it fits.
 
         Called only for micro-batches between iterations, when none of their KV
-        is in use. Does nothing when even offloading all of their requests would
-        not make room."""
-        if not self.can_make_room(need, batches):
+        is in use but that of a prompt whose chunk rides another group's
+        iteration (`Request.has_chunk_in_flight`), which stays. Does nothing
+        when even offloading all the others would not make room."""
+        if not self.can_make_room(need, batches, is_in_use_kept=True):
             return False
         by_index = {batch.index: batch for batch in batches}
-        candidates = [req for batch in batches for req in batch.running]
+        candidates = [
+            req for batch in batches for req in batch.running if not req.has_chunk_in_flight
+        ]
         for req in sorted(candidates, key=lambda r: -r.task.seq):
             if self.memory.can_admit(need):
                 break
@@ -166,11 +169,16 @@ class MemoryWaits:
             self.num_offloads += 1
         return self.memory.can_admit(need)
 
-    def can_make_room(self, need: tuple[int, ...], batches: Sequence[MicroBatch]) -> bool:
-        """Whether offloading every running request of `batches` would fit `need`."""
+    def can_make_room(
+        self, need: tuple[int, ...], batches: Sequence[MicroBatch], *, is_in_use_kept: bool = False
+    ) -> bool:
+        """Whether offloading every running request of `batches` would fit
+        `need` (with `is_in_use_kept`, every one but those with a chunk in flight)."""
         running_bytes = [0] * self._num_stages
         for batch in batches:
             for req in batch.running:
+                if is_in_use_kept and req.has_chunk_in_flight:
+                    continue
                 for stage, nbytes in enumerate(self.memory.held_bytes(req.task.task_id)):
                     running_bytes[stage] += nbytes
         return not any(

@@ -143,7 +143,8 @@ class VectorBounds:
             delay = col[_JOIN]
             budget = estimator.prefill_token_budget
             if budget is not None and task.num_prompt_tokens > budget:
-                delay = delay + (-(-task.num_prompt_tokens // budget) - 1) * col[_PERIOD]
+                num_chunks = -(-task.num_prompt_tokens // budget)
+                delay = delay + (num_chunks - 1) * col[_PERIOD] / estimator.num_micro_batches
             tbt = self._tbt_after_join_s(task, col, num_stages)
         else:
             forward = [forward_task[s] + half_step[s] for s in range(num_stages)]

@@ -15,7 +15,8 @@ Two estimators share one interface:
   stages in turn, so a stage is busy M × step(n/M) per round and a request
   waits for the slower of its group's pass through the stages and the busiest
   stage's round; a chunked prompt of P tokens takes ceil(P/B) iterations
-  before its first token; and a training item holds a stage at most one slice,
+  before its first token, one every period / M (its chunks ride whichever
+  group forms next); and a training item holds a stage at most one slice,
   so that is what an inference iteration waits behind.
 """
 
@@ -325,8 +326,11 @@ class DecodeAwareCostEstimator:
             delay_s = batch.join_delay_s
             budget = self.prefill_token_budget
             if budget is not None and task.num_prompt_tokens > budget:
-                # The chunks before the last ride one iteration each.
-                delay_s += (-(-task.num_prompt_tokens // budget) - 1) * batch.period_s
+                # The chunks before the last ride one iteration each, of
+                # whichever of the M groups forms next (pipelined chunks):
+                # one every period / M.
+                num_chunks = -(-task.num_prompt_tokens // budget)
+                delay_s += (num_chunks - 1) * batch.period_s / self.num_micro_batches
             return TaskCosts(
                 tuple(map(add, forward_s, batch.step_s)),
                 (),

@@ -638,3 +638,104 @@ def test_training_that_cannot_fit_even_after_offload_is_requeued_while_groups_ru
         (approx(0.6), Requeued("t", "no activation memory even after KV offload"))
     ]
     assert driver.of(Finished, "r0")[0][0] > 0.6
+
+
+# ------------------------------------------------------------ pipelined chunks
+
+
+def _chunk_iterations(
+    driver: EngineDriver, task_id: str, stage: int
+) -> list[tuple[float, StageStart]]:
+    return [
+        (t, s)
+        for t, s in iterations(driver, stage)
+        if any(r.task.task_id == task_id for r in s.work.prefill)  # type: ignore[attr-defined]
+    ]
+
+
+def test_a_long_prompts_chunks_flow_through_the_pipeline_in_both_groups() -> None:
+    # forward 0.01 + 0.001·ℓ per stage, budget 64: chunks of 64, 64, 64, 8
+    # (0.074, 0.074, 0.074, 0.018 s a stage). Alone in one group they run one
+    # after another through both stages: first token at 2 × 0.24 = 0.48 s.
+    # Riding both groups, chunk k+1 runs on stage 0 while chunk k is on
+    # stage 1: stage 0 is busy 0-0.148 (chunks 0, 1), 0.148-0.222 (chunk 2,
+    # formed when chunk 0 came back), 0.222-0.240 (chunk 3, when chunk 1
+    # did); stage 1 runs them in order and ends chunk 3 at 0.296 + 0.018.
+    profile = make_profile(forward_a_s=0.01)
+    engine = make_engine(profile, num_micro_batches=2, prefill_token_budget=64)
+    driver = EngineDriver(engine)
+    driver.add(make_request("r", 0.0, 200, 1))
+    driver.run()
+    on_0 = _chunk_iterations(driver, "r", 0)
+    on_1 = _chunk_iterations(driver, "r", 1)
+    spans = [s.work.prefill_spans for _, s in on_0]  # type: ignore[attr-defined]
+    assert spans == [((0, 64),), ((64, 64),), ((128, 64),), ((192, 8),)]
+    groups = [s.work.micro_batch for _, s in on_0]  # type: ignore[attr-defined]
+    assert groups == [0, 1, 0, 1]
+    # Each stage runs the chunks in the order they were formed...
+    assert [s.work.prefill_spans for _, s in on_1] == spans  # type: ignore[attr-defined]
+    # ...and chunk k+1 starts on stage 0 before chunk k has left stage 1.
+    for (start_next, _), (start_1, s_1) in zip(on_0[1:], on_1, strict=False):
+        assert start_next < start_1 + s_1.duration_s
+    assert [t for t, _ in on_0] == approx([0.0, 0.074, 0.148, 0.222])
+    assert driver.of(FirstToken) == [(approx(0.314), FirstToken("r", 0))]
+    # One token asked for, one made: it ends with that chunk, no decode step.
+    assert driver.of(Finished) == [(approx(0.314), Finished("r", 1))]
+    assert len(iterations(driver)) == 4 and engine.is_idle
+    assert engine.memory.used_bytes(0) == 1_000
+
+
+def test_cancel_while_a_chunk_rides_the_other_group_ends_it_once_that_chunk_is_back() -> None:
+    profile = make_profile(forward_a_s=0.01)
+    engine = make_engine(profile, num_micro_batches=2, prefill_token_budget=64)
+    driver = EngineDriver(engine)
+    driver.add(make_request("r", 0.0, 200, 5))
+    driver.run(until_s=0.1)  # chunk 0 (group 0) on stage 1, chunk 1 (group 1) on stage 0
+    assert engine.cancel("r", driver.now_s)[0]
+    driver.run()
+    # Group 0's iteration comes back at 0.148 with chunk 1 still out: r waits,
+    # takes no more chunks, and ends when group 1's iteration is back.
+    assert driver.of(Failed) == [(approx(0.222), Failed("r", "CANCELLED: cancelled by the client"))]
+    assert driver.of(FirstToken) == [] and driver.of(Finished) == []
+    assert len(iterations(driver)) == 2 and engine.is_idle
+    assert engine.memory.used_bytes(0) == 1_000
+
+
+def test_a_prompt_with_a_chunk_out_in_the_other_group_is_not_offloaded() -> None:
+    # At 0.30 group 0 is back and idle (r's last chunk rides group 1 until
+    # 0.314): r's KV is in use by that chunk, so offloading must not take it,
+    # even for a need that only offloading r would make room for.
+    profile = make_profile(forward_a_s=0.01)
+    engine = make_engine(profile, num_micro_batches=2, prefill_token_budget=64)
+    driver = EngineDriver(engine)
+    driver.add(make_request("r", 0.0, 200, 5))
+    driver.run(until_s=0.30)
+    home = engine.micro_batches[0]
+    (req,) = home.running
+    assert not home.is_in_flight and req.has_chunk_in_flight
+    memory = engine.memory
+    held = memory.held_bytes("r")
+    need = tuple(
+        memory.threshold_bytes - memory.used_bytes(s) + held[s] for s in range(engine.num_stages)
+    )
+    assert not memory.can_admit(need)
+    assert not engine.batcher.memory_waits.offload_for(need, [home])
+    assert memory.held_bytes("r") == held and not engine.swapped
+    driver.run()
+    assert driver.of(FirstToken) and [o for _, o in driver.of(Finished)] == [Finished("r", 5)]
+
+
+def test_cancel_with_its_group_idle_but_a_chunk_out_waits_for_that_chunk() -> None:
+    # At 0.30 r's group is idle and its last chunk rides group 1 until 0.314:
+    # the cancel cannot free KV that chunk uses, so r ends when it is back.
+    profile = make_profile(forward_a_s=0.01)
+    engine = make_engine(profile, num_micro_batches=2, prefill_token_budget=64)
+    driver = EngineDriver(engine)
+    driver.add(make_request("r", 0.0, 200, 5))
+    driver.run(until_s=0.30)
+    assert engine.cancel("r", driver.now_s)[0]
+    assert engine.memory.held_bytes("r") != (0, 0)
+    driver.run()
+    assert driver.of(Failed) == [(approx(0.314), Failed("r", "CANCELLED: cancelled by the client"))]
+    assert driver.of(Finished) == [] and engine.is_idle
+    assert engine.memory.used_bytes(0) == 1_000
