@@ -13,6 +13,7 @@ is reserved when a request joins and released when it ends; waits for it are
 from __future__ import annotations
 
 import functools
+import math
 from collections import deque
 from itertools import islice
 
@@ -21,6 +22,7 @@ from lemix.engine_config import EngineConfig
 from lemix.engine_groups import (
     Iteration,
     MicroBatch,
+    PrefillChunk,
     Request,
     fit_prefill_chunk,
     iteration_durations,
@@ -109,9 +111,7 @@ class RequestBatcher:
         fit = None
         if budget is not None:
             fit = functools.partial(fit_prefill_chunk, self.profile.ours, self.num_stages)
-        # Its own prompts first, then the next chunks of the other groups'
-        # (pipelined chunks, `lemix.engine_groups`).
-        chunks, num_used = take_chunks(partial + self._others_prompts(batch), prefill_budget, fit)
+        chunks, num_used = take_chunks(partial, prefill_budget, fit)
         if prefill_budget is not None:
             prefill_budget -= num_used
         if self.swapped:
@@ -128,13 +128,18 @@ class RequestBatcher:
             self.shed_overdue_requests(now_s, outcomes)
         for req in joined:
             req.micro_batch = batch.index
-        chunks += take_chunks(joined, prefill_budget, fit)[0]
+        joined_chunks, num_used = take_chunks(joined, prefill_budget, fit)
+        chunks += joined_chunks
+        if prefill_budget is not None:
+            prefill_budget -= num_used
+        chunks += self._borrowed_chunks(batch, chunks, decode, prefill_budget)
         if not chunks and not decode:
             return None
         reload_s = self.memory_waits.take_reload_s()  # owed once, by this iteration
         durations = iteration_durations(self.truth, self.num_stages, chunks, decode, reload_s)
         batch.running = decode + partial + joined
         batch.is_in_flight = True
+        batch.planned_s = self._planned_s(chunks, decode)
         iteration = Iteration(
             [c.request for c in chunks],
             decode,
@@ -142,6 +147,51 @@ class RequestBatcher:
             tuple((c.start, c.num_tokens) for c in chunks),
         )
         return iteration, durations
+
+    def _planned_s(self, chunks: list[PrefillChunk], decode: list[Request]) -> float:
+        """An iteration's time on its slowest stage, by the profile's model."""
+        return max(iteration_durations(self.profile.ours, self.num_stages, chunks, decode, 0.0))
+
+    def _borrowed_chunks(
+        self,
+        batch: MicroBatch,
+        chunks: list[PrefillChunk],
+        decode: list[Request],
+        prefill_budget: int | None,
+    ) -> list[PrefillChunk]:
+        """Pipelined chunks (`lemix.engine_groups`): the next chunks of other
+        groups' prompts whose last chunk is in flight, within the budget left,
+        while this iteration stays no longer than the longest one in flight.
+
+        The groups' iterations follow each other on every stage, so the
+        pipeline turns at the pace of the longest: up to that length this
+        iteration's extra work fills time its stages would otherwise idle,
+        and no running request waits longer between tokens for it."""
+        limit_s = max(
+            (b.planned_s for b in self.micro_batches if b is not batch and b.is_in_flight),
+            default=0.0,
+        )
+        left = math.inf if prefill_budget is None else prefill_budget
+        borrowed: list[PrefillChunk] = []
+        for req in self._others_prompts(batch):
+            if left < 1:
+                break
+            most = int(min(req.task.num_prompt_tokens - req.num_issued, left))
+
+            def fits(n: int, req: Request = req) -> bool:
+                chunk = PrefillChunk(req, req.num_issued, n)
+                return self._planned_s([*chunks, *borrowed, chunk], decode) <= limit_s
+
+            if not fits(1):
+                break
+            lo, hi = 1, most  # the most tokens that keep it within the limit
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+            borrowed.append(PrefillChunk(req, req.num_issued, lo))
+            req.num_issued += lo
+            left -= lo
+        return borrowed
 
     def _others_prompts(self, batch: MicroBatch) -> list[Request]:
         """The other groups' requests with prompt chunks still to run, in

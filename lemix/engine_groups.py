@@ -156,6 +156,9 @@ class MicroBatch:
     running: list[Request] = field(default_factory=list)
     is_in_flight: bool = False
     batch_start_s: float = 0.0  # T_start of its join window
+    # The iteration in flight's time on its slowest stage, by the profile's
+    # model (what other groups' iterations may grow to: pipelined chunks).
+    planned_s: float = 0.0
 
     @property
     def load_tokens(self) -> int:

@@ -48,6 +48,7 @@ class _Spy:
     def __init__(self, backend: TorchBackend) -> None:
         self.micro_batches: set[int] = set()
         self.spans: list[tuple[int, int]] = []
+        self.chunk_groups: dict[str, set[int]] = {}  # request -> groups its chunks rode
         self.in_flight: set[int] = set()
         self.max_in_flight = 0
         real = backend.execute
@@ -59,6 +60,9 @@ class _Spy:
             if start.stage == 0:
                 self.micro_batches.add(iteration.micro_batch)
                 self.spans.extend(iteration.prefill_spans)
+                for req in iteration.prefill:
+                    groups = self.chunk_groups.setdefault(req.task.task_id, set())
+                    groups.add(iteration.micro_batch)
                 self.in_flight.add(id(iteration))
                 self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
             try:
@@ -103,6 +107,8 @@ async def test_micro_batches_and_chunked_prefill_give_the_v1_outputs() -> None:
     assert v1_spy.max_in_flight == 1 and v1_spy.micro_batches == {0}
     assert spy.micro_batches == {0, 1} and spy.max_in_flight == 2
     assert max(n for _, n in spy.spans) <= 8 and any(start > 0 for start, _ in spy.spans)
+    # Pipelined chunks: some prompt's chunks rode both groups' iterations.
+    assert any(groups == {0, 1} for groups in spy.chunk_groups.values())
     for key in PROMPTS:
         assert isinstance(v2.ended[key], Finished), v2.ended[key]
         assert len(v2.ids[key]) == MAX_TOKENS
