@@ -64,17 +64,22 @@ Chunked prefill
     tokens that time is worth, so a long prompt's last chunks do not stretch
     the iteration (and its decodes' time between tokens).
 
-    Pipelined chunks (since 2026-12-03): a prompt's next chunk does not wait
+    Pipelined chunks (since 2026-12-03): a prompt's next chunk need not wait
     for the iteration carrying its previous chunk to come back through every
-    stage. Whichever group forms an iteration next takes it (after its own
-    requests' chunks), so chunk k+1 runs on stage 0 while chunk k runs on
-    stage 1. This is sound because each stage runs iterations in the order
-    they were formed: when chunk k+1 reaches a stage, chunk k's KV for that
-    stage's layers is there. A 4k-token prompt at a 512-token budget on two
-    stages gets its first token after ~9 chunk-stage times instead of ~16, and
-    a group with only decodes no longer leaves a stage idle while another
-    group's iteration carries a long chunk (docs/results.md, 2026-12-03). The
-    request ends only in its own group, once no chunk of it is in flight. A new
+    stage. A group forming an iteration takes, after its own requests' chunks
+    and joins, the next chunks of other groups' prompts, within the budget
+    left and only while its iteration stays no longer than the longest one in
+    flight: the groups' iterations follow each other on every stage, so the
+    pipeline turns at the pace of the longest, and up to that length the
+    extra chunk fills time the stages would otherwise idle (a group with only
+    decodes behind one carrying a long chunk) without making any running
+    request wait longer between tokens. Chunk k+1 then runs on stage 0 while
+    chunk k runs on stage 1. This is sound because each stage runs iterations
+    in the order they were formed: when chunk k+1 reaches a stage, chunk k's
+    KV for that stage's layers is there. A 4k-token prompt at a 512-token
+    budget on two stages gets its first token after ~9 chunk-stage times
+    instead of ~16 (docs/results.md, 2026-12-03). The request ends only in its
+    own group, once no chunk of it is in flight. A new
     request joins only if it gets at least one token this iteration, so
     nothing holds KV without making progress. If
     the decodes alone use the budget, they all still run and prefill waits. It

@@ -739,3 +739,39 @@ def test_cancel_with_its_group_idle_but_a_chunk_out_waits_for_that_chunk() -> No
     assert driver.of(Failed) == [(approx(0.314), Failed("r", "CANCELLED: cancelled by the client"))]
     assert driver.of(Finished) == [] and engine.is_idle
     assert engine.memory.used_bytes(0) == 1_000
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_borrowed_chunks_never_make_an_iteration_longer_than_one_in_flight(seed: int) -> None:
+    """An iteration that carries another group's chunk is planned no longer
+    than the longest iteration in flight when it forms (the bubble it fills),
+    so borrowing never lengthens the pipeline's turn."""
+    rng = random.Random(seed)
+    profile = make_profile(forward_a_s=0.01)
+    engine = make_engine(
+        profile, num_micro_batches=rng.choice([2, 3]), prefill_token_budget=rng.choice([48, 128])
+    )
+    batcher = engine.batcher
+    checked: list[tuple[float, float]] = []
+    form = batcher.form_iteration
+
+    def checked_form(batch, now_s, outcomes):  # type: ignore[no-untyped-def]
+        limit_s = max(
+            (b.planned_s for b in batcher.micro_batches if b is not batch and b.is_in_flight),
+            default=0.0,
+        )
+        formed = form(batch, now_s, outcomes)
+        if formed is not None:
+            iteration = formed[0]
+            if any(r.micro_batch != batch.index for r in iteration.prefill):
+                checked.append((batch.planned_s, limit_s))
+        return formed
+
+    batcher.form_iteration = checked_form  # type: ignore[method-assign]
+    driver = EngineDriver(engine)
+    for i in range(12):
+        driver.add(make_request(f"r{i}", rng.random(), rng.randint(1, 400), rng.randint(1, 20)))
+    driver.run()
+    assert checked, "no chunk was borrowed: the test shows nothing"
+    assert all(planned_s <= limit_s + 1e-12 for planned_s, limit_s in checked)
+    assert engine.is_idle
