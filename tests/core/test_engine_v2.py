@@ -653,6 +653,17 @@ def _chunk_iterations(
     ]
 
 
+def _lone_prompt_on_two_groups(num_output_tokens: int) -> tuple[NodeEngine, EngineDriver]:
+    """Request "r" (200 prompt tokens) alone on two groups at a 64-token
+    budget, forward 0.01 + 0.001·ℓ s per stage: chunks of 64, 64, 64, 8."""
+    engine = make_engine(
+        make_profile(forward_a_s=0.01), num_micro_batches=2, prefill_token_budget=64
+    )
+    driver = EngineDriver(engine)
+    driver.add(make_request("r", 0.0, 200, num_output_tokens))
+    return engine, driver
+
+
 def test_a_long_prompts_chunks_flow_through_the_pipeline_in_both_groups() -> None:
     # forward 0.01 + 0.001·ℓ per stage, budget 64: chunks of 64, 64, 64, 8
     # (0.074, 0.074, 0.074, 0.018 s a stage). Alone in one group they run one
@@ -661,10 +672,7 @@ def test_a_long_prompts_chunks_flow_through_the_pipeline_in_both_groups() -> Non
     # stage 1: stage 0 is busy 0-0.148 (chunks 0, 1), 0.148-0.222 (chunk 2,
     # formed when chunk 0 came back), 0.222-0.240 (chunk 3, when chunk 1
     # did); stage 1 runs them in order and ends chunk 3 at 0.296 + 0.018.
-    profile = make_profile(forward_a_s=0.01)
-    engine = make_engine(profile, num_micro_batches=2, prefill_token_budget=64)
-    driver = EngineDriver(engine)
-    driver.add(make_request("r", 0.0, 200, 1))
+    engine, driver = _lone_prompt_on_two_groups(num_output_tokens=1)
     driver.run()
     on_0 = _chunk_iterations(driver, "r", 0)
     on_1 = _chunk_iterations(driver, "r", 1)
@@ -686,10 +694,7 @@ def test_a_long_prompts_chunks_flow_through_the_pipeline_in_both_groups() -> Non
 
 
 def test_cancel_while_a_chunk_rides_the_other_group_ends_it_once_that_chunk_is_back() -> None:
-    profile = make_profile(forward_a_s=0.01)
-    engine = make_engine(profile, num_micro_batches=2, prefill_token_budget=64)
-    driver = EngineDriver(engine)
-    driver.add(make_request("r", 0.0, 200, 5))
+    engine, driver = _lone_prompt_on_two_groups(num_output_tokens=5)
     driver.run(until_s=0.1)  # chunk 0 (group 0) on stage 1, chunk 1 (group 1) on stage 0
     assert engine.cancel("r", driver.now_s)[0]
     driver.run()
@@ -705,10 +710,7 @@ def test_a_prompt_with_a_chunk_out_in_the_other_group_is_not_offloaded() -> None
     # At 0.30 group 0 is back and idle (r's last chunk rides group 1 until
     # 0.314): r's KV is in use by that chunk, so offloading must not take it,
     # even for a need that only offloading r would make room for.
-    profile = make_profile(forward_a_s=0.01)
-    engine = make_engine(profile, num_micro_batches=2, prefill_token_budget=64)
-    driver = EngineDriver(engine)
-    driver.add(make_request("r", 0.0, 200, 5))
+    engine, driver = _lone_prompt_on_two_groups(num_output_tokens=5)
     driver.run(until_s=0.30)
     home = engine.micro_batches[0]
     (req,) = home.running
@@ -728,10 +730,7 @@ def test_a_prompt_with_a_chunk_out_in_the_other_group_is_not_offloaded() -> None
 def test_cancel_with_its_group_idle_but_a_chunk_out_waits_for_that_chunk() -> None:
     # At 0.30 r's group is idle and its last chunk rides group 1 until 0.314:
     # the cancel cannot free KV that chunk uses, so r ends when it is back.
-    profile = make_profile(forward_a_s=0.01)
-    engine = make_engine(profile, num_micro_batches=2, prefill_token_budget=64)
-    driver = EngineDriver(engine)
-    driver.add(make_request("r", 0.0, 200, 5))
+    engine, driver = _lone_prompt_on_two_groups(num_output_tokens=5)
     driver.run(until_s=0.30)
     assert engine.cancel("r", driver.now_s)[0]
     assert engine.memory.held_bytes("r") != (0, 0)

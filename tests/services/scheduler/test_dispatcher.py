@@ -187,17 +187,26 @@ async def _dispatch(dispatcher: GrpcDispatcher, task_id: str) -> BaseException |
         return exc
 
 
-async def test_a_call_the_stream_drops_unanswered_fails_as_maybe_taken(tmp_path: Path) -> None:
-    # The executor read the call and went away before answering: the task
-    # may run there, so it must be fenced (maybe taken), not just moved.
+async def _silent_node(
+    tmp_path: Path, *, deadline_s: float
+) -> tuple[RecordingExecutor, grpc.aio.Server, int, GrpcDispatcher]:
+    """Node 0: an executor that reads stream calls and answers none (until
+    `answering` is set), and a dispatcher that knows its address."""
     executor = RecordingExecutor()
     executor.answering.clear()
     server, port = await _start(executor)
     dispatcher = GrpcDispatcher(
-        deadline_s=10.0, weight_sync_deadline_s=1.0, weight_sync_dir=str(tmp_path)
+        deadline_s=deadline_s, weight_sync_deadline_s=1.0, weight_sync_dir=str(tmp_path)
     )
+    await dispatcher.set_address(0, f"127.0.0.1:{port}")
+    return executor, server, port, dispatcher
+
+
+async def test_a_call_the_stream_drops_unanswered_fails_as_maybe_taken(tmp_path: Path) -> None:
+    # The executor read the call and went away before answering: the task
+    # may run there, so it must be fenced (maybe taken), not just moved.
+    executor, server, port, dispatcher = await _silent_node(tmp_path, deadline_s=10.0)
     try:
-        await dispatcher.set_address(0, f"127.0.0.1:{port}")
         pending = asyncio.create_task(_dispatch(dispatcher, "a"))
         await wait_until(lambda: executor.calls == [("DispatchStream", ["a"])])
         await server.stop(None)
@@ -217,14 +226,8 @@ async def test_a_call_the_stream_drops_unanswered_fails_as_maybe_taken(tmp_path:
 async def test_a_call_past_its_deadline_fails_as_maybe_taken_and_drops_the_stream(
     tmp_path: Path,
 ) -> None:
-    executor = RecordingExecutor()
-    executor.answering.clear()
-    server, port = await _start(executor)
-    dispatcher = GrpcDispatcher(
-        deadline_s=0.2, weight_sync_deadline_s=1.0, weight_sync_dir=str(tmp_path)
-    )
+    executor, server, _, dispatcher = await _silent_node(tmp_path, deadline_s=0.2)
     try:
-        await dispatcher.set_address(0, f"127.0.0.1:{port}")
         outcome = await _dispatch(dispatcher, "slow")
         assert isinstance(outcome, DispatchError) and outcome.is_maybe_taken
         assert "DEADLINE_EXCEEDED" in str(outcome)
