@@ -139,7 +139,8 @@ class RequestBatcher:
         durations = iteration_durations(self.truth, self.num_stages, chunks, decode, reload_s)
         batch.running = decode + partial + joined
         batch.is_in_flight = True
-        batch.planned_s = self._planned_s(chunks, decode)
+        if len(self.micro_batches) > 1:  # only other groups read it (`_borrowed_chunks`)
+            batch.planned_s = self._planned_s(chunks, decode)
         iteration = Iteration(
             [c.request for c in chunks],
             decode,
@@ -173,6 +174,8 @@ class RequestBatcher:
         )
         left = math.inf if prefill_budget is None else prefill_budget
         borrowed: list[PrefillChunk] = []
+        if limit_s <= 0.0 or left < 1:  # no iteration in flight, or no budget left
+            return borrowed
         for req in self._others_prompts(batch):
             if left < 1:
                 break
