@@ -101,7 +101,14 @@ class NodeEngine:
         self.memory = NodeMemory(profile.memory, config.memory)
         self.stages = StageQueues(self.num_stages, config.stage_order, config.max_training_slice_s)
         self.memory_waits = MemoryWaits(self.memory, profile, config.memory)
-        self.batcher = RequestBatcher(profile, truth, config, self.memory, self.memory_waits)
+        self.batcher = RequestBatcher(
+            profile,
+            truth,
+            config,
+            self.memory,
+            self.memory_waits,
+            has_training=lambda: bool(self._training or self._train_waiting),
+        )
         # The batcher's queue and micro-batches (the same objects), for drivers and tests.
         self.waiting = self.batcher.waiting
         self.micro_batches = self.batcher.micro_batches

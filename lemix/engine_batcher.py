@@ -15,11 +15,13 @@ from __future__ import annotations
 import functools
 import math
 from collections import deque
+from collections.abc import Callable
 from itertools import islice
 
 from lemix.batching import admit
 from lemix.engine_config import EngineConfig
 from lemix.engine_groups import (
+    DECODE_GROUP,
     Iteration,
     MicroBatch,
     PrefillChunk,
@@ -49,7 +51,10 @@ class RequestBatcher:
         config: EngineConfig,
         memory: NodeMemory,
         memory_waits: MemoryWaits,
+        has_training: Callable[[], bool] = lambda: False,
     ) -> None:
+        """`has_training`: whether the node has training in flight or waiting
+        now (decodes are gathered only then, with `is_decode_gathered`)."""
         self.profile = profile
         self.truth = truth
         self.config = config
@@ -65,6 +70,13 @@ class RequestBatcher:
         else:
             self._node_cap = cap
             self._micro_batch_cap = micro_batch_cap(cap, num_micro_batches)
+        self._can_gather = config.is_decode_gathered and num_micro_batches > 1
+        self._has_training = has_training
+
+    @property
+    def is_gathering(self) -> bool:
+        """Decodes go to `DECODE_GROUP` now (`lemix.engine_groups`)."""
+        return self._can_gather and self._has_training()
 
     @property
     def swapped(self) -> deque[Request]:
@@ -223,20 +235,26 @@ class RequestBatcher:
         head = head[: num_within_budget([r.task.num_prompt_tokens for r in head], prefill_budget)]
         if len(self.micro_batches) == 1 or not head:
             return head
+        # Gathering decodes: only the other groups take joins, balanced among them.
+        groups = self.micro_batches
+        if self.is_gathering:
+            if batch.index == DECODE_GROUP:
+                return []
+            groups = [b for b in groups if b.index != DECODE_GROUP]
         window_s = self.config.batching.join_window_s
         is_eligible = [
             len(b.running) < self._micro_batch_cap
             and (window_s is None or not b.running or b.batch_start_s + window_s > now_s)
-            for b in self.micro_batches
+            for b in groups
         ]
         num_waiting_tokens = self._admissible_prompt_tokens(num_free)
         num = num_balanced_joins(
-            batch.index,
-            [b.load_tokens for b in self.micro_batches],
+            groups.index(batch),
+            [b.load_tokens for b in groups],
             is_eligible,
             [r.task.num_prompt_tokens for r in head],
             num_waiting_tokens,
-            is_head_overdue=head[0].num_passed_over >= len(self.micro_batches),
+            is_head_overdue=head[0].num_passed_over >= len(groups),
         )
         if num == 0:
             head[0].num_passed_over += 1
@@ -292,6 +310,30 @@ class RequestBatcher:
             home = self.micro_batches[req.micro_batch]
             if home is not batch and not home.is_in_flight and self._end_if_done(req, outcomes):
                 home.running.remove(req)
+        if self.is_gathering:
+            self._gather_decodes(batch, iteration)
+
+    def _gather_decodes(self, batch: MicroBatch, iteration: Iteration) -> None:
+        """Move the prefilled requests of `batch` (which just came back) and
+        those whose last chunk `iteration` carried into `DECODE_GROUP`, while it
+        has room. None of them has a chunk in flight, so no iteration in flight
+        holds them: their home's, if in flight, was formed before they were
+        prefilled and carries none of their chunks (stages run iterations in
+        the order they were formed)."""
+        decode_group = self.micro_batches[DECODE_GROUP]
+        movable = [] if batch is decode_group else list(batch.running)
+        movable += [r for r in iteration.prefill if r.micro_batch != batch.index]
+        for req in movable:
+            if len(decode_group.running) >= self._micro_batch_cap:
+                return
+            home = self.micro_batches[req.micro_batch]
+            if home is decode_group or not req.is_prefilled or req.has_chunk_in_flight:
+                continue
+            if req not in home.running:  # ended above
+                continue
+            home.running.remove(req)
+            decode_group.running.append(req)
+            req.micro_batch = DECODE_GROUP
 
     def _end_if_done(self, req: Request, outcomes: list[Outcome]) -> bool:
         """End `req` if it is cancelled, failed or finished and no chunk of it

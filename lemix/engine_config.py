@@ -61,6 +61,10 @@ class EngineConfig:
     # max_num_seqs), so the node may hold M × C when KV memory allows. Equal
     # with M = 1.
     is_batch_cap_per_micro_batch: bool = False
+    # Gathered decodes (`lemix.engine_groups`): while the node has training and
+    # M > 1, requests decode in group 0 only and new ones join the others.
+    # The entry points default to on (since 2026-12-03).
+    is_decode_gathered: bool = False
 
     def __post_init__(self) -> None:
         if self.stage_order not in ("inference-first", "fifo"):

@@ -47,6 +47,26 @@ Admission (which group a waiting request joins)
     whose iterations differ in length (one carries a long prefill) leave
     pipeline bubbles; chunked prefill evens them out.
 
+Gathered decodes (`EngineConfig.is_decode_gathered`)
+    While the node has training (in flight or waiting) and M > 1, requests
+    decode in one group, `DECODE_GROUP`: a request moves there once its prompt
+    is prefilled (when that group has room under its cap), and new requests
+    join the other groups only, by the balance rule among them. Their prompts'
+    chunks still ride every group (pipelined chunks, below). Why: a decode
+    step's cost is mostly the fixed cost of reading the stage's weights (A100
+    Llama-2-7B: 5.6 ms per stage at batch 1, 9.6 ms at batch 32), so M groups
+    decoding pay it M times per token where one group pays it once, and on a
+    node that trains, the stage time saved goes to training. The price: the
+    decode group's iterations are longer, and a group's requests wait behind
+    it once per round, so the planner's TBT estimate models it
+    (`DecodeAwareCostEstimator.is_decode_gathered`). A request moves between
+    groups only when no chunk of it is in flight, so it is in exactly one
+    group's iterations at a time. Without training on the node, joins balance
+    over all groups again; requests already gathered stay where they are.
+    Off in `EngineConfig` (the mechanism's plain default); on in the
+    simulator's and the services' defaults (`--gather-decodes`), measured in
+    docs/results.md (2026-12-03).
+
 KV offload (memory-aware training admission)
     Only requests of micro-batches between iterations are offloaded (their KV
     is not in use), so with M > 1 it happens at any group's boundary while the
@@ -109,6 +129,9 @@ from dataclasses import dataclass, field
 
 from lemix.latency import LatencyModel
 from lemix.types import Task
+
+# The group requests decode in when decodes are gathered (`is_decode_gathered`).
+DECODE_GROUP = 0
 
 
 @dataclass(slots=True)

@@ -567,6 +567,7 @@ def test_random_mixes_of_every_knob_end_every_task_exactly_once(seed: int) -> No
         num_micro_batches=rng.choice([1, 2, 3, None]),
         prefill_token_budget=rng.choice([None, 1, 7, 48]),
         max_training_slice_s=rng.choice([None, 0.01, 0.05]),
+        is_decode_gathered=rng.random() < 0.5,
     )
     engine = NodeEngine(0, profile, profile.ours, config)
     driver = EngineDriver(engine)
@@ -774,3 +775,94 @@ def test_borrowed_chunks_never_make_an_iteration_longer_than_one_in_flight(seed:
     assert checked, "no chunk was borrowed: the test shows nothing"
     assert all(planned_s <= limit_s + 1e-12 for planned_s, limit_s in checked)
     assert engine.is_idle
+
+
+# ------------------------------------------------------------ gathered decodes
+
+
+def _gathering_run(
+    *, is_decode_gathered: bool, with_training: bool
+) -> tuple[NodeEngine, EngineDriver, list[object]]:
+    """Two groups (C = 8 each), a 48-token budget, 10 ms slices; eight requests arriving
+    over 0.2 s and, with training, four long training tasks from t = 0 so the
+    node trains throughout. Checks after every step that each running request
+    is in exactly one group, the one it names."""
+    profile = make_profile()  # a decode step costs 10 ms whatever the batch
+    config = EngineConfig(
+        BatchingConfig(max_batch_size=8),
+        MemoryConfig(kappa=0.9, max_wait_s=2.0),
+        num_micro_batches=2,
+        prefill_token_budget=48,
+        max_training_slice_s=0.01,
+        is_batch_cap_per_micro_batch=True,  # room for all eight in the decode group
+        is_decode_gathered=is_decode_gathered,
+    )
+    engine = NodeEngine(0, profile, profile.ours, config)
+    formed: list[object] = []
+    form = engine.batcher.form_iteration
+
+    def recording_form(batch, now_s, outcomes):  # type: ignore[no-untyped-def]
+        result = form(batch, now_s, outcomes)
+        if result is not None:
+            formed.append((engine.batcher.is_gathering, result[0]))
+        for group in engine.micro_batches:
+            for req in group.running:
+                assert req.micro_batch == group.index
+        ids = [r.task.task_id for g in engine.micro_batches for r in g.running]
+        assert len(ids) == len(set(ids)), "a request in two groups"
+        return result
+
+    engine.batcher.form_iteration = recording_form  # type: ignore[method-assign]
+    driver = EngineDriver(engine)
+    if with_training:
+        for i in range(4):
+            driver.add(make_training(f"t{i}", 0.0, 600, seq=100 + i))
+    for i in range(8):
+        driver.add(make_request(f"r{i}", 0.025 * i, 60 + 10 * i, 12, seq=i))
+    driver.run()
+    return engine, driver, formed
+
+
+def test_gathered_decodes_run_in_one_group_while_the_node_trains() -> None:
+    """While training is on the node every decode step is in group 0 and every
+    request joins group 1; every request still gets all its tokens."""
+    engine, driver, formed = _gathering_run(is_decode_gathered=True, with_training=True)
+    gathering = [it for is_on, it in formed if is_on]
+    assert len(gathering) > 20, "the node stopped training too early to show anything"
+    decoding = [it for it in gathering if it.decode]  # type: ignore[attr-defined]
+    assert decoding and all(it.micro_batch == 0 for it in decoding)  # type: ignore[attr-defined]
+    joined_in = {
+        r.task.task_id: it.micro_batch  # type: ignore[attr-defined]
+        for it in reversed(gathering)
+        for r, (start, _) in zip(it.prefill, it.prefill_spans, strict=True)  # type: ignore[attr-defined]
+        if start == 0
+    }
+    assert joined_in and set(joined_in.values()) == {1}
+    finished = {o.task_id: o for _, o in driver.of(Finished)}
+    assert all(finished[f"r{i}"].num_output_tokens == 12 for i in range(8))  # type: ignore[attr-defined]
+    assert engine.is_idle
+
+
+def test_gathered_decodes_take_fewer_decode_steps_and_leave_training_more_time() -> None:
+    """With a decode step of fixed cost, one decode group instead of two runs
+    fewer decode iterations for the same tokens, and the training that
+    shares the stages finishes sooner."""
+    runs = {on: _gathering_run(is_decode_gathered=on, with_training=True) for on in (False, True)}
+
+    def num_decode_iterations(formed: list[object]) -> int:
+        return sum(1 for _, it in formed if it.decode)  # type: ignore[attr-defined]
+
+    def training_done_s(driver: EngineDriver) -> float:
+        return max(t for t, o in driver.of(Finished) if o.task_id.startswith("t"))
+
+    assert num_decode_iterations(runs[True][2]) < 0.8 * num_decode_iterations(runs[False][2])
+    assert training_done_s(runs[True][1]) < training_done_s(runs[False][1])
+
+
+def test_without_training_gathered_decodes_change_nothing() -> None:
+    """Serving alone: the flag leaves every stage start exactly as without it."""
+    _, off, _ = _gathering_run(is_decode_gathered=False, with_training=False)
+    _, on, _ = _gathering_run(is_decode_gathered=True, with_training=False)
+    assert [(t, s.stage, s.duration_s) for t, s in on.starts] == [
+        (t, s.stage, s.duration_s) for t, s in off.starts
+    ]
