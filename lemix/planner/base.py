@@ -71,6 +71,7 @@ class PlannerConfig:
     is_admission_cluster_wide: bool = False
     num_micro_batches: int = 1
     is_batch_cap_per_micro_batch: bool = False
+    is_decode_gathered: bool = False
     prefill_token_budget: int | None = None
     max_training_slice_s: float | None = None
 

@@ -44,8 +44,8 @@ BOUND_MARGIN = 1e-9
 # The columns of a node's row, then 3 blocks of one column per stage.
 _PERIOD, _JOIN, _RUNNING, _CONTEXT, _HAS_REQUESTS, _STALL = range(6)
 _LOAD_BUSY, _LOAD_MEAN_ITEM, _LOAD_ITEMS, _IS_EMPTY, _HAS_TRAINING = range(6, 11)
-_LENGTH_MEAN, _LENGTH_STD = 11, 12
-_NUM_SCALARS = 13
+_LENGTH_MEAN, _LENGTH_STD, _PERIOD_TRAINING = 11, 12, 13
+_NUM_SCALARS = 14
 
 
 class VectorBounds:
@@ -94,6 +94,7 @@ class VectorBounds:
         scalars[_HAS_TRAINING] = 1.0 if view.training_tasks else 0.0
         scalars[_LENGTH_MEAN] = view.length_mean
         scalars[_LENGTH_STD] = view.length_std
+        scalars[_PERIOD_TRAINING] = batch.period_training_s
         return (*scalars, *batch.step_s, *batch.half_step_s, *view.forward_end_s)
 
     def _refresh(self, views: Sequence[NodeView], now_s: float) -> np.ndarray:
@@ -179,7 +180,10 @@ class VectorBounds:
         context_after = (
             col[_CONTEXT].astype(np.int64) + task.num_prompt_tokens + task.max_output_tokens // 2
         )
-        groups = np.minimum(estimator.num_micro_batches, num_after)
+        max_groups = np.full(len(running), estimator.num_micro_batches)
+        if estimator.is_decode_gathered:  # a node that trains decodes in one group
+            max_groups = np.where(col[_HAS_TRAINING] > 0, 1, max_groups)
+        groups = np.minimum(max_groups, num_after)
         # One group (`_round`'s first branch): the stages' steps, summed.
         one = [self._step_s(s, num_after, context_after) for s in range(num_stages)]
         period_one = one[0]
@@ -206,7 +210,7 @@ class VectorBounds:
         busy = col[_LOAD_BUSY] + work / TRAINING_LOAD_WINDOW_S
         slice_s = self.estimator.max_training_slice_s
         stall = mean_item if slice_s is None else np.minimum(mean_item, slice_s)
-        tbt = col[_PERIOD] + num_stages * np.minimum(busy, 1.0) * stall
+        tbt = col[_PERIOD_TRAINING] + num_stages * np.minimum(busy, 1.0) * stall
         return np.where(col[_HAS_REQUESTS] > 0, tbt, 0.0)
 
     @staticmethod

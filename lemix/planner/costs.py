@@ -77,12 +77,14 @@ class _BatchFacts:
 
     owner: DecodeAwareCostEstimator
     version: int
-    key: tuple[int, int, int, int]  # `_batch_key` of the view they were made from
+    key: tuple[int, int, int, int, bool]  # `_batch_key` of the view they were made from
     num_running: int
     sum_context: int  # KV tokens of the running requests, mid-decode on average
     step_s: tuple[float, ...]  # per stage: one decode round (`iteration_s`)
     half_step_s: tuple[float, ...]  # 0.5 × step_s: the decode item a training item waits out
     period_s: float  # time between tokens of the batch as it is
+    # period_s once the node trains: one decode group with gathered decodes
+    period_training_s: float
     join_delay_s: float  # half a period (iteration boundary) + the slot/KV wait
     decode_busy_fraction: tuple[float, ...] | None  # per stage; None: no decode load
     drain_s: float  # until the longest request drains: max remaining × period
@@ -105,13 +107,15 @@ class _TrainingLoad:
 _BATCH_KEY = "decode-aware-batch"
 
 
-def _batch_key(view: NodeView) -> tuple[int, int, int, int]:
-    """Everything `_BatchFacts` is computed from (with the estimator)."""
+def _batch_key(view: NodeView) -> tuple[int, int, int, int, bool]:
+    """Everything `_BatchFacts` is computed from (with the estimator); whether
+    the node trains decides how many groups it decodes in (gathered decodes)."""
     return (
         len(view.requests),
         view.sum_request_prompt_tokens,
         view.sum_request_output_tokens,
         view.max_request_output_tokens,
+        bool(view.training_tasks),
     )
 
 
@@ -129,6 +133,8 @@ class DecodeAwareCostEstimator:
     kv_capacity_tokens: int  # KV tokens that fit under the memory threshold, per node
     is_memory_aware: bool = True
     num_micro_batches: int = 1  # M: inference iterations in flight per node
+    # `EngineConfig.is_decode_gathered`: a node that trains decodes in one group.
+    is_decode_gathered: bool = False
     prefill_token_budget: int | None = None  # B: tokens per iteration (None: whole prompts)
     max_training_slice_s: float | None = None  # longest piece of a training item on a stage
     # T_max (`MemoryConfig.max_wait_s`): the engine fails a request still short
@@ -148,9 +154,17 @@ class DecodeAwareCostEstimator:
             return mean_item_s
         return min(mean_item_s, self.max_training_slice_s)
 
-    def _round(self, num_running: int, sum_context: int, num_stages: int) -> tuple[float, ...]:
-        """Per-stage busy time of one decode round of `num_running` requests."""
-        groups = min(self.num_micro_batches, num_running)
+    def decode_groups(self, is_training: bool) -> int:
+        """Groups a node's requests decode in: one on a node that trains
+        (`is_training`) with gathered decodes, else M."""
+        return 1 if self.is_decode_gathered and is_training else self.num_micro_batches
+
+    def _round(
+        self, num_running: int, sum_context: int, num_stages: int, max_groups: int
+    ) -> tuple[float, ...]:
+        """Per-stage busy time of one decode round of `num_running` requests
+        in up to `max_groups` groups."""
+        groups = min(max_groups, num_running)
         step_s = self.latency.decode_step_s
         # (lists, not generators, into tuple(): this runs per node per task)
         if groups <= 1:
@@ -158,9 +172,9 @@ class DecodeAwareCostEstimator:
         per_group, per_context = -(-num_running // groups), sum_context // groups
         return tuple([groups * step_s(s, per_group, per_context) for s in range(num_stages)])
 
-    def _period_s(self, busy: tuple[float, ...], num_running: int) -> float:
+    def _period_s(self, busy: tuple[float, ...], num_running: int, max_groups: int) -> float:
         """Time between a request's tokens, given the stages' busy time per round."""
-        groups = min(self.num_micro_batches, num_running)
+        groups = min(max_groups, num_running)
         if groups <= 1:
             return sum(busy)
         # The slower of: the request's own group through every stage, and the
@@ -186,14 +200,22 @@ class DecodeAwareCostEstimator:
         if num_requests == 0:
             step = (0.0,) * num_stages
             key = _batch_key(view)
-            return _BatchFacts(self, view.version, key, 0, 0, step, step, 0.0, 0.0, None, 0.0)
+            return _BatchFacts(self, view.version, key, 0, 0, step, step, 0.0, 0.0, 0.0, None, 0.0)
         num_running = min(num_requests, self.max_batch_size)
         # Mid-decode on average: the prompt plus half the output is cached.
         sum_context = view.sum_request_prompt_tokens + view.sum_request_output_tokens // 2
         sum_context = sum_context * num_running // num_requests
         mean_output = view.sum_request_output_tokens / num_requests
-        step = self._round(num_running, sum_context, num_stages)
-        period_s = self._period_s(step, num_running)
+        groups = self.decode_groups(bool(view.training_tasks))
+        step = self._round(num_running, sum_context, num_stages, groups)
+        period_s = self._period_s(step, num_running, groups)
+        period_training_s = period_s
+        if groups != (training_groups := self.decode_groups(True)):
+            period_training_s = self._period_s(
+                self._round(num_running, sum_context, num_stages, training_groups),
+                num_running,
+                training_groups,
+            )
         join_delay_s = 0.5 * period_s + self._slot_wait_s(view, period_s, mean_output)
         busy = tuple(x / period_s for x in step) if period_s > 0 else None
         return _BatchFacts(
@@ -205,6 +227,7 @@ class DecodeAwareCostEstimator:
             step_s=step,
             half_step_s=tuple(0.5 * x for x in step),
             period_s=period_s,
+            period_training_s=period_training_s,
             join_delay_s=join_delay_s,
             decode_busy_fraction=busy,
             drain_s=view.max_request_output_tokens * period_s,
@@ -366,7 +389,9 @@ class DecodeAwareCostEstimator:
         """
         num_after = min(batch.num_running + 1, self.max_batch_size)
         context_after = batch.sum_context + task.num_prompt_tokens + task.max_output_tokens // 2
-        period_s = self._period_s(self._round(num_after, context_after, view.num_stages), num_after)
+        groups = self.decode_groups(bool(view.training_tasks))
+        step = self._round(num_after, context_after, view.num_stages, groups)
+        period_s = self._period_s(step, num_after, groups)
         return period_s + self._training_load(view, now_s).stall_term_s
 
     def _batch_tbt_with_training_s(
@@ -381,7 +406,7 @@ class DecodeAwareCostEstimator:
         mean_item_s = (load.mean_item_s * num_items + work_s) / (num_items + 2)
         busy_fraction = load.busy_fraction + work_s / TRAINING_LOAD_WINDOW_S
         stall_s = self._training_stall_s(mean_item_s)
-        return batch.period_s + view.num_stages * min(busy_fraction, 1.0) * stall_s
+        return batch.period_training_s + view.num_stages * min(busy_fraction, 1.0) * stall_s
 
     def decode_load(self, view: NodeView, now_s: float) -> DecodeLoad | None:
         batch = self._batch(view)

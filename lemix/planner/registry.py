@@ -165,6 +165,7 @@ def make_estimator(
         is_memory_aware=spec.is_memory_aware,
         max_kv_wait_s=memory.max_wait_s,
         num_micro_batches=config.num_micro_batches,
+        is_decode_gathered=config.is_decode_gathered,
         prefill_token_budget=config.prefill_token_budget,
         max_training_slice_s=config.max_training_slice_s,
     )
