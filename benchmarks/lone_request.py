@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.prefill_token_budget or 0,
         engine.max_training_slice_s or 0.0,
         "micro-batch" if engine.is_batch_cap_per_micro_batch else "node",
+        "on" if engine.is_decode_gathered else "off",
     )
     _, result = run_simulation(
         sim_config, profile, tasks[:1], request_rate=1.0, duration_s=1.0, slo=slo

@@ -346,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.prefill_token_budget or 0,
         engine.max_training_slice_s or 0.0,
         "micro-batch" if engine.is_batch_cap_per_micro_batch else "node",
+        "on" if engine.is_decode_gathered else "off",
     )
     print(f"engine: {args.engine}")
     live, live_records, live_alone, cores = asyncio.run(run_live(args, tasks, wl, slo))

@@ -23,8 +23,15 @@ tables of docs/results.md measured before then ran v1):
   with the cap per micro-batch against 17.5 with the cap per node, and MIX-RR
   16.75 with either (KV memory binds before the cap).
 
-``--micro-batches 1 --prefill-budget off --train-slice-s off`` is the v1
-engine (the batch cap is then moot: with one micro-batch both are C).
+- ``--gather-decodes on|off``: while a node has training, decode all its
+  requests in one micro-batch and let new requests join the others
+  (`lemix.engine_groups`, "Gathered decodes"); on by default since
+  2026-12-03 (docs/results.md: more training in the window at the same or
+  better SLO attainment for every co-located policy measured).
+
+``--micro-batches 1 --prefill-budget off --train-slice-s off --gather-decodes
+off`` is the v1 engine (the batch cap and gathering are then moot: with one
+micro-batch both caps are C and there is one group to decode in).
 """
 
 from __future__ import annotations
@@ -35,10 +42,19 @@ from typing import Any, Literal
 
 from lemix.engine_config import AUTO_TRAIN_SLICE_TBT_FRACTION
 
-AUTO, OFF = "auto", "off"
+AUTO, OFF, ON = "auto", "off", "on"
 BATCH_CAP_NODE, BATCH_CAP_MICRO_BATCH = "node", "micro-batch"
 # The flags' values that select the v1 engine (tests and benchmarks pin it so).
-V1_ENGINE_FLAGS = ("--micro-batches", "1", "--prefill-budget", OFF, "--train-slice-s", OFF)
+V1_ENGINE_FLAGS = (
+    "--micro-batches",
+    "1",
+    "--prefill-budget",
+    OFF,
+    "--train-slice-s",
+    OFF,
+    "--gather-decodes",
+    OFF,
+)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -68,6 +84,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="what --max-batch-size caps with micro-batches: the node's running requests "
         "or each micro-batch's iteration (default)",
     )
+    p.add_argument(
+        "--gather-decodes",
+        default=ON,
+        choices=(ON, OFF),
+        help="while a node trains, decode in one micro-batch, new requests join the others "
+        "(default: on; off = v1 and engine v2 before 2026-12-03)",
+    )
 
 
 def engine_flags(args: argparse.Namespace) -> str:
@@ -78,6 +101,7 @@ def engine_flags(args: argparse.Namespace) -> str:
         ("--prefill-budget", args.prefill_budget, AUTO),
         ("--train-slice-s", args.train_slice_s, AUTO),
         ("--batch-cap", args.batch_cap, BATCH_CAP_MICRO_BATCH),
+        ("--gather-decodes", args.gather_decodes, ON),
     )
     return " ".join(f"{flag} {value}" for flag, value, default in given if value != default)
 
@@ -90,6 +114,7 @@ def engine_knobs(args: argparse.Namespace) -> dict[str, Any]:
         "prefill_token_budget": parse_prefill_budget(args.prefill_budget),
         **parse_train_slice(args.train_slice_s),
         "is_batch_cap_per_micro_batch": args.batch_cap == BATCH_CAP_MICRO_BATCH,
+        "is_decode_gathered": args.gather_decodes == ON,
     }
 
 

@@ -86,7 +86,8 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
             default=default,
             metavar=opt.metavar,
             help=f"{opt.help} (default: {knob_text(opt.field, default)}, engine v2; "
-            "v1: --micro-batches 1 --prefill-token-budget off --train-slice-s off)",
+            "v1: --micro-batches 1 --prefill-token-budget off --train-slice-s off "
+            "--gather-decodes off)",
         )
     up.add_argument(
         "--model", default="tiny-llama", help="torch: model preset or local checkpoint directory"
@@ -202,7 +203,11 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         max_model_len=args.max_model_len,
         max_in_flight=args.max_in_flight,
         engine=EngineKnobs(
-            args.num_micro_batches, args.prefill_token_budget, args.train_slice_s, args.batch_cap
+            args.num_micro_batches,
+            args.prefill_token_budget,
+            args.train_slice_s,
+            args.batch_cap,
+            args.gather_decodes,
         ),
     )
 

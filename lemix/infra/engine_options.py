@@ -23,8 +23,13 @@ not None, because a flag parsed to None counts as not given
   req/s at >= 90% SLO attainment) and equal for MIX-RR (16.75, bound by KV
   memory first), and it is what vLLM's pipeline-parallel virtual engines do.
 
-``--micro-batches 1 --prefill-token-budget off --train-slice-s off`` select v1
-(``--batch-cap`` is then moot: with one micro-batch both caps are C).
+- ``gather_decodes``: ``on`` (default since 2026-12-03) or ``off``: while a
+  node has training, its requests decode in one micro-batch and new ones join
+  the others (`lemix.engine_groups`, "Gathered decodes").
+
+``--micro-batches 1 --prefill-token-budget off --train-slice-s off
+--gather-decodes off`` select v1 (``--batch-cap`` is then moot: with one
+micro-batch both caps are C; so is ``--gather-decodes``).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ AUTO_PREFILL_TOKEN_BUDGET = -1
 OFF_TRAIN_SLICE_S = 0.0
 AUTO_TRAIN_SLICE_S = -1.0
 BATCH_CAPS = ("node", "micro-batch")
+ON_OFF = ("on", "off")
 
 
 def micro_batches(text: str) -> int:
@@ -71,6 +77,14 @@ def batch_cap(text: str) -> str:
     value = text.strip().lower()
     if value not in BATCH_CAPS:
         raise ValueError(f"choose one of {', '.join(BATCH_CAPS)}")
+    return value
+
+
+def on_off(text: str) -> str:
+    """on | off."""
+    value = text.strip().lower()
+    if value not in ON_OFF:
+        raise ValueError(f"choose one of {', '.join(ON_OFF)}")
     return value
 
 
@@ -120,12 +134,21 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
         "requests) or micro-batch (each iteration; up to M x C per node)",
         "node|micro-batch",
     ),
+    Option(
+        "gather_decodes",
+        "--gather-decodes",
+        "LEMIX_GATHER_DECODES",
+        on_off,
+        "while a node trains, decode its requests in one micro-batch and let new ones join "
+        "the others (on or off)",
+        "on|off",
+    ),
 )
 
 
 @dataclass(frozen=True)
 class EngineKnobs:
-    """The four options' values, checked; `resolve` maps them onto the
+    """The five options' values, checked; `resolve` maps them onto the
     keyword arguments `EngineConfig` and `build_planner_config` take. The
     defaults are engine v2 (module docstring); `V1_ENGINE_KNOBS` is v1."""
 
@@ -133,6 +156,7 @@ class EngineKnobs:
     prefill_token_budget: int = AUTO_PREFILL_TOKEN_BUDGET
     train_slice_s: float = AUTO_TRAIN_SLICE_S
     batch_cap: str = "micro-batch"
+    gather_decodes: str = "on"
 
     def __post_init__(self) -> None:
         if self.num_micro_batches < 0:
@@ -152,6 +176,8 @@ class EngineKnobs:
             )
         if self.batch_cap not in BATCH_CAPS:
             raise ValueError(f"batch_cap must be one of {BATCH_CAPS}, got {self.batch_cap!r}")
+        if self.gather_decodes not in ON_OFF:
+            raise ValueError(f"gather_decodes must be on or off, got {self.gather_decodes!r}")
 
     def resolve(self, profile: Profile | None) -> dict[str, Any]:
         """`EngineConfig` keyword arguments; `profile` resolves an auto budget
@@ -169,9 +195,10 @@ class EngineKnobs:
             "prefill_token_budget": budget,
             "max_training_slice_s": slice_s,
             "is_batch_cap_per_micro_batch": self.batch_cap == "micro-batch",
+            "is_decode_gathered": self.gather_decodes == "on",
         }
 
 
 # The v1 engine (one iteration in flight per node, whole prompts, whole
 # training passes), for a run that must reproduce it.
-V1_ENGINE_KNOBS = EngineKnobs(1, OFF_PREFILL_TOKEN_BUDGET, OFF_TRAIN_SLICE_S, "node")
+V1_ENGINE_KNOBS = EngineKnobs(1, OFF_PREFILL_TOKEN_BUDGET, OFF_TRAIN_SLICE_S, "node", "off")

@@ -70,6 +70,8 @@ class SimRunConfig:
     train_slice_tbt_fraction: float | None = AUTO_TRAIN_SLICE_TBT_FRACTION
     # `EngineConfig.is_batch_cap_per_micro_batch`: C caps each micro-batch.
     is_batch_cap_per_micro_batch: bool = True
+    # `EngineConfig.is_decode_gathered`: with training on a node, decode in one group.
+    is_decode_gathered: bool = True
     # The control plane as fixed delays (`Simulator`): submit to planner, and
     # engine to client for an inference task's tokens. 0: not modelled.
     intake_delay_s: float = 0.0
@@ -117,6 +119,7 @@ class SimRunConfig:
             prefill_token_budget=budget,
             max_training_slice_s=slice_s,
             is_batch_cap_per_micro_batch=self.is_batch_cap_per_micro_batch,
+            is_decode_gathered=self.is_decode_gathered,
         )
 
 
@@ -130,6 +133,7 @@ V1_ENGINE: Mapping[str, Any] = MappingProxyType(
         "train_slice_s": None,
         "train_slice_tbt_fraction": None,
         "is_batch_cap_per_micro_batch": False,
+        "is_decode_gathered": False,
     }
 )
 
@@ -141,8 +145,9 @@ def engine_name(config: SimRunConfig) -> str:
     """What a page should call `config`'s engine: "engine v2" (the defaults),
     "engine v1" (`V1_ENGINE`) or "a custom engine" (any other knobs)."""
     knobs = {name: getattr(config, name) for name in ENGINE_KNOB_FIELDS}
-    if knobs["num_micro_batches"] == 1:  # one micro-batch: either cap is C per node
-        knobs["is_batch_cap_per_micro_batch"] = False
+    if knobs["num_micro_batches"] == 1:  # one micro-batch: either cap is C per node,
+        knobs["is_batch_cap_per_micro_batch"] = False  # and it is the one decode group
+        knobs["is_decode_gathered"] = False
     if knobs == {name: getattr(SimRunConfig(), name) for name in ENGINE_KNOB_FIELDS}:
         return "engine v2"
     return "engine v1" if knobs == dict(V1_ENGINE) else "a custom engine"
@@ -177,6 +182,7 @@ def build_simulator(
         replica_sync_every_tasks=config.replica_sync_every_tasks,
         num_micro_batches=engine_config.num_micro_batches,
         is_batch_cap_per_micro_batch=engine_config.is_batch_cap_per_micro_batch,
+        is_decode_gathered=engine_config.is_decode_gathered,
         prefill_token_budget=engine_config.prefill_token_budget,
         max_training_slice_s=engine_config.max_training_slice_s,
     )

@@ -165,6 +165,7 @@ def stack_env(
         "prefill_token_budget": str(c.engine.prefill_token_budget),
         "train_slice_s": repr(c.engine.train_slice_s),
         "batch_cap": c.engine.batch_cap,
+        "gather_decodes": c.engine.gather_decodes,
     }
     profile = profile_path or (str(c.profile_path) if c.profile_path is not None else None)
     if profile is not None:

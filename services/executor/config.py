@@ -82,6 +82,7 @@ class ExecutorConfig(CommonServiceConfig):
     # profile s; 0 = off, -1 = auto (half the TBT SLO the profile gives)
     train_slice_s: float = EngineKnobs().train_slice_s
     batch_cap: str = EngineKnobs().batch_cap  # node | micro-batch
+    gather_decodes: str = EngineKnobs().gather_decodes  # on | off
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -121,7 +122,11 @@ class ExecutorConfig(CommonServiceConfig):
     def engine_knobs(self) -> EngineKnobs:
         """The engine v2 options (shared with the scheduler: lemix.infra.engine_options)."""
         return EngineKnobs(
-            self.num_micro_batches, self.prefill_token_budget, self.train_slice_s, self.batch_cap
+            self.num_micro_batches,
+            self.prefill_token_budget,
+            self.train_slice_s,
+            self.batch_cap,
+            self.gather_decodes,
         )
 
     def torch_config(self) -> TorchBackendConfig:

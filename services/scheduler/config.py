@@ -79,6 +79,7 @@ class SchedulerConfig(CommonServiceConfig):
     prefill_token_budget: int = EngineKnobs().prefill_token_budget
     train_slice_s: float = EngineKnobs().train_slice_s
     batch_cap: str = EngineKnobs().batch_cap
+    gather_decodes: str = EngineKnobs().gather_decodes  # on | off
     train_rate: float = _DEFAULT_PLANNER.train_rate  # SEPARATE's training share of nodes
     sync_every_tasks: int = _DEFAULT_PLANNER.sync_every_tasks  # SEPARATE's K
     # Co-located policies: nodes that train (all, auto or a count; the rest
@@ -257,7 +258,11 @@ class SchedulerConfig(CommonServiceConfig):
 
     def engine_knobs(self) -> EngineKnobs:
         return EngineKnobs(
-            self.num_micro_batches, self.prefill_token_budget, self.train_slice_s, self.batch_cap
+            self.num_micro_batches,
+            self.prefill_token_budget,
+            self.train_slice_s,
+            self.batch_cap,
+            self.gather_decodes,
         )
 
 
