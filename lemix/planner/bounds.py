@@ -210,7 +210,8 @@ class VectorBounds:
         busy = col[_LOAD_BUSY] + work / TRAINING_LOAD_WINDOW_S
         slice_s = self.estimator.max_training_slice_s
         stall = mean_item if slice_s is None else np.minimum(mean_item, slice_s)
-        tbt = col[_PERIOD_TRAINING] + num_stages * np.minimum(busy, 1.0) * stall
+        stall_stages = self.estimator.stall_stages(num_stages, True)
+        tbt = col[_PERIOD_TRAINING] + stall_stages * np.minimum(busy, 1.0) * stall
         return np.where(col[_HAS_REQUESTS] > 0, tbt, 0.0)
 
     @staticmethod

@@ -3,7 +3,8 @@ match the per-node ones and change no decision.
 
 Loaded clusters of 20 nodes (past `VECTOR_MIN_NODES`) built from a seeded
 random stream of requests, training and completions, on the v1 engine and on
-v2's shapes (micro-batches, chunked prefill, training slices), with decode
+v2's shapes (micro-batches, chunked prefill, training slices, gathered
+decodes), with decode
 steps that grow with the batch and its context.
 """
 
@@ -26,6 +27,15 @@ ENGINES = [
     pytest.param(
         {"num_micro_batches": 2, "prefill_token_budget": 96, "max_training_slice_s": 0.05},
         id="v2",
+    ),
+    pytest.param(
+        {
+            "num_micro_batches": 2,
+            "prefill_token_budget": 96,
+            "max_training_slice_s": 0.05,
+            "is_decode_gathered": True,
+        },
+        id="v2-gathered",
     ),
 ]
 

@@ -141,3 +141,28 @@ def test_with_slices_an_inference_waits_one_slice_not_the_queued_training() -> N
     costs = estimator().costs(view_with(0), make_request("r0", 0.0, 100, 10), 0.0)
     assert sliced_s == pytest.approx(sum(costs.forward_s) + 2 * 0.01, rel=0.05)
     assert sliced_s < trace_s
+
+
+def test_gathered_decodes_on_a_training_node_predict_one_group_and_fewer_stalls() -> None:
+    view = view_with(32)
+    view.commit(make_training("t0", 0.0, 100), _prediction(work_s=0.4), now_s=0.0)
+    task = make_request("new", 0.0, 100, 10)
+    kw: dict[str, object] = {"num_micro_batches": 2, "max_training_slice_s": 0.02}
+    split = estimator(**kw)
+    gathered = estimator(**kw, is_decode_gathered=True)
+    busy_fraction, _ = view.training_load(0.0, 10.0)
+    stall_s = 0.02 * min(busy_fraction, 1.0)
+    # Split: two groups of 16 or 17 (33 after the join), a full slice per stage.
+    assert split.costs(view, task, 0.0).time_between_tokens_s == pytest.approx(
+        2 * step(17) + 2 * stall_s
+    )
+    # Gathered: one group of all 33 through both stages, (S + 1) / 2 slices.
+    assert gathered.costs(view, task, 0.0).time_between_tokens_s == pytest.approx(
+        2 * step(33) + 1.5 * stall_s
+    )
+    assert gathered.stall_stages(2, True) == 1.5 and gathered.stall_stages(2, False) == 2
+    # Without training on the node nothing is gathered: the split model.
+    idle = view_with(32)
+    assert gathered.costs(idle, task, 0.0).time_between_tokens_s == pytest.approx(
+        split.costs(idle, task, 0.0).time_between_tokens_s
+    )
