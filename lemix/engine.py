@@ -6,14 +6,21 @@ happened (`add_task`, `on_stage_done`, `on_timer`) with `now_s`, and the
 engine answers with `StageStart`s (run this stage for this long) and outcomes.
 
 Work on a stage is non-preemptive; the next item is picked by priority
-(inference iterations, then training backwards, then training forwards, then
-arrival order; or plain arrival order with `stage_order="fifo"`). Inference
-runs as continuous-batching iterations (`lemix.batching`) in M micro-batches,
-each with one iteration in flight because each decode step needs the previous
-token (`EngineConfig`'s M = 1: one iteration in flight per node, the v1
-engine; every entry point passes engine v2's M = S, `lemix.engine_config`);
-training tasks are their own forward chain (stages 0→S−1) and backward chain
-(S−1→0), optionally in slices. Micro-batches, chunked prefill and training
+(`lemix.engine_stages`: inference iterations, then training optimizer steps,
+backwards, forwards, then arrival order; or plain arrival order with
+`stage_order="fifo"`). Inference runs as continuous-batching iterations
+(`lemix.batching`) in M micro-batches, each with one iteration in flight
+because each decode step needs the previous token (`EngineConfig`'s M = 1: one
+iteration in flight per node, the v1 engine; every entry point passes engine
+v2's M = S, `lemix.engine_config`); training tasks are their own forward chain
+(stages 0→S−1) and backward chain (S−1→0), optionally in slices, plus an
+optimizer step on each stage once its backward has handed the gradient on.
+The step is not on the backward chain (stage s−1 starts its backward as soon
+as stage s's backward ends, not a step later), as pipeline trainers keep it
+out of it (Megatron steps after a batch's last backward); the gradients have
+a buffer of their own in the memory model (`training_state_bytes`), so
+holding them until the step costs nothing more. A task's update is visible
+once every stage has stepped. Micro-batches, chunked prefill and training
 slices are described in `lemix.engine_groups`, which holds their rules.
 Memory goes through `lemix.memory.NodeMemory` only; waits for it (bounded by
 T_max) and KV offload are `lemix.engine_memory`'s.
@@ -53,6 +60,7 @@ from lemix.engine_stages import (
     PRIO_BLOCKING,
     PRIO_FORWARD,
     PRIO_ITERATION,
+    PRIO_OPTIMIZER,
     StageQueues,
     WorkItem,
 )
@@ -115,6 +123,8 @@ class NodeEngine:
         self._train_waiting: deque[_TrainWait] = deque()
         self._max_training = config.max_training_in_flight or self.num_stages
         self._training: dict[str, Task] = {}
+        # Training task id -> stages whose optimizer step has not ended yet.
+        self._steps_left: dict[str, int] = {}
         self._blocking_left: dict[str, int] = {}
         self._blocking_apply: dict[str, int] = {}
         self.num_training_updates = 0
@@ -178,10 +188,14 @@ class NodeEngine:
                 self.stages.enqueue(item, stage + 1) if stage < last else self._to_backward(item)
             )
         elif item.kind is WorkKind.BACKWARD:
+            starts += self._to_optimizer(item.payload, stage)  # type: ignore[arg-type]
             if stage > 0:
                 starts += self.stages.enqueue(item, stage - 1)
-            else:
-                self._finish_training(item.payload, outcomes)  # type: ignore[arg-type]
+        elif item.kind is WorkKind.OPTIMIZER:
+            task: Task = item.payload  # type: ignore[assignment]
+            self._steps_left[task.task_id] -= 1
+            if not self._steps_left[task.task_id]:
+                self._finish_training(task, outcomes)
         else:
             self._finish_blocking(str(item.payload), outcomes)
         starts += self.stages.start_if_idle(stage)
@@ -333,14 +347,23 @@ class NodeEngine:
         task: Task = item.payload  # type: ignore[assignment]
         durations = tuple(
             self.truth.backward_s(s, task.batch_size, task.num_prompt_tokens)
-            + self.profile.optimizer_step_s[s]
             for s in range(self.num_stages)
         )
+        self._steps_left[task.task_id] = self.num_stages
         backward = self.stages.new_item(PRIO_BACKWARD, durations, WorkKind.BACKWARD, task)
         return self.stages.enqueue(backward, self.num_stages - 1)
 
+    def _to_optimizer(self, task: Task, stage: int) -> list[StageStart]:
+        """`task`'s optimizer step on `stage`, whose backward just ended."""
+        durations = tuple(
+            self.profile.optimizer_step_s[s] if s == stage else 0.0 for s in range(self.num_stages)
+        )
+        step = self.stages.new_item(PRIO_OPTIMIZER, durations, WorkKind.OPTIMIZER, task)
+        return self.stages.enqueue(step, stage)
+
     def _finish_training(self, task: Task, outcomes: list[Outcome]) -> None:
         del self._training[task.task_id]
+        del self._steps_left[task.task_id]
         self.memory.release(task.task_id)
         self.num_training_updates += 1
         if self.is_colocated:

@@ -110,15 +110,14 @@ Chunked prefill
     completes.
 
 Training slices
-    A training forward or backward that would occupy a stage for d seconds,
-    longer than `EngineConfig.max_training_slice_s` = T, runs as
-    k = ceil(d / T) slices of d / k (layer groups of that stage), one after
+    A training forward, backward or optimizer step that would occupy a stage
+    for d seconds, longer than `EngineConfig.max_training_slice_s` = T, runs
+    as k = ceil(d / T) slices of d / k (layer groups of that stage), one after
     another on that stage; between slices the stage picks its next item by
-    priority again, so an inference iteration waits at most one slice. A
-    backward's optimizer step is spread evenly over its slices: each layer
-    group's parameters are final once its backward slice ran, so their update
-    can run with that slice (optimizer-in-backward), which keeps the longest
-    slice as short as possible.
+    priority again, so an inference iteration waits at most one slice. The
+    optimizer step is its own item after the backward (`lemix.engine`), so
+    the previous stage's backward starts as soon as this stage's backward
+    ends.
 """
 
 from __future__ import annotations

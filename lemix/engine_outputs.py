@@ -15,7 +15,8 @@ class WorkKind(StrEnum):
 
     ITERATION = "iter"  # one inference iteration (prefill and/or decode)
     FORWARD = "fwd"  # a training task's forward
-    BACKWARD = "bwd"  # a training task's backward
+    BACKWARD = "bwd"  # a training task's backward (gradients only)
+    OPTIMIZER = "opt"  # a training task's optimizer step on one stage, after its backward
     BLOCKING = "block"  # a node-wide blocking op (e.g. a weight sync)
     NONE = ""  # nothing to execute: wait out the duration
 
@@ -26,7 +27,7 @@ class StageStart:
 
     `kind` and `work` say what runs, for backends that execute it for real
     instead of waiting out the duration: an `Iteration` (ITERATION), the
-    training `Task` (FORWARD/BACKWARD; a `TrainingSlice` of it when
+    training `Task` (FORWARD/BACKWARD/OPTIMIZER; a `TrainingSlice` of it when
     `max_training_slice_s` is set), or a blocking op's tag.
     """
 
@@ -38,9 +39,8 @@ class StageStart:
 
 @dataclass(frozen=True, slots=True)
 class TrainingSlice:
-    """Slice `index` of `count` of a training forward/backward on one stage:
-    its `index`-th layer group of `count` equal ones (and, for a backward, that
-    group's optimizer update)."""
+    """Slice `index` of `count` of a training forward, backward or optimizer
+    step on one stage: its `index`-th layer group of `count` equal ones."""
 
     task: Task
     index: int

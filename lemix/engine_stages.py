@@ -4,9 +4,13 @@ runs now.
 `lemix.engine.NodeEngine` decides what work exists and which stage it goes to
 next; this module decides which ready item a free stage runs and for how long.
 Work on a stage is non-preemptive. The next item is picked by priority
-(blocking ops, then inference iterations, then training backwards, then
-training forwards, then arrival order) or, with `stage_order="fifo"`, blocking
-ops first and then plain arrival order. With a `max_training_slice_s`, a
+(blocking ops, then inference iterations, then training optimizer steps, then
+backwards, then forwards, then arrival order) or, with `stage_order="fifo"`,
+blocking ops and optimizer steps first and then plain arrival order. An
+optimizer step goes before any backward on its stage so that the next task's
+gradients never mix with the ones it has not applied yet (`lemix.engine`: the
+step runs after the backward has handed its gradient on). With a
+`max_training_slice_s`, a
 training pass on a stage runs in slices (`lemix.engine_groups.num_slices`), and
 each slice goes back into the queue after it ends, so higher-priority work that
 became ready meanwhile runs between slices.
@@ -20,7 +24,8 @@ from dataclasses import dataclass
 from lemix.engine_groups import num_slices, slice_s
 from lemix.engine_outputs import StageStart, TrainingSlice, WorkKind
 
-PRIO_BLOCKING, PRIO_ITERATION, PRIO_BACKWARD, PRIO_FORWARD = 0, 1, 2, 3
+_TRAINING_KINDS = (WorkKind.FORWARD, WorkKind.BACKWARD, WorkKind.OPTIMIZER)
+PRIO_BLOCKING, PRIO_ITERATION, PRIO_OPTIMIZER, PRIO_BACKWARD, PRIO_FORWARD = range(5)
 
 
 @dataclass(slots=True)
@@ -67,7 +72,8 @@ class StageQueues:
         """An item of priority `prio` (a `PRIO_*`), next in arrival order."""
         self._seq += 1
         if self._stage_order == "fifo" and prio != PRIO_BLOCKING:
-            prio = PRIO_ITERATION
+            # An optimizer step still goes first: right after its backward.
+            prio = PRIO_BLOCKING if prio == PRIO_OPTIMIZER else PRIO_ITERATION
         return WorkItem(prio, self._seq, durations_s, kind, payload)
 
     def enqueue(self, item: WorkItem, stage: int) -> list[StageStart]:
@@ -99,7 +105,7 @@ class StageQueues:
         duration_s = item.durations_s[stage]
         work = item.payload
         max_slice_s = self._max_training_slice_s
-        if max_slice_s is not None and item.kind in (WorkKind.FORWARD, WorkKind.BACKWARD):
+        if max_slice_s is not None and item.kind in _TRAINING_KINDS:
             if item.slice_count == 0:  # the first slice on this stage
                 item.slice_index, item.slice_count = 0, num_slices(duration_s, max_slice_s)
             duration_s = slice_s(duration_s, item.slice_index, item.slice_count)

@@ -120,9 +120,8 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
         "--train-slice-s",
         "LEMIX_TRAIN_SLICE_S",
         slice_seconds,
-        "longest piece of a training pass on a stage, profile s (off or 0 = whole passes; "
-        "auto or -1 = half the TBT SLO the profile gives; on torch a slice clips its layer "
-        "group's gradient norm)",
+        "longest piece of a training pass or optimizer step on a stage, profile s (off or "
+        "0 = whole passes; auto or -1 = half the TBT SLO the profile gives)",
         "S|auto|off",
     ),
     Option(

@@ -7,10 +7,15 @@ leaf there), so each stage has its own graph on its own device. Backward runs
 from the last stage: ``loss.backward()`` there, then each earlier stage
 ``output.backward(grad of the next stage's input)`` — a real pipeline.
 
-Each stage steps its own AdamW right after its backward (as PipeDream and
-1F1B schedules do per micro-batch), clipping that stage's gradient norm; a
-global-norm clip would need every stage's gradients before any stage steps.
-Weight stashing (`lemix.model.stash`) keeps in-flight backwards exact.
+Each stage steps its own AdamW once per task (as PipeDream and 1F1B schedules
+do per micro-batch), clipping that stage's gradient norm; a global-norm clip
+would need every stage's gradients before any stage steps. The step is its
+own call, `optimizer_step`, after the stage's backward has handed its input
+gradient on (the engine's OPTIMIZER item), so the previous stage's backward
+does not wait for it; until then the stage holds that one task's gradients
+(the engine runs a stage's step before any other backward there, and
+`backward` refuses to mix two tasks' gradients). Weight stashing
+(`lemix.model.stash`) keeps in-flight backwards exact.
 
 Slices (the engine's `TrainingSlice`, see "Training slices" in
 `lemix.engine_groups`): a pass given as ``part=(index, count)`` runs only
@@ -21,15 +26,13 @@ one graph piece per *unit* (the embedding, each layer, the head), each unit's
 input a leaf requiring grad, so a backward can run in slices of any count,
 not only the forward's (the engine sizes each from its own duration):
 backward slice i backpropagates group i's units from the gradient group
-i + 1 left, then steps the optimizer on group i's parameters only
-(optimizer-in-backward; their gradients are final, the units' parameters are
-disjoint). The gradients equal the unsliced ones; so do the updated weights,
-except when clipping cuts in: a slice clips its own group's norm to
-`max_grad_norm` (the rest of the stage's gradient does not exist yet). The
-stash copies a group's weights only for other tasks' live graphs that saved
-them, never for the same task's later slices (they use other groups' weights).
-Inference between backward slices sees the groups stepped so far, as it sees
-the stages a whole-pass backward has already stepped.
+i + 1 left. An optimizer step in slices clips the whole stage's gradient norm
+in its first slice (the backward is complete by then) and steps group i's
+parameters in slice i (the units' parameters are disjoint), so the gradients
+and the updated weights equal the unsliced ones. The stash copies a group's
+weights only for other tasks' live graphs that saved them, never for the same
+task's later slices (they use other groups' weights). Inference between
+optimizer slices sees the groups stepped so far.
 """
 
 from __future__ import annotations
@@ -165,7 +168,9 @@ class PipelineTrainer:
             for stage in staged.stages
         ]
         self.stashes = [WeightStash(stage.parameters()) for stage in staged.stages]
-        self.num_steps = [0] * staged.num_stages  # completed backward passes per stage
+        self.num_steps = [0] * staged.num_stages  # completed optimizer steps per stage
+        # Stage -> the task whose gradients it holds, not yet stepped.
+        self._unapplied: dict[int, str] = {}
         self._units = [_stage_units(stage) for stage in staged.stages]
         self._unit_params = [
             _unit_params(staged.family, stage, units)
@@ -211,19 +216,17 @@ class PipelineTrainer:
             if stage.is_last:
                 self._losses[key] = float(output.detach())
 
-    def backward(
-        self, stage_index: int, key: str, part: tuple[int, int] | None = None
-    ) -> float | None:
-        """Backward + optimizer step of task `key` on one stage: the whole stage,
-        or with `part` = (index, count) its layer group `index` of `count`
-        (groups in order count-1..0, each stepping its own parameters).
-
-        Returns the task's loss once stage 0 is done (the task is complete)."""
+    def backward(self, stage_index: int, key: str, part: tuple[int, int] | None = None) -> None:
+        """Backward of task `key` on one stage (gradients only; the step is
+        `optimizer_step`'s): the whole stage, or with `part` = (index, count)
+        its layer group `index` of `count` (groups in order count-1..0)."""
+        self._hold_gradients(stage_index, key)
         with self._lock:
             graph = self._graphs.pop((key, stage_index), None)
         if graph is None:
             index, count = part if part is not None else (0, 1)
-            return self._backward_slice(stage_index, key, index, count)
+            self._backward_slice(stage_index, key, index, count)
+            return
         if part is not None and part[1] != 1:
             raise RuntimeError(
                 f"task {key!r}: a backward in {part[1]} slices needs a sliced forward "
@@ -244,8 +247,45 @@ class PipelineTrainer:
                 if grad_in is None:
                     raise RuntimeError(f"stage {stage_index} input of {key!r} got no gradient")
                 self._grads[(key, stage_index)] = grad_in
-        self._step(stage_index)
+
+    def optimizer_step(
+        self, stage_index: int, key: str, part: tuple[int, int] | None = None
+    ) -> float | None:
+        """Optimizer step of task `key` on one stage, after its backward: the
+        whole stage, or with `part` = (index, count) layer group `index` of
+        `count` (groups in order 0..count-1; the first clips the stage's norm).
+
+        Returns the task's loss once stage 0 has stepped (the task is complete)."""
+        with self._lock:
+            holder = self._unapplied.get(stage_index)
+        if holder != key:
+            raise RuntimeError(
+                f"stage {stage_index} holds the gradients of {holder!r}, not {key!r}"
+            )
+        stage = self.staged.stages[stage_index]
+        index, count = part if part is not None else (0, 1)
+        if index == 0 and self.config.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(stage.parameters(), self.config.max_grad_norm)
+        units = self._units[stage_index]
+        group = unit_group(len(units), len(stage.layers), stage.is_first, index, count)
+        params = [p for u in group for p in self._unit_params[stage_index][u]]
+        if params:
+            self._step(stage_index, params)
+        if index < count - 1:
+            return None
+        with self._lock:
+            del self._unapplied[stage_index]
         return self._on_stage_done(stage_index, key)
+
+    def _hold_gradients(self, stage_index: int, key: str) -> None:
+        """Record that `stage_index` now accumulates `key`'s gradients."""
+        with self._lock:
+            holder = self._unapplied.setdefault(stage_index, key)
+        if holder != key:
+            raise RuntimeError(
+                f"stage {stage_index}: backward of {key!r} before the optimizer step of "
+                f"{holder!r} (their gradients would mix)"
+            )
 
     def discard(self, key: str) -> None:
         """Drop every trace of task `key` (requeued or failed mid-pipeline)."""
@@ -260,18 +300,30 @@ class PipelineTrainer:
                         if piece is not None:  # not backpropagated yet
                             self.stashes[s].on_backward_done(piece.recording)
                 self._grads.pop((key, s), None)
+                if self._unapplied.get(s) == key:  # its gradients would leak into the next step
+                    del self._unapplied[s]
+                    self.optimizers[s].zero_grad(set_to_none=True)
             self._packed.pop(key, None)
             self._losses.pop(key, None)
 
-    def _step(self, stage_index: int, params: list[torch.nn.Parameter] | None = None) -> None:
-        """Clip and step `params` (None: the whole stage's); only they hold grads."""
-        if params is None:
-            params = self.staged.stages[stage_index].parameters()
-        if self.config.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
-        self.stashes[stage_index].before_step(params)
-        self.optimizers[stage_index].step()
-        self.optimizers[stage_index].zero_grad(set_to_none=True)
+    def _step(self, stage_index: int, params: list[torch.nn.Parameter]) -> None:
+        """Step `params` of the stage (the others' gradients wait for their turn)."""
+        wanted = {id(p) for p in params}
+        waiting = [
+            (p, p.grad)
+            for p in self.staged.stages[stage_index].parameters()
+            if id(p) not in wanted and p.grad is not None
+        ]
+        for p, _ in waiting:
+            p.grad = None  # AdamW steps every parameter that has a gradient
+        try:
+            self.stashes[stage_index].before_step(params)
+            self.optimizers[stage_index].step()
+        finally:
+            for p, grad in waiting:
+                p.grad = grad
+        for p in params:
+            p.grad = None
 
     def _on_stage_done(self, stage_index: int, key: str) -> float | None:
         self.num_steps[stage_index] += 1
@@ -347,7 +399,7 @@ class PipelineTrainer:
                     self._losses[key] = float(output.detach())
         state.num_pending = len(state.pieces)
 
-    def _backward_slice(self, stage_index: int, key: str, index: int, count: int) -> float | None:
+    def _backward_slice(self, stage_index: int, key: str, index: int, count: int) -> None:
         stage = self.staged.stages[stage_index]
         units = self._units[stage_index]
         group = unit_group(len(units), len(stage.layers), stage.is_first, index, count)
@@ -374,18 +426,14 @@ class PipelineTrainer:
             state.grad = piece.inputs.grad if piece.inputs.requires_grad else None
             state.pieces[u] = None  # frees the unit's activations
         state.num_pending = group.start
-        params = [p for u in group for p in self._unit_params[stage_index][u]]
-        if params:
-            self._step(stage_index, params)
         if index > 0:  # group 0 may be empty (a non-first stage with fewer layers than groups)
-            return None
+            return
         with self._lock:
             del self._sliced[(key, stage_index)]
             if not stage.is_first:
                 if state.grad is None:
                     raise RuntimeError(f"stage {stage_index} input of {key!r} got no gradient")
                 self._grads[(key, stage_index)] = state.grad
-        return self._on_stage_done(stage_index, key)
 
     def loss(self, samples: Sequence[Sample]) -> float:
         """Mean reference-token loss of `samples` with the current weights (no grad)."""

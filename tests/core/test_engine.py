@@ -26,6 +26,7 @@ from lemix.engine import (
     Outcome,
     Requeued,
     StageStart,
+    WorkKind,
 )
 from lemix.engine_memory import KV_WAIT_REASON
 from lemix.memory import MemoryConfig
@@ -173,14 +174,17 @@ def test_training_runs_forward_then_backward_and_updates_weights() -> None:
     driver = EngineDriver(engine)
     driver.add(make_training("t", 0.0, num_tokens=100, batch_size=2))
     driver.run()
-    # fwd 0.001·2·100 = 0.2 per stage; bwd 0.002·2·100 = 0.4 plus the optimizer step.
-    assert [(t, s.stage, s.duration_s) for t, s in driver.starts] == [
-        (0.0, 0, approx(0.2)),
-        (approx(0.2), 1, approx(0.2)),
-        (approx(0.4), 1, approx(0.43)),
-        (approx(0.83), 0, approx(0.45)),
+    # fwd 0.001·2·100 = 0.2 per stage; bwd 0.002·2·100 = 0.4; then each stage's
+    # optimizer step, which stage 0's backward does not wait for.
+    assert [(t, s.stage, s.kind, s.duration_s) for t, s in driver.starts] == [
+        (0.0, 0, WorkKind.FORWARD, approx(0.2)),
+        (approx(0.2), 1, WorkKind.FORWARD, approx(0.2)),
+        (approx(0.4), 1, WorkKind.BACKWARD, approx(0.4)),
+        (approx(0.8), 1, WorkKind.OPTIMIZER, approx(0.03)),
+        (approx(0.8), 0, WorkKind.BACKWARD, approx(0.4)),
+        (approx(1.2), 0, WorkKind.OPTIMIZER, approx(0.05)),
     ]
-    assert driver.of(Finished) == [(approx(1.28), Finished("t", 0))]
+    assert driver.of(Finished) == [(approx(1.25), Finished("t", 0))]
     assert engine.num_training_updates == 1
     assert engine.visible_updates == 1  # co-located: serving sees the update at once
     assert engine.memory.used_bytes(0) == engine.memory.used_bytes(1) == 1_000

@@ -335,8 +335,8 @@ def test_decodes_that_use_the_whole_budget_still_run_and_prefill_waits() -> None
 
 
 def test_a_long_training_pass_runs_in_slices_that_add_up_to_the_whole() -> None:
-    # 1000 tokens: forward 1.0 s, backward 2.0 + 0.1 (optimizer) s per stage.
-    profile = make_profile(optimizer_step_s=0.1)
+    # 1000 tokens: forward 1.0 s, backward 2.0 s, optimizer step 0.4 s per stage.
+    profile = make_profile(optimizer_step_s=0.4)
     unsliced = EngineDriver(make_engine(profile))
     unsliced.add(make_training("t", 0.0, 1000))
     unsliced.run()
@@ -347,15 +347,16 @@ def test_a_long_training_pass_runs_in_slices_that_add_up_to_the_whole() -> None:
     pieces = [(s.stage, s.kind, s.work, s.duration_s) for _, s in sliced.starts]
     fwd0 = [p for p in pieces if p[0] == 0 and p[1] is WorkKind.FORWARD]
     bwd0 = [p for p in pieces if p[0] == 0 and p[1] is WorkKind.BACKWARD]
+    opt0 = [p for p in pieces if p[0] == 0 and p[1] is WorkKind.OPTIMIZER]
     assert [(w.index, w.count) for _, _, w, _ in fwd0] == [(i, 4) for i in range(4)]  # ceil(1/0.3)
-    assert [(w.index, w.count) for _, _, w, _ in bwd0] == [
-        (i, 7) for i in range(7)
-    ]  # ceil(2.1/0.3)
+    assert [(w.index, w.count) for _, _, w, _ in bwd0] == [(i, 7) for i in range(7)]  # ceil(2/0.3)
+    assert [(w.index, w.count) for _, _, w, _ in opt0] == [(i, 2) for i in range(2)]  # ceil(.4/.3)
     assert all(isinstance(w, TrainingSlice) and w.task.task_id == "t" for _, _, w, _ in pieces)
     assert [d for *_, d in fwd0] == approx([0.25] * 4)
-    assert [d for *_, d in bwd0] == approx([0.3] * 7)  # the optimizer step spread evenly
+    assert [d for *_, d in bwd0] == approx([2.0 / 7] * 7)
+    assert [d for *_, d in opt0] == approx([0.2] * 2)
     for stage in (0, 1):
-        for kind in (WorkKind.FORWARD, WorkKind.BACKWARD):
+        for kind in (WorkKind.FORWARD, WorkKind.BACKWARD, WorkKind.OPTIMIZER):
             whole = [
                 s.duration_s for _, s in unsliced.starts if s.stage == stage and s.kind is kind
             ]
@@ -547,6 +548,32 @@ def test_iteration_payload_names_its_micro_batch_and_whole_prompt_spans() -> Non
     assert [(w.micro_batch, w.prefill_spans) for w in first] == [(0, ((0, 30),)), (1, ((0, 40),))]  # type: ignore[union-attr]
 
 
+def _assert_each_stage_steps_one_tasks_gradients_at_a_time(
+    driver: EngineDriver, num_stages: int
+) -> None:
+    """On every stage a training task's backward is followed by its optimizer
+    step with no other task's backward or step in between (their gradients
+    would mix), and each finished task stepped every stage once."""
+    finished = {o.task_id for _, o in driver.outcomes if isinstance(o, Finished)}
+    for stage in range(num_stages):
+        holder = None  # the task whose gradients the stage holds, not yet applied
+        steps: dict[str, int] = {}
+        for _, start in driver.starts:
+            if start.stage != stage or start.kind not in (WorkKind.BACKWARD, WorkKind.OPTIMIZER):
+                continue
+            work = start.work
+            task_id = work.task.task_id if isinstance(work, TrainingSlice) else work.task_id
+            assert holder in (None, task_id), f"stage {stage}: {task_id} mixes with {holder}"
+            holder = task_id
+            if start.kind is WorkKind.OPTIMIZER:
+                last = not isinstance(work, TrainingSlice) or work.index == work.count - 1
+                if last:
+                    holder = None
+                    steps[task_id] = steps.get(task_id, 0) + 1
+        assert holder is None
+        assert all(steps.get(t, 0) == 1 for t in finished if t.startswith("t"))
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_random_mixes_of_every_knob_end_every_task_exactly_once(seed: int) -> None:
     """Random workloads, knobs and cancels: every task ends once (Finished,
@@ -596,6 +623,7 @@ def test_random_mixes_of_every_knob_end_every_task_exactly_once(seed: int) -> No
             assert o.num_output_tokens == tasks[o.task_id].max_output_tokens
     first = [o.task_id for _, o in driver.outcomes if isinstance(o, FirstToken)]
     assert len(first) == len(set(first))
+    _assert_each_stage_steps_one_tasks_gradients_at_a_time(driver, engine.num_stages)
     assert engine.is_idle and engine.memory.host_used_bytes == 0
     assert all(
         engine.memory.used_bytes(s) == profile.memory.weight_bytes[s]

@@ -93,18 +93,13 @@ def test_staged_backward_gradients_equal_monolithic(name: str) -> None:
 
     staged = StagedModel(model, 2)
     trainer = PipelineTrainer(staged, TrainingConfig(max_grad_norm=0))
-    captured: dict[str, torch.Tensor] = {}
     names = {id(p): n for n, p in model.named_parameters()}
-
-    def capture(stage_index: int) -> None:  # read the grads before the step consumes them
-        for p in staged.stages[stage_index].parameters():
-            captured[names[id(p)]] = p.grad.clone()
-
-    trainer._step = capture  # type: ignore[method-assign]
     trainer.forward(0, "t", [Sample(tuple(ids), num_ref)])
     trainer.forward(1, "t")
     trainer.backward(1, "t")
     trainer.backward(0, "t")
+    # The gradients wait in the stages until their optimizer steps.
+    captured = {names[id(p)]: p.grad.clone() for stage in staged.stages for p in stage.parameters()}
     assert set(captured) == set(expected)
     for key, grad in expected.items():
         torch.testing.assert_close(captured[key], grad, rtol=1e-4, atol=1e-6, msg=key)
@@ -120,7 +115,9 @@ def test_training_changes_weights_and_lowers_loss() -> None:
         for s in range(2):
             trainer.forward(s, f"t{step}", [sample] if s == 0 else [])
         trainer.backward(1, f"t{step}")
-        assert trainer.backward(0, f"t{step}") is not None
+        assert trainer.optimizer_step(1, f"t{step}") is None
+        trainer.backward(0, f"t{step}")
+        assert trainer.optimizer_step(0, f"t{step}") is not None  # stage 0: the loss
     after = staged.stages[0].parameters()
     assert any(not torch.equal(b, a) for b, a in zip(before, after, strict=True))
     assert trainer.num_steps == [6, 6]
@@ -137,25 +134,16 @@ def test_in_flight_backward_uses_the_weights_its_forward_used() -> None:
         staged = StagedModel(_model("tiny-llama"), 2)
         trainer = PipelineTrainer(staged, TrainingConfig(max_grad_norm=0))
         grads: dict[int, list[torch.Tensor]] = {}
-        real_step = trainer._step
-        current = [""]
-
-        def step(stage_index: int) -> None:
-            if current[0] == "a":
-                grads[stage_index] = [
-                    p.grad.clone() for p in staged.stages[stage_index].parameters()
-                ]
-            real_step(stage_index)
-
-        trainer._step = step  # type: ignore[method-assign]
 
         def fwd(key: str, sample: Sample) -> None:
             trainer.forward(0, key, [sample])
             trainer.forward(1, key)
 
         def bwd(key: str, stage: int) -> None:
-            current[0] = key
             trainer.backward(stage, key)
+            if key == "a":
+                grads[stage] = [p.grad.clone() for p in staged.stages[stage].parameters()]
+            trainer.optimizer_step(stage, key)
 
         if interleaved:
             fwd("b", sb)

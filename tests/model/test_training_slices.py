@@ -58,9 +58,15 @@ def _train(
     backward_counts: tuple[int, int] | None,
     between: Callable[[], None] = lambda: None,
     capture: Capture | None = None,
+    step_counts: tuple[int, int] | None = None,
 ) -> float | None:
-    """One task through both stages; counts per stage (None: whole passes);
-    `between` runs after every slice (an inference iteration, another task...)."""
+    """One task through both stages; counts per stage (None: whole passes;
+    the optimizer steps in `backward_counts` slices unless `step_counts` says
+    otherwise); `between` runs after every slice (an inference iteration,
+    another task...). Each stage steps after its backward; stage 0's backward
+    runs before stage 1's step, as the engine may run it (the step is off the
+    backward chain)."""
+    step_counts = step_counts or backward_counts
     if capture is not None:
         capture.task = key
     for s in (0, 1):
@@ -70,13 +76,20 @@ def _train(
         for i in range(forward_counts[s]):
             trainer.forward(s, key, [sample] if s == 0 else [], part=(i, forward_counts[s]))
             between()
-    loss = None
     for s in (1, 0):
         if backward_counts is None:
-            loss = trainer.backward(s, key)
+            trainer.backward(s, key)
             continue
         for i in reversed(range(backward_counts[s])):
-            loss = trainer.backward(s, key, part=(i, backward_counts[s]))
+            trainer.backward(s, key, part=(i, backward_counts[s]))
+            between()
+    loss = None
+    for s in (1, 0):
+        if step_counts is None:
+            loss = trainer.optimizer_step(s, key)
+            continue
+        for i in range(step_counts[s]):
+            loss = trainer.optimizer_step(s, key, part=(i, step_counts[s]))
             between()
     return loss
 
@@ -124,7 +137,13 @@ def test_sliced_gradients_and_updated_weights_equal_whole_passes(
     sliced = _trainer(name)
     sliced_capture = Capture(sliced)
     sliced_loss = _train(
-        sliced, "t", SAMPLE, forward_counts, backward_counts, capture=sliced_capture
+        sliced,
+        "t",
+        SAMPLE,
+        forward_counts,
+        backward_counts,
+        capture=sliced_capture,
+        step_counts=forward_counts,  # sized apart from the backward too
     )
 
     assert sliced_loss == whole_loss
@@ -159,22 +178,28 @@ def test_inference_between_slices_changes_nothing_and_is_served() -> None:
     for step in range(2):
         _assert_same(sliced_capture.grads[f"t{step}"], whole_capture.grads[f"t{step}"])
     _assert_same(_weights(sliced), _weights(whole))
-    # Served between every slice: 5 forward + 5 backward slices per task.
-    assert len(runner.requests["r"].generated) == num_iterations[0] == 2 * (5 + 5)
+    # Served between every slice: 5 forward + 5 backward + 5 step slices per task.
+    assert len(runner.requests["r"].generated) == num_iterations[0] == 2 * (5 + 5 + 5)
 
 
-def test_clipping_is_per_stage_with_one_slice_and_per_group_with_more() -> None:
-    """max_grad_norm = 1 cuts in on this model: one slice per stage still clips
-    the stage's norm (same weights as whole passes); two slices clip each
-    group's norm, which moves each group less than or as much as whole passes."""
-    whole = _trainer(max_grad_norm=1.0)
-    whole_capture = Capture(whole)
-    _train(whole, "t", SAMPLE, None, None, capture=whole_capture)
+def test_clipping_is_per_stage_however_the_step_is_sliced() -> None:
+    """max_grad_norm = 1 cuts in on this model: the first step slice clips the
+    whole stage's norm (its backward is complete), so any slicing updates the
+    weights exactly as whole passes do."""
+    unclipped = _trainer(max_grad_norm=0.0)
+    capture = Capture(unclipped)  # the gradients as they come (a step sees them clipped)
+    _train(unclipped, "t", SAMPLE, None, None, capture=capture)
     stage_norms = [
-        torch.linalg.vector_norm(torch.stack([whole_capture.grads["t"][n].norm() for n in names]))
-        for names in _stage_names(whole)
+        torch.linalg.vector_norm(torch.stack([capture.grads["t"][n].norm() for n in names]))
+        for names in _stage_names(unclipped)
     ]
     assert all(norm > 1.0 for norm in stage_norms)  # clipping really cuts in
+    whole = _trainer(max_grad_norm=1.0)
+    _train(whole, "t", SAMPLE, None, None)
+    assert any(
+        not torch.allclose(a, b, atol=1e-6)
+        for a, b in zip(_weights(whole).values(), _weights(unclipped).values(), strict=True)
+    )
 
     one = _trainer(max_grad_norm=1.0)
     _train(one, "t", SAMPLE, (1, 1), (1, 1))
@@ -182,11 +207,10 @@ def test_clipping_is_per_stage_with_one_slice_and_per_group_with_more() -> None:
 
     two = _trainer(max_grad_norm=1.0)
     _train(two, "t", SAMPLE, (2, 2), (2, 2))
-    assert _weights(two).keys() == _weights(whole).keys()
-    assert any(
-        not torch.allclose(a, b, atol=1e-6)
-        for a, b in zip(_weights(two).values(), _weights(whole).values(), strict=True)
-    )
+    _assert_same(_weights(two), _weights(whole))
+    three = _trainer(max_grad_norm=1.0)
+    _train(three, "t", SAMPLE, (2, 2), (3, 2), step_counts=(2, 3))
+    _assert_same(_weights(three), _weights(whole))
 
 
 def _stage_names(trainer: PipelineTrainer) -> list[list[str]]:
@@ -195,7 +219,7 @@ def _stage_names(trainer: PipelineTrainer) -> list[list[str]]:
 
 
 def test_a_step_overtaking_another_tasks_live_slices_uses_the_stash() -> None:
-    """Task b's backward slices step each group while a's sliced graph is live:
+    """Task b's optimizer slices step each group while a's sliced graph is live:
     a's gradients are those of the weights its forward used (as if alone)."""
 
     def run(interleaved: bool) -> tuple[Grads, list[int]]:
@@ -211,6 +235,8 @@ def test_a_step_overtaking_another_tasks_live_slices_uses_the_stash() -> None:
             capture.task = key
             for i in (2, 1, 0):
                 trainer.backward(stage, key, part=(i, 3))
+            for i in (0, 1, 2):
+                trainer.optimizer_step(stage, key, part=(i, 3))
 
         if interleaved:
             fwd("b", OTHER)
@@ -257,11 +283,35 @@ def test_discarding_a_task_between_slices_releases_its_graphs() -> None:
     trainer = _trainer()
     for s in (0, 1):
         trainer.forward(s, "t", [SAMPLE] if s == 0 else [], part=(0, 1))
-    trainer.backward(1, "t", part=(1, 2))  # stage 1's upper group stepped, the rest pending
+    trainer.backward(1, "t", part=(1, 2))  # stage 1's upper group's gradients, not stepped
     trainer.discard("t")
     assert not trainer._sliced and not trainer._grads and not trainer._packed
+    # Its gradients are gone too: they would leak into the next task's step.
+    assert not trainer._unapplied
+    assert all(p.grad is None for st in trainer.staged.stages for p in st.parameters())
     for stash in trainer.stashes:
         assert not any(stash._live.values()) and not any(stash._snapshots.values())
     # The stages train on; num_steps counts completed passes only.
     assert _train(trainer, "u", SAMPLE, (2, 2), (2, 2)) is not None
     assert trainer.num_steps == [1, 1]
+
+
+def test_gradients_of_two_tasks_never_mix_on_a_stage() -> None:
+    """A stage holds one task's gradients from its backward to its optimizer
+    step: another task's backward there in between, or a step of a task whose
+    gradients it does not hold, is refused (the engine never asks for either)."""
+    trainer = _trainer()
+    for key, sample in (("a", SAMPLE), ("b", OTHER)):
+        for s in (0, 1):
+            trainer.forward(s, key, [sample] if s == 0 else [])
+    trainer.backward(1, "a")
+    with pytest.raises(RuntimeError, match="would mix"):
+        trainer.backward(1, "b")
+    with pytest.raises(RuntimeError, match="holds the gradients of 'a'"):
+        trainer.optimizer_step(1, "b")
+    trainer.backward(0, "a")  # stage 0 does not wait for stage 1's step
+    assert trainer.optimizer_step(1, "a") is None
+    trainer.backward(1, "b")  # stage 1 is free again
+    assert trainer.optimizer_step(0, "a") is not None
+    with pytest.raises(RuntimeError, match="holds the gradients of None"):
+        trainer.optimizer_step(0, "b")  # b's backward has not reached stage 0

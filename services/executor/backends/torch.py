@@ -8,10 +8,10 @@ simulator and the emulated executor run); this backend executes each
   its decodes and prefill chunks (engine v2's chunked prefill; whole prompts
   without a budget); the last stage samples and reports end-of-sequence stops
   to the engine;
-* ``fwd`` / ``bwd`` — a training task's forward / backward + optimizer step
-  on that stage (`PipelineTrainer`), or one slice of it (a layer group, the
-  backward stepping that group's weights) when the engine slices training
-  (``train_slice_s``); inference iterations run on the stage between slices;
+* ``fwd`` / ``bwd`` / ``opt`` — a training task's forward / backward /
+  optimizer step on that stage (`PipelineTrainer`), or one slice of it (a
+  layer group) when the engine slices training (``train_slice_s``);
+  inference iterations run on the stage between slices;
 * ``block`` — a weight save or load of that stage's parameters (safetensors).
 
 Each stage has one worker thread, so a stage runs one thing at a time (the
@@ -250,7 +250,7 @@ class TorchBackend:
             # id(): the engine holds the Iteration until its last stage is done,
             # so no two iterations in flight (micro-batches) share one.
             return lambda: self._run_iteration(stage, id(iteration), prefill, decode, spans)
-        if start.kind in (WorkKind.FORWARD, WorkKind.BACKWARD):
+        if start.kind in (WorkKind.FORWARD, WorkKind.BACKWARD, WorkKind.OPTIMIZER):
             # A `TrainingSlice` when the engine slices training (max_training_slice_s).
             # Its index counts slices in the order they run; the trainer's counts
             # layer groups, which a backward runs last to first.
@@ -263,7 +263,9 @@ class TorchBackend:
                     group = work.count - 1 - work.index
                 part = (group, work.count)
             if start.kind == WorkKind.BACKWARD:
-                return lambda: self._backward(stage, task.task_id, part)
+                return lambda: self.trainer.backward(stage, task.task_id, part)
+            if start.kind == WorkKind.OPTIMIZER:
+                return lambda: self._optimizer_step(stage, task.task_id, part)
             samples = self._samples.get(task.task_id, []) if stage == 0 else []
             return lambda: self.trainer.forward(stage, task.task_id, samples, part)
         job = self._syncs.get(str(start.work))
@@ -307,9 +309,9 @@ class TorchBackend:
             raise RequestsFailed(list(failures), next(iter(failures.values())), stopped=stopped)
         return stopped
 
-    def _backward(self, stage: int, key: str, part: tuple[int, int] | None) -> None:
-        loss = self.trainer.backward(stage, key, part)
-        if stage == 0 and (part is None or part[0] == 0):  # group 0: the task's last slice
+    def _optimizer_step(self, stage: int, key: str, part: tuple[int, int] | None) -> None:
+        loss = self.trainer.optimizer_step(stage, key, part)
+        if stage == 0 and (part is None or part[0] == part[1] - 1):  # the task's last slice
             self.num_training_done += 1
             self._samples.pop(key, None)
             if loss is not None:
