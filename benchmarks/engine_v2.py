@@ -10,7 +10,11 @@
             (`--batch-cap micro-batch`: up to M x C requests per node when KV
             memory allows, as vLLM's pipeline-parallel virtual engines);
   v2+slices v2+mbcap + training in slices of at most half the TBT SLO (part c);
-            `SimRunConfig`'s defaults since 2026-12-02.
+            `SimRunConfig`'s defaults 2026-12-02 to 2026-12-03.
+  v2+slices+gather
+            v2+slices + gathered decodes (`--gather-decodes on`): on a node
+            that trains, requests decode in one micro-batch (part c);
+            `SimRunConfig`'s defaults since 2026-12-03.
 
 (a) Saturation on the Azure conversation trace, time-scaled: the highest
     request rate at which the mean SLO attainment over a fixed seed set stays
@@ -25,7 +29,8 @@
     workload (found as in (a), `mix-rr`, train rate 0): TBT p99 against the
     TBT SLO for `mix-rr` and `lemix`, with and without chunked prefill.
 (c) Train rate 0.5 at 10 req/s on the conversation workload, `lemix` (v1
-    and v2+slices) and, on v2+slices, `mix-rr` and `mix-rr-capped`: the
+    and v2+slices) and, on v2+slices, `mix-rr` and `mix-rr-capped`, and
+    the same three policies on v2+slices+gather: the
     fraction of the offered training work completed inside the arrival
     window, and SLO attainment. No metric says "trained
     inside the window", so it is computed from run_simulation's per-task
@@ -170,7 +175,7 @@ class Workloads:
 def engines(profile: Profile, prefill_budget: int | None) -> dict[str, dict[str, Any]]:
     budget = default_prefill_token_budget(profile) if prefill_budget is None else prefill_budget
     # Each engine spelled out from v1's knobs, not from `SimRunConfig`'s
-    # defaults (v2+slices since 2026-12-02), so the rows keep their meaning.
+    # defaults (v2+slices+gather since 2026-12-03), so the rows keep their meaning.
     v1 = dict(V1_ENGINE)
     v2 = {**v1, "num_micro_batches": None, "prefill_token_budget": budget}
     mbcap = {**v2, "is_batch_cap_per_micro_batch": True}
@@ -179,7 +184,10 @@ def engines(profile: Profile, prefill_budget: int | None) -> dict[str, dict[str,
         "v2": v2,
         "v2+mbcap": mbcap,
         "v2-nochunk": {**v1, "num_micro_batches": None},
-        "v2+slices": {**mbcap, "train_slice_tbt_fraction": AUTO_TRAIN_SLICE_TBT_FRACTION},
+        "v2+slices": (
+            slices := {**mbcap, "train_slice_tbt_fraction": AUTO_TRAIN_SLICE_TBT_FRACTION}
+        ),
+        "v2+slices+gather": {**slices, "is_decode_gathered": True},
     }
 
 
@@ -341,6 +349,9 @@ def part_c(
     variants = [("lemix", e, e, False) for e in ("v1", "v2+slices")]
     # The baselines on the same engine: is what LeMix trains a choice or a limit?
     variants += [(p, "v2+slices", "v2+slices", False) for p in ("mix-rr", "mix-rr-capped")]
+    # Gathered decodes: one decode group on a node that trains.
+    gathered = ("lemix", "mix-rr", "mix-rr-capped")
+    variants += [(p, "v2+slices+gather", "v2+slices+gather", False) for p in gathered]
     # The same training tasks with no inference: the most any engine could train.
     variants += [("lemix", f"{e}, training only", e, True) for e in ("v1", "v2+slices")]
     for policy, label, engine, training_only in variants:
