@@ -7,8 +7,9 @@ engine answers with `StageStart`s (run this stage for this long) and outcomes.
 
 Work on a stage is non-preemptive; the next item is picked by priority
 (`lemix.engine_stages`: inference iterations, then training optimizer steps,
-backwards, forwards, then arrival order; or plain arrival order with
-`stage_order="fifo"`). Inference runs as continuous-batching iterations
+backwards, forwards (forwards before backwards with
+`training_order="forward-first"`), then arrival order; or plain arrival
+order with `stage_order="fifo"`). Inference runs as continuous-batching iterations
 (`lemix.batching`) in M micro-batches, each with one iteration in flight
 because each decode step needs the previous token (`EngineConfig`'s M = 1: one
 iteration in flight per node, the v1 engine; every entry point passes engine
@@ -107,7 +108,12 @@ class NodeEngine:
         self.config = config
         self.num_stages = profile.num_stages
         self.memory = NodeMemory(profile.memory, config.memory)
-        self.stages = StageQueues(self.num_stages, config.stage_order, config.max_training_slice_s)
+        self.stages = StageQueues(
+            self.num_stages,
+            config.stage_order,
+            config.max_training_slice_s,
+            config.training_order,
+        )
         self.memory_waits = MemoryWaits(self.memory, profile, config.memory)
         self.batcher = RequestBatcher(
             profile,
@@ -262,13 +268,16 @@ class NodeEngine:
                     req.failure = reason
 
     def next_timer_s(self) -> float | None:
-        """When a memory wait reaches T_max (the driver calls `on_timer` then)."""
+        """When a memory wait reaches T_max or paced decodes may start (the
+        driver calls `on_timer` then)."""
         waits = self.memory_waits
         deadlines = []
         if self._train_waiting and self._train_waiting[0].memory_wait_since_s is not None:
             deadlines.append(waits.deadline_s(self._train_waiting[0].memory_wait_since_s))
         if self.waiting:
             deadlines.append(waits.deadline_s(self.waiting[0].since_s))
+        if self.batcher.paced_until_s is not None:
+            deadlines.append(self.batcher.paced_until_s)
         return min(deadlines) if deadlines else None
 
     def on_timer(self, now_s: float) -> tuple[list[StageStart], list[Outcome]]:

@@ -72,6 +72,9 @@ class RequestBatcher:
             self._micro_batch_cap = micro_batch_cap(cap, num_micro_batches)
         self._can_gather = config.is_decode_gathered and num_micro_batches > 1
         self._has_training = has_training
+        # While paced decodes hold the decode group: when it may start (the
+        # engine's timer wakes it then).
+        self.paced_until_s: float | None = None
 
     @property
     def is_gathering(self) -> bool:
@@ -110,6 +113,10 @@ class RequestBatcher:
     ) -> tuple[Iteration, tuple[float, ...]] | None:
         """Form `batch`'s next iteration: its decodes, prefill chunks, new joins;
         with its duration on each stage (s). None: nothing to run."""
+        if batch.index == DECODE_GROUP:
+            self.paced_until_s = self._paced_until_s(batch, now_s)
+            if self.paced_until_s is not None:
+                return None
         self.memory_waits.resume(
             batch,
             min(self._node_cap - self.num_running, self._micro_batch_cap - len(batch.running)),
@@ -151,6 +158,7 @@ class RequestBatcher:
         durations = iteration_durations(self.truth, self.num_stages, chunks, decode, reload_s)
         batch.running = decode + partial + joined
         batch.is_in_flight = True
+        batch.last_start_s = now_s
         if len(self.micro_batches) > 1:  # only other groups read it (`_borrowed_chunks`)
             batch.planned_s = self._planned_s(chunks, decode)
         iteration = Iteration(
@@ -160,6 +168,19 @@ class RequestBatcher:
             tuple((c.start, c.num_tokens) for c in chunks),
         )
         return iteration, durations
+
+    def _paced_until_s(self, batch: MicroBatch, now_s: float) -> float | None:
+        """When the decode group `batch` may start its next iteration if paced
+        decodes hold it now (`EngineConfig.decode_pace_s`); None: it may start.
+
+        Only gathered decodes are paced: the node trains, and a round sooner
+        than the pace would take a stage from the training for a token its
+        request does not need yet (the pace is below the TBT SLO)."""
+        pace_s = self.config.decode_pace_s
+        if pace_s is None or batch.last_start_s is None or not batch.running:
+            return None
+        until_s = batch.last_start_s + pace_s
+        return until_s if now_s < until_s and self.is_gathering else None
 
     def _planned_s(self, chunks: list[PrefillChunk], decode: list[Request]) -> float:
         """An iteration's time on its slowest stage, by the profile's model."""

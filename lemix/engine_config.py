@@ -28,6 +28,12 @@ CHUNK_DECODE_STEP_MULTIPLE = 3.0
 # Auto training slices: this fraction of the TBT SLO, so a decode step queued
 # behind a slice still has the rest of its SLO to run in.
 AUTO_TRAIN_SLICE_TBT_FRACTION = 0.5
+# Auto paced decodes: gathered decode rounds start this fraction of the TBT
+# SLO apart, leaving the rest for a round's waits behind training slices
+# (0.6 and 0.8 measured within a point of its training, with 0.4 points more
+# and 1.9 less SLO attainment: docs/results.md, part (c), 2026-12-04).
+AUTO_DECODE_PACE_TBT_FRACTION = 0.7
+TRAINING_ORDERS = ("backward-first", "forward-first")
 
 
 @dataclass(frozen=True)
@@ -65,10 +71,24 @@ class EngineConfig:
     # M > 1, requests decode in group 0 only and new ones join the others.
     # The entry points default to on (since 2026-12-03).
     is_decode_gathered: bool = False
+    # Paced decodes (`lemix.engine_groups`): while decodes are gathered, the
+    # decode group's iterations start at least this long apart (s); None = as
+    # soon as the group is back.
+    decode_pace_s: float | None = None
+    # Which training pass goes first on a stage when both are ready:
+    # "backward-first" (1F1B's rule, v1) or "forward-first".
+    training_order: str = "backward-first"
 
     def __post_init__(self) -> None:
         if self.stage_order not in ("inference-first", "fifo"):
             raise ValueError("stage_order must be 'inference-first' or 'fifo'")
+        if self.training_order not in TRAINING_ORDERS:
+            raise ValueError(
+                f"training_order must be one of {', '.join(TRAINING_ORDERS)}, "
+                f"got {self.training_order!r}"
+            )
+        if self.decode_pace_s is not None and not self.decode_pace_s > 0:
+            raise ValueError(f"decode_pace_s must be > 0 s or None, got {self.decode_pace_s}")
         if self.max_training_in_flight is not None and self.max_training_in_flight < 1:
             raise ValueError("max_training_in_flight must be >= 1 or None")
         if self.num_micro_batches is not None and self.num_micro_batches < 1:
@@ -112,6 +132,12 @@ def default_prefill_token_budget(profile: Profile) -> int:
         else:
             break
     return budget
+
+
+def default_decode_pace_s(profile: Profile) -> float:
+    """Auto paced decodes where the workload is not known: as
+    `default_train_slice_s`, with `AUTO_DECODE_PACE_TBT_FRACTION`."""
+    return AUTO_DECODE_PACE_TBT_FRACTION * compute_slo(profile, (), SloConfig()).tbt_s
 
 
 def default_train_slice_s(profile: Profile) -> float:

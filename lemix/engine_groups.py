@@ -67,6 +67,22 @@ Gathered decodes (`EngineConfig.is_decode_gathered`)
     simulator's and the services' defaults (`--gather-decodes`), measured in
     docs/results.md (2026-12-03).
 
+Paced decodes (`EngineConfig.decode_pace_s`)
+    While decodes are gathered, the decode group's next iteration starts no
+    sooner than `decode_pace_s` after its previous one started; until then
+    the group is held (the engine's timer, `NodeEngine.next_timer_s`, wakes
+    it) and the stages run other work. Why: a request's TBT SLO is a mean
+    between tokens; a round that comes sooner than needed pays the decode
+    step's fixed cost once more per token for no SLO the request has, and on
+    a node that trains that stage time is the training's. A pace below the
+    SLO leaves the rest for the round's own waits behind slices. Only the
+    decode group is paced, and only while the node trains: prompts (their
+    chunks ride the other groups) and a node that only serves run as soon as
+    they can. The planner predicts no TBT below the pace on such a node
+    (`DecodeAwareCostEstimator.paced_tbt_s`). Off in `EngineConfig`; the
+    simulator's and the services' defaults pace at 0.7 × the TBT SLO
+    (`--decode-pace-s`, since 2026-12-04).
+
 KV offload (memory-aware training admission)
     Only requests of micro-batches between iterations are offloaded (their KV
     is not in use), so with M > 1 it happens at any group's boundary while the
@@ -186,6 +202,7 @@ class MicroBatch:
     # The iteration in flight's time on its slowest stage, by the profile's
     # model (what other groups' iterations may grow to: pipelined chunks).
     planned_s: float = 0.0
+    last_start_s: float | None = None  # when its last iteration was formed
 
     @property
     def load_tokens(self) -> int:

@@ -14,6 +14,17 @@ step runs after the backward has handed its gradient on). With a
 training pass on a stage runs in slices (`lemix.engine_groups.num_slices`), and
 each slice goes back into the queue after it ends, so higher-priority work that
 became ready meanwhile runs between slices.
+
+`training_order="forward-first"` swaps the two passes: a ready forward goes
+before a ready backward (optimizer steps still go before both). With only S
+tasks in flight and inference taking the stages at random times, a stage that
+runs a backward (and then its step) while the next task's forward waits in
+its queue leaves the stage after it idle for both; running the forward first
+hands that stage work while this one does the backward. On the A100 7B
+profile (10 req/s, train rate 0.5, 3 seeds) the stages idled 90–112 stage-s
+in the window with S tasks in flight, against 125–137 backward-first
+(docs/results.md, part (c), 2026-12-04). It keeps no more activations: a
+task holds its activation memory from admission to its last step either way.
 """
 
 from __future__ import annotations
@@ -52,9 +63,14 @@ class StageQueues:
     """The ready queues and running items of one node's stages."""
 
     def __init__(
-        self, num_stages: int, stage_order: str, max_training_slice_s: float | None
+        self,
+        num_stages: int,
+        stage_order: str,
+        max_training_slice_s: float | None,
+        training_order: str = "backward-first",
     ) -> None:
         self._stage_order = stage_order
+        self._is_forward_first = training_order == "forward-first"
         self._max_training_slice_s = max_training_slice_s
         self._ready: list[list[tuple[int, int, WorkItem]]] = [[] for _ in range(num_stages)]
         self._current: list[WorkItem | None] = [None] * num_stages
@@ -74,6 +90,8 @@ class StageQueues:
         if self._stage_order == "fifo" and prio != PRIO_BLOCKING:
             # An optimizer step still goes first: right after its backward.
             prio = PRIO_BLOCKING if prio == PRIO_OPTIMIZER else PRIO_ITERATION
+        elif self._is_forward_first and prio in (PRIO_BACKWARD, PRIO_FORWARD):
+            prio = PRIO_BACKWARD + PRIO_FORWARD - prio  # the two swap places
         return WorkItem(prio, self._seq, durations_s, kind, payload)
 
     def enqueue(self, item: WorkItem, stage: int) -> list[StageStart]:

@@ -74,6 +74,7 @@ class PlannerConfig:
     is_decode_gathered: bool = False
     prefill_token_budget: int | None = None
     max_training_slice_s: float | None = None
+    decode_pace_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.num_stages < 1:
@@ -111,6 +112,8 @@ class PlannerConfig:
             raise ValueError("prefill_token_budget must be >= 1 or None")
         if self.max_training_slice_s is not None and not self.max_training_slice_s > 0:
             raise ValueError("max_training_slice_s must be > 0 or None")
+        if self.decode_pace_s is not None and not self.decode_pace_s > 0:
+            raise ValueError("decode_pace_s must be > 0 or None")
 
     @property
     def training_node_ids(self) -> tuple[int, ...]:

@@ -190,7 +190,7 @@ class VectorBounds:
         for s in range(1, num_stages):
             period_one = period_one + one[s]
         if estimator.num_micro_batches <= 1:
-            return period_one + col[_STALL]
+            return period_one + col[_STALL]  # (one group: nothing is gathered or paced)
         per_group = -(-num_after // groups)
         per_context = context_after // groups
         many = [groups * self._step_s(s, per_group, per_context) for s in range(num_stages)]
@@ -199,7 +199,8 @@ class VectorBounds:
             total = total + many[s]
             busiest = np.maximum(busiest, many[s])
         period_many = np.maximum(total / groups, busiest)
-        return np.where(groups <= 1, period_one, period_many) + col[_STALL]
+        tbt = np.where(groups <= 1, period_one, period_many) + col[_STALL]
+        return self._paced(tbt, col[_HAS_TRAINING] > 0)
 
     def _batch_tbt_with_training_s(
         self, col: np.ndarray, work: np.ndarray, num_stages: int
@@ -212,7 +213,16 @@ class VectorBounds:
         stall = mean_item if slice_s is None else np.minimum(mean_item, slice_s)
         stall_stages = self.estimator.stall_stages(num_stages, True)
         tbt = col[_PERIOD_TRAINING] + stall_stages * np.minimum(busy, 1.0) * stall
+        tbt = self._paced(tbt, np.ones(len(tbt), dtype=bool))
         return np.where(col[_HAS_REQUESTS] > 0, tbt, 0.0)
+
+    def _paced(self, tbt: np.ndarray, is_training: np.ndarray) -> np.ndarray:
+        """`DecodeAwareCostEstimator.paced_tbt_s` per node."""
+        estimator = self.estimator
+        pace_s = estimator.decode_pace_s
+        if pace_s is None or not estimator.is_decode_gathered or estimator.num_micro_batches <= 1:
+            return tbt
+        return np.where(is_training, np.maximum(tbt, pace_s), tbt)
 
     @staticmethod
     def _response_floor_s(

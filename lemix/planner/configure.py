@@ -30,6 +30,7 @@ def build_planner_config(
     is_decode_gathered: bool = False,
     prefill_token_budget: int | None = None,
     max_training_slice_s: float | None = None,
+    decode_pace_s: float | None = None,
     replica_sync_every_tasks: int | None = None,
     max_training_runs_per_plan: int = PlannerConfig.max_training_runs_per_plan,
 ) -> PlannerConfig:
@@ -56,6 +57,7 @@ def build_planner_config(
         is_decode_gathered=is_decode_gathered,
         prefill_token_budget=prefill_token_budget,
         max_training_slice_s=max_training_slice_s,
+        decode_pace_s=decode_pace_s,
         max_training_runs_per_plan=max_training_runs_per_plan,
         replica_sync_every_tasks=replica_sync_every_tasks or None,
     )

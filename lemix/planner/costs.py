@@ -137,6 +137,8 @@ class DecodeAwareCostEstimator:
     is_decode_gathered: bool = False
     prefill_token_budget: int | None = None  # B: tokens per iteration (None: whole prompts)
     max_training_slice_s: float | None = None  # longest piece of a training item on a stage
+    # `EngineConfig.decode_pace_s`: gathered decode rounds start at least this far apart.
+    decode_pace_s: float | None = None
     # T_max (`MemoryConfig.max_wait_s`): the engine fails a request still short
     # of KV then (`lemix.engine_memory`), so no request it serves waited longer
     # for KV; None: a wait without a bound.
@@ -171,6 +173,18 @@ class DecodeAwareCostEstimator:
         if self.is_decode_gathered and is_training and self.num_micro_batches > 1:
             return (num_stages + 1) / 2
         return float(num_stages)
+
+    def paced_tbt_s(self, tbt_s: float, is_training: bool) -> float:
+        """A time between tokens `tbt_s` as paced decodes make it: never below
+        the pace while the node gathers its decodes (it trains); the decode
+        load's busy share and drain time keep the unpaced period, which
+        overstates the decode work a paced node does."""
+        if (
+            self.decode_pace_s is not None
+            and self.decode_groups(is_training) == 1 < self.num_micro_batches
+        ):
+            return max(tbt_s, self.decode_pace_s)
+        return tbt_s
 
     def decode_groups(self, is_training: bool) -> int:
         """Groups a node's requests decode in: one on a node that trains
@@ -409,10 +423,13 @@ class DecodeAwareCostEstimator:
         """
         num_after = min(batch.num_running + 1, self.max_batch_size)
         context_after = batch.sum_context + task.num_prompt_tokens + task.max_output_tokens // 2
-        groups = self.decode_groups(bool(view.training_tasks))
+        is_training = bool(view.training_tasks)
+        groups = self.decode_groups(is_training)
         step = self._round(num_after, context_after, view.num_stages, groups)
         period_s = self._period_s(step, num_after, groups)
-        return period_s + self._training_load(view, now_s).stall_term_s
+        return self.paced_tbt_s(
+            period_s + self._training_load(view, now_s).stall_term_s, is_training
+        )
 
     def _batch_tbt_with_training_s(
         self, view: NodeView, batch: _BatchFacts, now_s: float, work_s: float
@@ -427,7 +444,8 @@ class DecodeAwareCostEstimator:
         busy_fraction = load.busy_fraction + work_s / TRAINING_LOAD_WINDOW_S
         stall_s = self._training_stall_s(mean_item_s)
         stall_stages = self.stall_stages(view.num_stages, True)
-        return batch.period_training_s + stall_stages * min(busy_fraction, 1.0) * stall_s
+        tbt_s = batch.period_training_s + stall_stages * min(busy_fraction, 1.0) * stall_s
+        return self.paced_tbt_s(tbt_s, True)
 
     def decode_load(self, view: NodeView, now_s: float) -> DecodeLoad | None:
         batch = self._batch(view)

@@ -168,6 +168,7 @@ def make_estimator(
         is_decode_gathered=config.is_decode_gathered,
         prefill_token_budget=config.prefill_token_budget,
         max_training_slice_s=config.max_training_slice_s,
+        decode_pace_s=config.decode_pace_s,
     )
 
 

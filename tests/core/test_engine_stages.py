@@ -11,6 +11,7 @@ from lemix.engine_stages import (
     PRIO_BLOCKING,
     PRIO_FORWARD,
     PRIO_ITERATION,
+    PRIO_OPTIMIZER,
     StageQueues,
 )
 
@@ -53,6 +54,32 @@ def test_a_free_stage_runs_by_priority_then_arrival() -> None:
     ]
     assert queues.is_idle
     assert queues.busy_s == [approx(7.0)]
+
+
+def test_forward_first_swaps_only_the_two_training_passes() -> None:
+    queues = StageQueues(1, "inference-first", None, "forward-first")
+    busy = queues.new_item(PRIO_FORWARD, (1.0,), WorkKind.FORWARD, "running")
+    queues.enqueue(busy, 0)
+    for prio, name in [
+        (PRIO_BACKWARD, "bwd-1"),
+        (PRIO_FORWARD, "fwd-1"),
+        (PRIO_ITERATION, "iter"),
+        (PRIO_OPTIMIZER, "opt"),
+        (PRIO_BACKWARD, "bwd-2"),
+        (PRIO_FORWARD, "fwd-2"),
+        (PRIO_BLOCKING, "block"),
+    ]:
+        queues.enqueue(queues.new_item(prio, (1.0,), WorkKind.NONE, name), 0)
+    assert _run_order(queues, 0) == [
+        "running",
+        "block",
+        "iter",
+        "opt",  # a step still goes before any backward (and now any forward)
+        "fwd-1",
+        "fwd-2",
+        "bwd-1",
+        "bwd-2",
+    ]
 
 
 def test_fifo_keeps_blocking_first_and_the_rest_in_arrival_order() -> None:

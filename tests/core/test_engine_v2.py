@@ -595,6 +595,8 @@ def test_random_mixes_of_every_knob_end_every_task_exactly_once(seed: int) -> No
         prefill_token_budget=rng.choice([None, 1, 7, 48]),
         max_training_slice_s=rng.choice([None, 0.01, 0.05]),
         is_decode_gathered=rng.random() < 0.5,
+        decode_pace_s=rng.choice([None, 0.005, 0.03]),
+        training_order=rng.choice(["backward-first", "forward-first"]),
     )
     engine = NodeEngine(0, profile, profile.ours, config)
     driver = EngineDriver(engine)
@@ -809,7 +811,7 @@ def test_borrowed_chunks_never_make_an_iteration_longer_than_one_in_flight(seed:
 
 
 def _gathering_run(
-    *, is_decode_gathered: bool, with_training: bool
+    *, is_decode_gathered: bool, with_training: bool, decode_pace_s: float | None = None
 ) -> tuple[NodeEngine, EngineDriver, list[object]]:
     """Two groups (C = 8 each), a 48-token budget, 10 ms slices; eight requests arriving
     over 0.2 s and, with training, four long training tasks from t = 0 so the
@@ -824,6 +826,7 @@ def _gathering_run(
         max_training_slice_s=0.01,
         is_batch_cap_per_micro_batch=True,  # room for all eight in the decode group
         is_decode_gathered=is_decode_gathered,
+        decode_pace_s=decode_pace_s,
     )
     engine = NodeEngine(0, profile, profile.ours, config)
     formed: list[object] = []
@@ -891,6 +894,63 @@ def test_without_training_gathered_decodes_change_nothing() -> None:
     """Serving alone: the flag leaves every stage start exactly as without it."""
     _, off, _ = _gathering_run(is_decode_gathered=False, with_training=False)
     _, on, _ = _gathering_run(is_decode_gathered=True, with_training=False)
+    assert [(t, s.stage, s.duration_s) for t, s in on.starts] == [
+        (t, s.stage, s.duration_s) for t, s in off.starts
+    ]
+
+
+# ------------------------------------------------------------ paced decodes
+
+PACE_S = 0.05  # a decode step costs 10 ms per stage, a slice 10 ms: rounds come ~30 ms apart
+
+
+def _decode_group_starts(driver: EngineDriver) -> list[float]:
+    """When each iteration of the decode group (group 0) started on stage 0."""
+    return [
+        t
+        for t, s in iterations(driver)
+        if isinstance(s.work, Iteration) and s.work.micro_batch == 0 and s.work.decode
+    ]
+
+
+def test_paced_decodes_start_a_pace_apart_while_the_node_trains() -> None:
+    """Gathered decode rounds start at least the pace apart (never sooner),
+    and the held group starts on the timer, at its previous start plus the
+    pace, when the stage is free; every request still gets all its tokens."""
+    engine, driver, formed = _gathering_run(
+        is_decode_gathered=True, with_training=True, decode_pace_s=PACE_S
+    )
+    starts = _decode_group_starts(driver)
+    assert len(starts) > 10, "too few decode rounds to show anything"
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert min(gaps) >= PACE_S - 1e-12
+    assert sum(1 for g in gaps if g == approx(PACE_S)) >= len(gaps) // 2, gaps
+    finished = {o.task_id: o for _, o in driver.of(Finished)}
+    assert all(finished[f"r{i}"].num_output_tokens == 12 for i in range(8))  # type: ignore[attr-defined]
+    assert engine.is_idle and engine.batcher.paced_until_s is None
+
+
+def test_paced_decodes_run_fewer_rounds_and_the_training_ends_sooner() -> None:
+    """The same work: unpaced, rounds come sooner than the pace (else the test
+    shows nothing); paced, fewer rounds carry the same tokens, so the training
+    on the node ends sooner."""
+    unpaced = _gathering_run(is_decode_gathered=True, with_training=True)[1]
+    paced = _gathering_run(is_decode_gathered=True, with_training=True, decode_pace_s=PACE_S)[1]
+
+    def training_done_s(driver: EngineDriver) -> float:
+        return max(t for t, o in driver.of(Finished) if o.task_id.startswith("t"))
+
+    starts = _decode_group_starts(unpaced)
+    assert min(b - a for a, b in zip(starts, starts[1:], strict=False)) < PACE_S
+    assert len(_decode_group_starts(paced)) < len(starts)
+    assert training_done_s(paced) < training_done_s(unpaced)
+
+
+def test_without_training_a_pace_changes_nothing() -> None:
+    """Serving alone nothing is gathered, so nothing is paced: every stage
+    start is as without a pace."""
+    _, off, _ = _gathering_run(is_decode_gathered=True, with_training=False)
+    _, on, _ = _gathering_run(is_decode_gathered=True, with_training=False, decode_pace_s=PACE_S)
     assert [(t, s.stage, s.duration_s) for t, s in on.starts] == [
         (t, s.stage, s.duration_s) for t, s in off.starts
     ]

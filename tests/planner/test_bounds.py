@@ -37,6 +37,16 @@ ENGINES = [
         },
         id="v2-gathered",
     ),
+    pytest.param(
+        {
+            "num_micro_batches": 2,
+            "prefill_token_budget": 64,
+            "max_training_slice_s": 0.05,
+            "is_decode_gathered": True,
+            "decode_pace_s": 0.08,
+        },
+        id="v2-paced",
+    ),
 ]
 
 

@@ -166,3 +166,29 @@ def test_gathered_decodes_on_a_training_node_predict_one_group_and_fewer_stalls(
     assert gathered.costs(idle, task, 0.0).time_between_tokens_s == pytest.approx(
         split.costs(idle, task, 0.0).time_between_tokens_s
     )
+
+
+def test_paced_decodes_on_a_training_node_predict_no_tbt_below_the_pace() -> None:
+    """A paced node that trains: a token comes no sooner than the pace, for a
+    joiner and for the running batch once training joins; without training
+    (nothing gathered, nothing paced) or below the pace, as unpaced."""
+    view = view_with(32)
+    view.commit(make_training("t0", 0.0, 100), _prediction(work_s=0.4), now_s=0.0)
+    task = make_request("new", 0.0, 100, 10)
+    kw: dict[str, object] = {
+        "num_micro_batches": 2,
+        "max_training_slice_s": 0.02,
+        "is_decode_gathered": True,
+    }
+    unpaced = estimator(**kw)
+    natural_s = unpaced.costs(view, task, 0.0).time_between_tokens_s
+    slow = estimator(**kw, decode_pace_s=2 * natural_s)
+    fast = estimator(**kw, decode_pace_s=0.5 * natural_s)
+    assert slow.costs(view, task, 0.0).time_between_tokens_s == pytest.approx(2 * natural_s)
+    assert fast.costs(view, task, 0.0).time_between_tokens_s == pytest.approx(natural_s)
+    idle = view_with(32)
+    assert slow.costs(idle, task, 0.0).time_between_tokens_s == pytest.approx(
+        unpaced.costs(idle, task, 0.0).time_between_tokens_s
+    )
+    assert slow.paced_tbt_s(0.0, is_training=True) == 2 * natural_s
+    assert slow.paced_tbt_s(0.0, is_training=False) == 0.0
