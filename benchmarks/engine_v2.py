@@ -14,7 +14,15 @@
   v2+slices+gather
             v2+slices + gathered decodes (`--gather-decodes on`): on a node
             that trains, requests decode in one micro-batch (part c);
-            `SimRunConfig`'s defaults since 2026-12-03.
+            `SimRunConfig`'s defaults 2026-12-03 to 2026-12-04.
+  +fwd-first, +slices/4+pace, +fwd-first+slices/4+pace
+            v2+slices+gather with forward-first training
+            (`--training-order`), with slices of a quarter of the TBT SLO and
+            paced decodes (`--decode-pace-s auto`), or both (part c);
+  v2 (2026-12-04)
+            the last plus a spare training task in flight
+            (`--spare-training 1`): `SimRunConfig`'s defaults since
+            2026-12-04.
 
 (a) Saturation on the Azure conversation trace, time-scaled: the highest
     request rate at which the mean SLO attainment over a fixed seed set stays
@@ -29,8 +37,9 @@
     workload (found as in (a), `mix-rr`, train rate 0): TBT p99 against the
     TBT SLO for `mix-rr` and `lemix`, with and without chunked prefill.
 (c) Train rate 0.5 at 10 req/s on the conversation workload, `lemix` (v1
-    and v2+slices) and, on v2+slices, `mix-rr` and `mix-rr-capped`, and
-    the same three policies on v2+slices+gather: the
+    and v2+slices) and, on v2+slices, `mix-rr` and `mix-rr-capped`; the
+    same three policies on v2+slices+gather and on v2 (2026-12-04), and
+    `lemix` on the three steps between those: the
     fraction of the offered training work completed inside the arrival
     window, and SLO attainment. No metric says "trained
     inside the window", so it is computed from run_simulation's per-task
@@ -59,7 +68,11 @@ from dataclasses import replace as dc_replace
 from pathlib import Path
 from typing import Any
 
-from lemix.engine_config import AUTO_TRAIN_SLICE_TBT_FRACTION, default_prefill_token_budget
+from lemix.engine_config import (
+    AUTO_DECODE_PACE_TBT_FRACTION,
+    AUTO_TRAIN_SLICE_TBT_FRACTION,
+    default_prefill_token_budget,
+)
 from lemix.profile import Profile, load_profile
 from lemix.report.metrics import format_table
 from lemix.sim.run import V1_ENGINE, SimRunConfig, run_simulation
@@ -175,19 +188,30 @@ class Workloads:
 def engines(profile: Profile, prefill_budget: int | None) -> dict[str, dict[str, Any]]:
     budget = default_prefill_token_budget(profile) if prefill_budget is None else prefill_budget
     # Each engine spelled out from v1's knobs, not from `SimRunConfig`'s
-    # defaults (v2+slices+gather since 2026-12-03), so the rows keep their meaning.
+    # defaults (the last row's since 2026-12-04), so the rows keep their meaning.
     v1 = dict(V1_ENGINE)
     v2 = {**v1, "num_micro_batches": None, "prefill_token_budget": budget}
     mbcap = {**v2, "is_batch_cap_per_micro_batch": True}
+    slices = {**mbcap, "train_slice_tbt_fraction": 0.5}  # the auto slice until 2026-12-04
+    gather = {**slices, "is_decode_gathered": True}
     return {
         "v1": v1,
         "v2": v2,
         "v2+mbcap": mbcap,
         "v2-nochunk": {**v1, "num_micro_batches": None},
-        "v2+slices": (
-            slices := {**mbcap, "train_slice_tbt_fraction": AUTO_TRAIN_SLICE_TBT_FRACTION}
+        "v2+slices": slices,
+        "v2+slices+gather": gather,
+        # The changes of 2026-12-04, one at a time, then together.
+        "+fwd-first": {**gather, "training_order": "forward-first"},
+        "+slices/4+pace": (
+            paced := {
+                **gather,
+                "train_slice_tbt_fraction": AUTO_TRAIN_SLICE_TBT_FRACTION,
+                "decode_pace_tbt_fraction": AUTO_DECODE_PACE_TBT_FRACTION,
+            }
         ),
-        "v2+slices+gather": {**slices, "is_decode_gathered": True},
+        "+fwd-first+slices/4+pace": (three := {**paced, "training_order": "forward-first"}),
+        "v2 (2026-12-04)": {**three, "spare_training_in_flight": 1},
     }
 
 
@@ -350,10 +374,16 @@ def part_c(
     # The baselines on the same engine: is what LeMix trains a choice or a limit?
     variants += [(p, "v2+slices", "v2+slices", False) for p in ("mix-rr", "mix-rr-capped")]
     # Gathered decodes: one decode group on a node that trains.
-    gathered = ("lemix", "mix-rr", "mix-rr-capped")
-    variants += [(p, "v2+slices+gather", "v2+slices+gather", False) for p in gathered]
+    co_located = ("lemix", "mix-rr", "mix-rr-capped")
+    variants += [(p, "v2+slices+gather", "v2+slices+gather", False) for p in co_located]
+    # 2026-12-04: forward-first training; slices of a quarter of the TBT SLO
+    # with paced decodes; both (the default engine since).
+    steps = ("+fwd-first", "+slices/4+pace", "+fwd-first+slices/4+pace")
+    variants += [("lemix", e, e, False) for e in steps]
+    variants += [(p, "v2 (2026-12-04)", "v2 (2026-12-04)", False) for p in co_located]
     # The same training tasks with no inference: the most any engine could train.
-    variants += [("lemix", f"{e}, training only", e, True) for e in ("v1", "v2+slices")]
+    only = ("v1", "v2+slices", "v2 (2026-12-04)")
+    variants += [("lemix", f"{e}, training only", e, True) for e in only]
     for policy, label, engine, training_only in variants:
         per_seed = []
         for s in seeds:

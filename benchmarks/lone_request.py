@@ -183,13 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         **engine_knobs(args),
     )
     engine = sim_config.engine_config(slo, profile)
-    args.engine = EngineKnobs(
-        engine.num_micro_batches or 0,
-        engine.prefill_token_budget or 0,
-        engine.max_training_slice_s or 0.0,
-        "micro-batch" if engine.is_batch_cap_per_micro_batch else "node",
-        "on" if engine.is_decode_gathered else "off",
-    )
+    args.engine = EngineKnobs.of_engine(engine)
     _, result = run_simulation(
         sim_config, profile, tasks[:1], request_rate=1.0, duration_s=1.0, slo=slo
     )

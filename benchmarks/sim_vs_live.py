@@ -341,13 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         **engine_knobs(args),
     )
     engine = sim_config.engine_config(slo, profile)  # resolved (an auto slice needs the SLO)
-    args.engine = EngineKnobs(
-        engine.num_micro_batches or 0,
-        engine.prefill_token_budget or 0,
-        engine.max_training_slice_s or 0.0,
-        "micro-batch" if engine.is_batch_cap_per_micro_batch else "node",
-        "on" if engine.is_decode_gathered else "off",
-    )
+    args.engine = EngineKnobs.of_engine(engine)
     print(f"engine: {args.engine}")
     live, live_records, live_alone, cores = asyncio.run(run_live(args, tasks, wl, slo))
     _, alone_result = run_simulation(

@@ -41,7 +41,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from lemix.engine_batcher import RequestBatcher
-from lemix.engine_config import EngineConfig
+from lemix.engine_config import SPARE_TRAINING_FREE_FRACTION, EngineConfig
 from lemix.engine_groups import Iteration, MicroBatch, Request
 from lemix.engine_memory import MemoryWaits, TrainingRoom
 from lemix.engine_outputs import (
@@ -320,10 +320,12 @@ class NodeEngine:
     def _admit_training(self, now_s: float, outcomes: list[Outcome]) -> list[StageStart]:
         starts: list[StageStart] = []
         waits = self.memory_waits
-        while self._train_waiting and len(self._training) < self._max_training:
+        while self._train_waiting:
             head = self._train_waiting[0]
             task = head.task
             need = activation_bytes(self.profile.memory, task.batch_size, task.num_prompt_tokens)
+            if not self._has_training_room(need):
+                break
             if not self.memory.can_admit(need):
                 if head.memory_wait_since_s is None:
                     head.memory_wait_since_s = now_s
@@ -351,6 +353,26 @@ class NodeEngine:
             item = self.stages.new_item(PRIO_FORWARD, durations, WorkKind.FORWARD, task)
             starts += self.stages.enqueue(item, 0)
         return starts
+
+    def _has_training_room(self, need: tuple[int, ...]) -> bool:
+        """Room for one more training task in flight, whose activations take
+        `need`: under the cap, or one of `EngineConfig.spare_training_in_flight`
+        beyond it while memory is spare (no request waits to join or to get its
+        KV back, every stage has `SPARE_TRAINING_FREE_FRACTION` of its dynamic
+        memory free, and `need` fits now: a spare task never waits for memory,
+        so it never has KV offloaded for it)."""
+        num_training = len(self._training)
+        if num_training < self._max_training:
+            return True
+        if num_training >= self._max_training + self.config.spare_training_in_flight:
+            return False
+        if self.waiting or self.swapped:
+            return False
+        memory = self.memory
+        return memory.can_admit(need) and all(
+            memory.free_bytes(s) >= SPARE_TRAINING_FREE_FRACTION * memory.dynamic_capacity_bytes(s)
+            for s in range(self.num_stages)
+        )
 
     def _to_backward(self, item: WorkItem) -> list[StageStart]:
         task: Task = item.payload  # type: ignore[assignment]

@@ -7,9 +7,11 @@ in one piece; its unit tests build on them. Every entry point (the simulator's
 `SimRunConfig`, `lemix sim`/`compare`/`report`/`demo`, the executors and the
 scheduler through `lemix.infra.engine_options`, `lemix up`) defaults to engine
 v2 instead, resolved with the functions below: one micro-batch per stage,
-`default_prefill_token_budget`, and training slices of
+`default_prefill_token_budget`, training slices of
 `AUTO_TRAIN_SLICE_TBT_FRACTION` × the TBT SLO (`default_train_slice_s` where
-the workload, hence the SLO, is not known). Engine v2's knobs are described in
+the workload, hence the SLO, is not known), gathered decodes paced at
+`AUTO_DECODE_PACE_TBT_FRACTION` × the TBT SLO (`default_decode_pace_s`),
+forward-first training and one spare training task in flight. Engine v2's knobs are described in
 `lemix.engine_groups`.
 """
 
@@ -26,14 +28,22 @@ from lemix.slo import SloConfig, compute_slo
 # decode steps at a 512-token context on the same stage.
 CHUNK_DECODE_STEP_MULTIPLE = 3.0
 # Auto training slices: this fraction of the TBT SLO, so a decode step queued
-# behind a slice still has the rest of its SLO to run in.
-AUTO_TRAIN_SLICE_TBT_FRACTION = 0.5
+# behind a slice on each stage still has most of its SLO to run in (half of it
+# before 2026-12-04: 0.25 with paced decodes and forward-first training gave
+# more training in the window and higher attainment; 0.2 and 0.35 within a
+# point of it; docs/results.md, part (c), 2026-12-04).
+AUTO_TRAIN_SLICE_TBT_FRACTION = 0.25
 # Auto paced decodes: gathered decode rounds start this fraction of the TBT
 # SLO apart, leaving the rest for a round's waits behind training slices
 # (0.6 and 0.8 measured within a point of its training, with 0.4 points more
 # and 1.9 less SLO attainment: docs/results.md, part (c), 2026-12-04).
 AUTO_DECODE_PACE_TBT_FRACTION = 0.7
 TRAINING_ORDERS = ("backward-first", "forward-first")
+# Spare training (`EngineConfig.spare_training_in_flight`): a task beyond the
+# cap is admitted only while this fraction of every stage's dynamic memory (the
+# KV cache's and the activations' share, `NodeMemory.dynamic_capacity_bytes`)
+# is free, so the KV cache keeps room for the requests that arrive meanwhile.
+SPARE_TRAINING_FREE_FRACTION = 0.3
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,12 @@ class EngineConfig:
     # Which training pass goes first on a stage when both are ready:
     # "backward-first" (1F1B's rule, v1) or "forward-first".
     training_order: str = "backward-first"
+    # Training tasks admitted beyond `max_training_in_flight` while memory is
+    # spare: no request waits for admission or for its KV to come back, and
+    # `SPARE_TRAINING_FREE_FRACTION` of every stage's dynamic memory is free.
+    # S tasks in flight leave pipeline bubbles once inference takes the stages
+    # at random times; one more fills some (`lemix.engine`).
+    spare_training_in_flight: int = 0
 
     def __post_init__(self) -> None:
         if self.stage_order not in ("inference-first", "fifo"):
@@ -86,6 +102,10 @@ class EngineConfig:
             raise ValueError(
                 f"training_order must be one of {', '.join(TRAINING_ORDERS)}, "
                 f"got {self.training_order!r}"
+            )
+        if self.spare_training_in_flight < 0:
+            raise ValueError(
+                f"spare_training_in_flight must be >= 0, got {self.spare_training_in_flight}"
             )
         if self.decode_pace_s is not None and not self.decode_pace_s > 0:
             raise ValueError(f"decode_pace_s must be > 0 s or None, got {self.decode_pace_s}")

@@ -10,10 +10,11 @@ tables of docs/results.md measured before then ran v1):
   = the profile-derived `lemix.engine_config.default_prefill_token_budget`,
   resolved with the run's profile.
 - ``--train-slice-s SECONDS|auto|off``: the longest uninterrupted piece of a
-  training pass on one stage; auto (default) = half the run's TBT SLO, so a
-  decode step that arrives behind a slice still has half its SLO left to run
-  in. The SLO depends on the workload (`lemix.slo.compute_slo`), so auto is
-  resolved when each run's SLO is known (`SimRunConfig.train_slice_tbt_fraction`).
+  training pass on one stage; auto (default) = a quarter of the run's TBT SLO
+  (half before 2026-12-04), so a decode step that waits behind a slice on each
+  stage still has most of its SLO left to run in. The SLO depends on the
+  workload (`lemix.slo.compute_slo`), so auto is resolved when each run's SLO
+  is known (`SimRunConfig.train_slice_tbt_fraction`).
 - ``--batch-cap node|micro-batch``: what ``--max-batch-size`` C caps once there
   are micro-batches: the node's running requests, split evenly, or each
   micro-batch's iteration (default; the node holds up to M × C when KV memory
@@ -29,9 +30,23 @@ tables of docs/results.md measured before then ran v1):
   2026-12-03 (docs/results.md: more training in the window at the same or
   better SLO attainment for every co-located policy measured).
 
-``--micro-batches 1 --prefill-budget off --train-slice-s off --gather-decodes
-off`` is the v1 engine (the batch cap and gathering are then moot: with one
-micro-batch both caps are C and there is one group to decode in).
+- ``--decode-pace-s SECONDS|auto|off``: while decodes are gathered, start
+  their rounds at least this long apart (`lemix.engine_groups`, "Paced
+  decodes"); auto (default since 2026-12-04) = 0.7 × the run's TBT SLO,
+  resolved as the slice is.
+- ``--training-order forward-first|backward-first``: which training pass a
+  stage runs first when both are ready; forward-first is the default since
+  2026-12-04, backward-first is 1F1B's rule and v1's.
+- ``--spare-training N``: training tasks a node admits beyond one per stage
+  while its memory is spare (`EngineConfig.spare_training_in_flight`); 1 by
+  default since 2026-12-04, 0 = v1.
+
+docs/results.md (part (c), 2026-12-04) measured the last four changes (and
+the slice's new fraction). ``--micro-batches 1 --prefill-budget off
+--train-slice-s off --gather-decodes off --decode-pace-s off --training-order
+backward-first --spare-training 0`` is the v1 engine (the
+batch cap and gathering are then moot: with one micro-batch both caps are C
+and there is one group to decode in, which is never paced).
 """
 
 from __future__ import annotations
@@ -40,7 +55,11 @@ import argparse
 import math
 from typing import Any, Literal
 
-from lemix.engine_config import AUTO_TRAIN_SLICE_TBT_FRACTION
+from lemix.engine_config import (
+    AUTO_DECODE_PACE_TBT_FRACTION,
+    AUTO_TRAIN_SLICE_TBT_FRACTION,
+    TRAINING_ORDERS,
+)
 
 AUTO, OFF, ON = "auto", "off", "on"
 BATCH_CAP_NODE, BATCH_CAP_MICRO_BATCH = "node", "micro-batch"
@@ -54,7 +73,14 @@ V1_ENGINE_FLAGS = (
     OFF,
     "--gather-decodes",
     OFF,
+    "--decode-pace-s",
+    OFF,
+    "--training-order",
+    "backward-first",
+    "--spare-training",
+    "0",
 )
+FORWARD_FIRST = "forward-first"
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -74,8 +100,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--train-slice-s",
         default=AUTO,
         metavar="SECONDS|auto|off",
-        help="longest piece of a training pass on a stage (auto, default: half the TBT SLO; "
-        "off = v1)",
+        help="longest piece of a training pass on a stage (auto, default: a quarter of the "
+        "TBT SLO; off = v1)",
     )
     p.add_argument(
         "--batch-cap",
@@ -91,6 +117,28 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="while a node trains, decode in one micro-batch, new requests join the others "
         "(default: on; off = v1 and engine v2 before 2026-12-03)",
     )
+    p.add_argument(
+        "--decode-pace-s",
+        default=AUTO,
+        metavar="SECONDS|auto|off",
+        help="while decodes are gathered, start their rounds at least this long apart (auto, "
+        "default: 0.7 x the TBT SLO; off = v1 and engine v2 before 2026-12-04)",
+    )
+    p.add_argument(
+        "--training-order",
+        default=FORWARD_FIRST,
+        choices=TRAINING_ORDERS,
+        help="which training pass a stage runs first when both are ready (default: "
+        "forward-first; backward-first = v1 and engine v2 before 2026-12-04)",
+    )
+    p.add_argument(
+        "--spare-training",
+        default=1,
+        type=_spare_training,
+        metavar="N",
+        help="training tasks a node admits beyond one per stage while its memory is spare "
+        "(default: 1; 0 = v1 and engine v2 before 2026-12-04)",
+    )
 
 
 def engine_flags(args: argparse.Namespace) -> str:
@@ -102,6 +150,9 @@ def engine_flags(args: argparse.Namespace) -> str:
         ("--train-slice-s", args.train_slice_s, AUTO),
         ("--batch-cap", args.batch_cap, BATCH_CAP_MICRO_BATCH),
         ("--gather-decodes", args.gather_decodes, ON),
+        ("--decode-pace-s", args.decode_pace_s, AUTO),
+        ("--training-order", args.training_order, FORWARD_FIRST),
+        ("--spare-training", args.spare_training, 1),
     )
     return " ".join(f"{flag} {value}" for flag, value, default in given if value != default)
 
@@ -115,6 +166,9 @@ def engine_knobs(args: argparse.Namespace) -> dict[str, Any]:
         **parse_train_slice(args.train_slice_s),
         "is_batch_cap_per_micro_batch": args.batch_cap == BATCH_CAP_MICRO_BATCH,
         "is_decode_gathered": args.gather_decodes == ON,
+        **parse_decode_pace(args.decode_pace_s),
+        "training_order": args.training_order,
+        "spare_training_in_flight": args.spare_training,
     }
 
 
@@ -156,6 +210,29 @@ def parse_train_slice(text: str) -> dict[str, float | None]:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"--train-slice-s must be > 0 s, auto or off, got {text!r}")
     return {"train_slice_s": value, "train_slice_tbt_fraction": None}
+
+
+def parse_decode_pace(text: str) -> dict[str, float | None]:
+    """SECONDS > 0, off, or auto (a fraction of the TBT SLO, resolved per run)."""
+    lowered = text.strip().lower()
+    if lowered == OFF:
+        return {"decode_pace_s": None, "decode_pace_tbt_fraction": None}
+    if lowered == AUTO:
+        return {"decode_pace_s": None, "decode_pace_tbt_fraction": AUTO_DECODE_PACE_TBT_FRACTION}
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"--decode-pace-s needs SECONDS|auto|off, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"--decode-pace-s must be > 0 s, auto or off, got {text!r}")
+    return {"decode_pace_s": value, "decode_pace_tbt_fraction": None}
+
+
+def _spare_training(text: str) -> int:
+    value = _int("--spare-training", text, "N >= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--spare-training must be >= 0, got {value}")
+    return value
 
 
 def _int(flag: str, text: str, expected: str) -> int:

@@ -202,13 +202,7 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         served_model_name=args.served_model_name,
         max_model_len=args.max_model_len,
         max_in_flight=args.max_in_flight,
-        engine=EngineKnobs(
-            args.num_micro_batches,
-            args.prefill_token_budget,
-            args.train_slice_s,
-            args.batch_cap,
-            args.gather_decodes,
-        ),
+        engine=EngineKnobs.of(args),
     )
 
 

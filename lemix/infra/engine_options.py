@@ -12,10 +12,11 @@ not None, because a flag parsed to None counts as not given
 - ``prefill_token_budget``: TOKENS >= 1, 0 = off (whole prompts), -1 = auto
   (`lemix.engine_config.default_prefill_token_budget` of the profile; default);
 - ``train_slice_s``: profile seconds > 0, 0 = off (whole training passes), or
-  -1 = auto (default): half the TBT SLO. A live service knows no workload, so
-  auto takes the SLO the scheduler derives from the profile when no
-  ``LEMIX_SLO_*`` is set (`lemix.engine_config.default_train_slice_s`); with
-  an SLO of your own, give the slice in seconds to both services;
+  -1 = auto (default): a quarter of the TBT SLO (half before 2026-12-04). A
+  live service knows no workload, so auto takes the SLO the scheduler derives
+  from the profile when no ``LEMIX_SLO_*`` is set
+  (`lemix.engine_config.default_train_slice_s`); with an SLO of your own,
+  give the slice (and the pace) in seconds to both services;
 - ``batch_cap``: what ``max_batch_size`` caps once there are micro-batches,
   ``node`` (the node's running requests) or ``micro-batch`` (each iteration;
   default). docs/results.md (engine v2, table (a), 2026-12-01) measured the cap
@@ -26,19 +27,37 @@ not None, because a flag parsed to None counts as not given
 - ``gather_decodes``: ``on`` (default since 2026-12-03) or ``off``: while a
   node has training, its requests decode in one micro-batch and new ones join
   the others (`lemix.engine_groups`, "Gathered decodes").
+- ``decode_pace_s``: profile seconds > 0, 0 = off, or -1 = auto (default
+  since 2026-12-04): gathered decode rounds start at least this long apart
+  (`lemix.engine_groups`, "Paced decodes"); auto is
+  `lemix.engine_config.AUTO_DECODE_PACE_TBT_FRACTION` of the TBT SLO the
+  profile gives, resolved as the slice is;
+- ``training_order``: ``forward-first`` (default since 2026-12-04) or
+  ``backward-first`` (1F1B's rule, v1): which training pass a stage runs
+  first when both are ready (`lemix.engine_stages`);
+- ``spare_training``: N >= 0 training tasks a node admits beyond one per stage
+  while its memory is spare (default 1 since 2026-12-04; 0 = v1;
+  `lemix.engine_config.EngineConfig.spare_training_in_flight`).
 
 ``--micro-batches 1 --prefill-token-budget off --train-slice-s off
---gather-decodes off`` select v1 (``--batch-cap`` is then moot: with one
-micro-batch both caps are C; so is ``--gather-decodes``).
+--gather-decodes off --decode-pace-s off --training-order backward-first
+--spare-training 0`` select v1 (``--batch-cap`` is then moot: with one micro-batch both caps are C;
+so is ``--gather-decodes``, and with it the pace).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
-from lemix.engine_config import default_prefill_token_budget, default_train_slice_s
+from lemix.engine_config import (
+    TRAINING_ORDERS,
+    EngineConfig,
+    default_decode_pace_s,
+    default_prefill_token_budget,
+    default_train_slice_s,
+)
 from lemix.infra.settings import Option
 from lemix.profile import Profile
 
@@ -47,6 +66,8 @@ OFF_PREFILL_TOKEN_BUDGET = 0
 AUTO_PREFILL_TOKEN_BUDGET = -1
 OFF_TRAIN_SLICE_S = 0.0
 AUTO_TRAIN_SLICE_S = -1.0
+OFF_DECODE_PACE_S = 0.0
+AUTO_DECODE_PACE_S = -1.0
 BATCH_CAPS = ("node", "micro-batch")
 ON_OFF = ("on", "off")
 
@@ -65,11 +86,32 @@ def token_budget(text: str) -> int:
 
 
 def slice_seconds(text: str) -> float:
-    """Seconds, "off" (0: whole training passes) or "auto" (-1: half the TBT SLO)."""
+    """Seconds, "off" (0: whole training passes) or "auto" (-1: a quarter of the TBT SLO)."""
     lowered = text.strip().lower()
     if lowered == "off":
         return OFF_TRAIN_SLICE_S
     return AUTO_TRAIN_SLICE_S if lowered == "auto" else float(text)
+
+
+def pace_seconds(text: str) -> float:
+    """Seconds, "off" (0: unpaced) or "auto" (-1: a fraction of the TBT SLO)."""
+    lowered = text.strip().lower()
+    if lowered == "off":
+        return OFF_DECODE_PACE_S
+    return AUTO_DECODE_PACE_S if lowered == "auto" else float(text)
+
+
+def training_order(text: str) -> str:
+    """forward-first | backward-first."""
+    value = text.strip().lower()
+    if value not in TRAINING_ORDERS:
+        raise ValueError(f"choose one of {', '.join(TRAINING_ORDERS)}")
+    return value
+
+
+def spare_tasks(text: str) -> int:
+    """N >= 0 (0: none)."""
+    return int(text)
 
 
 def batch_cap(text: str) -> str:
@@ -92,7 +134,7 @@ def knob_text(field: str, value: float | str) -> str:
     """One option's value as its flag spells it (auto, off, a number, a cap)."""
     if field == "num_micro_batches" and value == AUTO_MICRO_BATCHES:
         return "auto"
-    if field in ("prefill_token_budget", "train_slice_s") and value in (0, -1):
+    if field in ("prefill_token_budget", "train_slice_s", "decode_pace_s") and value in (0, -1):
         return "off" if value == 0 else "auto"
     return str(value)
 
@@ -121,7 +163,7 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
         "LEMIX_TRAIN_SLICE_S",
         slice_seconds,
         "longest piece of a training pass or optimizer step on a stage, profile s (off or "
-        "0 = whole passes; auto or -1 = half the TBT SLO the profile gives)",
+        "0 = whole passes; auto or -1 = a quarter of the TBT SLO the profile gives)",
         "S|auto|off",
     ),
     Option(
@@ -142,12 +184,39 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
         "the others (on or off)",
         "on|off",
     ),
+    Option(
+        "decode_pace_s",
+        "--decode-pace-s",
+        "LEMIX_DECODE_PACE_S",
+        pace_seconds,
+        "while decodes are gathered, start their rounds at least this long apart, profile s "
+        "(off or 0 = unpaced; auto or -1 = 0.7 x the TBT SLO the profile gives)",
+        "S|auto|off",
+    ),
+    Option(
+        "training_order",
+        "--training-order",
+        "LEMIX_TRAINING_ORDER",
+        training_order,
+        "which training pass a stage runs first when both are ready: forward-first or "
+        "backward-first (1F1B's rule; v1)",
+        "forward-first|backward-first",
+    ),
+    Option(
+        "spare_training",
+        "--spare-training",
+        "LEMIX_SPARE_TRAINING",
+        spare_tasks,
+        "training tasks a node admits beyond one per stage while no request waits and 30% "
+        "of its KV and activation memory is free (0 = none, v1)",
+        "N",
+    ),
 )
 
 
 @dataclass(frozen=True)
 class EngineKnobs:
-    """The five options' values, checked; `resolve` maps them onto the
+    """The eight options' values, checked; `resolve` maps them onto the
     keyword arguments `EngineConfig` and `build_planner_config` take. The
     defaults are engine v2 (module docstring); `V1_ENGINE_KNOBS` is v1."""
 
@@ -156,6 +225,29 @@ class EngineKnobs:
     train_slice_s: float = AUTO_TRAIN_SLICE_S
     batch_cap: str = "micro-batch"
     gather_decodes: str = "on"
+    decode_pace_s: float = AUTO_DECODE_PACE_S
+    training_order: str = "forward-first"
+    spare_training: int = 1
+
+    @classmethod
+    def of(cls, source: object) -> EngineKnobs:
+        """The knobs of a config or parsed arguments with a field of each name."""
+        return cls(**{f.name: getattr(source, f.name) for f in fields(cls)})
+
+    @classmethod
+    def of_engine(cls, engine: EngineConfig) -> EngineKnobs:
+        """Knobs that resolve to `engine`'s shape, whatever the profile (the
+        auto ones given as their resolved values)."""
+        return cls(
+            num_micro_batches=engine.num_micro_batches or AUTO_MICRO_BATCHES,
+            prefill_token_budget=engine.prefill_token_budget or OFF_PREFILL_TOKEN_BUDGET,
+            train_slice_s=engine.max_training_slice_s or OFF_TRAIN_SLICE_S,
+            batch_cap="micro-batch" if engine.is_batch_cap_per_micro_batch else "node",
+            gather_decodes="on" if engine.is_decode_gathered else "off",
+            decode_pace_s=engine.decode_pace_s or OFF_DECODE_PACE_S,
+            training_order=engine.training_order,
+            spare_training=engine.spare_training_in_flight,
+        )
 
     def __post_init__(self) -> None:
         if self.num_micro_batches < 0:
@@ -177,10 +269,21 @@ class EngineKnobs:
             raise ValueError(f"batch_cap must be one of {BATCH_CAPS}, got {self.batch_cap!r}")
         if self.gather_decodes not in ON_OFF:
             raise ValueError(f"gather_decodes must be on or off, got {self.gather_decodes!r}")
+        pace_s = self.decode_pace_s
+        if not (math.isfinite(pace_s) and (pace_s >= 0 or pace_s == AUTO_DECODE_PACE_S)):
+            raise ValueError(
+                f"decode_pace_s must be >= 0 s (0 = off) or -1 (auto), got {self.decode_pace_s}"
+            )
+        if self.training_order not in TRAINING_ORDERS:
+            raise ValueError(
+                f"training_order must be one of {TRAINING_ORDERS}, got {self.training_order!r}"
+            )
+        if self.spare_training < 0:
+            raise ValueError(f"spare_training must be >= 0, got {self.spare_training}")
 
     def resolve(self, profile: Profile | None) -> dict[str, Any]:
-        """`EngineConfig` keyword arguments; `profile` resolves an auto budget
-        and an auto slice (None: no profile yet, for range checks only: both
+        """`EngineConfig` keyword arguments; `profile` resolves an auto budget,
+        slice and pace (None: no profile yet, for range checks only: they
         stay unresolved as None)."""
         budget: int | None = self.prefill_token_budget or None
         if self.prefill_token_budget == AUTO_PREFILL_TOKEN_BUDGET:
@@ -189,15 +292,30 @@ class EngineKnobs:
         if self.train_slice_s == AUTO_TRAIN_SLICE_S:
             # A profile whose SLO is 0 (zero latency: nothing takes time) has nothing to slice.
             slice_s = (default_train_slice_s(profile) or None) if profile is not None else None
+        pace_s: float | None = self.decode_pace_s or None
+        if self.decode_pace_s == AUTO_DECODE_PACE_S:
+            pace_s = (default_decode_pace_s(profile) or None) if profile is not None else None
         return {
             "num_micro_batches": self.num_micro_batches or None,
             "prefill_token_budget": budget,
             "max_training_slice_s": slice_s,
             "is_batch_cap_per_micro_batch": self.batch_cap == "micro-batch",
             "is_decode_gathered": self.gather_decodes == "on",
+            "decode_pace_s": pace_s,
+            "training_order": self.training_order,
+            "spare_training_in_flight": self.spare_training,
         }
 
 
 # The v1 engine (one iteration in flight per node, whole prompts, whole
 # training passes), for a run that must reproduce it.
-V1_ENGINE_KNOBS = EngineKnobs(1, OFF_PREFILL_TOKEN_BUDGET, OFF_TRAIN_SLICE_S, "node", "off")
+V1_ENGINE_KNOBS = EngineKnobs(
+    num_micro_batches=1,
+    prefill_token_budget=OFF_PREFILL_TOKEN_BUDGET,
+    train_slice_s=OFF_TRAIN_SLICE_S,
+    batch_cap="node",
+    gather_decodes="off",
+    decode_pace_s=OFF_DECODE_PACE_S,
+    training_order="backward-first",
+    spare_training=0,
+)

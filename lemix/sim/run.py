@@ -10,7 +10,11 @@ from typing import Any, Literal
 
 from lemix.batching import BatchingConfig
 from lemix.engine import EngineConfig, NodeEngine
-from lemix.engine_config import AUTO_TRAIN_SLICE_TBT_FRACTION, default_prefill_token_budget
+from lemix.engine_config import (
+    AUTO_DECODE_PACE_TBT_FRACTION,
+    AUTO_TRAIN_SLICE_TBT_FRACTION,
+    default_prefill_token_budget,
+)
 from lemix.memory import MemoryConfig
 from lemix.noise import NoisyLatency
 from lemix.planner.base import PlannerConfig
@@ -27,9 +31,10 @@ AUTO: Literal["auto"] = "auto"
 @dataclass(frozen=True)
 class SimRunConfig:
     """One simulation's settings. The engine knobs default to engine v2 (one
-    micro-batch per stage, the profile's prefill budget, training slices of
-    half the run's TBT SLO, C per micro-batch: `lemix.cli.engine_args` says
-    why); `V1_ENGINE` holds the knobs that select v1."""
+    micro-batch per stage, the profile's prefill budget, training slices of a
+    quarter of the run's TBT SLO, gathered and paced decodes, forward-first
+    training, C per micro-batch: `lemix.cli.engine_args` says why);
+    `V1_ENGINE` holds the knobs that select v1."""
 
     policy: str = "lemix"
     num_nodes: int = 4
@@ -72,6 +77,16 @@ class SimRunConfig:
     is_batch_cap_per_micro_batch: bool = True
     # `EngineConfig.is_decode_gathered`: with training on a node, decode in one group.
     is_decode_gathered: bool = True
+    # `EngineConfig.decode_pace_s` (s). When set it wins over
+    # `decode_pace_tbt_fraction`; both None = unpaced.
+    decode_pace_s: float | None = None
+    # Pace = this fraction of the run's TBT SLO (known once the workload is,
+    # as the slices'): `--decode-pace-s auto`, the default.
+    decode_pace_tbt_fraction: float | None = AUTO_DECODE_PACE_TBT_FRACTION
+    # `EngineConfig.training_order`.
+    training_order: str = "forward-first"
+    # `EngineConfig.spare_training_in_flight`: tasks beyond the cap while memory is spare.
+    spare_training_in_flight: int = 1
     # The control plane as fixed delays (`Simulator`): submit to planner, and
     # engine to client for an inference task's tokens. 0: not modelled.
     intake_delay_s: float = 0.0
@@ -89,6 +104,9 @@ class SimRunConfig:
         fraction = self.train_slice_tbt_fraction
         if fraction is not None and not 0 < fraction <= 1:
             raise ValueError(f"train_slice_tbt_fraction must be in (0, 1], got {fraction}")
+        pace = self.decode_pace_tbt_fraction
+        if pace is not None and not 0 < pace <= 1:
+            raise ValueError(f"decode_pace_tbt_fraction must be in (0, 1], got {pace}")
         budget = self.prefill_token_budget
         if isinstance(budget, str) and budget != AUTO:
             raise ValueError(f"prefill_token_budget must be tokens, None or 'auto', got {budget!r}")
@@ -103,7 +121,10 @@ class SimRunConfig:
         slice_s = self.train_slice_s
         if slice_s is None and self.train_slice_tbt_fraction is not None:
             # A zero TBT SLO (a zero-latency profile) leaves nothing to slice.
-            slice_s = self.train_slice_tbt_fraction * slo.tbt_s or None
+            slice_s = self.train_slice_tbt_fraction * slo.tbt_s or None  # (and nothing to pace)
+        pace_s = self.decode_pace_s
+        if pace_s is None and self.decode_pace_tbt_fraction is not None:
+            pace_s = self.decode_pace_tbt_fraction * slo.tbt_s or None
         budget: int | None
         if isinstance(self.prefill_token_budget, str):  # AUTO (__post_init__ checked it);
             # left unresolved (None) without a profile, for the range checks only
@@ -120,6 +141,9 @@ class SimRunConfig:
             max_training_slice_s=slice_s,
             is_batch_cap_per_micro_batch=self.is_batch_cap_per_micro_batch,
             is_decode_gathered=self.is_decode_gathered,
+            decode_pace_s=pace_s,
+            training_order=self.training_order,
+            spare_training_in_flight=self.spare_training_in_flight,
         )
 
 
@@ -134,6 +158,10 @@ V1_ENGINE: Mapping[str, Any] = MappingProxyType(
         "train_slice_tbt_fraction": None,
         "is_batch_cap_per_micro_batch": False,
         "is_decode_gathered": False,
+        "decode_pace_s": None,
+        "decode_pace_tbt_fraction": None,
+        "training_order": "backward-first",
+        "spare_training_in_flight": 0,
     }
 )
 
@@ -147,7 +175,8 @@ def engine_name(config: SimRunConfig) -> str:
     knobs = {name: getattr(config, name) for name in ENGINE_KNOB_FIELDS}
     if knobs["num_micro_batches"] == 1:  # one micro-batch: either cap is C per node,
         knobs["is_batch_cap_per_micro_batch"] = False  # and it is the one decode group
-        knobs["is_decode_gathered"] = False
+        knobs["is_decode_gathered"] = False  # (so nothing is paced)
+        knobs["decode_pace_s"] = knobs["decode_pace_tbt_fraction"] = None
     if knobs == {name: getattr(SimRunConfig(), name) for name in ENGINE_KNOB_FIELDS}:
         return "engine v2"
     return "engine v1" if knobs == dict(V1_ENGINE) else "a custom engine"
@@ -185,6 +214,7 @@ def build_simulator(
         is_decode_gathered=engine_config.is_decode_gathered,
         prefill_token_budget=engine_config.prefill_token_budget,
         max_training_slice_s=engine_config.max_training_slice_s,
+        decode_pace_s=engine_config.decode_pace_s,
     )
     memory = config.memory
     if not spec.is_memory_aware:

@@ -166,6 +166,9 @@ def stack_env(
         "train_slice_s": repr(c.engine.train_slice_s),
         "batch_cap": c.engine.batch_cap,
         "gather_decodes": c.engine.gather_decodes,
+        "decode_pace_s": repr(c.engine.decode_pace_s),
+        "training_order": c.engine.training_order,
+        "spare_training": str(c.engine.spare_training),
     }
     profile = profile_path or (str(c.profile_path) if c.profile_path is not None else None)
     if profile is not None:

@@ -79,10 +79,13 @@ class ExecutorConfig(CommonServiceConfig):
     # as the scheduler's (lemix.infra.engine_options).
     num_micro_batches: int = EngineKnobs().num_micro_batches  # 0 = one per stage
     prefill_token_budget: int = EngineKnobs().prefill_token_budget  # 0 = off, -1 = auto
-    # profile s; 0 = off, -1 = auto (half the TBT SLO the profile gives)
+    # profile s; 0 = off, -1 = auto (a quarter of the TBT SLO the profile gives)
     train_slice_s: float = EngineKnobs().train_slice_s
     batch_cap: str = EngineKnobs().batch_cap  # node | micro-batch
     gather_decodes: str = EngineKnobs().gather_decodes  # on | off
+    decode_pace_s: float = EngineKnobs().decode_pace_s  # profile s; 0 = off, -1 = auto
+    training_order: str = EngineKnobs().training_order  # forward-first | backward-first
+    spare_training: int = EngineKnobs().spare_training  # tasks beyond one per stage
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -121,13 +124,7 @@ class ExecutorConfig(CommonServiceConfig):
 
     def engine_knobs(self) -> EngineKnobs:
         """The engine v2 options (shared with the scheduler: lemix.infra.engine_options)."""
-        return EngineKnobs(
-            self.num_micro_batches,
-            self.prefill_token_budget,
-            self.train_slice_s,
-            self.batch_cap,
-            self.gather_decodes,
-        )
+        return EngineKnobs.of(self)
 
     def torch_config(self) -> TorchBackendConfig:
         from services.executor.torch_setup import TorchBackendConfig

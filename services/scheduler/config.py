@@ -80,6 +80,9 @@ class SchedulerConfig(CommonServiceConfig):
     train_slice_s: float = EngineKnobs().train_slice_s
     batch_cap: str = EngineKnobs().batch_cap
     gather_decodes: str = EngineKnobs().gather_decodes  # on | off
+    decode_pace_s: float = EngineKnobs().decode_pace_s  # profile s; 0 = off, -1 = auto
+    training_order: str = EngineKnobs().training_order  # forward-first | backward-first
+    spare_training: int = EngineKnobs().spare_training  # tasks beyond one per stage
     train_rate: float = _DEFAULT_PLANNER.train_rate  # SEPARATE's training share of nodes
     sync_every_tasks: int = _DEFAULT_PLANNER.sync_every_tasks  # SEPARATE's K
     # Co-located policies: nodes that train (all, auto or a count; the rest
@@ -253,17 +256,20 @@ class SchedulerConfig(CommonServiceConfig):
             training_nodes=self.training_nodes,
             is_admission_cluster_wide=self.admission == "cluster",
             replica_sync_every_tasks=self.replica_sync_every_tasks or None,
-            **self.engine_knobs().resolve(profile),
+            **self.planner_engine_knobs(profile),
         )
 
+    def planner_engine_knobs(self, profile: Profile) -> dict[str, Any]:
+        """The executors' resolved engine knobs that the planner models: all
+        but the training order and the spare training tasks, on which no
+        predicted cost depends (the planner's training load comes from its
+        placements, not from how many run at once)."""
+        knobs = self.engine_knobs().resolve(profile)
+        del knobs["training_order"], knobs["spare_training_in_flight"]
+        return knobs
+
     def engine_knobs(self) -> EngineKnobs:
-        return EngineKnobs(
-            self.num_micro_batches,
-            self.prefill_token_budget,
-            self.train_slice_s,
-            self.batch_cap,
-            self.gather_decodes,
-        )
+        return EngineKnobs.of(self)
 
 
 # ------------------------------------------------------------------ env + CLI

@@ -597,6 +597,7 @@ def test_random_mixes_of_every_knob_end_every_task_exactly_once(seed: int) -> No
         is_decode_gathered=rng.random() < 0.5,
         decode_pace_s=rng.choice([None, 0.005, 0.03]),
         training_order=rng.choice(["backward-first", "forward-first"]),
+        spare_training_in_flight=rng.choice([0, 1, 2]),
     )
     engine = NodeEngine(0, profile, profile.ours, config)
     driver = EngineDriver(engine)
@@ -954,3 +955,87 @@ def test_without_training_a_pace_changes_nothing() -> None:
     assert [(t, s.stage, s.duration_s) for t, s in on.starts] == [
         (t, s.stage, s.duration_s) for t, s in off.starts
     ]
+
+
+# ------------------------------------------------------------ spare training
+
+
+class InFlightDriver(EngineDriver):
+    """Also records, after every step, how many training tasks are in flight
+    and whether a request was waiting."""
+
+    def __init__(self, engine: NodeEngine) -> None:
+        super().__init__(engine)
+        self.in_flight: list[tuple[float, int, bool]] = []
+
+    def _absorb(self, starts: list[StageStart], outcomes: list[Outcome]) -> None:
+        super()._absorb(starts, outcomes)
+        engine = self.engine
+        is_waiting = bool(engine.waiting or engine.swapped)
+        self.in_flight.append((self.now_s, len(engine._training), is_waiting))
+
+
+def _spare_engine(spare: int, max_batch_size: int = 8, max_wait_s: float = 5.0) -> NodeEngine:
+    """Tiny memory (800 B of KV and activations per stage, 1 B per token),
+    S = 2 stages: at most two training tasks, plus `spare` while memory is."""
+    profile = make_tiny_memory_profile()
+    config = EngineConfig(
+        BatchingConfig(max_batch_size=max_batch_size),
+        MemoryConfig(kappa=0.9, max_wait_s=max_wait_s),
+        spare_training_in_flight=spare,
+    )
+    return NodeEngine(0, profile, profile.ours, config)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "spare", "expected"),
+    [
+        (100, 0, 2),  # the cap: one per stage
+        (100, 1, 3),  # 300 B held, 500 free >= 30% of 800: one spare
+        (100, 2, 4),
+        (250, 1, 3),  # 500 held, 300 free >= 240, and 250 fit
+        (300, 1, 2),  # 600 held, 200 free < 240: no spare
+    ],
+)
+def test_spare_training_is_admitted_only_while_memory_is_spare(
+    num_tokens: int, spare: int, expected: int
+) -> None:
+    engine = _spare_engine(spare)
+    driver = InFlightDriver(engine)
+    for i in range(5):
+        driver.add(make_training(f"t{i}", 0.0, num_tokens, seq=i))
+    driver.run()
+    assert max(n for _, n, _ in driver.in_flight) == expected
+    assert len(driver.of(Finished)) == 5 and engine.is_idle
+
+
+def test_no_spare_training_while_a_request_waits() -> None:
+    """One request runs (C = 1) and another waits: training stays at the cap
+    until nothing waits, then a spare task joins."""
+    engine = _spare_engine(1, max_batch_size=1)
+    driver = InFlightDriver(engine)
+    driver.add(make_request("r0", 0.0, 50, 4))
+    driver.add(make_request("r1", 0.0, 50, 4, seq=1))
+    for i in range(6):
+        driver.add(make_training(f"t{i}", 0.0, 100, seq=10 + i))
+    driver.run()
+    assert any(w for _, _, w in driver.in_flight), "no request ever waited: the test shows nothing"
+    assert all(n <= 2 for _, n, w in driver.in_flight if w)
+    assert max(n for _, n, _ in driver.in_flight) == 3
+    finished = {o.task_id for _, o in driver.of(Finished)}
+    assert finished == {"r0", "r1", *(f"t{i}" for i in range(6))}
+
+
+def test_a_spare_task_that_does_not_fit_waits_for_a_slot_not_for_memory() -> None:
+    """Two small tasks leave 600 B free (spare by the fraction) but the next
+    needs 700: it is not admitted as a spare (where a wait for memory would
+    end at T_max, long before a slot frees, in a requeue) but when a slot
+    frees, and it finishes."""
+    engine = _spare_engine(1, max_wait_s=0.001)
+    driver = InFlightDriver(engine)
+    for i, num_tokens in enumerate((100, 100, 700)):
+        driver.add(make_training(f"t{i}", 0.0, num_tokens, seq=i))
+    driver.run()
+    assert max(n for _, n, _ in driver.in_flight) == 2
+    assert not driver.of(Requeued)
+    assert {o.task_id for _, o in driver.of(Finished)} == {"t0", "t1", "t2"}

@@ -10,7 +10,12 @@ from factories import make_profile
 
 from lemix.cli.engine_args import V1_ENGINE_FLAGS
 from lemix.cli.main import build_parser, configs_from_args
-from lemix.engine_config import EngineConfig, default_prefill_token_budget
+from lemix.engine_config import (
+    AUTO_DECODE_PACE_TBT_FRACTION,
+    AUTO_TRAIN_SLICE_TBT_FRACTION,
+    EngineConfig,
+    default_prefill_token_budget,
+)
 from lemix.profile import default_profile_path, load_profile
 from lemix.sim.run import V1_ENGINE, SimRunConfig, build_simulator
 from lemix.slo import Slo
@@ -22,6 +27,10 @@ KNOBS = (
     "prefill_token_budget",
     "max_training_slice_s",
     "is_batch_cap_per_micro_batch",
+    "is_decode_gathered",
+    "decode_pace_s",
+    "training_order",
+    "spare_training_in_flight",
 )
 
 
@@ -43,8 +52,12 @@ def test_default_run_config_is_engine_v2() -> None:
     expected = {
         "num_micro_batches": None,  # one per stage
         "prefill_token_budget": default_prefill_token_budget(make_profile()),
-        "max_training_slice_s": pytest.approx(0.5 * SLO.tbt_s),
+        "max_training_slice_s": pytest.approx(0.25 * SLO.tbt_s),
         "is_batch_cap_per_micro_batch": True,
+        "is_decode_gathered": True,
+        "decode_pace_s": pytest.approx(0.7 * SLO.tbt_s),
+        "training_order": "forward-first",
+        "spare_training_in_flight": 1,
     }
     configs = _engine_configs(SimRunConfig(num_nodes=2))
     assert len(configs) == 2
@@ -86,7 +99,7 @@ def test_train_slice_from_the_runs_tbt_slo() -> None:
 
 def test_train_slice_seconds_win_over_the_default_fraction() -> None:
     run = SimRunConfig(train_slice_s=0.01)
-    assert run.train_slice_tbt_fraction == 0.5  # the default, not used
+    assert run.train_slice_tbt_fraction == AUTO_TRAIN_SLICE_TBT_FRACTION  # the default, not used
     assert run.engine_config(SLO, make_profile()).max_training_slice_s == 0.01
 
 
@@ -99,6 +112,10 @@ def test_train_slice_seconds_win_over_the_default_fraction() -> None:
         {"train_slice_s": -1.0},
         {"train_slice_tbt_fraction": 0.0},
         {"train_slice_tbt_fraction": 1.5},
+        {"decode_pace_tbt_fraction": 0.0},
+        {"decode_pace_tbt_fraction": 1.5},
+        {"training_order": "sideways"},
+        {"spare_training_in_flight": -1},
         {"prefill_token_budget": "lots"},
     ],
 )
@@ -110,14 +127,25 @@ def test_bad_knobs_are_refused(kwargs: dict[str, float]) -> None:
 def test_cli_defaults_are_engine_v2() -> None:
     run = _setup(*SIM)
     assert (run.num_micro_batches, run.prefill_token_budget) == (None, "auto")
-    assert (run.train_slice_s, run.train_slice_tbt_fraction) == (None, 0.5)
-    assert run.is_batch_cap_per_micro_batch
+    assert (run.train_slice_s, run.train_slice_tbt_fraction) == (
+        None,
+        AUTO_TRAIN_SLICE_TBT_FRACTION,
+    )
+    assert (run.decode_pace_s, run.decode_pace_tbt_fraction) == (
+        None,
+        AUTO_DECODE_PACE_TBT_FRACTION,
+    )
+    assert run.is_batch_cap_per_micro_batch and run.is_decode_gathered
+    assert run.training_order == "forward-first" and run.spare_training_in_flight == 1
 
 
 def test_cli_v1_flags_select_the_v1_engine() -> None:
     run = _setup(*SIM, *V1_ENGINE_FLAGS)
     assert (run.num_micro_batches, run.prefill_token_budget) == (1, None)
     assert (run.train_slice_s, run.train_slice_tbt_fraction) == (None, None)
+    assert (run.decode_pace_s, run.decode_pace_tbt_fraction) == (None, None)
+    assert run.training_order == "backward-first" and not run.is_decode_gathered
+    assert run.spare_training_in_flight == 0
     # The cap stays per micro-batch, which with one micro-batch is the node's C.
     sim = build_simulator(run, make_profile(), [], SLO)
     assert sim.planner.config.max_running_per_node == run.batching.max_batch_size
@@ -131,9 +159,22 @@ def test_cli_flags() -> None:
     assert run.train_slice_tbt_fraction is None  # seconds given: no fraction
     run = _setup(*SIM, "--micro-batches", "3", "--prefill-budget", "off", "--train-slice-s", "auto")
     assert (run.num_micro_batches, run.prefill_token_budget) == (3, None)
-    assert run.train_slice_s is None and run.train_slice_tbt_fraction == 0.5
+    assert run.train_slice_s is None
+    assert run.train_slice_tbt_fraction == AUTO_TRAIN_SLICE_TBT_FRACTION
     run = _setup(*SIM, "--micro-batches", "auto", "--batch-cap", "node")
     assert not run.is_batch_cap_per_micro_batch
+    run = _setup(*SIM, "--decode-pace-s", "0.03", "--training-order", "backward-first")
+    assert (run.decode_pace_s, run.decode_pace_tbt_fraction) == (0.03, None)
+    assert run.engine_config(SLO, make_profile()).decode_pace_s == 0.03
+    assert run.training_order == "backward-first"
+    assert _setup(*SIM, "--spare-training", "2").spare_training_in_flight == 2
+    with pytest.raises(SystemExit):
+        _setup(*SIM, "--spare-training", "-1")
+    run = _setup(*SIM, "--decode-pace-s", "off")
+    assert run.engine_config(SLO, make_profile()).decode_pace_s is None
+    for bad in (("--decode-pace-s", "0"), ("--decode-pace-s", "soon")):
+        with pytest.raises(ValueError, match="--decode-pace-s"):
+            _setup(*SIM, *bad)
 
 
 def test_the_planner_models_the_engine_the_nodes_run() -> None:
@@ -151,6 +192,7 @@ def test_the_planner_models_the_engine_the_nodes_run() -> None:
     assert planner.num_micro_batches == make_profile().num_stages  # auto, resolved
     assert planner.prefill_token_budget == engine.prefill_token_budget == 256
     assert planner.max_training_slice_s == engine.max_training_slice_s == 0.02
+    assert planner.decode_pace_s == engine.decode_pace_s == pytest.approx(0.7 * SLO.tbt_s)
     assert planner.max_running_per_node == 2 * engine.batching.max_batch_size
 
 
@@ -158,7 +200,7 @@ def test_compare_template_carries_the_knobs() -> None:
     argv = ("compare", "--rates", "2", "--out", "unused", "--micro-batches", "2")
     run = _setup(*argv, "--prefill-budget", "128", "--train-slice-s", "auto")
     assert (run.num_micro_batches, run.prefill_token_budget) == (2, 128)
-    assert run.train_slice_tbt_fraction == 0.5
+    assert run.train_slice_tbt_fraction == AUTO_TRAIN_SLICE_TBT_FRACTION
 
 
 def test_prefill_budget_auto_is_the_engines_profile_default() -> None:

@@ -135,7 +135,16 @@ def test_deferred_training_is_placed_when_its_aging_deadline_fires() -> None:
     """
     tasks = [make_request("r", 0.4, 10, 6), make_training("t", 0.8, 1000)]
     cfg = config(
-        "lemix", num_nodes=1, seed=0, max_defer_s=2.0, latency_noise_cv=0.0, drain_limit_s=60.0
+        "lemix",
+        num_nodes=1,
+        seed=0,
+        max_defer_s=2.0,
+        latency_noise_cv=0.0,
+        drain_limit_s=60.0,
+        # Slices of half the TBT SLO (the default until 2026-12-04): with a
+        # quarter the probe's predicted TBT stays within the SLO, nothing is
+        # deferred, and the test would show nothing.
+        train_slice_tbt_fraction=0.5,
     )
     _, result = run(cfg, make_profile(), tasks)
     by_id = {r.task_id: r for r in result.records}

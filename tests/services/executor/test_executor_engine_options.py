@@ -13,6 +13,7 @@ from lemix.engine_config import (
 )
 from lemix.infra.engine_options import V1_ENGINE_KNOBS
 from services.executor.config import ExecutorConfig
+from services.scheduler import config as scheduler_config
 from services.scheduler.config import SchedulerConfig
 
 
@@ -49,6 +50,8 @@ def test_v1_flags_select_the_v1_engine() -> None:
     assert engine.max_training_slice_s is v1.max_training_slice_s is None
     plain = V1_ENGINE_KNOBS.resolve(make_profile())
     assert plain["max_training_slice_s"] is None and plain["num_micro_batches"] == 1
+    assert plain["decode_pace_s"] is None and plain["training_order"] == "backward-first"
+    assert EngineConfig(**plain) == EngineConfig()  # every knob of v1 is the plain engine's
 
 
 def test_environment_variables() -> None:
@@ -142,14 +145,27 @@ def test_torch_backend_still_refuses_bad_values(env: str, value: str, match: str
         ExecutorConfig.from_env_and_args([], env={"LEMIX_EXECUTOR_BACKEND": "torch", env: value})
 
 
-def test_train_slice_auto_is_half_the_profiles_default_tbt_slo() -> None:
+def test_train_slice_and_pace_auto_are_fractions_of_the_profiles_default_tbt_slo() -> None:
     profile = make_profile()
     config = _config(LEMIX_TRAIN_SLICE_S="off")
     assert config.engine_config(profile).max_training_slice_s is None
     config = _config(["--train-slice-s", "auto"], LEMIX_TRAIN_SLICE_S="off")
     assert config.train_slice_s == -1.0  # resolved once the profile is known
     tbt_s = SchedulerConfig().slo(profile).tbt_s  # no LEMIX_SLO_*: derived from the profile
-    assert config.engine_config(profile).max_training_slice_s == pytest.approx(0.5 * tbt_s)
+    assert config.engine_config(profile).max_training_slice_s == pytest.approx(0.25 * tbt_s)
+    assert config.engine_config(profile).decode_pace_s == pytest.approx(0.7 * tbt_s)
+    config = _config(["--decode-pace-s", "off"], LEMIX_DECODE_PACE_S="0.02")
+    assert config.engine_config(profile).decode_pace_s is None
+    assert _config().engine_config(profile).spare_training_in_flight == 1
+    config = _config(
+        LEMIX_DECODE_PACE_S="0.02", LEMIX_TRAINING_ORDER="backward-first", LEMIX_SPARE_TRAINING="0"
+    )
+    engine = config.engine_config(profile)
+    assert (engine.decode_pace_s, engine.training_order) == (0.02, "backward-first")
+    assert engine.spare_training_in_flight == 0
+    # The scheduler's planner models the same pace (and has no use for the order).
+    scheduler = scheduler_config.from_env_and_args([], env={"LEMIX_DECODE_PACE_S": "0.02"})
+    assert scheduler.planner_config(profile).decode_pace_s == 0.02
 
 
 def test_torch_backend_runs_training_in_slices() -> None:
