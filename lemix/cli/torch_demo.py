@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from lemix.engine_config import AUTO_TRAIN_SLICE_TBT_FRACTION
+from lemix.engine_config import AUTO_DECODE_PACE_TBT_FRACTION, AUTO_TRAIN_SLICE_TBT_FRACTION
 from lemix.harness.replay import ReplayConfig, run_replay
 from lemix.infra.engine_options import EngineKnobs
 from lemix.profile import torch_cpu_profile_path
@@ -127,10 +127,13 @@ async def run_policy(
         gateway_port=0,
         latency_noise_cv=0.0,
         train_rate=0.5 if policy.startswith("separate") else 0.0,
-        # Engine v2 with auto training slices taken from this run's own TBT
-        # SLO, the one it is judged by (the services would otherwise derive
-        # one from the profile, 0.024 s on the CPU tiny profile).
-        engine=EngineKnobs(train_slice_s=AUTO_TRAIN_SLICE_TBT_FRACTION * config.slo_tbt_s),
+        # Engine v2 with auto training slices and decode pace taken from this
+        # run's own TBT SLO, the one it is judged by (the services would
+        # otherwise derive one from the profile, 0.024 s on the CPU tiny profile).
+        engine=EngineKnobs(
+            train_slice_s=AUTO_TRAIN_SLICE_TBT_FRACTION * config.slo_tbt_s,
+            decode_pace_s=AUTO_DECODE_PACE_TBT_FRACTION * config.slo_tbt_s,
+        ),
         log_dir=out_dir / f"stack-logs-{policy}",
         namespace=f"demo-{policy}",
         model=config.model,

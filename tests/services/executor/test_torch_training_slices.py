@@ -114,3 +114,56 @@ def _iterations_between_slices(started: list[StageStart]) -> int:
             elif start.kind == WorkKind.ITERATION and pending:
                 num += 1
     return num
+
+
+async def test_concurrent_training_with_every_engine_v2_knob_ends_every_task() -> None:
+    """Six training tasks and six requests dispatched at once on the 2026-12-04
+    engine (two micro-batches, chunks, slices, gathered and paced decodes,
+    forward-first, a spare task): more than S tasks train at once, every
+    task ends finished, each stage steps once per task, and no item failed."""
+    staged = StagedModel(build_model(ModelSpec("tiny-llama", vocab_size=VOCAB, seed=3)), 2)
+    trainer = PipelineTrainer(staged, TrainingConfig(learning_rate=1e-3))
+    backend = LoggingBackend(staged, InferenceRunner(staged, eos_id=None), trainer)
+    profile = model_profile(make_profile(2), staged, ["cpu", "cpu"], 1 << 30)
+    config = EngineConfig(
+        emit_tokens=True,
+        num_micro_batches=2,
+        prefill_token_budget=8,
+        max_training_slice_s=SLICE_S,
+        is_decode_gathered=True,
+        decode_pace_s=0.02,
+        training_order="forward-first",
+        spare_training_in_flight=1,
+    )
+    engine = NodeEngine(0, profile, profile.ours, config)
+    in_flight: list[int] = []
+    execute = backend.execute
+
+    async def counting(start: StageStart, expected_wall_s: float) -> Sequence[str] | None:
+        in_flight.append(len(engine._training))
+        return await execute(start, expected_wall_s)
+
+    backend.execute = counting  # type: ignore[method-assign]
+    sink = RecordingSink()
+    node = ExecutorNode(engine, backend, sink)
+    await node.start()
+    sample = _prompt(30, 9)
+    ids = set()
+    for i in range(6):
+        prompt = _prompt(8 + i, i)
+        node.dispatch(
+            make_request(f"r{i}", 0.0, len(prompt), 8), TaskPayload(prompt_token_ids=prompt)
+        )
+        node.dispatch(
+            make_training(f"t{i}", 0.0, len(sample)),
+            TaskPayload(prompt_token_ids=sample, reference_token_ids=sample[-10:]),
+        )
+        ids |= {f"r{i}", f"t{i}"}
+    await sink.wait_for(ids)
+    await node.stop(grace_s=5.0)
+    assert node.driver.num_errors == 0
+    assert all(isinstance(sink.ended[i], Finished) for i in ids)
+    assert all(sink.ended[f"r{i}"].num_output_tokens == 8 for i in range(6))  # type: ignore[attr-defined]
+    assert backend.num_training_done == 6 and trainer.num_steps == [6, 6]
+    assert max(in_flight) == 3  # S = 2, plus the spare
+    assert not trainer._sliced and not trainer._grads
