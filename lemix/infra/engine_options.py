@@ -207,7 +207,7 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
         "--spare-training",
         "LEMIX_SPARE_TRAINING",
         spare_tasks,
-        "training tasks a node admits beyond one per stage while no request waits and 30% "
+        "training tasks a node admits beyond one per stage while no request waits and 0.3 "
         "of its KV and activation memory is free (0 = none, v1)",
         "N",
     ),
