@@ -198,34 +198,36 @@ def parse_prefill_budget(text: str) -> int | Literal["auto"] | None:
 
 def parse_train_slice(text: str) -> dict[str, float | None]:
     """SECONDS > 0, off, or auto (a fraction of the TBT SLO, resolved per run)."""
-    lowered = text.strip().lower()
-    if lowered == OFF:
-        return {"train_slice_s": None, "train_slice_tbt_fraction": None}
-    if lowered == AUTO:
-        return {"train_slice_s": None, "train_slice_tbt_fraction": AUTO_TRAIN_SLICE_TBT_FRACTION}
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"--train-slice-s needs SECONDS|auto|off, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"--train-slice-s must be > 0 s, auto or off, got {text!r}")
-    return {"train_slice_s": value, "train_slice_tbt_fraction": None}
+    return _seconds_or_slo_fraction(
+        "--train-slice-s", text, "train_slice_s", AUTO_TRAIN_SLICE_TBT_FRACTION
+    )
 
 
 def parse_decode_pace(text: str) -> dict[str, float | None]:
     """SECONDS > 0, off, or auto (a fraction of the TBT SLO, resolved per run)."""
+    return _seconds_or_slo_fraction(
+        "--decode-pace-s", text, "decode_pace_s", AUTO_DECODE_PACE_TBT_FRACTION
+    )
+
+
+def _seconds_or_slo_fraction(
+    flag: str, text: str, field: str, auto_fraction: float
+) -> dict[str, float | None]:
+    """`SimRunConfig`'s `field` (seconds) and `field`'s TBT-fraction twin
+    (`train_slice_s` → `train_slice_tbt_fraction`) for a SECONDS|auto|off flag."""
+    fraction_field = field.removesuffix("_s") + "_tbt_fraction"
     lowered = text.strip().lower()
     if lowered == OFF:
-        return {"decode_pace_s": None, "decode_pace_tbt_fraction": None}
+        return {field: None, fraction_field: None}
     if lowered == AUTO:
-        return {"decode_pace_s": None, "decode_pace_tbt_fraction": AUTO_DECODE_PACE_TBT_FRACTION}
+        return {field: None, fraction_field: auto_fraction}
     try:
         value = float(text)
     except ValueError:
-        raise ValueError(f"--decode-pace-s needs SECONDS|auto|off, got {text!r}") from None
+        raise ValueError(f"{flag} needs SECONDS|auto|off, got {text!r}") from None
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"--decode-pace-s must be > 0 s, auto or off, got {text!r}")
-    return {"decode_pace_s": value, "decode_pace_tbt_fraction": None}
+        raise ValueError(f"{flag} must be > 0 s, auto or off, got {text!r}")
+    return {field: value, fraction_field: None}
 
 
 def _spare_training(text: str) -> int:

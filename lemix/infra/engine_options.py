@@ -87,26 +87,19 @@ def token_budget(text: str) -> int:
 
 def slice_seconds(text: str) -> float:
     """Seconds, "off" (0: whole training passes) or "auto" (-1: a quarter of the TBT SLO)."""
-    lowered = text.strip().lower()
-    if lowered == "off":
-        return OFF_TRAIN_SLICE_S
-    return AUTO_TRAIN_SLICE_S if lowered == "auto" else float(text)
+    return _seconds(text, OFF_TRAIN_SLICE_S, AUTO_TRAIN_SLICE_S)
 
 
 def pace_seconds(text: str) -> float:
     """Seconds, "off" (0: unpaced) or "auto" (-1: a fraction of the TBT SLO)."""
+    return _seconds(text, OFF_DECODE_PACE_S, AUTO_DECODE_PACE_S)
+
+
+def _seconds(text: str, off: float, auto: float) -> float:
     lowered = text.strip().lower()
     if lowered == "off":
-        return OFF_DECODE_PACE_S
-    return AUTO_DECODE_PACE_S if lowered == "auto" else float(text)
-
-
-def training_order(text: str) -> str:
-    """forward-first | backward-first."""
-    value = text.strip().lower()
-    if value not in TRAINING_ORDERS:
-        raise ValueError(f"choose one of {', '.join(TRAINING_ORDERS)}")
-    return value
+        return off
+    return auto if lowered == "auto" else float(text)
 
 
 def spare_tasks(text: str) -> int:
@@ -114,19 +107,25 @@ def spare_tasks(text: str) -> int:
     return int(text)
 
 
+def training_order(text: str) -> str:
+    """forward-first | backward-first."""
+    return _choice(text, TRAINING_ORDERS)
+
+
 def batch_cap(text: str) -> str:
     """node | micro-batch."""
-    value = text.strip().lower()
-    if value not in BATCH_CAPS:
-        raise ValueError(f"choose one of {', '.join(BATCH_CAPS)}")
-    return value
+    return _choice(text, BATCH_CAPS)
 
 
 def on_off(text: str) -> str:
     """on | off."""
+    return _choice(text, ON_OFF)
+
+
+def _choice(text: str, choices: tuple[str, ...]) -> str:
     value = text.strip().lower()
-    if value not in ON_OFF:
-        raise ValueError(f"choose one of {', '.join(ON_OFF)}")
+    if value not in choices:
+        raise ValueError(f"choose one of {', '.join(choices)}")
     return value
 
 
