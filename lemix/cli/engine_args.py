@@ -122,7 +122,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=AUTO,
         metavar="SECONDS|auto|off",
         help="while decodes are gathered, start their rounds at least this long apart (auto, "
-        "default: 0.7 x the TBT SLO; off = v1 and engine v2 before 2026-12-04)",
+        f"default: {AUTO_DECODE_PACE_TBT_FRACTION:g} x the TBT SLO; off = v1 and engine v2 "
+        "before 2026-12-04)",
     )
     p.add_argument(
         "--training-order",

@@ -52,6 +52,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from lemix.engine_config import (
+    AUTO_DECODE_PACE_TBT_FRACTION,
+    SPARE_TRAINING_FREE_FRACTION,
     TRAINING_ORDERS,
     EngineConfig,
     default_decode_pace_s,
@@ -189,7 +191,8 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
         "LEMIX_DECODE_PACE_S",
         pace_seconds,
         "while decodes are gathered, start their rounds at least this long apart, profile s "
-        "(off or 0 = unpaced; auto or -1 = 0.7 x the TBT SLO the profile gives)",
+        f"(off or 0 = unpaced; auto or -1 = {AUTO_DECODE_PACE_TBT_FRACTION:g} x the TBT SLO "
+        "the profile gives)",
         "S|auto|off",
     ),
     Option(
@@ -206,8 +209,8 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
         "--spare-training",
         "LEMIX_SPARE_TRAINING",
         spare_tasks,
-        "training tasks a node admits beyond one per stage while no request waits and 0.3 "
-        "of its KV and activation memory is free (0 = none, v1)",
+        "training tasks a node admits beyond one per stage while no request waits and "
+        f"{SPARE_TRAINING_FREE_FRACTION:g} of its KV and activation memory is free (0 = none, v1)",
         "N",
     ),
 )

@@ -213,10 +213,10 @@ class VectorBounds:
         stall = mean_item if slice_s is None else np.minimum(mean_item, slice_s)
         stall_stages = self.estimator.stall_stages(num_stages, True)
         tbt = col[_PERIOD_TRAINING] + stall_stages * np.minimum(busy, 1.0) * stall
-        tbt = self._paced(tbt, np.ones(len(tbt), dtype=bool))
+        tbt = self._paced(tbt, True)
         return np.where(col[_HAS_REQUESTS] > 0, tbt, 0.0)
 
-    def _paced(self, tbt: np.ndarray, is_training: np.ndarray) -> np.ndarray:
+    def _paced(self, tbt: np.ndarray, is_training: np.ndarray | bool) -> np.ndarray:
         """`DecodeAwareCostEstimator.paced_tbt_s` per node."""
         estimator = self.estimator
         pace_s = estimator.decode_pace_s

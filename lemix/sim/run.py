@@ -33,7 +33,7 @@ class SimRunConfig:
     """One simulation's settings. The engine knobs default to engine v2 (one
     micro-batch per stage, the profile's prefill budget, training slices of a
     quarter of the run's TBT SLO, gathered and paced decodes, forward-first
-    training, C per micro-batch: `lemix.cli.engine_args` says why);
+    training with a spare task, C per micro-batch: `lemix.cli.engine_args` says why);
     `V1_ENGINE` holds the knobs that select v1."""
 
     policy: str = "lemix"
@@ -118,13 +118,8 @@ class SimRunConfig:
         return self._engine_config(slo, profile)
 
     def _engine_config(self, slo: Slo, profile: Profile | None) -> EngineConfig:
-        slice_s = self.train_slice_s
-        if slice_s is None and self.train_slice_tbt_fraction is not None:
-            # A zero TBT SLO (a zero-latency profile) leaves nothing to slice.
-            slice_s = self.train_slice_tbt_fraction * slo.tbt_s or None  # (and nothing to pace)
-        pace_s = self.decode_pace_s
-        if pace_s is None and self.decode_pace_tbt_fraction is not None:
-            pace_s = self.decode_pace_tbt_fraction * slo.tbt_s or None
+        slice_s = _seconds(self.train_slice_s, self.train_slice_tbt_fraction, slo)
+        pace_s = _seconds(self.decode_pace_s, self.decode_pace_tbt_fraction, slo)
         budget: int | None
         if isinstance(self.prefill_token_budget, str):  # AUTO (__post_init__ checked it);
             # left unresolved (None) without a profile, for the range checks only
@@ -145,6 +140,15 @@ class SimRunConfig:
             training_order=self.training_order,
             spare_training_in_flight=self.spare_training_in_flight,
         )
+
+
+def _seconds(seconds: float | None, tbt_fraction: float | None, slo: Slo) -> float | None:
+    """A knob given in seconds, or else as a fraction of the run's TBT SLO;
+    None: off. A zero TBT SLO (a zero-latency profile) leaves nothing to slice
+    or pace: None too."""
+    if seconds is not None or tbt_fraction is None:
+        return seconds
+    return tbt_fraction * slo.tbt_s or None
 
 
 # `SimRunConfig(**V1_ENGINE)`: the v1 engine (one iteration in flight per node,
