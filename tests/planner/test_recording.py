@@ -42,3 +42,26 @@ def test_replay_drives_whatever_planner_it_is_given() -> None:
         live.plan(task.arrival_s)
     other = [decision_key(d) for d in replay(events, make_planner("mix-rr", num_nodes=3))]
     assert [k[2] for k in other] == [0, 1, 2] * 3  # round-robin, whatever lemix did
+
+
+def test_events_hold_every_field_of_tasks_and_decisions_as_asdict_would() -> None:
+    # The recorder copies fields shallowly (no deep copy per event): that is
+    # asdict only while these types stay flat; a nested field fails here.
+    from dataclasses import asdict
+
+    from lemix.planner.recording import decision_to_event, task_to_event
+    from lemix.types import Deferral, Placement, Rejection, ReplicaAverage, WeightSync
+
+    task = make_request("r1", 0.5, 40, 3, seq=7)
+    assert task_to_event(task) == {**asdict(task), "kind": task.kind.value}
+    decisions = [
+        Placement("r1", 2, 0.25, 1.5),
+        Deferral("t1", "busy"),
+        Rejection("t2", "too long"),
+        WeightSync(0, (1, 2), 5),
+        ReplicaAverage((0, 1), 3),
+    ]
+    for decision in decisions:
+        event = decision_to_event(decision)
+        expected = json.loads(json.dumps({**asdict(decision), "type": type(decision).__name__}))
+        assert json.loads(json.dumps(event)) == expected

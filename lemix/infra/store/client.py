@@ -11,6 +11,8 @@ Store calls failed instead of queueing. Here:
   .ConnectionError` that says the pool was exhausted (never a silent drop);
 * socket timeouts are explicit and must outlast the caller's blocking reads
   (XREAD/XREADGROUP BLOCK), or a quiet stream reads as a dead server;
+* commands are packed by hiredis, not in Python (`packing`), and an
+  uncontended pool checks connections out and in without locks (`pool`);
 * retries are explicit: one quick retry of a *connection* error (a Redis
   restart drops every socket; the command had not run), none of a timeout
   (the command may have run, and XADD is not idempotent).
@@ -23,6 +25,7 @@ waiting against it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -30,6 +33,8 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from lemix.infra import telemetry
+from lemix.infra.store.packing import with_hiredis_packing
+from lemix.infra.store.pool import FastBlockingConnectionPool, is_supported
 
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
 # Waiting longer than this for a pooled connection means the service is
@@ -67,20 +72,26 @@ def connect(config: RedisClientConfig) -> aioredis.Redis:
     Nothing is sent until the first command: callers `await client.ping()` to
     fail fast on a bad URL.
     """
-    pool = aioredis.BlockingConnectionPool.from_url(
-        config.url,
-        max_connections=config.max_connections,
-        timeout=config.pool_timeout_s,
-        decode_responses=config.decode_responses,
-        socket_timeout=config.socket_timeout_s,
-        socket_connect_timeout=config.connect_timeout_s,
-        health_check_interval=0,
-        retry=Retry(
+    options: dict[str, Any] = {
+        "max_connections": config.max_connections,
+        "timeout": config.pool_timeout_s,
+        "decode_responses": config.decode_responses,
+        "socket_timeout": config.socket_timeout_s,
+        "socket_connect_timeout": config.connect_timeout_s,
+        "health_check_interval": 0,
+        "retry": Retry(
             ExponentialBackoff(cap=_RETRY_BACKOFF_CAP_S, base=_RETRY_BACKOFF_BASE_S),
             _NUM_RETRIES,
             supported_errors=(RedisConnectionError,),
         ),
+    }
+    pool: aioredis.BlockingConnectionPool = FastBlockingConnectionPool.from_url(
+        config.url, **options
     )
+    if not is_supported(pool):
+        pool = aioredis.BlockingConnectionPool.from_url(config.url, **options)
+    # from_url picked the class for the URL's scheme (TCP, TLS, unix socket).
+    pool.connection_class = with_hiredis_packing(pool.connection_class)
     return aioredis.Redis.from_pool(pool)
 
 

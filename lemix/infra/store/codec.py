@@ -17,6 +17,8 @@ Entry = tuple[str, Fields]  # (stream entry id, fields)
 
 def encode_value(value: FieldValue) -> str:
     """One field value as a string: bools as "1"/"0", floats exactly, None as ""."""
+    if type(value) is str:  # most values: no further checks
+        return value
     if value is None:
         return ""
     if isinstance(value, bool):  # before int: bool is an int subclass
