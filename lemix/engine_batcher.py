@@ -352,9 +352,26 @@ class RequestBatcher:
                 continue
             if req not in home.running:  # ended above
                 continue
+            if self._is_ending(req):
+                # Done, but its home is in flight: the home's iteration ends
+                # it when it comes back. Moved, it would decode once more (a
+                # token past max_output_tokens) before ending.
+                continue
             home.running.remove(req)
             decode_group.running.append(req)
             req.micro_batch = DECODE_GROUP
+
+    @staticmethod
+    def _is_ending(req: Request) -> bool:
+        """Whether `_end_if_done` ends `req` once no chunk of it is in flight."""
+        return bool(
+            req.is_cancelled
+            or req.failure
+            or (
+                req.is_prefilled
+                and (req.is_stopped or req.num_generated >= req.task.max_output_tokens)
+            )
+        )
 
     def _end_if_done(self, req: Request, outcomes: list[Outcome]) -> bool:
         """End `req` if it is cancelled, failed or finished and no chunk of it

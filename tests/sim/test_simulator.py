@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import pytest
 from factories import make_profile, make_request, make_tiny_memory_profile, make_training
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from lemix.engine import Outcome, StageStart
@@ -309,6 +309,18 @@ def build_tasks(specs: list[tuple[float, bool, int, int, int]]) -> list[Task]:
     num_nodes=st.integers(min_value=1, max_value=3),
     seed=st.integers(min_value=0, max_value=10_000),
     is_offload_enabled=st.booleans(),
+)
+# Found by this test (2026-12-04): r4's last prompt chunk ran in another
+# group's iteration while its own group was in flight; the request, done at
+# one token, was moved to the decode group and decoded a second time.
+@example(
+    specs=[(0.0, False, 10, 1, 1)] * 4
+    + [(0.0, False, 13, 1, 1), (0.0, False, 10, 1, 1), (0.0, True, 10, 1, 2)],
+    policy="lemix-nodeprio",
+    is_tiny=False,
+    num_nodes=1,
+    seed=0,
+    is_offload_enabled=False,
 )
 def test_random_workloads_keep_the_invariants(
     specs: list, policy: str, is_tiny: bool, num_nodes: int, seed: int, is_offload_enabled: bool
