@@ -376,19 +376,16 @@ class RequestBatcher:
     def _end_if_done(self, req: Request, outcomes: list[Outcome]) -> bool:
         """End `req` if it is cancelled, failed or finished and no chunk of it
         is still in flight: release its KV, note its outcome; True if it ended."""
-        if req.has_chunk_in_flight:
+        if req.has_chunk_in_flight or not self._is_ending(req):
             return False
+        self.memory.release(req.task.task_id)
         if req.is_cancelled or req.failure:
-            self.memory.release(req.task.task_id)
             reason = (
                 req.failure
                 or req.cancel_reason
                 or format_reason(ReasonCode.CANCELLED, "cancelled by the client")
             )
             outcomes.append(Failed(req.task.task_id, reason))
-            return True
-        if req.is_prefilled and (req.is_stopped or req.num_generated >= req.task.max_output_tokens):
-            self.memory.release(req.task.task_id)
+        else:
             outcomes.append(Finished(req.task.task_id, req.num_generated))
-            return True
-        return False
+        return True

@@ -73,7 +73,7 @@ def test_a_credential_provider_keeps_redis_pys_own_pool() -> None:
             return ("secret",)
 
     pool = FastBlockingConnectionPool.from_url(
-        "redis://127.0.0.1:1/0", credential_provider=_Provider()
+        "redis://127.0.0.1:1/0", max_connections=1, credential_provider=_Provider()
     )
     assert not is_supported(pool)
 
