@@ -54,6 +54,7 @@ import grpc
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import native_split  # noqa: E402
 from benchmarks.host_load import describe, host_load  # noqa: E402
 from lemix._proto.lemix.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from lemix.infra.rpc.client import channel
@@ -268,7 +269,7 @@ async def run_level(
     duration_s = args.duration_s
     pids = _pids(stack, redis)
     spies = {}
-    if spy_dir is not None:  # sample every service while this level runs
+    if spy_dir is not None and args.py_spy:  # sample every service while this level runs
         for name, pid in pids.items():
             if name not in ("redis", "client"):
                 spies[name] = subprocess.Popen(
@@ -291,6 +292,9 @@ async def run_level(
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
                 )
+    perf = None
+    if spy_dir is not None and args.perf:  # every process, Redis and the client included
+        perf = native_split.start(args.perf, pids, duration_s, spy_dir / "perf.data")
     calls0 = await _command_calls(redis.url)
     cpu0 = {name: _cpu_s(pid) for name, pid in pids.items()}
     wall0 = time.perf_counter()
@@ -302,6 +306,8 @@ async def run_level(
     calls = {c: n - calls0.get(c, 0) for c, n in (await _command_calls(redis.url)).items()}
     for spy in spies.values():
         spy.wait(timeout=duration_s + 30)
+    if perf is not None:
+        perf.wait(timeout=duration_s + 30)
     done = [r for r in records if r.get("status") == "completed"]
     e2e = [r["e2e_s"] for r in done]
     reasons = collections.Counter(r["reason"] for r in records if "reason" in r)
@@ -348,6 +354,12 @@ async def run_level(
             for n in spies
             if (spy_dir / f"{n}.txt").exists()
         }
+    if perf is not None:
+        assert spy_dir is not None
+        row["native_split_ms"] = native_split.split_ms(
+            row["cpu_ms_by_process"],
+            native_split.shares(args.perf, spy_dir / "perf.data", pids),
+        )
     for h in HOPS:
         row[f"{h}_p50"] = row["hops_ms"][h]["p50"]
         row[f"{h}_p99"] = row["hops_ms"][h]["p99"]
@@ -397,7 +409,8 @@ async def _run_stack(
             await _fire(stubs, 20.0, args.warmup_s, 999, "warmup", args.timeout_s)
             rows = []
             for k, rate in enumerate(float(r) for r in args.rates.split(",")):
-                spy_dir = Path(tmp) if args.py_spy and rate == args.spy_rate else None
+                is_profiled = (args.py_spy or args.perf) and rate == args.spy_rate
+                spy_dir = Path(tmp) if is_profiled else None
                 rows.append(
                     await run_level(stubs, stack, redis, rate, args.seed + k, args, spy_dir)
                 )
@@ -437,10 +450,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--py-spy", metavar="BIN", help="py-spy binary: profile the services")
     parser.add_argument(
+        "--perf",
+        metavar="BIN",
+        help="perf binary: split each process's CPU by native code (benchmarks/native_split.py)",
+    )
+    parser.add_argument(
         "--spy-rate",
         type=float,
         default=TARGET_RATE,
-        help="the level (req/s) to profile with --py-spy",
+        help="the level (req/s) to profile with --py-spy and --perf",
     )
     parser.add_argument("--top", type=int, default=12, help="hotspots listed per service")
     parser.add_argument("--json", metavar="PATH")
@@ -504,6 +522,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {kind}:")
                 for frame, share in spots[kind]:
                     print(f"    {100 * share:5.1f}%  {frame}")
+        if "native_split_ms" in row:
+            print(f"\nCPU ms per request by native code at {row['rate']:g} req/s (perf)")
+            split_rows = [
+                {"process": name, "total": sum(by.values()), **by}
+                for name, by in row["native_split_ms"].items()
+            ]
+            print(
+                format_table(
+                    split_rows,
+                    [("process", "process"), ("total", "total")]
+                    + [(c, c) for c in native_split.CATEGORIES],
+                )
+            )
         for reason, count in row["reasons"].items():
             print(f"  {row['rate']:g} req/s: {count} x {reason}")
     for row in rows:
