@@ -307,7 +307,7 @@ async def run_level(
     for spy in spies.values():
         spy.wait(timeout=duration_s + 30)
     if perf is not None:
-        perf.wait(timeout=duration_s + 30)
+        native_split.wait(perf, timeout_s=duration_s + 30)
     done = [r for r in records if r.get("status") == "completed"]
     e2e = [r["e2e_s"] for r in done]
     reasons = collections.Counter(r["reason"] for r in records if "reason" in r)

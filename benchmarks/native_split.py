@@ -75,8 +75,20 @@ def start(perf: str, pids: dict[str, int], duration_s: float, data: Path) -> sub
             f"{duration_s:g}",
         ],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
+
+
+def wait(recording: subprocess.Popen, timeout_s: float) -> None:
+    """Wait for a `start`ed recording; raise RuntimeError, with perf's own
+    message, when it failed (commonly: no permission to read the counters)."""
+    _, err = recording.communicate(timeout=timeout_s)
+    if recording.returncode != 0:
+        raise RuntimeError(
+            f"perf record exited {recording.returncode}: {err.strip()[-500:]} "
+            "(run as root, or set kernel.perf_event_paranoid <= 1)"
+        )
 
 
 def shares(perf: str, data: Path, pids: dict[str, int]) -> dict[str, dict[str, float]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from benchmarks import native_split
@@ -61,3 +63,11 @@ def test_measured_cpu_is_spread_over_the_shares_and_the_stack_leaves_the_client_
     assert split["stack"]["interpreter"] == 1.5  # the client's 1.0 is not the stack's
     assert split["stack"]["redis-server"] == 0.5
     assert sum(split["stack"].values()) == pytest.approx(2.5)
+
+
+def test_a_failed_recording_says_so_and_a_finished_one_does_not(tmp_path: Path) -> None:
+    # `false` and `true` stand in for the perf binary: they take any arguments.
+    failed = native_split.start("false", {"client": 1}, 0.0, tmp_path / "perf.data")
+    with pytest.raises(RuntimeError, match="perf record exited 1"):
+        native_split.wait(failed, timeout_s=10.0)
+    native_split.wait(native_split.start("true", {"client": 1}, 0.0, tmp_path / "d"), 10.0)
